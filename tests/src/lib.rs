@@ -1,0 +1,1 @@
+//! tether end-to-end harness.
