@@ -1,1 +1,255 @@
-fn main() {}
+//! `tether`, the CNI plugin binary.
+//!
+//! It answers VERSION itself and forwards every other verb, unparsed, to
+//! tetherd over gRPC on a unix socket. It is dumb transport: it ships the
+//! environment and stdin as they came, prints what the daemon answers, and
+//! turns only its own transport failures into CNI error codes. When the
+//! daemon is unreachable, a DEL is queued on disk and succeeds (see
+//! [`queue`]), because a failing DEL hangs pod termination.
+
+mod error;
+mod invocation;
+mod queue;
+mod transport;
+
+use error::{ErrorObject, ShimError};
+use invocation::{ShimConfig, Verb, DEFAULT_CNI_VERSION};
+use std::ffi::OsString;
+use std::io::{self, Read, Write};
+use std::process::ExitCode;
+use tether_proto::cni::v1::cni_response::Outcome;
+use tether_proto::cni::v1::{CniRequest, CniResponse};
+use transport::TransportFailure;
+
+/// The VERSION answer: the versions the daemon can convert results to.
+const VERSION_REPLY: &str =
+    r#"{"cniVersion":"1.1.0","supportedVersions":["0.3.0","0.3.1","0.4.0","1.0.0","1.1.0"]}"#;
+
+/// What the shim hands back to the runtime.
+#[derive(Debug, PartialEq, Eq)]
+enum Reply {
+    /// Print these bytes (if any) and exit 0.
+    Success(Vec<u8>),
+    /// Print this error object and exit 1.
+    Failure(ErrorObject),
+}
+
+fn main() -> ExitCode {
+    let env = |name: &str| std::env::var_os(name);
+    let reply = run(&env, &mut io::stdin().lock());
+    let (bytes, status) = match reply {
+        Reply::Success(bytes) => (bytes, ExitCode::SUCCESS),
+        Reply::Failure(error) => (error.to_json_line(), ExitCode::FAILURE),
+    };
+    if !bytes.is_empty() {
+        let mut out = io::stdout().lock();
+        // A runtime that cannot read our answer did not get a success.
+        if out.write_all(&bytes).and_then(|()| out.flush()).is_err() {
+            return ExitCode::FAILURE;
+        }
+    }
+    status
+}
+
+/// Handles one invocation: `env` looks up environment variables, `stdin`
+/// is the network configuration.
+fn run(env: &dyn Fn(&str) -> Option<OsString>, stdin: &mut dyn Read) -> Reply {
+    // The verb comes first and stdin is not read before it is known: VERSION
+    // must succeed whatever else is there (podman sends dummy values), and a
+    // bad CNI_COMMAND is reported at once instead of waiting on a stdin that
+    // a person at a terminal never closes. Such errors cannot know the
+    // configuration's cniVersion and use the shim's own.
+    let command = match invocation::command(env) {
+        Ok(Some(command)) => command,
+        Ok(None) => return fail(ShimError::MissingCommand, DEFAULT_CNI_VERSION),
+        Err(e) => return fail(e, DEFAULT_CNI_VERSION),
+    };
+    if command == "VERSION" {
+        return Reply::Success(format!("{VERSION_REPLY}\n").into_bytes());
+    }
+    let Some(verb) = Verb::parse(&command) else {
+        return fail(ShimError::UnknownCommand(command), DEFAULT_CNI_VERSION);
+    };
+
+    let text = match invocation::read_config(stdin) {
+        Ok(text) => text,
+        Err(e) => return fail(e, DEFAULT_CNI_VERSION),
+    };
+    let config = match ShimConfig::parse(&text) {
+        Ok(config) => config,
+        Err(e) => return fail(e, DEFAULT_CNI_VERSION),
+    };
+    let request = match invocation::request(env, text.as_bytes().to_vec()) {
+        Ok(request) => request,
+        Err(e) => return fail(e, &config.cni_version),
+    };
+    forward(verb, &config, request, &text)
+}
+
+/// Sends the request to tetherd and turns the outcome into the reply.
+fn forward(verb: Verb, config: &ShimConfig, request: CniRequest, stdin: &str) -> Reply {
+    // Only DEL needs the request after the call, to queue it.
+    let for_queue = (verb == Verb::Del).then(|| request.clone());
+    let outcome = match tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .enable_time()
+        .build()
+    {
+        Ok(runtime) => runtime.block_on(transport::call(verb, &config.socket, request)),
+        // Without a runtime there is no daemon to talk to; a DEL still queues.
+        Err(e) => Err(TransportFailure::Unreachable {
+            cause: format!("cannot start the I/O runtime: {e}"),
+            waited: None,
+        }),
+    };
+    match (outcome, for_queue) {
+        (Ok(response), _) => from_response(response, &config.cni_version),
+        (Err(failure), Some(request)) if failure.queues_del() => {
+            queue_del(config, &request, stdin, failure)
+        }
+        (Err(failure), _) => fail(
+            ShimError::Daemon {
+                verb,
+                socket: config.socket.clone(),
+                failure,
+            },
+            &config.cni_version,
+        ),
+    }
+}
+
+/// Passes the daemon's answer through: its result bytes, or its error with
+/// the configuration's cniVersion when the daemon named none.
+fn from_response(response: CniResponse, cni_version: &str) -> Reply {
+    match response.outcome {
+        Some(Outcome::Result(bytes)) => Reply::Success(bytes),
+        Some(Outcome::Error(error)) => Reply::Failure(ErrorObject {
+            cni_version: if error.cni_version.is_empty() {
+                cni_version.to_owned()
+            } else {
+                error.cni_version
+            },
+            code: error.code,
+            msg: error.msg,
+            details: error.details,
+        }),
+        // proto3 cannot tell an unset oneof from a default response; the
+        // daemon sending `CniResponse::default()` means "nothing to print".
+        None => Reply::Success(Vec::new()),
+    }
+}
+
+/// Queues a DEL the daemon could not take and reports success, or code 11
+/// naming both failures when even the queue is out of reach.
+fn queue_del(
+    config: &ShimConfig,
+    request: &CniRequest,
+    stdin: &str,
+    failure: TransportFailure,
+) -> Reply {
+    let entry = queue::PendingDel::new(request, stdin, queue::unix_nanos_now());
+    match queue::enqueue(&config.state_dir, &entry, std::process::id()) {
+        Ok(path) => {
+            // stdout must stay empty on a DEL success; stderr reaches the
+            // runtime's log, where an operator looks for why.
+            eprintln!(
+                "tether: {}; DEL queued in {}",
+                failure.describe(Verb::Del, &config.socket),
+                path.display()
+            );
+            Reply::Success(Vec::new())
+        }
+        Err(e) => fail(
+            ShimError::DelNotQueued {
+                socket: config.socket.clone(),
+                failure,
+                queue_dir: queue::queue_dir(&config.state_dir),
+                error: e.to_string(),
+            },
+            &config.cni_version,
+        ),
+    }
+}
+
+/// The reply for a failure the shim found itself.
+fn fail(error: ShimError, cni_version: &str) -> Reply {
+    Reply::Failure(error.to_object(cni_version))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tether_proto::cni::v1::CniError;
+
+    fn no_env(_: &str) -> Option<OsString> {
+        None
+    }
+
+    #[test]
+    fn version_ignores_everything_else() {
+        let env = |name: &str| match name {
+            "CNI_COMMAND" => Some("VERSION".into()),
+            "CNI_NETNS" | "CNI_PATH" => Some("dummy".into()),
+            _ => None,
+        };
+        // A reader that fails proves stdin is not even read.
+        struct Broken;
+        impl Read for Broken {
+            fn read(&mut self, _: &mut [u8]) -> io::Result<usize> {
+                Err(io::Error::other("must not be read"))
+            }
+        }
+        let reply = run(&env, &mut Broken);
+        assert_eq!(
+            reply,
+            Reply::Success(format!("{VERSION_REPLY}\n").into_bytes())
+        );
+    }
+
+    #[test]
+    fn missing_command_is_code_4() {
+        let Reply::Failure(error) = run(&no_env, &mut &b"{}"[..]) else {
+            panic!("expected a failure");
+        };
+        assert_eq!(error.code, 4);
+        assert_eq!(error.cni_version, "1.1.0");
+    }
+
+    #[test]
+    fn daemon_error_is_passed_through_with_version_fallback() {
+        let response = |cni_version: &str| CniResponse {
+            outcome: Some(Outcome::Error(CniError {
+                code: 100,
+                msg: "address pool exhausted".into(),
+                details: "pool 10.0.0.0/24".into(),
+                cni_version: cni_version.into(),
+            })),
+        };
+        assert_eq!(
+            from_response(response(""), "0.4.0"),
+            Reply::Failure(ErrorObject {
+                cni_version: "0.4.0".into(),
+                code: 100,
+                msg: "address pool exhausted".into(),
+                details: "pool 10.0.0.0/24".into(),
+            })
+        );
+        let Reply::Failure(error) = from_response(response("1.0.0"), "0.4.0") else {
+            panic!("expected a failure");
+        };
+        assert_eq!(error.cni_version, "1.0.0");
+    }
+
+    #[test]
+    fn result_bytes_are_passed_through_untouched() {
+        let bytes = b"{\"cniVersion\":\"1.0.0\",\"ips\":[]}  \n".to_vec();
+        let response = CniResponse {
+            outcome: Some(Outcome::Result(bytes.clone())),
+        };
+        assert_eq!(from_response(response, "1.1.0"), Reply::Success(bytes));
+        assert_eq!(
+            from_response(CniResponse::default(), "1.1.0"),
+            Reply::Success(Vec::new())
+        );
+    }
+}

@@ -1,0 +1,332 @@
+//! What the runtime handed the shim: the verb, the CNI_* environment and the
+//! network configuration on stdin, turned into a `CniRequest`.
+//!
+//! The shim reads only what it needs to reach the daemon (the socket, the
+//! state dir for the DEL queue) and the cniVersion to echo in its own errors.
+//! Everything else travels to the daemon as raw bytes.
+
+use crate::error::ShimError;
+use serde_json::{Map, Value};
+use std::ffi::OsString;
+use std::io::Read;
+use std::path::PathBuf;
+use std::time::Duration;
+use tether_proto::cni::v1::CniRequest;
+
+/// The largest network configuration the shim accepts on stdin.
+pub const MAX_STDIN: usize = 1 << 20;
+
+/// The cniVersion the shim speaks when the configuration names none.
+pub const DEFAULT_CNI_VERSION: &str = "1.1.0";
+
+/// Where tetherd listens unless the configuration says otherwise.
+pub const DEFAULT_SOCKET: &str = "/run/tether/tether.sock";
+
+/// The daemon's state dir (home of the DEL queue) unless configured.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/tether";
+
+/// The CNI_* variables forwarded to the daemon, in `present` order.
+pub const CNI_VARS: [&str; 6] = [
+    "CNI_COMMAND",
+    "CNI_CONTAINERID",
+    "CNI_NETNS",
+    "CNI_IFNAME",
+    "CNI_ARGS",
+    "CNI_PATH",
+];
+
+/// A CNI verb the daemon serves (VERSION is answered by the shim).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verb {
+    /// ADD: attach a container.
+    Add,
+    /// DEL: detach a container.
+    Del,
+    /// CHECK: verify an attachment.
+    Check,
+    /// STATUS: readiness for ADD.
+    Status,
+    /// GC: release attachments not listed as valid.
+    Gc,
+}
+
+impl Verb {
+    /// The verb named by CNI_COMMAND; `None` for anything else, VERSION
+    /// included.
+    pub fn parse(command: &str) -> Option<Verb> {
+        match command {
+            "ADD" => Some(Verb::Add),
+            "DEL" => Some(Verb::Del),
+            "CHECK" => Some(Verb::Check),
+            "STATUS" => Some(Verb::Status),
+            "GC" => Some(Verb::Gc),
+            _ => None,
+        }
+    }
+
+    /// The verb as CNI_COMMAND spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verb::Add => "ADD",
+            Verb::Del => "DEL",
+            Verb::Check => "CHECK",
+            Verb::Status => "STATUS",
+            Verb::Gc => "GC",
+        }
+    }
+
+    /// How long the whole call to the daemon may take. Kept below the
+    /// runtimes' own limits (CRI-O allows 60 s), so that the runtime sees our
+    /// error rather than killing us.
+    pub fn deadline(self) -> Duration {
+        match self {
+            Verb::Add => Duration::from_secs(45),
+            Verb::Del | Verb::Check | Verb::Status | Verb::Gc => Duration::from_secs(20),
+        }
+    }
+}
+
+/// The few configuration fields the shim itself needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShimConfig {
+    /// The configuration's cniVersion, echoed in errors the shim makes.
+    pub cni_version: String,
+    /// tetherd's unix socket.
+    pub socket: PathBuf,
+    /// tetherd's state dir; the DEL queue lives below it.
+    pub state_dir: PathBuf,
+}
+
+impl ShimConfig {
+    /// Extracts the shim's fields from the configuration text, which must be
+    /// a JSON object. Fields of the wrong type fall back to the defaults:
+    /// judging them is the daemon's job, which sees the same bytes.
+    pub fn parse(stdin: &str) -> Result<ShimConfig, ShimError> {
+        let object: Map<String, Value> =
+            serde_json::from_str(stdin).map_err(|e| ShimError::ConfigNotObject(e.to_string()))?;
+        let text = |key: &str| object.get(key).and_then(Value::as_str).map(str::to_owned);
+        Ok(ShimConfig {
+            cni_version: text("cniVersion").unwrap_or_else(|| DEFAULT_CNI_VERSION.to_owned()),
+            socket: text("socket").map_or_else(|| DEFAULT_SOCKET.into(), PathBuf::from),
+            state_dir: text("stateDir").map_or_else(|| DEFAULT_STATE_DIR.into(), PathBuf::from),
+        })
+    }
+}
+
+/// Reads the network configuration from `input`, at most [`MAX_STDIN`]
+/// bytes, and checks it is text. Returns it as a `String` because the shim
+/// needs both its bytes (for the daemon) and its text (for the DEL queue).
+pub fn read_config(input: &mut dyn Read) -> Result<String, ShimError> {
+    let mut raw = Vec::new();
+    // One byte past the limit tells "exactly 1 MiB" from "more".
+    input
+        .take(MAX_STDIN as u64 + 1)
+        .read_to_end(&mut raw)
+        .map_err(|e| ShimError::ReadStdin(e.to_string()))?;
+    if raw.len() > MAX_STDIN {
+        return Err(ShimError::ConfigTooLarge);
+    }
+    String::from_utf8(raw).map_err(|e| ShimError::ConfigNotObject(e.to_string()))
+}
+
+/// The value of CNI_* variable `name`, which must be UTF-8 to travel in the
+/// proto's string fields.
+fn env_text(
+    env: &dyn Fn(&str) -> Option<OsString>,
+    name: &'static str,
+) -> Result<Option<String>, ShimError> {
+    env(name)
+        .map(|v| v.into_string().map_err(|_| ShimError::EnvNotUtf8(name)))
+        .transpose()
+}
+
+/// The CNI_COMMAND as set, `None` when unset.
+pub fn command(env: &dyn Fn(&str) -> Option<OsString>) -> Result<Option<String>, ShimError> {
+    env_text(env, "CNI_COMMAND")
+}
+
+/// Builds the request for the daemon from the environment and the raw
+/// configuration. Unset variables become "" and are left out of `present`.
+pub fn request(
+    env: &dyn Fn(&str) -> Option<OsString>,
+    stdin: Vec<u8>,
+) -> Result<CniRequest, ShimError> {
+    let mut values: [String; 6] = Default::default();
+    let mut present = Vec::with_capacity(CNI_VARS.len());
+    for (slot, name) in values.iter_mut().zip(CNI_VARS) {
+        if let Some(value) = env_text(env, name)? {
+            *slot = value;
+            present.push(name.to_owned());
+        }
+    }
+    let [command, container_id, netns, ifname, args, path] = values;
+    Ok(CniRequest {
+        command,
+        container_id,
+        netns,
+        ifname,
+        args,
+        path,
+        stdin,
+        present,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+    use std::os::unix::ffi::OsStringExt;
+
+    fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<OsString> {
+        let map: HashMap<String, OsString> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), OsString::from(v)))
+            .collect();
+        move |name| map.get(name).cloned()
+    }
+
+    #[test]
+    fn maps_a_kubelet_add() {
+        let env = env_of(&[
+            ("CNI_COMMAND", "ADD"),
+            ("CNI_CONTAINERID", "0123abcd"),
+            ("CNI_NETNS", "/var/run/netns/cni-1234"),
+            ("CNI_IFNAME", "eth0"),
+            (
+                "CNI_ARGS",
+                "K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-0;K8S_POD_INFRA_CONTAINER_ID=0123abcd;K8S_POD_UID=u-1",
+            ),
+            ("CNI_PATH", "/opt/cni/bin:/usr/lib/cni"),
+            ("HOME", "/root"),
+        ]);
+        let stdin = br#"{"cniVersion":"1.0.0","name":"k8s","type":"tether"}"#.to_vec();
+
+        let req = request(&env, stdin.clone()).unwrap();
+
+        assert_eq!(req.command, "ADD");
+        assert_eq!(req.container_id, "0123abcd");
+        assert_eq!(req.netns, "/var/run/netns/cni-1234");
+        assert_eq!(req.ifname, "eth0");
+        assert_eq!(
+            req.args,
+            "K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-0;K8S_POD_INFRA_CONTAINER_ID=0123abcd;K8S_POD_UID=u-1"
+        );
+        assert_eq!(req.path, "/opt/cni/bin:/usr/lib/cni");
+        assert_eq!(req.stdin, stdin);
+        assert_eq!(req.present, CNI_VARS.to_vec());
+    }
+
+    #[test]
+    fn present_tells_unset_from_empty() {
+        // containerd's ctr sends DEL with CNI_NETNS set but empty; here
+        // CNI_ARGS is empty and CNI_PATH is not set at all.
+        let env = env_of(&[
+            ("CNI_COMMAND", "DEL"),
+            ("CNI_CONTAINERID", "default-c1"),
+            ("CNI_NETNS", ""),
+            ("CNI_IFNAME", "eth0"),
+            ("CNI_ARGS", ""),
+        ]);
+
+        let req = request(&env, Vec::new()).unwrap();
+
+        assert_eq!(req.netns, "");
+        assert_eq!(req.args, "");
+        assert_eq!(req.path, "");
+        assert_eq!(
+            req.present,
+            vec![
+                "CNI_COMMAND",
+                "CNI_CONTAINERID",
+                "CNI_NETNS",
+                "CNI_IFNAME",
+                "CNI_ARGS"
+            ]
+        );
+    }
+
+    #[test]
+    fn nothing_set_gives_empty_fields_and_nothing_present() {
+        let req = request(&env_of(&[]), Vec::new()).unwrap();
+        assert_eq!(req, CniRequest::default());
+    }
+
+    #[test]
+    fn non_utf8_variable_is_an_invalid_environment_variable() {
+        let env = |name: &str| {
+            (name == "CNI_NETNS").then(|| OsString::from_vec(b"/run/netns/\xff".to_vec()))
+        };
+        let err = request(&env, Vec::new()).unwrap_err();
+        assert_eq!(err, ShimError::EnvNotUtf8("CNI_NETNS"));
+        assert_eq!(err.code(), 4);
+    }
+
+    #[test]
+    fn verbs_round_trip_and_version_is_not_a_daemon_verb() {
+        for verb in [Verb::Add, Verb::Del, Verb::Check, Verb::Status, Verb::Gc] {
+            assert_eq!(Verb::parse(verb.as_str()), Some(verb));
+        }
+        assert_eq!(Verb::parse("VERSION"), None);
+        assert_eq!(Verb::parse("add"), None);
+        assert_eq!(Verb::parse(""), None);
+        assert_eq!(Verb::Add.deadline(), Duration::from_secs(45));
+        assert_eq!(Verb::Del.deadline(), Duration::from_secs(20));
+    }
+
+    #[test]
+    fn config_fields_and_defaults() {
+        let full = ShimConfig::parse(
+            r#"{"cniVersion":"0.4.0","socket":"/tmp/t.sock","stateDir":"/tmp/state","ipam":{}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            full,
+            ShimConfig {
+                cni_version: "0.4.0".into(),
+                socket: "/tmp/t.sock".into(),
+                state_dir: "/tmp/state".into(),
+            }
+        );
+
+        // Wrong types are the daemon's to judge; the shim uses its defaults.
+        let odd = ShimConfig::parse(r#"{"cniVersion":1,"socket":null}"#).unwrap();
+        assert_eq!(
+            odd,
+            ShimConfig {
+                cni_version: DEFAULT_CNI_VERSION.into(),
+                socket: DEFAULT_SOCKET.into(),
+                state_dir: DEFAULT_STATE_DIR.into(),
+            }
+        );
+    }
+
+    #[test]
+    fn config_must_be_an_object() {
+        for bad in ["", "[]", "\"x\"", "{", "null", "{} {}"] {
+            let err = ShimConfig::parse(bad).unwrap_err();
+            assert!(matches!(err, ShimError::ConfigNotObject(_)), "{bad:?}");
+            assert_eq!(err.code(), 6);
+        }
+    }
+
+    #[test]
+    fn stdin_limit_is_one_mebibyte() {
+        let exactly = vec![b' '; MAX_STDIN];
+        assert_eq!(
+            read_config(&mut exactly.as_slice()).unwrap().len(),
+            MAX_STDIN
+        );
+
+        let over = vec![b' '; MAX_STDIN + 1];
+        let err = read_config(&mut over.as_slice()).unwrap_err();
+        assert_eq!(err, ShimError::ConfigTooLarge);
+        assert_eq!(err.code(), 7);
+    }
+
+    #[test]
+    fn stdin_must_be_text() {
+        let err = read_config(&mut &b"{\"a\":\"\xff\"}"[..]).unwrap_err();
+        assert_eq!(err.code(), 6);
+    }
+}
