@@ -1,8 +1,18 @@
 //! tetherd: tether's node daemon.
 //!
-//! One module per concern: `cni` (the CNI wire format), `ipam` (address
-//! pools), `dataplane` (netlink), `store` (durable state), `node` (the
-//! attachment lifecycle that ties them together), `service` and `admin`
-//! (the gRPC faces), `server` (the socket).
+//! One module per concern: `cni` (the CNI wire format and validation),
+//! `ipam` (address pools), `dataplane` (all netlink), `store` (durable
+//! state), `node` (the attachment lifecycle that ties them together),
+//! `pending_del` (the shim's DEL queue), `service` and `admin` (the gRPC
+//! faces), `server` (the socket).
 
+pub mod admin;
+pub mod cni;
+pub mod dataplane;
 pub mod error;
+pub mod ipam;
+pub mod node;
+pub mod pending_del;
+pub mod server;
+pub mod service;
+pub mod store;

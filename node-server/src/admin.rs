@@ -1,0 +1,180 @@
+//! The `tether.admin.v1.Admin` gRPC service: read-only views for operators,
+//! meant to be used with grpcurl.
+
+use crate::node::Node;
+use crate::pending_del;
+use crate::service::{verb_name, Stats, VERBS};
+use crate::store::Attachment;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use tether_proto::admin::v1 as pb;
+use tether_proto::admin::v1::admin_server;
+use tonic::{Request, Response, Status};
+
+/// The admin service.
+pub struct AdminService {
+    node: Arc<Node>,
+    stats: Arc<Stats>,
+    socket: PathBuf,
+}
+
+impl AdminService {
+    /// A service over the node.
+    pub fn new(node: Arc<Node>, stats: Arc<Stats>, socket: PathBuf) -> Self {
+        AdminService {
+            node,
+            stats,
+            socket,
+        }
+    }
+}
+
+fn to_pb(a: &Attachment) -> pb::Attachment {
+    pb::Attachment {
+        network: a.key.network.clone(),
+        container_id: a.key.container_id.clone(),
+        ifname: a.key.ifname.clone(),
+        netns: a.netns.clone(),
+        ips: a
+            .ips
+            .iter()
+            .map(|ip| format!("{ip}/{}", if ip.is_ipv4() { 32 } else { 128 }))
+            .collect(),
+        mac: a.mac.clone(),
+        host_interface: a.host_ifname.clone(),
+        created: rfc3339(a.created_unix_nanos),
+        pod_namespace: a.pod_namespace.clone().unwrap_or_default(),
+        pod_name: a.pod_name.clone().unwrap_or_default(),
+    }
+}
+
+/// Formats nanoseconds since the epoch as RFC 3339 UTC (civil-from-days).
+fn rfc3339(nanos: u128) -> String {
+    let secs = (nanos / 1_000_000_000) as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        (rem % 3600) / 60,
+        rem % 60
+    )
+}
+
+#[tonic::async_trait]
+impl admin_server::Admin for AdminService {
+    async fn get_node(&self, _: Request<pb::GetNodeRequest>) -> Result<Response<pb::Node>, Status> {
+        let cfg = self.node.config();
+        let pools = self
+            .node
+            .pool_usage()
+            .into_iter()
+            .map(|(cidr, used, free)| pb::Pool {
+                cidr: cidr.to_string(),
+                used: u64::try_from(used).unwrap_or(u64::MAX),
+                free: u64::try_from(free).unwrap_or(u64::MAX),
+            })
+            .collect();
+        Ok(Response::new(pb::Node {
+            name: cfg.name.clone(),
+            pools,
+            store_backend: self.node.store().backend().to_string(),
+            store_location: self.node.store().location(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            socket: self.socket.display().to_string(),
+            mtu: cfg.mtu,
+        }))
+    }
+
+    async fn list_attachments(
+        &self,
+        r: Request<pb::ListAttachmentsRequest>,
+    ) -> Result<Response<pb::ListAttachmentsResponse>, Status> {
+        let network = r.into_inner().network;
+        let attachments = self
+            .node
+            .attachments()
+            .iter()
+            .filter(|a| network.is_empty() || a.key.network == network)
+            .map(to_pb)
+            .collect();
+        Ok(Response::new(pb::ListAttachmentsResponse { attachments }))
+    }
+
+    async fn get_attachment(
+        &self,
+        r: Request<pb::GetAttachmentRequest>,
+    ) -> Result<Response<pb::Attachment>, Status> {
+        let q = r.into_inner();
+        if q.container_id.is_empty() || q.ifname.is_empty() {
+            return Err(Status::invalid_argument(
+                "container_id and ifname are required",
+            ));
+        }
+        let matches: Vec<Attachment> = self
+            .node
+            .attachments()
+            .into_iter()
+            .filter(|a| {
+                a.key.container_id == q.container_id
+                    && a.key.ifname == q.ifname
+                    && (q.network.is_empty() || a.key.network == q.network)
+            })
+            .collect();
+        match matches.as_slice() {
+            [a] => Ok(Response::new(to_pb(a))),
+            [] => Err(Status::not_found(format!(
+                "no attachment {}/{}",
+                q.container_id, q.ifname
+            ))),
+            _ => Err(Status::failed_precondition(
+                "several networks have this attachment; set network",
+            )),
+        }
+    }
+
+    async fn stats(
+        &self,
+        _: Request<pb::StatsRequest>,
+    ) -> Result<Response<pb::StatsResponse>, Status> {
+        let verbs = VERBS
+            .iter()
+            .map(|&v| {
+                let (ok, errors) = self.stats.counts(v);
+                pb::VerbCounters {
+                    verb: verb_name(v).to_string(),
+                    ok,
+                    errors,
+                }
+            })
+            .collect();
+        Ok(Response::new(pb::StatsResponse {
+            pending_del_queue: pending_del::queue_len(&self.node.config().state_dir),
+            verbs,
+            uptime_seconds: self.stats.started.elapsed().as_secs(),
+            pending_del_processed: self.stats.pending_del_processed.load(Ordering::Relaxed),
+            link_deletions_in_flight: self.node.link_deletions_in_flight(),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rfc3339;
+
+    #[test]
+    fn formats_rfc3339() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(1_700_000_000_000_000_000), "2023-11-14T22:13:20Z");
+        assert_eq!(rfc3339(951_782_400_000_000_000), "2000-02-29T00:00:00Z");
+    }
+}

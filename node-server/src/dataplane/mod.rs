@@ -1,0 +1,581 @@
+//! The dataplane: routed point-to-point veth with an anycast gateway.
+//!
+//! Each pod gets a veth whose node end carries the same MAC on every node
+//! (`GATEWAY_MAC`) and whose pod end holds the pod's addresses as /32 and
+//! /128 with default routes via 169.254.1.1 and fe80::1. The node routes each
+//! pod address to its veth with a protocol number of our own, so that our
+//! routes can be found again after a restart. There are no bridges and no
+//! subnets on links.
+//!
+//! Node-side changes go through one long-lived rtnetlink connection opened
+//! by [`Dataplane::connect`] in the daemon's own netns. Pod-side changes go
+//! through a connection opened inside the pod netns by a dedicated thread
+//! (see `netns`). This module is the only place that speaks netlink.
+
+mod messages;
+mod netns;
+mod pod;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::os::fd::AsRawFd;
+use std::path::Path;
+
+use futures::future::{join_all, try_join_all};
+use futures::TryStreamExt;
+use rtnetlink::packet_route::link::LinkMessage;
+use rtnetlink::packet_route::{AddressFamily, RouteNetlinkMessage};
+use rtnetlink::Handle;
+
+use crate::error::{Error, Mismatch, Result};
+use messages::{errno, reason, Step, ACKED, CREATE, CREATE_ECHO, REPLACE};
+pub use netns::{open_netns, pod_interface_exists};
+
+/// The IPv4 gateway every pod routes through; answered by the node's veth.
+pub const GATEWAY_V4: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
+/// The IPv6 gateway every pod routes through; fe80::1 on every node veth.
+pub const GATEWAY_V6: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1);
+/// The MAC of every node-side veth, so that a guest's gateway MAC stays valid
+/// when it moves to another node.
+pub const GATEWAY_MAC: [u8; 6] = [0x0a, 0x58, 0xa9, 0xfe, 0x01, 0x01];
+/// Route protocol number that marks tether's routes (so they can be found
+/// and reconciled). Not one of the RTPROT_* numbers iproute2 or the kernel
+/// reserve; netlink-packet-route carries it as `RouteProtocol::Other(201)`.
+pub const ROUTE_PROTOCOL: u8 = 201;
+/// Prefix of every node-side veth tether creates.
+pub const HOST_IFNAME_PREFIX: &str = "tth";
+
+/// Stable node-side name: "tth" + the first 12 lowercase hex digits of
+/// FNV-1a-64 over "network\0container_id\0ifname" (15 characters, the kernel's
+/// limit).
+pub fn host_ifname(network: &str, container_id: &str, ifname: &str) -> String {
+    const OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let mut hash = OFFSET_BASIS;
+    let parts: [&[u8]; 5] = [
+        network.as_bytes(),
+        b"\0",
+        container_id.as_bytes(),
+        b"\0",
+        ifname.as_bytes(),
+    ];
+    for byte in parts.iter().flat_map(|p| p.iter()) {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(PRIME);
+    }
+    // The high 48 bits: the first 12 digits of the 16-digit hex form.
+    format!("{HOST_IFNAME_PREFIX}{:012x}", hash >> 16)
+}
+
+/// Locally administered unicast MAC for a pod: 0a:58 followed by the 4 bytes
+/// of its IPv4 address if it has one, else the last 4 bytes of its first IPv6
+/// address (0a:58:00:00:00:00 for no address at all).
+pub fn pod_mac(ips: &[IpAddr]) -> [u8; 6] {
+    let v4 = ips.iter().find_map(|ip| match ip {
+        IpAddr::V4(v4) => Some(v4.octets()),
+        IpAddr::V6(_) => None,
+    });
+    let tail = v4
+        .or_else(|| {
+            ips.iter().find_map(|ip| match ip {
+                IpAddr::V6(v6) => {
+                    let o = v6.octets();
+                    Some([o[12], o[13], o[14], o[15]])
+                }
+                IpAddr::V4(_) => None,
+            })
+        })
+        .unwrap_or([0; 4]);
+    [0x0a, 0x58, tail[0], tail[1], tail[2], tail[3]]
+}
+
+/// Formats a MAC the way `ip link` does: "0a:58:0a:01:00:05".
+pub fn format_mac(mac: &[u8; 6]) -> String {
+    let [a, b, c, d, e, f] = mac;
+    format!("{a:02x}:{b:02x}:{c:02x}:{d:02x}:{e:02x}:{f:02x}")
+}
+
+fn mac_text(mac: Option<&[u8]>) -> String {
+    match mac {
+        Some(bytes) => match <[u8; 6]>::try_from(bytes) {
+            Ok(m) => format_mac(&m),
+            Err(_) => format!("{bytes:02x?}"),
+        },
+        None => "none".into(),
+    }
+}
+
+/// Everything needed to wire (or check) one attachment.
+#[derive(Debug, Clone, Copy)]
+pub struct PodWiring<'a> {
+    /// The pod netns, as opened by [`open_netns`].
+    pub netns: &'a File,
+    /// Its path, for messages.
+    pub netns_path: &'a Path,
+    /// The interface name inside the pod (CNI_IFNAME).
+    pub pod_ifname: &'a str,
+    /// The node-side veth name, from [`host_ifname`].
+    pub host_ifname: &'a str,
+    /// The pod interface's MAC, from [`pod_mac`] or kept across migrations.
+    pub pod_mac: [u8; 6],
+    /// The pod's addresses; each becomes a /32 or /128.
+    pub ips: &'a [IpAddr],
+    /// MTU of both veth ends.
+    pub mtu: u32,
+}
+
+impl PodWiring<'_> {
+    fn pod_side(&self) -> pod::PodSide {
+        pod::PodSide {
+            ifname: self.pod_ifname.to_owned(),
+            netns: self.netns_path.display().to_string(),
+            mac: self.pod_mac,
+            ips: self.ips.to_vec(),
+            mtu: self.mtu,
+        }
+    }
+}
+
+/// One of tether's routes as found in the kernel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostRoute {
+    /// Destination address.
+    pub dst: IpAddr,
+    /// Destination prefix length (32 or 128 for the routes tether makes).
+    pub prefix_len: u8,
+    /// Name of the output device, if it still resolves.
+    pub oif: Option<String>,
+}
+
+/// What creating the veth told us.
+struct Created {
+    host_index: u32,
+    peer_index: Option<u32>,
+}
+
+/// The dataplane: the node-netns rtnetlink connection and every operation
+/// that changes or reads the kernel's network objects.
+#[derive(Debug, Clone)]
+pub struct Dataplane {
+    handle: Handle,
+}
+
+impl Dataplane {
+    /// Opens the rtnetlink connection in the current (node) netns and spawns
+    /// its task on the current tokio runtime.
+    pub fn connect() -> Result<Self> {
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|_| Error::Internal("the dataplane needs a tokio runtime".into()))?;
+        // Strict checking lets the kernel filter dumps by protocol and device,
+        // so reading our routes does not copy the whole table.
+        let (connection, handle, _) = rtnetlink::new_connection_with_strict_check()
+            .map_err(|e| Error::setup("opening the node rtnetlink socket", e))?;
+        runtime.spawn(connection);
+        Ok(Self { handle })
+    }
+
+    /// Node-level one-time setup: net.ipv4.ip_forward=1 and
+    /// net.ipv6.conf.all.forwarding=1 in the daemon's own netns. A node
+    /// without IPv6 is logged and accepted.
+    pub fn prepare_node(&self) -> Result<()> {
+        write_sysctl("net/ipv4/ip_forward", "1")
+            .map_err(|e| Error::setup("enabling IPv4 forwarding", e))?;
+        match write_sysctl("net/ipv6/conf/all/forwarding", "1") {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                tracing::warn!(
+                    "IPv6 is disabled on this node: IPv6 pod addresses will not be routed"
+                );
+                Ok(())
+            }
+            Err(e) => Err(Error::setup("enabling IPv6 forwarding", e)),
+        }
+    }
+
+    /// ADD wiring: the veth pair, the node side (proxy ARP, fe80::1, host
+    /// routes) and the pod side (addresses, gateway neighbours, default
+    /// routes). On any error it deletes the veth, which takes both ends and
+    /// their routes, and returns the first error.
+    pub async fn wire(&self, w: &PodWiring<'_>) -> Result<()> {
+        // The pod thread starts first, so that its start-up, runtime and
+        // socket overlap the veth creation; it then waits for the peer's index.
+        let (index_tx, index_rx) = tokio::sync::oneshot::channel::<Option<u32>>();
+        let side = w.pod_side();
+        let pod = netns::spawn_with_handle(w.netns, move |handle| async move {
+            match index_rx.await {
+                Ok(peer_index) => pod::configure(handle, side, peer_index).await,
+                // No veth: the caller reports why.
+                Err(_) => Ok(()),
+            }
+        })?;
+        let created = self.create_veth(w).await?;
+        // A closed channel means the thread already failed; its error is
+        // collected below.
+        let _ = index_tx.send(created.peer_index);
+        let (host, pod) = futures::join!(self.configure_host(w, created.host_index), pod);
+        if let Err(e) = host.and(pod) {
+            if let Err(undo) = self.delete_index(created.host_index).await {
+                tracing::warn!(
+                    veth = w.host_ifname,
+                    error = %undo,
+                    "could not delete the veth of a failed ADD"
+                );
+            }
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Removes tether's host routes to these pod IPs (only routes with our
+    /// protocol). Idempotent: a route that is not there is success. Every
+    /// route is attempted; the first failure is returned.
+    pub async fn remove_host_routes(&self, ips: &[IpAddr]) -> Result<()> {
+        let results = join_all(ips.iter().map(|&ip| async move {
+            let selector = messages::host_route_selector(ip);
+            match messages::request(&self.handle, RouteNetlinkMessage::DelRoute(selector), ACKED)
+                .await
+            {
+                Ok(_) => Ok(()),
+                Err(e) if matches!(errno(&e), Some(libc::ESRCH | libc::ENOENT)) => Ok(()),
+                Err(e) => Err(Error::setup(
+                    format!(
+                        "removing the host route to {ip}/{}",
+                        messages::host_prefix_len(ip)
+                    ),
+                    reason(&e),
+                )),
+            }
+        }))
+        .await;
+        first_error(results)
+    }
+
+    /// Deletes a node-side veth (both ends go). Idempotent: no such device is
+    /// success. Refuses names without our prefix, so that a bug can never
+    /// take down a node interface.
+    pub async fn delete_link(&self, host_ifname: &str) -> Result<()> {
+        if !host_ifname.starts_with(HOST_IFNAME_PREFIX) {
+            return Err(Error::Internal(format!(
+                "refusing to delete {host_ifname}: not a tether veth"
+            )));
+        }
+        let message = RouteNetlinkMessage::DelLink(messages::link_by_name(host_ifname));
+        match messages::request(&self.handle, message, ACKED).await {
+            Ok(_) => Ok(()),
+            Err(e) if errno(&e) == Some(libc::ENODEV) => Ok(()),
+            Err(e) => Err(Error::setup(
+                format!("deleting veth {host_ifname}"),
+                reason(&e),
+            )),
+        }
+    }
+
+    /// Adds the host routes for ips via host_ifname if missing (startup
+    /// reconcile). Returns how many it added.
+    pub async fn ensure_host_routes(&self, host_ifname: &str, ips: &[IpAddr]) -> Result<usize> {
+        let context = || format!("restoring host routes via {host_ifname}");
+        let index = self
+            .link_index(host_ifname)
+            .await?
+            .ok_or_else(|| Error::setup(context(), "no such device"))?;
+        let present = self.our_destinations(ips, index).await?;
+        let missing: Vec<IpAddr> = ips
+            .iter()
+            .copied()
+            .filter(|ip| !present.contains(&(*ip, messages::host_prefix_len(*ip))))
+            .collect();
+        let steps = missing
+            .iter()
+            .map(|&ip| host_route_step(ip, index, host_ifname))
+            .collect();
+        messages::batch(&self.handle, steps).await?;
+        Ok(missing.len())
+    }
+
+    /// Every route with ROUTE_PROTOCOL in the main table (v4 and v6):
+    /// destination, prefix length and the output device's name if it
+    /// resolves.
+    pub async fn our_routes(&self) -> Result<Vec<HostRoute>> {
+        let dump = |family| async move {
+            messages::dump_routes(
+                &self.handle,
+                messages::route_dump(family, Some(ROUTE_PROTOCOL), None),
+            )
+            .await
+            .map_err(|e| Error::setup("reading the node's routes", reason(&e)))
+        };
+        let (v4, v6, names) = futures::try_join!(
+            dump(AddressFamily::Inet),
+            dump(AddressFamily::Inet6),
+            self.link_names()
+        )?;
+        Ok(v4
+            .iter()
+            .chain(v6.iter())
+            .filter_map(|r| {
+                let (dst, prefix_len) = messages::route_destination(r)?;
+                let oif = messages::route_oif(r).and_then(|i| names.get(&i).cloned());
+                Some(HostRoute {
+                    dst,
+                    prefix_len,
+                    oif,
+                })
+            })
+            .collect())
+    }
+
+    /// Names of every link whose name starts with HOST_IFNAME_PREFIX.
+    pub async fn our_links(&self) -> Result<Vec<String>> {
+        let mut names: Vec<String> = self
+            .link_names()
+            .await?
+            .into_values()
+            .filter(|n| n.starts_with(HOST_IFNAME_PREFIX))
+            .collect();
+        names.sort();
+        Ok(names)
+    }
+
+    /// CHECK: compares the kernel (both netns) with the wiring. The first
+    /// difference, pod side before node side, is an `Error::Check` whose
+    /// detail names the object and both values.
+    pub async fn check(&self, w: &PodWiring<'_>) -> Result<()> {
+        let side = w.pod_side();
+        let pod = netns::with_netns_handle(w.netns, move |handle| pod::check(handle, side));
+        let (pod, host) = futures::join!(pod, self.check_host(w));
+        pod.and(host)
+    }
+
+    async fn create_veth(&self, w: &PodWiring<'_>) -> Result<Created> {
+        let context = || format!("creating veth {} for {}", w.host_ifname, w.pod_ifname);
+        let err = match self.try_create_veth(w).await {
+            Ok(created) => return Ok(created),
+            Err(e) if errno(&e) == Some(libc::EEXIST) => e,
+            Err(e) => return Err(Error::setup(context(), reason(&e))),
+        };
+        // One of the two names is taken; which one decides what to do.
+        if pod_interface_exists(w.netns, w.pod_ifname).await? {
+            return Err(Error::InterfaceExists(w.pod_ifname.to_owned()));
+        }
+        // The caller guarantees no live attachment owns this name: it is
+        // left over from an earlier attachment with the same key.
+        let stale = self
+            .link_index(w.host_ifname)
+            .await?
+            .ok_or_else(|| Error::setup(context(), reason(&err)))?;
+        tracing::info!(veth = w.host_ifname, "deleting a stale veth before ADD");
+        self.delete_index(stale).await?;
+        self.try_create_veth(w)
+            .await
+            .map_err(|e| Error::setup(context(), reason(&e)))
+    }
+
+    async fn try_create_veth(&self, w: &PodWiring<'_>) -> Result<Created, rtnetlink::Error> {
+        let message = messages::veth(
+            w.host_ifname,
+            w.pod_ifname,
+            w.pod_mac,
+            w.mtu,
+            w.netns.as_raw_fd(),
+        );
+        let answers = messages::request(
+            &self.handle,
+            RouteNetlinkMessage::NewLink(message),
+            CREATE_ECHO,
+        )
+        .await?;
+        let echo = answers.iter().find_map(|m| match m {
+            RouteNetlinkMessage::NewLink(link) if link.header.index != 0 => Some(link),
+            _ => None,
+        });
+        match echo {
+            Some(link) => {
+                let (host_index, peer_index) = messages::created_indexes(link);
+                Ok(Created {
+                    host_index,
+                    peer_index,
+                })
+            }
+            // Kernels before 6.3 do not echo RTM_NEWLINK: look both ends up.
+            None => {
+                let link = messages::link_by_name_get(&self.handle, w.host_ifname)
+                    .await?
+                    .ok_or(rtnetlink::Error::RequestFailed)?;
+                Ok(Created {
+                    host_index: link.header.index,
+                    peer_index: None,
+                })
+            }
+        }
+    }
+
+    async fn configure_host(&self, w: &PodWiring<'_>, index: u32) -> Result<()> {
+        if w.ips.iter().any(IpAddr::is_ipv4) {
+            // proxy_delay=0: a pod that lost its permanent gateway entry would
+            // otherwise wait up to 0.8 s for each proxied ARP answer.
+            for (path, value) in [
+                (format!("net/ipv4/conf/{}/proxy_arp", w.host_ifname), "1"),
+                (format!("net/ipv4/neigh/{}/proxy_delay", w.host_ifname), "0"),
+            ] {
+                write_sysctl(&path, value)
+                    .map_err(|e| Error::setup(format!("writing /proc/sys/{path}"), e))?;
+            }
+        }
+        let mut steps = Vec::with_capacity(1 + w.ips.len());
+        if w.ips.iter().any(IpAddr::is_ipv6) {
+            steps.push(
+                Step::new(
+                    RouteNetlinkMessage::NewAddress(messages::gateway_v6_address(index)),
+                    CREATE,
+                    format!("adding {GATEWAY_V6}/64 to {}", w.host_ifname),
+                )
+                .tolerating(libc::EEXIST),
+            );
+        }
+        steps.extend(
+            w.ips
+                .iter()
+                .map(|&ip| host_route_step(ip, index, w.host_ifname)),
+        );
+        messages::batch(&self.handle, steps).await
+    }
+
+    async fn check_host(&self, w: &PodWiring<'_>) -> Result<()> {
+        let host = w.host_ifname;
+        let link = messages::link_by_name_get(&self.handle, host)
+            .await
+            .map_err(|e| Error::setup("reading the node's links", reason(&e)))?
+            .ok_or_else(|| {
+                Error::check(
+                    Mismatch::HostInterface,
+                    format!("{host} not found on the node"),
+                )
+            })?;
+        let facts = messages::link_facts(&link);
+        if !facts.up {
+            return Err(Error::check(
+                Mismatch::HostInterface,
+                format!("{host} is down"),
+            ));
+        }
+        if facts.mac.as_deref() != Some(&GATEWAY_MAC[..]) {
+            return Err(Error::check(
+                Mismatch::HostInterface,
+                format!(
+                    "{host} has MAC {}, want {}",
+                    mac_text(facts.mac.as_deref()),
+                    format_mac(&GATEWAY_MAC)
+                ),
+            ));
+        }
+        if facts.mtu != Some(w.mtu) {
+            return Err(Error::check(
+                Mismatch::HostInterface,
+                format!("{host} has MTU {}, want {}", facts.mtu.unwrap_or(0), w.mtu),
+            ));
+        }
+        let present = self.our_destinations(w.ips, link.header.index).await?;
+        for &ip in w.ips {
+            let len = messages::host_prefix_len(ip);
+            if !present.contains(&(ip, len)) {
+                return Err(Error::check(
+                    Mismatch::HostRoute,
+                    format!("no route {ip}/{len} dev {host} proto {ROUTE_PROTOCOL} on the node"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Destinations of our routes through device `index`, for the families
+    /// present in `ips`.
+    async fn our_destinations(&self, ips: &[IpAddr], index: u32) -> Result<HashSet<(IpAddr, u8)>> {
+        let mut families = Vec::with_capacity(2);
+        if ips.iter().any(IpAddr::is_ipv4) {
+            families.push(AddressFamily::Inet);
+        }
+        if ips.iter().any(IpAddr::is_ipv6) {
+            families.push(AddressFamily::Inet6);
+        }
+        let dumps = try_join_all(families.into_iter().map(|family| {
+            messages::dump_routes(
+                &self.handle,
+                messages::route_dump(family, Some(ROUTE_PROTOCOL), Some(index)),
+            )
+        }))
+        .await
+        .map_err(|e| Error::setup("reading the node's routes", reason(&e)))?;
+        Ok(dumps
+            .iter()
+            .flatten()
+            .filter_map(messages::route_destination)
+            .collect())
+    }
+
+    async fn link_index(&self, name: &str) -> Result<Option<u32>> {
+        messages::link_by_name_get(&self.handle, name)
+            .await
+            .map(|l| l.map(|l| l.header.index))
+            .map_err(|e| Error::setup(format!("looking up {name}"), reason(&e)))
+    }
+
+    async fn link_names(&self) -> Result<HashMap<u32, String>> {
+        let links: Vec<LinkMessage> = self
+            .handle
+            .link()
+            .get()
+            .execute()
+            .try_collect()
+            .await
+            .map_err(|e| Error::setup("reading the node's links", reason(&e)))?;
+        Ok(links
+            .iter()
+            .filter_map(|l| Some((l.header.index, messages::link_facts(l).name?)))
+            .collect())
+    }
+
+    async fn delete_index(&self, index: u32) -> Result<()> {
+        let mut message = LinkMessage::default();
+        message.header.index = index;
+        match messages::request(&self.handle, RouteNetlinkMessage::DelLink(message), ACKED).await {
+            Ok(_) => Ok(()),
+            Err(e) if errno(&e) == Some(libc::ENODEV) => Ok(()),
+            Err(e) => Err(Error::setup(format!("deleting link #{index}"), reason(&e))),
+        }
+    }
+}
+
+/// The host route to `ip` through device `index`. REPLACE rather than EXCL:
+/// the IPAM is the authority on who owns an address, and a route left behind
+/// by a crash must not fail every later ADD of that address.
+fn host_route_step(ip: IpAddr, index: u32, host_ifname: &str) -> Step {
+    Step::new(
+        RouteNetlinkMessage::NewRoute(messages::host_route(ip, index)),
+        REPLACE,
+        format!(
+            "adding host route {ip}/{} dev {host_ifname}",
+            messages::host_prefix_len(ip)
+        ),
+    )
+}
+
+fn write_sysctl(path: &str, value: &str) -> std::io::Result<()> {
+    // /proc/sys/net resolves in the netns of the calling thread: the daemon's.
+    std::fs::write(Path::new("/proc/sys").join(path), value)
+}
+
+/// Every result examined; the first error returned, the others logged.
+fn first_error(results: Vec<Result<()>>) -> Result<()> {
+    let mut first = None;
+    for e in results.into_iter().filter_map(Result::err) {
+        if first.is_none() {
+            first = Some(e);
+        } else {
+            tracing::warn!(error = %e, "further teardown failure");
+        }
+    }
+    first.map_or(Ok(()), Err)
+}

@@ -1,0 +1,222 @@
+//! The pod side: what is done, or checked, inside the pod netns. Every
+//! function here runs on a netns thread with a connection opened in the pod
+//! netns (see `netns::with_netns_handle`).
+
+use std::net::IpAddr;
+
+use futures::TryStreamExt;
+use rtnetlink::packet_route::neighbour::{NeighbourAddress, NeighbourAttribute, NeighbourState};
+use rtnetlink::packet_route::{AddressFamily, RouteNetlinkMessage};
+use rtnetlink::Handle;
+
+use super::messages::{self, reason, Step, ACKED, CREATE, REPLACE};
+use super::{format_mac, mac_text, GATEWAY_MAC};
+use crate::error::{Error, Mismatch, Result};
+
+/// What the pod side must look like; owned so that it can cross to the netns
+/// thread.
+pub(super) struct PodSide {
+    pub ifname: String,
+    pub netns: String,
+    pub mac: [u8; 6],
+    pub ips: Vec<IpAddr>,
+    pub mtu: u32,
+}
+
+/// Raises the pod interface, then adds its addresses, gateway neighbours and
+/// default routes, all in one batch: the IPv6 default route needs the link
+/// up, and the kernel handles the batch in order.
+pub(super) async fn configure(handle: Handle, pod: PodSide, index: Option<u32>) -> Result<()> {
+    let index = match index {
+        Some(i) => i,
+        None => messages::link_by_name_get(&handle, &pod.ifname)
+            .await
+            .map_err(|e| Error::setup(format!("looking up {}", pod.ifname), reason(&e)))?
+            .map(|l| l.header.index)
+            .ok_or_else(|| {
+                Error::setup(
+                    format!("configuring {} in {}", pod.ifname, pod.netns),
+                    "the interface vanished after creation",
+                )
+            })?,
+    };
+    let name = &pod.ifname;
+    let gateways = messages::gateways(&pod.ips);
+    let mut steps = Vec::with_capacity(1 + pod.ips.len() + 2 * gateways.len());
+    steps.push(Step::new(
+        RouteNetlinkMessage::SetLink(messages::link_up(index)),
+        ACKED,
+        format!("setting {name} up in {}", pod.netns),
+    ));
+    for &ip in &pod.ips {
+        steps.push(Step::new(
+            RouteNetlinkMessage::NewAddress(messages::address(ip, index)),
+            CREATE,
+            format!(
+                "adding {ip}/{} to {name} in {}",
+                messages::host_prefix_len(ip),
+                pod.netns
+            ),
+        ));
+    }
+    for &gw in &gateways {
+        // REPLACE: a permanent entry with the gateway MAC is already right.
+        steps.push(Step::new(
+            RouteNetlinkMessage::NewNeighbour(messages::gateway_neighbour(gw, index)),
+            REPLACE,
+            format!("adding gateway neighbour {gw} on {name}"),
+        ));
+    }
+    for &gw in &gateways {
+        // EXCL: a default route we did not make belongs to someone else.
+        steps.push(Step::new(
+            RouteNetlinkMessage::NewRoute(messages::default_route(gw, index)),
+            CREATE,
+            format!("adding default route via {gw} dev {name}"),
+        ));
+    }
+    messages::batch(&handle, steps).await
+}
+
+/// CHECK of the pod side: interface, then addresses, then gateway neighbours
+/// and default routes.
+pub(super) async fn check(handle: Handle, pod: PodSide) -> Result<()> {
+    let kernel = |what: &str, e: rtnetlink::Error| {
+        Error::setup(format!("reading {what} in {}", pod.netns), reason(&e))
+    };
+    let link = messages::link_by_name_get(&handle, &pod.ifname)
+        .await
+        .map_err(|e| kernel("links", e))?
+        .ok_or_else(|| {
+            Error::check(
+                Mismatch::PodInterface,
+                format!("{} not found in {}", pod.ifname, pod.netns),
+            )
+        })?;
+    let index = link.header.index;
+    let facts = messages::link_facts(&link);
+    if !facts.up {
+        return Err(Error::check(
+            Mismatch::PodInterface,
+            format!("{} is down", pod.ifname),
+        ));
+    }
+    if facts.mac.as_deref() != Some(&pod.mac[..]) {
+        return Err(Error::check(
+            Mismatch::PodInterface,
+            format!(
+                "{} has MAC {}, want {}",
+                pod.ifname,
+                mac_text(facts.mac.as_deref()),
+                format_mac(&pod.mac)
+            ),
+        ));
+    }
+    if facts.mtu != Some(pod.mtu) {
+        return Err(Error::check(
+            Mismatch::PodInterface,
+            format!(
+                "{} has MTU {}, want {}",
+                pod.ifname,
+                facts.mtu.unwrap_or(0),
+                pod.mtu
+            ),
+        ));
+    }
+
+    let mut request = handle.address().get().set_link_index_filter(index);
+    request.message_mut().header.index = index;
+    let present: Vec<(IpAddr, u8)> = request
+        .execute()
+        .try_filter_map(|a| async move {
+            Ok(messages::address_of(&a).map(|ip| (ip, a.header.prefix_len)))
+        })
+        .try_collect()
+        .await
+        .map_err(|e| kernel("addresses", e))?;
+    for &ip in &pod.ips {
+        let want = messages::host_prefix_len(ip);
+        match present.iter().find(|(p, _)| *p == ip) {
+            Some((_, len)) if *len == want => {}
+            Some((_, len)) => {
+                return Err(Error::check(
+                    Mismatch::PodAddress,
+                    format!("{} has {ip}/{len}, want /{want}", pod.ifname),
+                ))
+            }
+            None => {
+                return Err(Error::check(
+                    Mismatch::PodAddress,
+                    format!("{ip}/{want} is missing from {}", pod.ifname),
+                ))
+            }
+        }
+    }
+
+    let gateways = messages::gateways(&pod.ips);
+    let neighbours: Vec<_> = handle
+        .neighbours()
+        .get()
+        .execute()
+        .try_filter(|n| std::future::ready(n.header.ifindex == index))
+        .try_collect()
+        .await
+        .map_err(|e| kernel("neighbours", e))?;
+    for &gw in &gateways {
+        let entry = neighbours.iter().find(|n| {
+            n.attributes.iter().any(|a| match (a, gw) {
+                (NeighbourAttribute::Destination(NeighbourAddress::Inet(d)), IpAddr::V4(g)) => {
+                    *d == g
+                }
+                (NeighbourAttribute::Destination(NeighbourAddress::Inet6(d)), IpAddr::V6(g)) => {
+                    *d == g
+                }
+                _ => false,
+            })
+        });
+        let Some(entry) = entry else {
+            return Err(Error::check(
+                Mismatch::PodRoute,
+                format!("no neighbour entry for gateway {gw} on {}", pod.ifname),
+            ));
+        };
+        let lladdr = entry.attributes.iter().find_map(|a| match a {
+            NeighbourAttribute::LinkLayerAddress(l) => Some(l.as_slice()),
+            _ => None,
+        });
+        if entry.header.state != NeighbourState::Permanent || lladdr != Some(&GATEWAY_MAC[..]) {
+            return Err(Error::check(
+                Mismatch::PodRoute,
+                format!(
+                    "gateway {gw} on {} is {:?} at {}, want permanent at {}",
+                    pod.ifname,
+                    entry.header.state,
+                    mac_text(lladdr),
+                    format_mac(&GATEWAY_MAC)
+                ),
+            ));
+        }
+    }
+
+    for &gw in &gateways {
+        let family = match gw {
+            IpAddr::V4(_) => AddressFamily::Inet,
+            IpAddr::V6(_) => AddressFamily::Inet6,
+        };
+        let routes =
+            messages::dump_routes(&handle, messages::route_dump(family, None, Some(index)))
+                .await
+                .map_err(|e| kernel("routes", e))?;
+        let found = routes.iter().any(|r| {
+            matches!(messages::route_destination(r), Some((d, 0)) if d.is_unspecified())
+                && messages::route_gateway(r) == Some(gw)
+        });
+        if !found {
+            return Err(Error::check(
+                Mismatch::PodRoute,
+                format!("no default route via {gw} dev {}", pod.ifname),
+            ));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,272 @@
+//! Node-local address pools.
+//!
+//! The allocator is in memory and is rebuilt from the store at startup; the
+//! store's commit is what makes an allocation durable. Allocation is next-fit
+//! from a cursor, so a released address is not handed out again until the
+//! pool wraps: stale ARP entries and conntrack state of a deleted pod are
+//! unlikely to meet its successor.
+
+use crate::error::{Error, Result};
+use ipnet::IpNet;
+use std::collections::BTreeSet;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+/// One pod CIDR.
+#[derive(Debug)]
+pub struct Pool {
+    cidr: IpNet,
+    first: u128,
+    last: u128,
+    used: BTreeSet<u128>,
+    /// The last address handed out.
+    cursor: u128,
+}
+
+fn to_u128(ip: IpAddr) -> u128 {
+    match ip {
+        IpAddr::V4(v4) => u32::from(v4) as u128,
+        IpAddr::V6(v6) => u128::from(v6),
+    }
+}
+
+impl Pool {
+    /// A pool over `cidr`. The network address is never handed out, nor the
+    /// broadcast address of an IPv4 pool; /31, /32, /127 and /128 are refused
+    /// as too small to be a pod CIDR.
+    pub fn new(cidr: IpNet) -> Result<Self> {
+        let cidr = cidr.trunc();
+        let (net, bcast) = (to_u128(cidr.network()), to_u128(cidr.broadcast()));
+        let (first, last) = match cidr {
+            IpNet::V4(n) if n.prefix_len() <= 30 => (net + 1, bcast - 1),
+            IpNet::V6(n) if n.prefix_len() <= 126 => (net + 1, bcast),
+            _ => {
+                return Err(Error::InvalidConfig(format!(
+                    "pod CIDR {cidr} is too small"
+                )))
+            }
+        };
+        Ok(Pool {
+            cidr,
+            first,
+            last,
+            used: BTreeSet::new(),
+            cursor: last,
+        })
+    }
+
+    /// The CIDR.
+    pub fn cidr(&self) -> IpNet {
+        self.cidr
+    }
+
+    fn addr(&self, n: u128) -> IpAddr {
+        match self.cidr {
+            IpNet::V4(_) => IpAddr::V4(Ipv4Addr::from(n as u32)),
+            IpNet::V6(_) => IpAddr::V6(Ipv6Addr::from(n)),
+        }
+    }
+
+    /// True when `ip` is an address this pool may hand out.
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        self.cidr.contains(&ip) && (self.first..=self.last).contains(&to_u128(ip))
+    }
+
+    /// Addresses in use.
+    pub fn used(&self) -> u128 {
+        self.used.len() as u128
+    }
+
+    /// Addresses still free.
+    pub fn free(&self) -> u128 {
+        (self.last - self.first + 1) - self.used()
+    }
+
+    /// Marks an address in use; false if it was already.
+    fn claim(&mut self, ip: IpAddr) -> bool {
+        self.used.insert(to_u128(ip))
+    }
+
+    /// The next free address after the cursor, wrapping once.
+    fn next_free(&self) -> Option<u128> {
+        let start = if self.cursor >= self.last {
+            self.first
+        } else {
+            self.cursor + 1
+        };
+        Self::first_gap(&self.used, start, self.last)
+            .or_else(|| Self::first_gap(&self.used, self.first, start.saturating_sub(1)))
+    }
+
+    /// The lowest address in [from, to] not in `used`.
+    fn first_gap(used: &BTreeSet<u128>, from: u128, to: u128) -> Option<u128> {
+        if from > to {
+            return None;
+        }
+        let mut candidate = from;
+        for &u in used.range(from..=to) {
+            if u != candidate {
+                break;
+            }
+            if candidate == to {
+                return None;
+            }
+            candidate += 1;
+        }
+        Some(candidate)
+    }
+}
+
+/// The node's pools: at most one IPv4 and one IPv6.
+#[derive(Debug)]
+pub struct Pools {
+    pools: Vec<Pool>,
+}
+
+impl Pools {
+    /// Pools over the given CIDRs; at least one, at most one per family.
+    pub fn new(cidrs: &[IpNet]) -> Result<Self> {
+        if cidrs.is_empty() {
+            return Err(Error::InvalidConfig("no pod CIDR configured".into()));
+        }
+        let v4 = cidrs.iter().filter(|c| matches!(c, IpNet::V4(_))).count();
+        if v4 > 1 || cidrs.len() - v4 > 1 {
+            return Err(Error::InvalidConfig(
+                "at most one IPv4 and one IPv6 pod CIDR".into(),
+            ));
+        }
+        let pools = cidrs.iter().map(|c| Pool::new(*c)).collect::<Result<_>>()?;
+        Ok(Pools { pools })
+    }
+
+    /// The pools, IPv4 first as configured.
+    pub fn pools(&self) -> &[Pool] {
+        &self.pools
+    }
+
+    /// Records addresses found in the store at startup. Returns the addresses
+    /// that were already claimed or lie outside every pool, which the caller
+    /// must report: they are a sign of a changed --pod-cidr or of corruption.
+    pub fn restore(&mut self, ips: &[IpAddr]) -> Vec<IpAddr> {
+        let mut bad = Vec::new();
+        for &ip in ips {
+            match self.pools.iter_mut().find(|p| p.contains(ip)) {
+                Some(p) if !p.used.contains(&to_u128(ip)) => {
+                    p.claim(ip);
+                }
+                _ => bad.push(ip),
+            }
+        }
+        // Continue after the highest address in use, as if allocation had
+        // just handed it out; an empty pool starts at its first address.
+        for p in &mut self.pools {
+            p.cursor = p.used.last().copied().unwrap_or(p.last);
+        }
+        bad
+    }
+
+    /// Allocates one address from every pool, or nothing at all.
+    pub fn allocate(&mut self) -> Result<Vec<IpAddr>> {
+        let mut picked = Vec::with_capacity(self.pools.len());
+        for p in &self.pools {
+            match p.next_free() {
+                Some(n) => picked.push(n),
+                None => {
+                    return Err(Error::PoolExhausted(format!(
+                        "no free address left in {} ({} in use)",
+                        p.cidr,
+                        p.used()
+                    )))
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(picked.len());
+        for (p, n) in self.pools.iter_mut().zip(picked) {
+            p.used.insert(n);
+            p.cursor = n;
+            out.push(p.addr(n));
+        }
+        Ok(out)
+    }
+
+    /// Returns addresses to their pools. Unknown addresses are ignored.
+    pub fn release(&mut self, ips: &[IpAddr]) {
+        for &ip in ips {
+            if let Some(p) = self.pools.iter_mut().find(|p| p.contains(ip)) {
+                p.used.remove(&to_u128(ip));
+            }
+        }
+    }
+
+    /// True when every pool has at least one free address.
+    pub fn has_room(&self) -> bool {
+        self.pools.iter().all(|p| p.free() > 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pools(c: &[&str]) -> Pools {
+        Pools::new(&c.iter().map(|s| s.parse().unwrap()).collect::<Vec<_>>()).unwrap()
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn allocates_one_per_family_skipping_network_and_broadcast() {
+        let mut p = pools(&["10.1.0.0/30", "fd00::/126"]);
+        assert_eq!(p.allocate().unwrap(), vec![ip("10.1.0.1"), ip("fd00::1")]);
+        assert_eq!(p.allocate().unwrap(), vec![ip("10.1.0.2"), ip("fd00::2")]);
+        let e = p.allocate().unwrap_err();
+        assert_eq!(e.code(), 100);
+        assert!(e.to_string().contains("10.1.0.0/30"), "{e}");
+        // All or nothing: the IPv6 pool was not charged for the failure.
+        assert_eq!(p.pools()[1].used(), 2);
+    }
+
+    #[test]
+    fn next_fit_does_not_reuse_a_released_address_at_once() {
+        let mut p = pools(&["10.1.0.0/29"]);
+        let a = p.allocate().unwrap();
+        let b = p.allocate().unwrap();
+        p.release(&a);
+        assert_eq!(p.allocate().unwrap(), vec![ip("10.1.0.3")]);
+        assert_ne!(b, a);
+        // After the end it wraps around to the freed address.
+        for _ in 0..3 {
+            p.allocate().unwrap();
+        }
+        assert_eq!(p.allocate().unwrap(), a);
+        assert_eq!(p.allocate().unwrap_err().code(), 100);
+    }
+
+    #[test]
+    fn restore_rebuilds_usage_and_reports_strays() {
+        let mut p = pools(&["10.1.0.0/24"]);
+        let bad = p.restore(&[ip("10.1.0.7"), ip("10.1.0.7"), ip("192.168.0.1")]);
+        assert_eq!(bad, vec![ip("10.1.0.7"), ip("192.168.0.1")]);
+        assert_eq!(p.pools()[0].used(), 1);
+        assert_eq!(p.allocate().unwrap(), vec![ip("10.1.0.8")]);
+        assert_eq!(p.pools()[0].free(), 254 - 2);
+    }
+
+    #[test]
+    fn rejects_bad_pool_sets() {
+        let parse = |v: &[&str]| v.iter().map(|s| s.parse().unwrap()).collect::<Vec<IpNet>>();
+        assert_eq!(Pools::new(&[]).unwrap_err().code(), 7);
+        assert!(Pools::new(&parse(&["10.0.0.0/24", "10.1.0.0/24"])).is_err());
+        assert!(Pools::new(&parse(&["10.0.0.0/31"])).is_err());
+        assert!(Pools::new(&parse(&["fd00::/128"])).is_err());
+    }
+
+    #[test]
+    fn huge_ipv6_pool_counts_without_overflow() {
+        let mut p = pools(&["fd00::/64"]);
+        p.allocate().unwrap();
+        assert_eq!(p.pools()[0].free(), (1u128 << 64) - 2);
+        assert!(p.has_room());
+    }
+}

@@ -1,0 +1,576 @@
+//! The attachment lifecycle on this node: ADD, DEL, CHECK, GC and STATUS,
+//! tying the store, the address pools and the dataplane together.
+//!
+//! Ordering rules that keep state from being lost:
+//! - ADD reserves addresses in memory, then records the attachment in the
+//!   store and wires the kernel concurrently; the ADD succeeds only when both
+//!   did. If the daemon dies between the two, startup reconciliation removes
+//!   kernel objects that have no record, and a record without kernel objects
+//!   is released by the runtime's DEL or by GC.
+//! - DEL removes the node's route to the pod and the record before it frees
+//!   the address in memory, so a reused address never meets a stale route;
+//!   the kernel's slow veth teardown runs after the reply.
+//! - Every kernel object tether makes is recognisable (the `tth` link prefix,
+//!   route protocol 201), so reconciliation can find what is ours.
+
+use crate::cni::{self, Invocation};
+use crate::dataplane::{self, Dataplane, PodWiring};
+use crate::error::{Error, Mismatch, Result};
+use crate::ipam::Pools;
+use crate::store::{Attachment, AttachmentKey, Store};
+use ipnet::IpNet;
+use std::collections::{HashMap, HashSet};
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::{OwnedMutexGuard, RwLock};
+
+/// The node's static settings.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// This node's name.
+    pub name: String,
+    /// Pod CIDRs: at most one per family.
+    pub pod_cidrs: Vec<IpNet>,
+    /// MTU of pod interfaces unless the netconf overrides it.
+    pub mtu: u32,
+    /// The daemon's state directory.
+    pub state_dir: PathBuf,
+}
+
+/// What startup reconciliation did, for the log and for tests.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Reconciled {
+    /// Attachments loaded from the store.
+    pub attachments: usize,
+    /// Host routes re-added for recorded attachments.
+    pub routes_added: usize,
+    /// Our routes removed because no attachment owns them.
+    pub routes_removed: usize,
+    /// Our links removed because no attachment owns them.
+    pub links_removed: usize,
+}
+
+/// This node's pod networking.
+pub struct Node {
+    config: NodeConfig,
+    store: Arc<dyn Store>,
+    dataplane: Dataplane,
+    pools: Mutex<Pools>,
+    attachments: Mutex<HashMap<AttachmentKey, Attachment>>,
+    /// One async lock per attachment key, present while someone holds or
+    /// waits for it, so that different pods proceed in parallel.
+    key_locks: Mutex<HashMap<AttachmentKey, Arc<tokio::sync::Mutex<()>>>>,
+    /// Held shared by per-attachment verbs and exclusively by GC, whose
+    /// orphan sweep must not see an ADD half done.
+    sweep: RwLock<()>,
+    link_deletions: Arc<AtomicU64>,
+}
+
+/// Holds an attachment's lock; frees the table entry when nobody else waits.
+struct KeyGuard<'a> {
+    guard: Option<OwnedMutexGuard<()>>,
+    key: AttachmentKey,
+    table: &'a Mutex<HashMap<AttachmentKey, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl Drop for KeyGuard<'_> {
+    fn drop(&mut self) {
+        self.guard.take();
+        let mut table = lock(self.table);
+        if table
+            .get(&self.key)
+            .is_some_and(|m| Arc::strong_count(m) == 1)
+        {
+            table.remove(&self.key);
+        }
+    }
+}
+
+/// Locks a std mutex, recovering from poisoning: every critical section in
+/// this module leaves the data consistent before anything can panic.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn now_nanos() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0)
+}
+
+/// Runs a blocking store call off the async workers.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Internal(format!("store task failed: {e}")))?
+}
+
+/// Compares the kernel's boot id with the one recorded in the state dir at
+/// the last start, and records the current one. True when they differ.
+fn rebooted_since_last_run(state_dir: &Path) -> Result<bool> {
+    let current = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map_err(|e| Error::Io(format!("reading the boot id: {e}")))?;
+    let current = current.trim();
+    let path = state_dir.join("boot_id");
+    let recorded = std::fs::read_to_string(&path).ok();
+    let rebooted = recorded.as_deref().is_some_and(|r| r.trim() != current);
+    if recorded.as_deref().map(str::trim) != Some(current) {
+        let tmp = state_dir.join(".boot_id.tmp");
+        std::fs::write(&tmp, current)
+            .and_then(|()| std::fs::rename(&tmp, &path))
+            .map_err(|e| Error::Io(format!("recording the boot id in {}: {e}", path.display())))?;
+    }
+    Ok(rebooted)
+}
+
+fn key_of(inv: &Invocation) -> AttachmentKey {
+    AttachmentKey {
+        network: inv.conf.name.clone(),
+        container_id: inv.container_id.clone(),
+        ifname: inv.ifname.clone(),
+    }
+}
+
+fn mac_bytes(mac: &str) -> Result<[u8; 6]> {
+    let mut out = [0u8; 6];
+    let mut parts = mac.split(':');
+    for b in &mut out {
+        let part = parts
+            .next()
+            .ok_or_else(|| Error::Internal(format!("bad stored MAC {mac}")))?;
+        *b = u8::from_str_radix(part, 16)
+            .map_err(|_| Error::Internal(format!("bad stored MAC {mac}")))?;
+    }
+    Ok(out)
+}
+
+fn wired(a: &Attachment) -> cni::Wired {
+    cni::Wired {
+        host_ifname: a.host_ifname.clone(),
+        host_mac: dataplane::format_mac(&dataplane::GATEWAY_MAC),
+        pod_ifname: a.key.ifname.clone(),
+        pod_mac: a.mac.clone(),
+        sandbox: a.netns.clone(),
+        mtu: a.mtu,
+        ips: a.ips.clone(),
+    }
+}
+
+impl Node {
+    /// Opens the node: loads the store, rebuilds the pools, and reconciles
+    /// the kernel against the store. Call [`Node::drain_pending_dels`] next,
+    /// then serve.
+    pub async fn open(config: NodeConfig, store: Arc<dyn Store>) -> Result<(Self, Reconciled)> {
+        let dataplane = Dataplane::connect()?;
+        dataplane.prepare_node()?;
+        let mut pools = Pools::new(&config.pod_cidrs)?;
+        let mut loaded = {
+            let store = store.clone();
+            blocking(move || store.load()).await?
+        };
+        if rebooted_since_last_run(&config.state_dir)? && !loaded.is_empty() {
+            // Network namespaces die with the kernel: every attachment of an
+            // earlier boot is gone, whether or not the runtime will DEL it.
+            tracing::warn!(
+                count = loaded.len(),
+                "the node rebooted since the last run: releasing the previous boot's attachments"
+            );
+            let keys: Vec<AttachmentKey> = loaded.iter().map(|a| a.key.clone()).collect();
+            let s = store.clone();
+            blocking(move || s.remove(&keys)).await?;
+            loaded.clear();
+        }
+        let all_ips: Vec<IpAddr> = loaded.iter().flat_map(|a| a.ips.clone()).collect();
+        let strays = pools.restore(&all_ips);
+        if !strays.is_empty() {
+            // Kept in the store (and so never handed out twice), but outside
+            // the configured pools or claimed twice: an operator must look.
+            tracing::warn!(
+                ?strays,
+                "stored addresses outside the pod CIDRs or held twice"
+            );
+        }
+        let attachments = loaded.into_iter().map(|a| (a.key.clone(), a)).collect();
+        let node = Node {
+            config,
+            store,
+            dataplane,
+            pools: Mutex::new(pools),
+            attachments: Mutex::new(attachments),
+            key_locks: Mutex::new(HashMap::new()),
+            sweep: RwLock::new(()),
+            link_deletions: Arc::new(AtomicU64::new(0)),
+        };
+        let reconciled = node.reconcile().await?;
+        Ok((node, reconciled))
+    }
+
+    /// The node's settings.
+    pub fn config(&self) -> &NodeConfig {
+        &self.config
+    }
+
+    /// The store in use.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    /// A snapshot of every attachment.
+    pub fn attachments(&self) -> Vec<Attachment> {
+        let mut v: Vec<_> = lock(&self.attachments).values().cloned().collect();
+        v.sort_by(|a, b| a.key.cmp(&b.key));
+        v
+    }
+
+    /// Pool usage: (cidr, used, free).
+    pub fn pool_usage(&self) -> Vec<(IpNet, u128, u128)> {
+        lock(&self.pools)
+            .pools()
+            .iter()
+            .map(|p| (p.cidr(), p.used(), p.free()))
+            .collect()
+    }
+
+    /// Kernel link deletions still running after their DEL replied.
+    pub fn link_deletions_in_flight(&self) -> u64 {
+        self.link_deletions.load(Ordering::Relaxed)
+    }
+
+    async fn lock_key(&self, key: &AttachmentKey) -> KeyGuard<'_> {
+        let m = lock(&self.key_locks)
+            .entry(key.clone())
+            .or_default()
+            .clone();
+        let guard = m.lock_owned().await;
+        KeyGuard {
+            guard: Some(guard),
+            key: key.clone(),
+            table: &self.key_locks,
+        }
+    }
+
+    /// Makes the kernel agree with the store: re-adds missing host routes of
+    /// recorded attachments and removes our routes and links that no record
+    /// owns (left by a crash between a kernel change and its store commit).
+    async fn reconcile(&self) -> Result<Reconciled> {
+        let _sweep = self.sweep.write().await;
+        let snapshot = self.attachments();
+        let mut done = Reconciled {
+            attachments: snapshot.len(),
+            ..Default::default()
+        };
+        let links: HashSet<String> = self.dataplane.our_links().await?.into_iter().collect();
+        let mut owner: HashMap<IpAddr, &str> = HashMap::new();
+        for a in &snapshot {
+            for ip in &a.ips {
+                owner.insert(*ip, &a.host_ifname);
+            }
+        }
+        // One route per destination exists in the main table, so a route of
+        // ours that is unowned or points at the wrong link is removed first
+        // and the right one re-added below.
+        let stale: Vec<IpAddr> = self
+            .dataplane
+            .our_routes()
+            .await?
+            .into_iter()
+            .filter(|r| owner.get(&r.dst).copied() != r.oif.as_deref())
+            .map(|r| r.dst)
+            .collect();
+        self.dataplane.remove_host_routes(&stale).await?;
+        done.routes_removed = stale.len();
+        for a in snapshot.iter().filter(|a| links.contains(&a.host_ifname)) {
+            done.routes_added += self
+                .dataplane
+                .ensure_host_routes(&a.host_ifname, &a.ips)
+                .await?;
+        }
+        let owned_links: HashSet<&str> = snapshot.iter().map(|a| a.host_ifname.as_str()).collect();
+        for link in links.iter().filter(|l| !owned_links.contains(l.as_str())) {
+            self.dataplane.delete_link(link).await?;
+            done.links_removed += 1;
+        }
+        Ok(done)
+    }
+
+    /// ADD: wires the attachment, or returns the recorded result when the
+    /// same attachment is added again and its kernel state is intact.
+    pub async fn add(&self, inv: &Invocation) -> Result<Vec<u8>> {
+        let started = now_nanos();
+        let key = key_of(inv);
+        let netns_path = inv.netns.clone().ok_or_else(|| Error::InvalidEnv {
+            var: "CNI_NETNS",
+            reason: "required for ADD".into(),
+        })?;
+        let _sweep = self.sweep.read().await;
+        let _key = self.lock_key(&key).await;
+        let netns = dataplane::open_netns(&netns_path)?;
+
+        let existing = lock(&self.attachments).get(&key).cloned();
+        if let Some(a) = existing {
+            return self.add_again(inv, a, &netns, &netns_path).await;
+        }
+
+        let host_ifname = dataplane::host_ifname(&key.network, &key.container_id, &key.ifname);
+        if let Some(other) = lock(&self.attachments)
+            .values()
+            .find(|a| a.host_ifname == host_ifname)
+        {
+            return Err(Error::Internal(format!(
+                "host interface name {host_ifname} of {key} collides with {}",
+                other.key
+            )));
+        }
+        let mtu = inv.conf.mtu.unwrap_or(self.config.mtu);
+        let ips = lock(&self.pools).allocate()?;
+        let mac = dataplane::pod_mac(&ips);
+        let attachment = Attachment {
+            key: key.clone(),
+            netns: netns_path.display().to_string(),
+            ips: ips.clone(),
+            mac: dataplane::format_mac(&mac),
+            host_ifname: host_ifname.clone(),
+            mtu,
+            created_unix_nanos: started,
+            pod_namespace: inv.args.pod_namespace.clone(),
+            pod_name: inv.args.pod_name.clone(),
+            pod_uid: inv.args.pod_uid.clone(),
+        };
+        let wiring = PodWiring {
+            netns: &netns,
+            netns_path: &netns_path,
+            pod_ifname: &key.ifname,
+            host_ifname: &host_ifname,
+            pod_mac: mac,
+            ips: &ips,
+            mtu,
+        };
+        let store = self.store.clone();
+        let record = attachment.clone();
+        // The fsync of the store commit overlaps the netlink work.
+        let (stored, wired_ok) = tokio::join!(
+            blocking(move || store.insert(&record)),
+            self.dataplane.wire(&wiring)
+        );
+        match (stored, wired_ok) {
+            (Ok(()), Ok(())) => {}
+            (stored, wired_ok) => {
+                // Roll back whichever half succeeded; report the first error.
+                let mut first = None;
+                match stored {
+                    Ok(()) => {
+                        let store = self.store.clone();
+                        let k = key.clone();
+                        if let Err(e) = blocking(move || store.remove(&[k])).await {
+                            tracing::error!(%key, error = %e, "rollback of the store record failed");
+                        }
+                    }
+                    Err(e) => first = Some(e),
+                }
+                match wired_ok {
+                    Ok(()) => {
+                        if let Err(e) = self.dataplane.delete_link(&host_ifname).await {
+                            tracing::error!(%key, error = %e, "rollback of the veth failed");
+                        }
+                    }
+                    Err(e) => first = first.or(Some(e)),
+                }
+                lock(&self.pools).release(&ips);
+                return Err(first.unwrap_or_else(|| Error::Internal("rollback".into())));
+            }
+        }
+        let result = cni::render_add_result(&inv.conf, &wired(&attachment));
+        lock(&self.attachments).insert(key, attachment);
+        result
+    }
+
+    /// A repeated ADD: the same result if the wiring is intact; rewired with
+    /// the same addresses if not (e.g. the daemon died in the middle of the
+    /// first ADD). A different netns is a conflict.
+    async fn add_again(
+        &self,
+        inv: &Invocation,
+        a: Attachment,
+        netns: &std::fs::File,
+        netns_path: &Path,
+    ) -> Result<Vec<u8>> {
+        if Path::new(&a.netns) != netns_path {
+            return Err(Error::AttachmentConflict(format!(
+                "{} is already attached in {}, not {}",
+                a.key,
+                a.netns,
+                netns_path.display()
+            )));
+        }
+        let wiring = PodWiring {
+            netns,
+            netns_path,
+            pod_ifname: &a.key.ifname,
+            host_ifname: &a.host_ifname,
+            pod_mac: mac_bytes(&a.mac)?,
+            ips: &a.ips,
+            mtu: a.mtu,
+        };
+        if let Err(e) = self.dataplane.check(&wiring).await {
+            tracing::info!(key = %a.key, reason = %e, "repeated ADD found broken wiring; rewiring");
+            self.dataplane.delete_link(&a.host_ifname).await?;
+            self.dataplane.wire(&wiring).await?;
+        }
+        cni::render_add_result(&inv.conf, &wired(&a))
+    }
+
+    /// DEL: idempotent. `queued_at` is set for DELs replayed from the shim's
+    /// queue: such a DEL must not remove an attachment created after it was
+    /// queued.
+    pub async fn del(&self, inv: &Invocation, queued_at: Option<u128>) -> Result<Vec<u8>> {
+        let key = key_of(inv);
+        let _sweep = self.sweep.read().await;
+        let _key = self.lock_key(&key).await;
+        let existing = lock(&self.attachments).get(&key).cloned();
+        let Some(a) = existing else {
+            // Nothing recorded. A link of that name can only be a leftover of
+            // a failed rollback: remove it in the background.
+            let host = dataplane::host_ifname(&key.network, &key.container_id, &key.ifname);
+            self.delete_link_later(host);
+            return Ok(cni::empty_result());
+        };
+        if queued_at.is_some_and(|q| a.created_unix_nanos > q) {
+            tracing::info!(key = %a.key, "queued DEL is older than the attachment; skipped");
+            return Ok(cni::empty_result());
+        }
+        self.release(&[a]).await?;
+        Ok(cni::empty_result())
+    }
+
+    /// Withdraws routes, removes records, frees addresses, and schedules the
+    /// links' deletion.
+    async fn release(&self, list: &[Attachment]) -> Result<()> {
+        let ips: Vec<IpAddr> = list.iter().flat_map(|a| a.ips.clone()).collect();
+        let keys: Vec<AttachmentKey> = list.iter().map(|a| a.key.clone()).collect();
+        let store = self.store.clone();
+        let (routes, stored) = tokio::join!(
+            self.dataplane.remove_host_routes(&ips),
+            blocking(move || store.remove(&keys))
+        );
+        routes?;
+        stored?;
+        {
+            let mut attachments = lock(&self.attachments);
+            for a in list {
+                attachments.remove(&a.key);
+            }
+        }
+        lock(&self.pools).release(&ips);
+        for a in list {
+            self.delete_link_later(a.host_ifname.clone());
+        }
+        Ok(())
+    }
+
+    /// Deletes a link after the reply: the kernel's veth teardown is slow and
+    /// nothing depends on it once the route and the record are gone. A later
+    /// ADD of the same attachment deletes a leftover link itself.
+    fn delete_link_later(&self, host_ifname: String) {
+        let counter = self.link_deletions.clone();
+        let dataplane = self.dataplane.clone();
+        counter.fetch_add(1, Ordering::Relaxed);
+        tokio::spawn(async move {
+            if let Err(e) = dataplane.delete_link(&host_ifname).await {
+                tracing::warn!(%host_ifname, error = %e, "background link deletion failed");
+            }
+            counter.fetch_sub(1, Ordering::Relaxed);
+        });
+    }
+
+    /// Waits (bounded) for background link deletions, for a clean shutdown.
+    pub async fn quiesce(&self, limit: Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        while self.link_deletions_in_flight() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// CHECK: compares the kernel and the prevResult with the record.
+    pub async fn check(&self, inv: &Invocation) -> Result<Vec<u8>> {
+        let key = key_of(inv);
+        let _sweep = self.sweep.read().await;
+        let _key = self.lock_key(&key).await;
+        let a = lock(&self.attachments).get(&key).cloned().ok_or_else(|| {
+            Error::check(Mismatch::UnknownAttachment, format!("no attachment {key}"))
+        })?;
+        let netns_path = inv.netns.clone().unwrap_or_default();
+        if Path::new(&a.netns) != netns_path {
+            return Err(Error::check(
+                Mismatch::PodInterface,
+                format!("{key} lives in {}, not {}", a.netns, netns_path.display()),
+            ));
+        }
+        let netns = dataplane::open_netns(&netns_path)?;
+        let wiring = PodWiring {
+            netns: &netns,
+            netns_path: &netns_path,
+            pod_ifname: &a.key.ifname,
+            host_ifname: &a.host_ifname,
+            pod_mac: mac_bytes(&a.mac)?,
+            ips: &a.ips,
+            mtu: a.mtu,
+        };
+        self.dataplane.check(&wiring).await?;
+        cni::check_prev_result(&inv.conf, &wired(&a))?;
+        Ok(cni::empty_result())
+    }
+
+    /// GC: releases every attachment of the network not listed as valid, then
+    /// sweeps our links and routes that no attachment owns.
+    pub async fn gc(&self, inv: &Invocation) -> Result<Vec<u8>> {
+        let valid = inv
+            .conf
+            .valid_attachments
+            .as_ref()
+            .ok_or_else(|| Error::InvalidConfig("GC needs cni.dev/valid-attachments".into()))?;
+        let valid: HashSet<(&str, &str)> = valid
+            .iter()
+            .map(|v| (v.container_id.as_str(), v.ifname.as_str()))
+            .collect();
+        let _sweep = self.sweep.write().await;
+        let doomed: Vec<Attachment> = lock(&self.attachments)
+            .values()
+            .filter(|a| {
+                a.key.network == inv.conf.name
+                    && !valid.contains(&(a.key.container_id.as_str(), a.key.ifname.as_str()))
+            })
+            .cloned()
+            .collect();
+        if !doomed.is_empty() {
+            tracing::info!(network = %inv.conf.name, count = doomed.len(), "GC releases attachments");
+            self.release(&doomed).await?;
+        }
+        drop(_sweep);
+        let swept = self.reconcile().await?;
+        if swept.links_removed + swept.routes_removed > 0 {
+            tracing::info!(?swept, "GC swept orphans");
+        }
+        Ok(cni::empty_result())
+    }
+
+    /// STATUS: ready for ADD when the store answers and every pool has room.
+    pub async fn status(&self) -> Result<Vec<u8>> {
+        let store = self.store.clone();
+        blocking(move || store.probe())
+            .await
+            .map_err(|e| Error::NotReady(format!("the state store does not answer: {e}")))?;
+        let pools = lock(&self.pools);
+        if let Some(p) = pools.pools().iter().find(|p| p.free() == 0) {
+            return Err(Error::NotReady(format!(
+                "pool {} is exhausted ({} addresses in use)",
+                p.cidr(),
+                p.used()
+            )));
+        }
+        Ok(cni::empty_result())
+    }
+}

@@ -1,0 +1,219 @@
+//! The `tether.cni.v1.Cni` gRPC service: the daemon's edge for CNI calls.
+//!
+//! Each RPC parses the forwarded invocation into a typed [`Invocation`]
+//! (all validation lives in [`crate::cni`]), runs it on the [`Node`], and
+//! answers with the result bytes or the CNI error object. gRPC-level errors
+//! are never used for CNI failures, so the shim can tell "the daemon said no"
+//! from "the daemon is unreachable".
+
+use crate::cni::{self, Command, Invocation};
+use crate::error::{Error, Result};
+use crate::node::Node;
+use crate::pending_del;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+use tether_proto::cni::v1::{cni_response::Outcome, cni_server, CniRequest, CniResponse};
+use tonic::{Request, Response, Status};
+
+/// The verbs in counter order.
+pub const VERBS: [Command; 5] = [
+    Command::Add,
+    Command::Del,
+    Command::Check,
+    Command::Status,
+    Command::Gc,
+];
+
+fn verb_index(c: Command) -> usize {
+    match c {
+        Command::Add => 0,
+        Command::Del => 1,
+        Command::Check => 2,
+        Command::Status => 3,
+        Command::Gc => 4,
+    }
+}
+
+/// The name of a verb as in CNI_COMMAND.
+pub fn verb_name(c: Command) -> &'static str {
+    match c {
+        Command::Add => "ADD",
+        Command::Del => "DEL",
+        Command::Check => "CHECK",
+        Command::Status => "STATUS",
+        Command::Gc => "GC",
+    }
+}
+
+/// Request counters since start.
+#[derive(Debug)]
+pub struct Stats {
+    ok: [AtomicU64; 5],
+    errors: [AtomicU64; 5],
+    /// Queued DELs replayed since start.
+    pub pending_del_processed: AtomicU64,
+    /// When serving started.
+    pub started: Instant,
+}
+
+impl Default for Stats {
+    fn default() -> Self {
+        Stats {
+            ok: Default::default(),
+            errors: Default::default(),
+            pending_del_processed: AtomicU64::new(0),
+            started: Instant::now(),
+        }
+    }
+}
+
+impl Stats {
+    fn record(&self, verb: Command, ok: bool) {
+        let slot = if ok { &self.ok } else { &self.errors };
+        slot[verb_index(verb)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// (ok, errors) of a verb.
+    pub fn counts(&self, verb: Command) -> (u64, u64) {
+        let i = verb_index(verb);
+        (
+            self.ok[i].load(Ordering::Relaxed),
+            self.errors[i].load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// The CNI service.
+pub struct CniService {
+    node: Arc<Node>,
+    stats: Arc<Stats>,
+}
+
+impl CniService {
+    /// A service over the node.
+    pub fn new(node: Arc<Node>, stats: Arc<Stats>) -> Self {
+        CniService { node, stats }
+    }
+
+    async fn run(&self, rpc: Command, req: CniRequest) -> CniResponse {
+        let parsed = cni::parse_request(&req).and_then(|inv| {
+            if inv.command == rpc {
+                Ok(inv)
+            } else {
+                Err(Error::InvalidEnv {
+                    var: "CNI_COMMAND",
+                    reason: format!("{:?} sent to the {} method", req.command, verb_name(rpc)),
+                })
+            }
+        });
+        let version = match &parsed {
+            Ok(inv) => inv.conf.cni_version.as_str().to_string(),
+            Err(_) => cni::error_version(&req.stdin),
+        };
+        let outcome = match parsed {
+            Ok(inv) => dispatch(&self.node, &inv, None).await,
+            Err(e) => Err(e),
+        };
+        self.stats.record(rpc, outcome.is_ok());
+        let outcome = match outcome {
+            Ok(bytes) => Outcome::Result(bytes),
+            Err(e) => {
+                tracing::info!(
+                    verb = verb_name(rpc),
+                    container = %req.container_id,
+                    ifname = %req.ifname,
+                    code = e.code(),
+                    error = %e,
+                    "request failed"
+                );
+                Outcome::Error(cni::error_to_proto(&version, &e))
+            }
+        };
+        CniResponse {
+            outcome: Some(outcome),
+        }
+    }
+}
+
+async fn dispatch(node: &Node, inv: &Invocation, queued_at: Option<u128>) -> Result<Vec<u8>> {
+    match inv.command {
+        Command::Add => node.add(inv).await,
+        Command::Del => node.del(inv, queued_at).await,
+        Command::Check => node.check(inv).await,
+        Command::Status => node.status().await,
+        Command::Gc => node.gc(inv).await,
+    }
+}
+
+#[tonic::async_trait]
+impl cni_server::Cni for CniService {
+    async fn add(&self, r: Request<CniRequest>) -> Result<Response<CniResponse>, Status> {
+        Ok(Response::new(self.run(Command::Add, r.into_inner()).await))
+    }
+    async fn del(&self, r: Request<CniRequest>) -> Result<Response<CniResponse>, Status> {
+        Ok(Response::new(self.run(Command::Del, r.into_inner()).await))
+    }
+    async fn check(&self, r: Request<CniRequest>) -> Result<Response<CniResponse>, Status> {
+        Ok(Response::new(
+            self.run(Command::Check, r.into_inner()).await,
+        ))
+    }
+    async fn status(&self, r: Request<CniRequest>) -> Result<Response<CniResponse>, Status> {
+        Ok(Response::new(
+            self.run(Command::Status, r.into_inner()).await,
+        ))
+    }
+    async fn gc(&self, r: Request<CniRequest>) -> Result<Response<CniResponse>, Status> {
+        Ok(Response::new(self.run(Command::Gc, r.into_inner()).await))
+    }
+}
+
+/// Replays the shim's pending-DEL queue through the normal DEL path. An entry
+/// is removed once its DEL succeeded; a DEL that fails stays queued for the
+/// next pass; an unreadable or invalid entry is set aside in `bad/`.
+/// Returns the number of entries processed.
+pub async fn drain_pending_dels(node: &Node, stats: &Stats) -> u64 {
+    let state_dir = node.config().state_dir.clone();
+    let (entries, bad) = pending_del::read_queue(&state_dir);
+    for b in &bad {
+        tracing::warn!(path = %b.path.display(), reason = %b.reason, "unreadable pending DEL set aside");
+        if let Err(e) = pending_del::quarantine(b) {
+            tracing::error!(path = %b.path.display(), error = %e, "cannot set pending DEL aside");
+        }
+    }
+    let mut processed = 0;
+    for (path, queued) in entries {
+        let outcome = match cni::parse_request(&queued.to_request()) {
+            Ok(inv) => dispatch(node, &inv, Some(queued.queued_at_unix_nanos)).await,
+            Err(e) => {
+                // Invalid forever: replaying it again cannot succeed.
+                let entry = pending_del::BadEntry {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                };
+                tracing::warn!(path = %path.display(), error = %e, "invalid pending DEL set aside");
+                if let Err(e) = pending_del::quarantine(&entry) {
+                    tracing::error!(path = %path.display(), error = %e, "cannot set pending DEL aside");
+                }
+                continue;
+            }
+        };
+        match outcome {
+            Ok(_) => {
+                if let Err(e) = std::fs::remove_file(&path) {
+                    tracing::error!(path = %path.display(), error = %e, "cannot remove replayed pending DEL");
+                }
+                processed += 1;
+                stats.pending_del_processed.fetch_add(1, Ordering::Relaxed);
+                stats.record(Command::Del, true);
+                tracing::info!(container = %queued.container_id, ifname = %queued.ifname, "replayed pending DEL");
+            }
+            Err(e) => {
+                stats.record(Command::Del, false);
+                tracing::warn!(path = %path.display(), error = %e, "pending DEL failed; kept for the next pass");
+            }
+        }
+    }
+    processed
+}

@@ -1,0 +1,684 @@
+//! Durable state: the attachments this node has wired and the addresses they
+//! hold.
+//!
+//! The store is the source of truth. The daemon's in-memory indexes are
+//! rebuilt from it at startup and changed only after a store write.
+//! Backends sit behind [`Store`]; the embedded `local` backend (a snapshot
+//! plus a checksummed append-only journal) is the default.
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
+
+/// Identifies one attachment: the CNI spec's (network, container, ifname).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct AttachmentKey {
+    /// The CNI network name (the netconf's "name").
+    pub network: String,
+    /// CNI_CONTAINERID.
+    pub container_id: String,
+    /// CNI_IFNAME.
+    pub ifname: String,
+}
+
+impl fmt::Display for AttachmentKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}/{}", self.network, self.container_id, self.ifname)
+    }
+}
+
+/// One container interface wired by tether, as recorded durably.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attachment {
+    /// Which attachment this is.
+    pub key: AttachmentKey,
+    /// The pod netns path given at ADD.
+    pub netns: String,
+    /// Pod addresses (one per family), routed as /32 and /128.
+    pub ips: Vec<IpAddr>,
+    /// The pod interface's MAC, "0a:58:..".
+    pub mac: String,
+    /// The node-side veth name.
+    pub host_ifname: String,
+    /// The MTU of both ends.
+    pub mtu: u32,
+    /// When the ADD that created it started, in nanoseconds since the epoch.
+    pub created_unix_nanos: u128,
+    /// K8S_POD_NAMESPACE, when the runtime sent it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_namespace: Option<String>,
+    /// K8S_POD_NAME, when the runtime sent it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_name: Option<String>,
+    /// K8S_POD_UID, when the runtime sent it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<String>,
+}
+
+/// A durable home for attachments. Every method is blocking; call it from a
+/// blocking context (`spawn_blocking`), never directly on a tokio worker.
+pub trait Store: Send + Sync + 'static {
+    /// The backend's name as shown to operators ("local", "etcd").
+    fn backend(&self) -> &'static str;
+    /// Where the data lives (a path or endpoints), for operators.
+    fn location(&self) -> String;
+    /// Every attachment recorded.
+    fn load(&self) -> Result<Vec<Attachment>>;
+    /// Records a new attachment and claims its addresses, atomically and
+    /// durably. Fails if the key exists or any address is already held.
+    fn insert(&self, attachment: &Attachment) -> Result<()>;
+    /// Removes attachments and frees their addresses, atomically and durably.
+    /// Keys that are not recorded are skipped.
+    fn remove(&self, keys: &[AttachmentKey]) -> Result<()>;
+    /// Cheap liveness probe for STATUS.
+    fn probe(&self) -> Result<()>;
+}
+
+/// When the local store makes an appended record durable against power loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fsync {
+    /// `fdatasync` before the call returns: every acknowledged change
+    /// survives a machine crash, at the cost of one device flush per change.
+    Always,
+    /// The record is written to the file (so it survives a daemon crash)
+    /// before the call returns; a background thread flushes it to the device
+    /// shortly after, grouping concurrent changes into one flush.
+    Background,
+}
+
+/// The embedded single-node store: a snapshot plus an append-only journal
+/// under the state dir.
+///
+/// - `attachments.snapshot`: every attachment as of the last compaction,
+///   written to a temporary file, flushed, and renamed into place.
+/// - `attachments.journal`: one framed record per change since then,
+///   `[u32 length][u32 crc32][JSON]`. A torn or corrupt tail (a crash in
+///   the middle of an append) is detected by the checksum and cut off.
+///
+/// Replay is idempotent (a record sets or removes whole attachments), so a
+/// crash between writing a new snapshot and truncating the journal is
+/// harmless. The store keeps an index in memory to enforce its invariants
+/// (one record per key, one holder per address) before anything is written.
+pub struct LocalStore {
+    dir: PathBuf,
+    fsync: Fsync,
+    inner: Mutex<Journal>,
+    flusher: Arc<Flusher>,
+}
+
+struct Journal {
+    file: File,
+    len: u64,
+    attachments: BTreeMap<AttachmentKey, Attachment>,
+    holders: HashMap<IpAddr, AttachmentKey>,
+}
+
+/// The background flush thread's mailbox.
+struct Flusher {
+    state: Mutex<FlushState>,
+    wake: Condvar,
+}
+
+struct FlushState {
+    file: Option<File>,
+    dirty: bool,
+    stop: bool,
+    last_error: Option<String>,
+}
+
+#[derive(Serialize, Deserialize)]
+enum Record {
+    #[serde(rename = "put")]
+    Put(Box<Attachment>),
+    #[serde(rename = "remove")]
+    Remove(Vec<AttachmentKey>),
+}
+
+#[derive(Serialize, Deserialize)]
+struct Snapshot {
+    version: u32,
+    attachments: Vec<Attachment>,
+}
+
+/// Compact once the journal grows past this.
+const COMPACT_AT: u64 = 8 << 20;
+const SNAPSHOT: &str = "attachments.snapshot";
+const JOURNAL: &str = "attachments.journal";
+
+fn store_err(context: &str, e: impl fmt::Display) -> Error {
+    Error::Store(format!("{context}: {e}"))
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn frame(record: &Record) -> Result<Vec<u8>> {
+    let body = serde_json::to_vec(record).map_err(|e| Error::Internal(e.to_string()))?;
+    let len = u32::try_from(body.len()).map_err(|_| Error::Internal("record too large".into()))?;
+    let mut out = Vec::with_capacity(body.len() + 8);
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// Decodes records from the journal's bytes; returns them with the length
+/// of the valid prefix (everything after it is a torn or corrupt tail).
+fn unframe(bytes: &[u8]) -> (Vec<Record>, usize) {
+    let mut records = Vec::new();
+    let mut at = 0;
+    while bytes.len() - at >= 8 {
+        let len =
+            u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]) as usize;
+        let crc = u32::from_le_bytes([bytes[at + 4], bytes[at + 5], bytes[at + 6], bytes[at + 7]]);
+        let Some(body) = bytes.get(at + 8..at + 8 + len) else {
+            break;
+        };
+        if crc32fast::hash(body) != crc {
+            break;
+        }
+        let Ok(record) = serde_json::from_slice::<Record>(body) else {
+            break;
+        };
+        records.push(record);
+        at += 8 + len;
+    }
+    (records, at)
+}
+
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+impl Journal {
+    fn apply(&mut self, record: Record) {
+        match record {
+            Record::Put(a) => {
+                let a = *a;
+                if let Some(old) = self.attachments.remove(&a.key) {
+                    for ip in &old.ips {
+                        self.holders.remove(ip);
+                    }
+                }
+                for ip in &a.ips {
+                    self.holders.insert(*ip, a.key.clone());
+                }
+                self.attachments.insert(a.key.clone(), a);
+            }
+            Record::Remove(keys) => {
+                for key in keys {
+                    if let Some(old) = self.attachments.remove(&key) {
+                        for ip in &old.ips {
+                            self.holders.remove(ip);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl LocalStore {
+    /// Opens (or creates) the store in `state_dir`: loads the snapshot,
+    /// replays the journal, cuts off a torn tail, and compacts.
+    pub fn open(state_dir: &Path, fsync: Fsync) -> Result<Self> {
+        std::fs::create_dir_all(state_dir)
+            .map_err(|e| store_err(&format!("creating {}", state_dir.display()), e))?;
+        let snapshot_path = state_dir.join(SNAPSHOT);
+        let snapshot: Snapshot = match std::fs::read(&snapshot_path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map_err(|e| store_err(&format!("decoding {}", snapshot_path.display()), e))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Snapshot {
+                version: 1,
+                attachments: Vec::new(),
+            },
+            Err(e) => {
+                return Err(store_err(
+                    &format!("reading {}", snapshot_path.display()),
+                    e,
+                ))
+            }
+        };
+        if snapshot.version != 1 {
+            return Err(Error::Store(format!(
+                "{} has unsupported version {}",
+                snapshot_path.display(),
+                snapshot.version
+            )));
+        }
+        let journal_path = state_dir.join(JOURNAL);
+        let file = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(true)
+            .open(&journal_path)
+            .map_err(|e| store_err(&format!("opening {}", journal_path.display()), e))?;
+        let bytes = std::fs::read(&journal_path)
+            .map_err(|e| store_err(&format!("reading {}", journal_path.display()), e))?;
+        let (records, valid) = unframe(&bytes);
+        if valid < bytes.len() {
+            tracing::warn!(
+                path = %journal_path.display(),
+                dropped_bytes = bytes.len() - valid,
+                "journal ends in a torn or corrupt record (a crash mid-append); cut off"
+            );
+        }
+        let mut journal = Journal {
+            file,
+            len: 0,
+            attachments: BTreeMap::new(),
+            holders: HashMap::new(),
+        };
+        for a in snapshot.attachments {
+            journal.apply(Record::Put(Box::new(a)));
+        }
+        for r in records {
+            journal.apply(r);
+        }
+        let flusher = Arc::new(Flusher {
+            state: Mutex::new(FlushState {
+                file: None,
+                dirty: false,
+                stop: false,
+                last_error: None,
+            }),
+            wake: Condvar::new(),
+        });
+        let store = LocalStore {
+            dir: state_dir.to_path_buf(),
+            fsync,
+            inner: Mutex::new(journal),
+            flusher,
+        };
+        {
+            let mut j = lock(&store.inner);
+            store.compact(&mut j)?;
+        }
+        if fsync == Fsync::Background {
+            let flusher = store.flusher.clone();
+            std::thread::Builder::new()
+                .name("tetherd-fsync".into())
+                .spawn(move || flush_loop(&flusher))
+                .map_err(|e| store_err("starting the flush thread", e))?;
+        }
+        Ok(store)
+    }
+
+    /// The store as a shared trait object.
+    pub fn into_arc(self) -> std::sync::Arc<dyn Store> {
+        std::sync::Arc::new(self)
+    }
+
+    /// Writes a snapshot of the current state and empties the journal.
+    fn compact(&self, j: &mut Journal) -> Result<()> {
+        let snapshot = Snapshot {
+            version: 1,
+            attachments: j.attachments.values().cloned().collect(),
+        };
+        let bytes = serde_json::to_vec(&snapshot).map_err(|e| Error::Internal(e.to_string()))?;
+        let path = self.dir.join(SNAPSHOT);
+        let tmp = self.dir.join(format!(".{SNAPSHOT}.tmp"));
+        let write = || -> std::io::Result<()> {
+            let mut f = File::create(&tmp)?;
+            f.write_all(&bytes)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &path)?;
+            sync_dir(&self.dir)?;
+            // Only now is the journal redundant; replaying it onto the new
+            // snapshot would be harmless anyway (replay is idempotent).
+            j.file.set_len(0)?;
+            j.file.sync_all()
+        };
+        write().map_err(|e| store_err("compacting the journal", e))?;
+        j.len = 0;
+        let file = j
+            .file
+            .try_clone()
+            .map_err(|e| store_err("journal handle", e))?;
+        lock(&self.flusher.state).file = Some(file);
+        Ok(())
+    }
+
+    /// Appends a record; it is in the file (safe from a daemon crash) when
+    /// this returns, and flushed to the device per the fsync policy.
+    fn append(&self, j: &mut Journal, record: &Record) -> Result<()> {
+        let bytes = frame(record)?;
+        if let Err(e) = j.file.write_all(&bytes) {
+            // A partial append is cut off at the next open by its checksum;
+            // truncate now so that later appends stay readable.
+            let _ = j.file.set_len(j.len);
+            return Err(store_err("appending to the journal", e));
+        }
+        j.len += bytes.len() as u64;
+        match self.fsync {
+            Fsync::Always => j
+                .file
+                .sync_data()
+                .map_err(|e| store_err("flushing the journal", e))?,
+            Fsync::Background => {
+                let mut st = lock(&self.flusher.state);
+                if let Some(e) = st.last_error.take() {
+                    return Err(Error::Store(format!("flushing the journal: {e}")));
+                }
+                st.dirty = true;
+                self.flusher.wake.notify_one();
+            }
+        }
+        Ok(())
+    }
+}
+
+fn flush_loop(flusher: &Flusher) {
+    let mut st = lock(&flusher.state);
+    loop {
+        while !st.dirty && !st.stop {
+            st = flusher.wake.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        if st.stop && !st.dirty {
+            return;
+        }
+        st.dirty = false;
+        let file = st.file.as_ref().and_then(|f| f.try_clone().ok());
+        drop(st);
+        // Changes appended while this flush runs set `dirty` again and are
+        // covered by the next one: one device flush serves a whole group.
+        let outcome = file.map(|f| f.sync_data());
+        st = lock(&flusher.state);
+        if let Some(Err(e)) = outcome {
+            tracing::error!(error = %e, "journal flush failed");
+            st.last_error = Some(e.to_string());
+        }
+    }
+}
+
+impl Drop for LocalStore {
+    fn drop(&mut self) {
+        let mut st = lock(&self.flusher.state);
+        st.stop = true;
+        self.flusher.wake.notify_one();
+        drop(st);
+        if let Some(f) = lock(&self.flusher.state).file.as_ref() {
+            let _ = f.sync_data();
+        }
+    }
+}
+
+impl Store for LocalStore {
+    fn backend(&self) -> &'static str {
+        "local"
+    }
+
+    fn location(&self) -> String {
+        self.dir.display().to_string()
+    }
+
+    fn load(&self) -> Result<Vec<Attachment>> {
+        Ok(lock(&self.inner).attachments.values().cloned().collect())
+    }
+
+    fn insert(&self, a: &Attachment) -> Result<()> {
+        let mut j = lock(&self.inner);
+        if j.attachments.contains_key(&a.key) {
+            return Err(Error::Internal(format!("attachment {} exists", a.key)));
+        }
+        if let Some((ip, holder)) = a
+            .ips
+            .iter()
+            .find_map(|ip| j.holders.get(ip).map(|h| (ip, h)))
+        {
+            return Err(Error::Internal(format!(
+                "address {ip} is already held by {holder}"
+            )));
+        }
+        let record = Record::Put(Box::new(a.clone()));
+        self.append(&mut j, &record)?;
+        j.apply(record);
+        if j.len > COMPACT_AT {
+            self.compact(&mut j)?;
+        }
+        Ok(())
+    }
+
+    fn remove(&self, keys: &[AttachmentKey]) -> Result<()> {
+        let mut j = lock(&self.inner);
+        let present: Vec<AttachmentKey> = keys
+            .iter()
+            .filter(|k| j.attachments.contains_key(k))
+            .cloned()
+            .collect();
+        if present.is_empty() {
+            return Ok(());
+        }
+        let record = Record::Remove(present);
+        self.append(&mut j, &record)?;
+        j.apply(record);
+        if j.len > COMPACT_AT {
+            self.compact(&mut j)?;
+        }
+        Ok(())
+    }
+
+    fn probe(&self) -> Result<()> {
+        if let Some(e) = lock(&self.flusher.state).last_error.clone() {
+            return Err(Error::Store(format!("the last journal flush failed: {e}")));
+        }
+        let j = lock(&self.inner);
+        j.file
+            .metadata()
+            .map(|_| ())
+            .map_err(|e| store_err("journal", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn attachment(cid: &str, ips: &[&str]) -> Attachment {
+        Attachment {
+            key: AttachmentKey {
+                network: "net".into(),
+                container_id: cid.into(),
+                ifname: "eth0".into(),
+            },
+            netns: "/run/netns/x".into(),
+            ips: ips.iter().map(|s| s.parse().unwrap()).collect(),
+            mac: "0a:58:0a:00:00:02".into(),
+            host_ifname: "tth000000000000".into(),
+            mtu: 1500,
+            created_unix_nanos: 1,
+            pod_namespace: Some("default".into()),
+            pod_name: None,
+            pod_uid: None,
+        }
+    }
+
+    fn sorted(s: &LocalStore) -> Vec<Attachment> {
+        let mut all = s.load().unwrap();
+        all.sort_by(|x, y| x.key.cmp(&y.key));
+        all
+    }
+
+    #[test]
+    fn insert_load_remove_survive_reopen() {
+        for fsync in [Fsync::Always, Fsync::Background] {
+            let dir = tempfile::tempdir().unwrap();
+            {
+                let s = LocalStore::open(dir.path(), fsync).unwrap();
+                s.insert(&attachment("a", &["10.0.0.2", "fd00::2"]))
+                    .unwrap();
+                s.insert(&attachment("b", &["10.0.0.3"])).unwrap();
+            }
+            let s = LocalStore::open(dir.path(), fsync).unwrap();
+            let all = sorted(&s);
+            assert_eq!(all.len(), 2);
+            assert_eq!(all[0], attachment("a", &["10.0.0.2", "fd00::2"]));
+            s.remove(std::slice::from_ref(&all[0].key)).unwrap();
+            drop(s);
+            let s = LocalStore::open(dir.path(), fsync).unwrap();
+            let all = sorted(&s);
+            assert_eq!(all.len(), 1);
+            assert_eq!(all[0].key.container_id, "b");
+            // The freed address can be claimed again.
+            s.insert(&attachment("c", &["10.0.0.2"])).unwrap();
+        }
+    }
+
+    #[test]
+    fn changes_are_in_the_file_before_the_call_returns() {
+        // What a kill -9 leaves: the files as they are, with no flush and no
+        // compaction. Copy them aside while the store is still open.
+        let dir = tempfile::tempdir().unwrap();
+        let s = LocalStore::open(dir.path(), Fsync::Background).unwrap();
+        s.insert(&attachment("a", &["10.0.0.2"])).unwrap();
+        s.insert(&attachment("b", &["10.0.0.3"])).unwrap();
+        s.remove(&[attachment("a", &[]).key]).unwrap();
+        let copy = tempfile::tempdir().unwrap();
+        for name in [SNAPSHOT, JOURNAL] {
+            std::fs::copy(dir.path().join(name), copy.path().join(name)).unwrap();
+        }
+        let recovered = LocalStore::open(copy.path(), Fsync::Background).unwrap();
+        let all = sorted(&recovered);
+        assert_eq!(all, vec![attachment("b", &["10.0.0.3"])]);
+        drop(s);
+    }
+
+    #[test]
+    fn refuses_second_holder_of_an_address_and_duplicate_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = LocalStore::open(dir.path(), Fsync::Background).unwrap();
+        s.insert(&attachment("a", &["10.0.0.2"])).unwrap();
+        let e = s.insert(&attachment("b", &["10.0.0.2"])).unwrap_err();
+        assert!(e.to_string().contains("already held by net/a/eth0"), "{e}");
+        assert!(s.insert(&attachment("a", &["10.0.0.9"])).is_err());
+        drop(s);
+        // Nothing of the refused inserts was written.
+        let s = LocalStore::open(dir.path(), Fsync::Background).unwrap();
+        assert_eq!(s.load().unwrap().len(), 1);
+        s.insert(&attachment("c", &["10.0.0.9"])).unwrap();
+    }
+
+    #[test]
+    fn a_torn_or_corrupt_tail_is_cut_off() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = dir.path().join(JOURNAL);
+        let good = frame(&Record::Put(Box::new(attachment("a", &["10.0.0.2"])))).unwrap();
+        let second = frame(&Record::Put(Box::new(attachment("b", &["10.0.0.3"])))).unwrap();
+        // A record cut in the middle, as a crash mid-append leaves it.
+        let mut bytes = good.clone();
+        bytes.extend_from_slice(&second[..second.len() / 2]);
+        std::fs::write(&journal, &bytes).unwrap();
+        let s = LocalStore::open(dir.path(), Fsync::Background).unwrap();
+        assert_eq!(sorted(&s), vec![attachment("a", &["10.0.0.2"])]);
+        s.insert(&attachment("c", &["10.0.0.4"])).unwrap();
+        drop(s);
+        let s = LocalStore::open(dir.path(), Fsync::Background).unwrap();
+        assert_eq!(s.load().unwrap().len(), 2);
+        drop(s);
+
+        // A flipped byte inside a record: the checksum refuses it and
+        // everything after it.
+        let dir = tempfile::tempdir().unwrap();
+        let mut bytes = good.clone();
+        bytes.extend_from_slice(&second);
+        let last = bytes.len() - 3;
+        bytes[last] ^= 0xff;
+        std::fs::write(dir.path().join(JOURNAL), &bytes).unwrap();
+        let s = LocalStore::open(dir.path(), Fsync::Background).unwrap();
+        assert_eq!(sorted(&s), vec![attachment("a", &["10.0.0.2"])]);
+    }
+
+    #[test]
+    fn replaying_a_journal_onto_a_newer_snapshot_is_harmless() {
+        // A crash after the new snapshot was renamed into place but before
+        // the journal was truncated.
+        let dir = tempfile::tempdir().unwrap();
+        let records = [
+            Record::Put(Box::new(attachment("a", &["10.0.0.2"]))),
+            Record::Put(Box::new(attachment("b", &["10.0.0.3"]))),
+            Record::Remove(vec![attachment("a", &[]).key]),
+        ];
+        let mut bytes = Vec::new();
+        for r in &records {
+            bytes.extend(frame(r).unwrap());
+        }
+        std::fs::write(dir.path().join(JOURNAL), &bytes).unwrap();
+        drop(LocalStore::open(dir.path(), Fsync::Background).unwrap());
+        // Put the old journal back next to the compacted snapshot.
+        std::fs::write(dir.path().join(JOURNAL), &bytes).unwrap();
+        let s = LocalStore::open(dir.path(), Fsync::Background).unwrap();
+        assert_eq!(sorted(&s), vec![attachment("b", &["10.0.0.3"])]);
+    }
+
+    #[test]
+    fn compaction_keeps_everything_and_empties_the_journal() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let s = LocalStore::open(dir.path(), Fsync::Background).unwrap();
+            for i in 0..50u32 {
+                s.insert(&attachment(
+                    &format!("c{i}"),
+                    &[&format!("10.0.1.{}", i + 1)],
+                ))
+                .unwrap();
+            }
+            let j = lock(&s.inner);
+            assert!(j.len > 0);
+        }
+        let s = LocalStore::open(dir.path(), Fsync::Background).unwrap();
+        assert_eq!(s.load().unwrap().len(), 50);
+        assert_eq!(
+            std::fs::metadata(dir.path().join(JOURNAL)).unwrap().len(),
+            0,
+            "open compacts the journal into the snapshot"
+        );
+    }
+
+    #[test]
+    fn removing_unknown_keys_is_a_no_op() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = LocalStore::open(dir.path(), Fsync::Background).unwrap();
+        s.remove(&[attachment("zz", &[]).key]).unwrap();
+        s.probe().unwrap();
+        assert!(s.load().unwrap().is_empty());
+        assert_eq!(
+            std::fs::metadata(dir.path().join(JOURNAL)).unwrap().len(),
+            0
+        );
+    }
+
+    /// Prints the cost of one insert and one remove on this disk, for both
+    /// fsync policies (information for the benchmark notes, no assertion).
+    #[test]
+    #[ignore]
+    fn write_latency() {
+        for fsync in [Fsync::Always, Fsync::Background] {
+            let dir = tempfile::Builder::new().tempdir_in("/var/tmp").unwrap();
+            let s = LocalStore::open(dir.path(), fsync).unwrap();
+            let (mut ins, mut del) = (Vec::new(), Vec::new());
+            for i in 0..200u32 {
+                let ip = format!("10.0.{}.{}", i / 250, i % 250 + 1);
+                let a = attachment(&format!("c{i}"), &[&ip]);
+                let t = std::time::Instant::now();
+                s.insert(&a).unwrap();
+                ins.push(t.elapsed());
+                let t = std::time::Instant::now();
+                s.remove(std::slice::from_ref(&a.key)).unwrap();
+                del.push(t.elapsed());
+            }
+            ins.sort();
+            del.sort();
+            println!(
+                "{fsync:?}: insert p50 {:?} p99 {:?}; remove p50 {:?} p99 {:?}",
+                ins[100], ins[197], del[100], del[197]
+            );
+        }
+    }
+}
