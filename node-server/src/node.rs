@@ -22,10 +22,9 @@ use ipnet::IpNet;
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-use tokio::sync::{OwnedMutexGuard, RwLock};
+use tokio::sync::{Notify, OwnedMutexGuard, RwLock};
 
 /// The node's static settings.
 #[derive(Debug, Clone)]
@@ -66,7 +65,10 @@ pub struct Node {
     /// Held shared by per-attachment verbs and exclusively by GC, whose
     /// orphan sweep must not see an ADD half done.
     sweep: RwLock<()>,
-    link_deletions: Arc<AtomicU64>,
+    /// Background link deletions by host interface name. An ADD that needs
+    /// the same name waits for the deletion, or the late deletion would
+    /// remove the new pod's veth.
+    deleting: Arc<Mutex<HashMap<String, Arc<Notify>>>>,
 }
 
 /// Holds an attachment's lock; frees the table entry when nobody else waits.
@@ -203,7 +205,7 @@ impl Node {
             attachments: Mutex::new(attachments),
             key_locks: Mutex::new(HashMap::new()),
             sweep: RwLock::new(()),
-            link_deletions: Arc::new(AtomicU64::new(0)),
+            deleting: Arc::new(Mutex::new(HashMap::new())),
         };
         let reconciled = node.reconcile().await?;
         Ok((node, reconciled))
@@ -237,7 +239,25 @@ impl Node {
 
     /// Kernel link deletions still running after their DEL replied.
     pub fn link_deletions_in_flight(&self) -> u64 {
-        self.link_deletions.load(Ordering::Relaxed)
+        lock(&self.deleting).len() as u64
+    }
+
+    /// Waits until no background deletion of `host_ifname` is running.
+    async fn wait_for_deletion(&self, host_ifname: &str) {
+        loop {
+            let Some(done) = lock(&self.deleting).get(host_ifname).cloned() else {
+                return;
+            };
+            let notified = done.notified();
+            tokio::pin!(notified);
+            // Register before re-checking, so a wake-up between the check
+            // and the wait is not lost.
+            notified.as_mut().enable();
+            if !lock(&self.deleting).contains_key(host_ifname) {
+                return;
+            }
+            notified.await;
+        }
     }
 
     async fn lock_key(&self, key: &AttachmentKey) -> KeyGuard<'_> {
@@ -325,6 +345,7 @@ impl Node {
                 other.key
             )));
         }
+        self.wait_for_deletion(&host_ifname).await;
         let mtu = inv.conf.mtu.unwrap_or(self.config.mtu);
         let ips = lock(&self.pools).allocate()?;
         let mac = dataplane::pod_mac(&ips);
@@ -417,6 +438,7 @@ impl Node {
         };
         if let Err(e) = self.dataplane.check(&wiring).await {
             tracing::info!(key = %a.key, reason = %e, "repeated ADD found broken wiring; rewiring");
+            self.wait_for_deletion(&a.host_ifname).await;
             self.dataplane.delete_link(&a.host_ifname).await?;
             self.dataplane.wire(&wiring).await?;
         }
@@ -475,14 +497,28 @@ impl Node {
     /// nothing depends on it once the route and the record are gone. A later
     /// ADD of the same attachment deletes a leftover link itself.
     fn delete_link_later(&self, host_ifname: String) {
-        let counter = self.link_deletions.clone();
+        let done = Arc::new(Notify::new());
+        if lock(&self.deleting)
+            .insert(host_ifname.clone(), done.clone())
+            .is_some()
+        {
+            // Callers hold the attachment's lock and a pending deletion of
+            // the same name is awaited by ADD, so this cannot happen; if it
+            // did, the earlier task would still wake its waiters.
+            tracing::warn!(%host_ifname, "link deletion scheduled twice");
+        }
         let dataplane = self.dataplane.clone();
-        counter.fetch_add(1, Ordering::Relaxed);
+        let deleting = self.deleting.clone();
         tokio::spawn(async move {
             if let Err(e) = dataplane.delete_link(&host_ifname).await {
                 tracing::warn!(%host_ifname, error = %e, "background link deletion failed");
             }
-            counter.fetch_sub(1, Ordering::Relaxed);
+            let mut map = lock(&deleting);
+            if map.get(&host_ifname).is_some_and(|n| Arc::ptr_eq(n, &done)) {
+                map.remove(&host_ifname);
+            }
+            drop(map);
+            done.notify_waiters();
         });
     }
 
