@@ -62,6 +62,10 @@ struct Args {
     #[arg(long = "allow-uid", value_name = "UID")]
     allowed_uids: Vec<u32>,
 
+    /// Test hook (hidden): delay background veth deletions by this many ms.
+    #[arg(long, hide = true, default_value_t = 0)]
+    test_delete_delay_ms: u64,
+
     /// Log filter, e.g. "info" or "tetherd=debug".
     #[arg(long, default_value = "info", env = "TETHER_LOG")]
     log_level: String,
@@ -117,6 +121,7 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
         pod_cidrs: args.pod_cidrs.clone(),
         mtu: args.mtu,
         state_dir: args.state_dir.clone(),
+        test_delete_delay: Duration::from_millis(args.test_delete_delay_ms),
     };
     let store: Arc<dyn Store> = {
         let dir = args.state_dir.clone();

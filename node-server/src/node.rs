@@ -37,6 +37,9 @@ pub struct NodeConfig {
     pub mtu: u32,
     /// The daemon's state directory.
     pub state_dir: PathBuf,
+    /// Test hook: holds background link deletions back this long, so tests
+    /// can prove that nothing depends on their timing. Zero in production.
+    pub test_delete_delay: Duration,
 }
 
 /// What startup reconciliation did, for the log and for tests.
@@ -509,7 +512,11 @@ impl Node {
         }
         let dataplane = self.dataplane.clone();
         let deleting = self.deleting.clone();
+        let delay = self.config.test_delete_delay;
         tokio::spawn(async move {
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
             if let Err(e) = dataplane.delete_link(&host_ifname).await {
                 tracing::warn!(%host_ifname, error = %e, "background link deletion failed");
             }
