@@ -4,9 +4,11 @@
 //! `ipam` (address pools), `dataplane` (all netlink), `store` (durable
 //! state), `node` (the attachment lifecycle that ties them together),
 //! `pending_del` (the shim's DEL queue), `service` and `admin` (the gRPC
-//! faces), `server` (the socket).
+//! faces), `server` (the socket), `authority` (lets clients that send a
+//! socket path as HTTP/2 `:authority`, like grpcurl 1.8.6, be served).
 
 pub mod admin;
+pub mod authority;
 pub mod cni;
 pub mod dataplane;
 pub mod error;

@@ -3,6 +3,7 @@
 //! health, and server reflection (v1 and v1alpha, for grpcurl).
 
 use crate::admin::AdminService;
+use crate::authority::AuthorityFix;
 use crate::error::{Error, Result};
 use crate::node::Node;
 use crate::service::{CniService, Stats};
@@ -57,16 +58,18 @@ pub async fn bind(socket: &Path) -> Result<UnixListener> {
 
 /// Accepted connections whose peer is allowed. Refused peers are dropped
 /// before a byte is read from them; the refusal is logged with their uid.
+/// Each connection is wrapped in [`AuthorityFix`] so that grpcurl before
+/// 1.8.10, which sends the socket path as `:authority`, is served.
 fn allowed_connections(
     listener: UnixListener,
     allowed: HashSet<u32>,
-) -> impl Stream<Item = std::io::Result<UnixStream>> {
+) -> impl Stream<Item = std::io::Result<AuthorityFix<UnixStream>>> {
     futures::stream::unfold((listener, allowed), |(listener, allowed)| async move {
         loop {
             match listener.accept().await {
                 Ok((stream, _)) => match stream.peer_cred() {
                     Ok(cred) if cred.uid() == 0 || allowed.contains(&cred.uid()) => {
-                        return Some((Ok(stream), (listener, allowed)));
+                        return Some((Ok(AuthorityFix::new(stream)), (listener, allowed)));
                     }
                     Ok(cred) => {
                         tracing::warn!(uid = cred.uid(), pid = ?cred.pid(), "refused a peer that is not allowed");
@@ -94,14 +97,18 @@ pub async fn serve(
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<CniServer<CniService>>().await;
     health.set_serving::<AdminServer<AdminService>>().await;
+    // Each reflection version lists only its own service unless told about
+    // the other; register both so that either lists everything served.
     let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(tether_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET)
         .build_v1()
         .map_err(|e| Error::Internal(format!("reflection: {e}")))?;
     let reflection_v1alpha = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(tether_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
         .build_v1alpha()
         .map_err(|e| Error::Internal(format!("reflection: {e}")))?;
     let cni = CniService::new(node.clone(), stats.clone());
