@@ -121,6 +121,7 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
         pod_cidrs: args.pod_cidrs.clone(),
         mtu: args.mtu,
         state_dir: args.state_dir.clone(),
+        allowed_uids: args.allowed_uids.clone(),
         test_delete_delay: Duration::from_millis(args.test_delete_delay_ms),
     };
     let store: Arc<dyn Store> = {

@@ -37,6 +37,9 @@ pub struct NodeConfig {
     pub mtu: u32,
     /// The daemon's state directory.
     pub state_dir: PathBuf,
+    /// Non-root uids allowed to use the daemon (on the socket, and as
+    /// authors of queued DELs).
+    pub allowed_uids: Vec<u32>,
     /// Test hook: holds background link deletions back this long, so tests
     /// can prove that nothing depends on their timing. Zero in production.
     pub test_delete_delay: Duration,

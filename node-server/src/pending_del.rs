@@ -14,6 +14,7 @@
 //! ```
 
 use serde::Deserialize;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use tether_proto::cni::v1::CniRequest;
 
@@ -78,8 +79,14 @@ pub struct BadEntry {
 }
 
 /// The queue's entries, oldest first (file names start with the time they
-/// were queued), plus those that could not be read.
-pub fn read_queue(state_dir: &Path) -> (Vec<(PathBuf, QueuedDel)>, Vec<BadEntry>) {
+/// were queued), plus those that could not be read or were written by a
+/// uid that may not use the daemon. The queue is a second way into the
+/// daemon, so it gets the socket's authorisation: an entry counts only if
+/// its file is owned by root or by one of `allowed_uids`.
+pub fn read_queue(
+    state_dir: &Path,
+    allowed_uids: &[u32],
+) -> (Vec<(PathBuf, QueuedDel)>, Vec<BadEntry>) {
     let dir = queue_dir(state_dir);
     let mut good = Vec::new();
     let mut bad = Vec::new();
@@ -97,8 +104,19 @@ pub fn read_queue(state_dir: &Path) -> (Vec<(PathBuf, QueuedDel)>, Vec<BadEntry>
         .collect();
     paths.sort();
     for path in paths {
-        let parsed = std::fs::read(&path)
+        let parsed = std::fs::symlink_metadata(&path)
             .map_err(|e| e.to_string())
+            .and_then(|m| {
+                let uid = m.uid();
+                if !m.file_type().is_file() {
+                    Err("not a regular file".to_string())
+                } else if uid != 0 && !allowed_uids.contains(&uid) {
+                    Err(format!("written by uid {uid}, which may not use tetherd"))
+                } else {
+                    Ok(())
+                }
+            })
+            .and_then(|()| std::fs::read(&path).map_err(|e| e.to_string()))
             .and_then(|b| serde_json::from_slice::<QueuedDel>(&b).map_err(|e| e.to_string()))
             .and_then(|q| {
                 if q.version == 1 && q.command == "DEL" {
@@ -164,7 +182,7 @@ mod tests {
         std::fs::write(q.join("150-1.json"), "not json").unwrap();
         std::fs::write(q.join(".300-1.json.tmp"), entry(300, "c")).unwrap();
         assert_eq!(queue_len(dir.path()), 3);
-        let (good, bad) = read_queue(dir.path());
+        let (good, bad) = read_queue(dir.path(), &[]);
         let ids: Vec<_> = good.iter().map(|(_, q)| q.container_id.as_str()).collect();
         assert_eq!(ids, ["a", "b"]);
         assert_eq!(good[0].1.queued_at_unix_nanos, 100);
@@ -178,8 +196,26 @@ mod tests {
     #[test]
     fn missing_queue_is_empty() {
         let dir = tempfile::tempdir().unwrap();
-        let (good, bad) = read_queue(dir.path());
+        let (good, bad) = read_queue(dir.path(), &[]);
         assert!(good.is_empty() && bad.is_empty());
         assert_eq!(queue_len(dir.path()), 0);
+    }
+
+    #[test]
+    fn entries_of_a_uid_that_may_not_use_the_daemon_are_set_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let q = queue_dir(dir.path());
+        std::fs::create_dir_all(&q).unwrap();
+        let body = r#"{"version":1,"queuedAtUnixNanos":1,"command":"DEL","containerId":"a","ifname":"eth0","stdin":"{}"}"#;
+        let path = q.join("100-1.json");
+        std::fs::write(&path, body).unwrap();
+        std::os::unix::fs::chown(&path, Some(65534), Some(65534)).unwrap();
+        let (good, bad) = read_queue(dir.path(), &[]);
+        assert!(good.is_empty());
+        assert_eq!(bad.len(), 1);
+        assert!(bad[0].reason.contains("uid 65534"), "{}", bad[0].reason);
+        // The same entry counts when that uid is allowed on the socket.
+        let (good, bad) = read_queue(dir.path(), &[65534]);
+        assert_eq!((good.len(), bad.len()), (1, 0));
     }
 }

@@ -171,11 +171,12 @@ impl cni_server::Cni for CniService {
 
 /// Replays the shim's pending-DEL queue through the normal DEL path. An entry
 /// is removed once its DEL succeeded; a DEL that fails stays queued for the
-/// next pass; an unreadable or invalid entry is set aside in `bad/`.
+/// next pass; an unreadable or invalid entry, or one written by a uid that
+/// may not use the daemon, is set aside in `bad/`.
 /// Returns the number of entries processed.
 pub async fn drain_pending_dels(node: &Node, stats: &Stats) -> u64 {
     let state_dir = node.config().state_dir.clone();
-    let (entries, bad) = pending_del::read_queue(&state_dir);
+    let (entries, bad) = pending_del::read_queue(&state_dir, &node.config().allowed_uids);
     for b in &bad {
         tracing::warn!(path = %b.path.display(), reason = %b.reason, "unreadable pending DEL set aside");
         if let Err(e) = pending_del::quarantine(b) {
