@@ -442,11 +442,17 @@ impl Node {
             ips: &a.ips,
             mtu: a.mtu,
         };
-        if let Err(e) = self.dataplane.check(&wiring).await {
-            tracing::info!(key = %a.key, reason = %e, "repeated ADD found broken wiring; rewiring");
-            self.wait_for_deletion(&a.host_ifname).await;
-            self.dataplane.delete_link(&a.host_ifname).await?;
-            self.dataplane.wire(&wiring).await?;
+        match self.dataplane.check(&wiring).await {
+            Ok(()) => {}
+            // Only a real difference is repaired; a failure to look (the
+            // kernel busy, a netlink error) must not tear down a healthy pod.
+            Err(e @ Error::Check { .. }) => {
+                tracing::info!(key = %a.key, reason = %e, "repeated ADD found broken wiring; rewiring");
+                self.wait_for_deletion(&a.host_ifname).await;
+                self.dataplane.delete_link(&a.host_ifname).await?;
+                self.dataplane.wire(&wiring).await?;
+            }
+            Err(e) => return Err(e),
         }
         cni::render_add_result(&inv.conf, &wired(&a))
     }

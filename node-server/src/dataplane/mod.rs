@@ -24,9 +24,10 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::AsRawFd;
 use std::path::Path;
 
-use futures::future::{join_all, try_join_all};
+use futures::future::join_all;
 use futures::TryStreamExt;
 use rtnetlink::packet_route::link::LinkMessage;
+use rtnetlink::packet_route::route::RouteMessage;
 use rtnetlink::packet_route::{AddressFamily, RouteNetlinkMessage};
 use rtnetlink::Handle;
 
@@ -161,6 +162,9 @@ struct Created {
 #[derive(Debug, Clone)]
 pub struct Dataplane {
     handle: Handle,
+    /// The kernel runs one dump at a time per netlink socket and answers a
+    /// second with EBUSY; every node-side dump takes this lock.
+    dumps: std::sync::Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Dataplane {
@@ -174,7 +178,10 @@ impl Dataplane {
         let (connection, handle, _) = rtnetlink::new_connection_with_strict_check()
             .map_err(|e| Error::setup("opening the node rtnetlink socket", e))?;
         runtime.spawn(connection);
-        Ok(Self { handle })
+        Ok(Self {
+            handle,
+            dumps: Default::default(),
+        })
     }
 
     /// Node-level one-time setup: net.ipv4.ip_forward=1 and
@@ -299,19 +306,9 @@ impl Dataplane {
     /// destination, prefix length and the output device's name if it
     /// resolves.
     pub async fn our_routes(&self) -> Result<Vec<HostRoute>> {
-        let dump = |family| async move {
-            messages::dump_routes(
-                &self.handle,
-                messages::route_dump(family, Some(ROUTE_PROTOCOL), None),
-            )
-            .await
-            .map_err(|e| Error::setup("reading the node's routes", reason(&e)))
-        };
-        let (v4, v6, names) = futures::try_join!(
-            dump(AddressFamily::Inet),
-            dump(AddressFamily::Inet6),
-            self.link_names()
-        )?;
+        let v4 = self.dump_our_routes(AddressFamily::Inet, None).await?;
+        let v6 = self.dump_our_routes(AddressFamily::Inet6, None).await?;
+        let names = self.link_names().await?;
         Ok(v4
             .iter()
             .chain(v6.iter())
@@ -500,19 +497,28 @@ impl Dataplane {
         if ips.iter().any(IpAddr::is_ipv6) {
             families.push(AddressFamily::Inet6);
         }
-        let dumps = try_join_all(families.into_iter().map(|family| {
-            messages::dump_routes(
-                &self.handle,
-                messages::route_dump(family, Some(ROUTE_PROTOCOL), Some(index)),
-            )
-        }))
+        let mut present = HashSet::new();
+        for family in families {
+            let routes = self.dump_our_routes(family, Some(index)).await?;
+            present.extend(routes.iter().filter_map(messages::route_destination));
+        }
+        Ok(present)
+    }
+
+    /// Our routes of one family, optionally through one device, dumped under
+    /// the dump lock.
+    async fn dump_our_routes(
+        &self,
+        family: AddressFamily,
+        index: Option<u32>,
+    ) -> Result<Vec<RouteMessage>> {
+        let _one_dump_at_a_time = self.dumps.lock().await;
+        messages::dump_routes(
+            &self.handle,
+            messages::route_dump(family, Some(ROUTE_PROTOCOL), index),
+        )
         .await
-        .map_err(|e| Error::setup("reading the node's routes", reason(&e)))?;
-        Ok(dumps
-            .iter()
-            .flatten()
-            .filter_map(messages::route_destination)
-            .collect())
+        .map_err(|e| Error::setup("reading the node's routes", reason(&e)))
     }
 
     async fn link_index(&self, name: &str) -> Result<Option<u32>> {
@@ -523,6 +529,7 @@ impl Dataplane {
     }
 
     async fn link_names(&self) -> Result<HashMap<u32, String>> {
+        let _one_dump_at_a_time = self.dumps.lock().await;
         let links: Vec<LinkMessage> = self
             .handle
             .link()
