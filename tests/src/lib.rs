@@ -1,1 +1,169 @@
 //! tether end-to-end harness.
+//!
+//! Everything a root integration test or the benchmark needs to drive real
+//! kernel objects without touching the machine's own network:
+//!
+//! - [`Netns`]: a named network namespace, deleted again when dropped;
+//! - [`Daemon`]: a `tetherd` running inside a node netns of its own, with a
+//!   private socket and state dir, killed and cleaned up when dropped;
+//! - [`cni()`], [`add`], [`del`], [`check`]: one runtime-style plugin
+//!   invocation (environment plus netconf on stdin), with its result parsed;
+//! - [`parallel`]: run `n` closures at once, released together;
+//! - [`reference`]: netconfs for Debian's reference plugins.
+//!
+//! Safety rules the harness keeps so that tests need not think about them:
+//! every name carries [`run_prefix`], unique per process; every address,
+//! link and route lives in a namespace the harness created; the only
+//! processes ever signalled are children the harness spawned itself (by
+//! their `Child` handle, never by name); and every guard cleans up in `Drop`,
+//! so a failing test leaves nothing behind.
+
+#![warn(missing_docs)]
+
+mod cni;
+mod daemon;
+mod netns;
+pub mod reference;
+
+pub use cni::{add, check, cni, cni_with_timeout, del, ref_plugin, CniEnv, CniOutput};
+pub use cni::{CNI_TIMEOUT, REF_PLUGIN_DIR};
+pub use daemon::{Daemon, DaemonOpts, DEFAULT_LOG_LEVEL};
+pub use netns::{Family, Netns};
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Barrier, OnceLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Panics with a clear message unless the process runs as root: these
+/// suites need real namespaces and must fail, not skip, when they cannot.
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    assert!(
+        euid == 0,
+        "tether's end-to-end tests must run as root (euid is {euid}): they create network \
+         namespaces, veths and routes. Run them with sudo or in CI; they never skip."
+    );
+}
+
+/// A short prefix unique to this process, `tt` and five hex digits, that
+/// starts the name of every netns, link and temp dir the harness creates.
+///
+/// Short because link names are limited to 15 characters.
+pub fn run_prefix() -> &'static str {
+    static PREFIX: OnceLock<String> = OnceLock::new();
+    PREFIX.get_or_init(|| {
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        let mixed = splitmix64((u64::from(std::process::id()) << 32) ^ nanos);
+        format!("tt{:05x}", mixed & 0xf_ffff)
+    })
+}
+
+/// `run_prefix()`, then `tag`, then a counter unique in this process: a name
+/// no other test thread or run will pick.
+///
+/// Keep `tag` to six characters or fewer when the name is for a link.
+pub fn unique_name(tag: &str) -> String {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("{}{tag}{n}", run_prefix())
+}
+
+fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// The workspace root (the directory holding the top-level `Cargo.toml`).
+pub fn workspace_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent directory")
+        .to_path_buf()
+}
+
+/// Cargo's target directory: `CARGO_TARGET_DIR` if set, else
+/// `<workspace>/target`.
+pub fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        // Cargo reads a relative CARGO_TARGET_DIR against the current dir.
+        Some(dir) => std::path::absolute(&dir).unwrap_or_else(|_| PathBuf::from(dir)),
+        None => workspace_dir().join("target"),
+    }
+}
+
+/// Where `tether` and `tetherd` are taken from: `TETHER_BIN_DIR` if set,
+/// else the debug build in the target directory.
+pub fn bin_dir() -> PathBuf {
+    match std::env::var_os("TETHER_BIN_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => target_dir().join("debug"),
+    }
+}
+
+/// The CNI plugin binary, `tether`, in [`bin_dir`].
+pub fn tether_bin() -> PathBuf {
+    bin_dir().join("tether")
+}
+
+/// The node daemon binary, `tetherd`, in [`bin_dir`].
+pub fn tetherd_bin() -> PathBuf {
+    bin_dir().join("tetherd")
+}
+
+/// Runs `f(0)`..`f(n-1)` on `n` threads released together by a barrier, and
+/// returns their results in index order. A panic in any `f` is re-raised.
+pub fn parallel<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    let barrier = Barrier::new(n);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|i| {
+                let (f, barrier) = (&f, &barrier);
+                s.spawn(move || {
+                    barrier.wait();
+                    f(i)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    })
+}
+
+/// A directory under `/tmp`, named with [`run_prefix`], removed with all
+/// its content on drop.
+#[derive(Debug)]
+pub struct TempDir {
+    path: PathBuf,
+}
+
+impl TempDir {
+    /// Creates `/tmp/<unique_name(tag)>`; panics if it cannot.
+    pub fn new(tag: &str) -> TempDir {
+        let path = std::env::temp_dir().join(unique_name(tag));
+        std::fs::create_dir(&path)
+            .unwrap_or_else(|e| panic!("creating temp dir {}: {e}", path.display()));
+        TempDir { path }
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.path) {
+            eprintln!("harness: cannot remove {}: {e}", self.path.display());
+        }
+    }
+}

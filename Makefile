@@ -1,0 +1,53 @@
+# tether: `make demo` and `make test` are the two commands that must work on a
+# fresh machine, as root. Both install what they need first.
+
+CARGO ?= cargo
+RELEASE_DIR := target/release
+DEBUG_DIR := target/debug
+
+.PHONY: all setup build release demo test unit integration lint bench clean shim-size
+
+all: build
+
+## setup: install the Debian packages and tools the demo and tests need.
+setup:
+	bash tests/setup.sh
+
+## build: debug build of every crate (the integration tests use it).
+build:
+	$(CARGO) build --workspace --all-targets
+
+## release: optimized binaries; the shim is built on its own (-p) so that it
+## does not pick up the daemon's features.
+release:
+	$(CARGO) build --release -p tether-cni-shim
+	$(CARGO) build --release -p tether-node-server
+
+## shim-size: the release plugin binary must stay at or below 1.5 MiB.
+shim-size: release
+	@size=$$(stat -c %s $(RELEASE_DIR)/tether); \
+	  echo "tether (release, stripped): $$size bytes"; \
+	  test $$size -le 1572864 || { echo "FAIL: tether is larger than 1.5 MiB"; exit 1; }
+
+## demo: a node daemon in a node netns plus two pods wired through the real
+## plugin binary; ping, CHECK, admin state, DEL, cleanup.
+demo: setup release
+	bash tests/demo.sh $(RELEASE_DIR)
+
+## lint: formatting and clippy, as CI enforces them.
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+## test: the whole suite (unit, integration against real netns, real
+## runtimes, chaining, concurrency, crash, bad input, security). Root only.
+test: setup lint build shim-size
+	@test "$$(id -u)" = 0 || { echo "make test must run as root (it creates network namespaces)"; exit 1; }
+	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test --workspace --no-fail-fast -- --test-threads=2
+
+## bench: tether vs the reference ptp/bridge + host-local, side by side.
+bench: setup release
+	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench -- --write BENCHMARKS.md
+
+clean:
+	$(CARGO) clean

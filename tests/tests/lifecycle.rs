@@ -1,0 +1,117 @@
+//! Attachment lifecycle edges that ordinary ADD/DEL tests do not reach:
+//! a DEL immediately followed by an ADD of the same attachment (the DEL's
+//! background veth deletion must not take the new veth with it), and the
+//! release of a previous boot's attachments at startup.
+
+use serde_json::Value;
+use tether_e2e::{add, check, del, require_root, tether_bin, Daemon, DaemonOpts, Netns};
+
+fn daemon(cidrs: &[&str], extra_args: &[&str]) -> Daemon {
+    Daemon::start(DaemonOpts {
+        pod_cidrs: cidrs.iter().map(|s| s.to_string()).collect(),
+        extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    })
+}
+
+fn with_prev(netconf: &Value, result: &Value) -> Value {
+    let mut conf = netconf.clone();
+    conf["prevResult"] = result.clone();
+    conf
+}
+
+fn pod_ipv4(result: &Value) -> String {
+    result["ips"]
+        .as_array()
+        .and_then(|ips| {
+            ips.iter()
+                .find(|ip| !ip["address"].as_str().unwrap_or("").contains(':'))
+        })
+        .and_then(|ip| ip["address"].as_str())
+        .and_then(|a| a.split('/').next())
+        .map(str::to_owned)
+        .unwrap_or_else(|| panic!("no IPv4 address in {result}"))
+}
+
+#[test]
+fn del_then_immediate_add_keeps_the_new_veth() {
+    require_root();
+    // tetherd's hidden test hook holds each background deletion back
+    // 300 ms, so the ADD below always arrives while it is pending.
+    let d = daemon(&["10.77.0.0/24"], &["--test-delete-delay-ms", "300"]);
+    let conf = d.netconf("1.1.0", "lifecycle");
+    let pod = Netns::new("lcpod");
+    let peer = Netns::new("lcpeer");
+    let peer_ip = pod_ipv4(
+        add(&tether_bin(), &conf, "lc-peer", &peer)
+            .assert_success()
+            .result(),
+    );
+    for round in 0..5 {
+        let out = add(&tether_bin(), &conf, "lc-c1", &pod);
+        out.assert_success();
+        let result = out.result().clone();
+        let host_if = result["interfaces"][0]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        del(&tether_bin(), &conf, "lc-c1", &pod).assert_success();
+        // Straight back in, racing the background deletion of the old veth.
+        let again = add(&tether_bin(), &conf, "lc-c1", &pod);
+        again.assert_success();
+        let result = again.result().clone();
+        assert_eq!(
+            result["interfaces"][0]["name"],
+            host_if.as_str(),
+            "same key, same host name"
+        );
+        // Let a late deletion strike if the ADD did not wait for it.
+        std::thread::sleep(std::time::Duration::from_millis(400));
+        assert!(
+            d.node().link_names().contains(&host_if),
+            "round {round}: the new veth {host_if} was deleted"
+        );
+        check(&tether_bin(), &with_prev(&conf, &result), "lc-c1", &pod).assert_success();
+        pod.exec_ok(&["ping", "-c", "1", "-W", "2", &peer_ip]);
+        del(&tether_bin(), &conf, "lc-c1", &pod).assert_success();
+    }
+}
+
+#[test]
+fn attachments_of_a_previous_boot_are_released_at_startup() {
+    require_root();
+    let mut d = daemon(&["10.78.0.0/29"], &[]);
+    let conf = d.netconf("1.1.0", "lifecycle");
+    let pod = Netns::new("lcboot");
+    let first = add(&tether_bin(), &conf, "lc-boot", &pod);
+    first.assert_success();
+    let first = first.result().clone();
+
+    // A restart on the same boot keeps the attachment.
+    d.restart();
+    check(&tether_bin(), &with_prev(&conf, &first), "lc-boot", &pod).assert_success();
+
+    // Pretend the machine rebooted since: a different recorded boot id.
+    d.stop();
+    std::fs::write(
+        d.state_dir().join("boot_id"),
+        "00000000-0000-0000-0000-000000000000\n",
+    )
+    .expect("planting a boot id");
+    d.restart();
+    let out = check(&tether_bin(), &with_prev(&conf, &first), "lc-boot", &pod);
+    assert_eq!(out.error_code(), Some(110), "released as unknown: {out}");
+    assert!(
+        d.log().contains("the node rebooted since the last run"),
+        "{}",
+        d.log()
+    );
+    // The released address is free: a /29 has 6, and next-fit hands out
+    // all of them again without an exhaustion error.
+    let pods: Vec<Netns> = (0..6).map(|i| Netns::new(&format!("lcb{i}"))).collect();
+    for (i, p) in pods.iter().enumerate() {
+        add(&tether_bin(), &conf, &format!("lc-b{i}"), p).assert_success();
+    }
+    // A DEL for the released attachment, as the runtime would send it, is a no-op.
+    del(&tether_bin(), &conf, "lc-boot", &pod).assert_success();
+}
