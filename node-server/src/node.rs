@@ -75,6 +75,11 @@ pub struct Node {
     /// the same name waits for the deletion, or the late deletion would
     /// remove the new pod's veth.
     deleting: Arc<Mutex<HashMap<String, Arc<Notify>>>>,
+    /// Veths waiting for the deletion worker, which deletes everything
+    /// queued in one kernel batch.
+    doomed: Arc<Mutex<Vec<String>>>,
+    /// Wakes the deletion worker.
+    doomed_queued: Arc<Notify>,
 }
 
 /// Holds an attachment's lock; frees the table entry when nobody else waits.
@@ -212,7 +217,10 @@ impl Node {
             key_locks: Mutex::new(HashMap::new()),
             sweep: RwLock::new(()),
             deleting: Arc::new(Mutex::new(HashMap::new())),
+            doomed: Arc::new(Mutex::new(Vec::new())),
+            doomed_queued: Arc::new(Notify::new()),
         };
+        node.spawn_deletion_worker();
         let reconciled = node.reconcile().await?;
         Ok((node, reconciled))
     }
@@ -506,35 +514,52 @@ impl Node {
     }
 
     /// Deletes a link after the reply: the kernel's veth teardown is slow and
-    /// nothing depends on it once the route and the record are gone. A later
-    /// ADD of the same attachment deletes a leftover link itself.
+    /// nothing depends on it once the route and the record are gone. An ADD
+    /// that needs the same name waits for it ([`Node::wait_for_deletion`]).
     fn delete_link_later(&self, host_ifname: String) {
-        let done = Arc::new(Notify::new());
         if lock(&self.deleting)
-            .insert(host_ifname.clone(), done.clone())
+            .insert(host_ifname.clone(), Arc::new(Notify::new()))
             .is_some()
         {
-            // Callers hold the attachment's lock and a pending deletion of
-            // the same name is awaited by ADD, so this cannot happen; if it
-            // did, the earlier task would still wake its waiters.
+            // Callers hold the attachment's lock and ADD awaits a pending
+            // deletion of its name, so this should not happen; the waiters
+            // of the first entry are woken with the batch either way.
             tracing::warn!(%host_ifname, "link deletion scheduled twice");
         }
+        lock(&self.doomed).push(host_ifname);
+        self.doomed_queued.notify_one();
+    }
+
+    /// The deletion worker: takes everything queued and deletes it in one
+    /// kernel batch, so a burst of DELs costs the kernel one teardown (and
+    /// holds its RTNL lock once) instead of one per pod.
+    fn spawn_deletion_worker(&self) {
         let dataplane = self.dataplane.clone();
         let deleting = self.deleting.clone();
+        let doomed = self.doomed.clone();
+        let queued = self.doomed_queued.clone();
         let delay = self.config.test_delete_delay;
         tokio::spawn(async move {
-            if !delay.is_zero() {
-                tokio::time::sleep(delay).await;
+            loop {
+                queued.notified().await;
+                if !delay.is_zero() {
+                    tokio::time::sleep(delay).await;
+                }
+                let batch = std::mem::take(&mut *lock(&doomed));
+                if batch.is_empty() {
+                    continue;
+                }
+                if let Err(e) = dataplane.delete_links(&batch).await {
+                    tracing::warn!(count = batch.len(), error = %e, "background link deletion failed");
+                }
+                let done: Vec<Arc<Notify>> = {
+                    let mut map = lock(&deleting);
+                    batch.iter().filter_map(|n| map.remove(n)).collect()
+                };
+                for n in done {
+                    n.notify_waiters();
+                }
             }
-            if let Err(e) = dataplane.delete_link(&host_ifname).await {
-                tracing::warn!(%host_ifname, error = %e, "background link deletion failed");
-            }
-            let mut map = lock(&deleting);
-            if map.get(&host_ifname).is_some_and(|n| Arc::ptr_eq(n, &done)) {
-                map.remove(&host_ifname);
-            }
-            drop(map);
-            done.notify_waiters();
         });
     }
 

@@ -693,6 +693,66 @@ fn failed_wire_leaves_nothing_behind() {
 }
 
 #[test]
+fn batch_deletion_removes_exactly_the_named_veths() {
+    require_root!();
+    in_node_netns(|| async {
+        let dp = connect();
+        let node = node_ns_path();
+        let pods: Vec<TestPod> = (0..4)
+            .map(|i| TestPod::new(&format!("batch{i}"), &[&format!("10.2.0.{}", i + 1)]))
+            .collect();
+        for p in &pods {
+            dp.wire(&p.wiring()).await.expect("wire");
+        }
+        // A veth that is not ours, and one of ours not in the batch.
+        run_in(
+            &node,
+            &[
+                "ip", "link", "add", "keep0", "type", "veth", "peer", "name", "keep1",
+            ],
+        );
+        let batch = vec![
+            pods[0].host.clone(),
+            pods[1].host.clone(),
+            pods[2].host.clone(),
+            host_ifname("test", "never-wired", "eth0"),
+            "keep0".to_string(),
+        ];
+        dp.delete_links(&batch).await.expect("batch delete");
+        assert_eq!(
+            dp.our_links().await.expect("links"),
+            vec![pods[3].host.clone()]
+        );
+        for p in &pods[..3] {
+            assert!(!pod_interface_exists(&p.ns.file, "eth0")
+                .await
+                .expect("exists"));
+        }
+        dp.check(&pods[3].wiring())
+            .await
+            .expect("the veth left out is intact");
+        assert_eq!(
+            ip_json(&node, &["link", "show", "keep0"]).len(),
+            1,
+            "not ours: kept"
+        );
+        // Nothing is left in the reserved group, and a batch of names that
+        // are all gone is a no-op.
+        let group = DOOMED_GROUP.to_string();
+        // (iproute2 prints an empty object for each link the filter drops.)
+        let in_group = ip_json(&node, &["link", "show", "group", &group])
+            .iter()
+            .filter(|l| l.get("ifname").is_some())
+            .count();
+        assert_eq!(in_group, 0, "links left in the reserved group");
+        dp.delete_links(&batch[..3])
+            .await
+            .expect("batch delete again");
+        dp.delete_links(&[]).await.expect("empty batch");
+    });
+}
+
+#[test]
 fn teardown_removes_everything_and_is_idempotent() {
     require_root!();
     in_node_netns(|| async {
