@@ -324,10 +324,12 @@ impl Node {
                 .await?;
         }
         let owned_links: HashSet<&str> = snapshot.iter().map(|a| a.host_ifname.as_str()).collect();
-        for link in links.iter().filter(|l| !owned_links.contains(l.as_str())) {
-            self.dataplane.delete_link(link).await?;
-            done.links_removed += 1;
-        }
+        let orphans: Vec<String> = links
+            .into_iter()
+            .filter(|l| !owned_links.contains(l.as_str()))
+            .collect();
+        self.dataplane.delete_links(&orphans).await?;
+        done.links_removed = orphans.len();
         Ok(done)
     }
 
@@ -517,15 +519,11 @@ impl Node {
     /// nothing depends on it once the route and the record are gone. An ADD
     /// that needs the same name waits for it ([`Node::wait_for_deletion`]).
     fn delete_link_later(&self, host_ifname: String) {
-        if lock(&self.deleting)
-            .insert(host_ifname.clone(), Arc::new(Notify::new()))
-            .is_some()
-        {
-            // Callers hold the attachment's lock and ADD awaits a pending
-            // deletion of its name, so this should not happen; the waiters
-            // of the first entry are woken with the batch either way.
-            tracing::warn!(%host_ifname, "link deletion scheduled twice");
-        }
+        // A name already pending (a repeated DEL) keeps its entry, so that
+        // an ADD already waiting on it is woken with the batch.
+        lock(&self.deleting)
+            .entry(host_ifname.clone())
+            .or_insert_with(|| Arc::new(Notify::new()));
         lock(&self.doomed).push(host_ifname);
         self.doomed_queued.notify_one();
     }
