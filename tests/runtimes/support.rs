@@ -14,7 +14,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tether_e2e::{Daemon, Family, Netns};
+use tether_e2e::{wait_until, Daemon, Netns, ROUTE_PROTOCOL};
 
 /// Where `tests/setup.sh` links the static grpcurl.
 pub const GRPCURL: &str = "/usr/local/bin/grpcurl";
@@ -237,16 +237,13 @@ pub fn run_ok(cmd: &mut Command, timeout: Duration) -> String {
 /// Polls `probe` every 50 ms until it returns `Some`, or panics with `what`
 /// after `timeout`.
 pub fn wait_for<T>(what: &str, timeout: Duration, mut probe: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = probe() {
-            return v;
-        }
-        if Instant::now() >= deadline {
-            panic!("timed out after {timeout:?} waiting for {what}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    // wait_until stops at the first `Some`; `None` means time ran out.
+    let mut found = None;
+    wait_until(timeout, || {
+        found = probe();
+        found.is_some()
+    });
+    found.unwrap_or_else(|| panic!("timed out after {timeout:?} waiting for {what}"))
 }
 
 /// Fills `root` with a minimal busybox-static system: `/bin/busybox`, one
@@ -316,16 +313,8 @@ pub fn node_leftovers(node: &Netns) -> Vec<String> {
         .filter(|name| name.starts_with("tth"))
         .map(|name| format!("link {name}"))
         .collect();
-    for family in [Family::V4, Family::V6] {
-        for route in node.routes(family) {
-            let proto = route["protocol"]
-                .as_str()
-                .map(str::to_owned)
-                .unwrap_or_else(|| route["protocol"].to_string());
-            if proto == "201" {
-                left.push(format!("route {route}"));
-            }
-        }
+    for route in node.routes_with_protocol(ROUTE_PROTOCOL) {
+        left.push(format!("route {route}"));
     }
     left
 }

@@ -9,7 +9,12 @@
 //! - [`cni()`], [`add`], [`del`], [`check`]: one runtime-style plugin
 //!   invocation (environment plus netconf on stdin), with its result parsed;
 //! - [`parallel`]: run `n` closures at once, released together;
-//! - [`reference`]: netconfs for Debian's reference plugins.
+//! - [`mod@admin`]: the daemon's admin API from Rust (also as [`Daemon`]
+//!   methods: [`Daemon::attachments`], [`Daemon::node_info`], ...);
+//! - [`view`]: tether's veths and routes in a node netns, and a dual-stack
+//!   ADD result ([`AddResult`]);
+//! - [`wait_until`], [`assert_distinct`]: polling and a common assertion;
+//! - [`mod@reference`]: netconfs for Debian's reference plugins.
 //!
 //! Safety rules the harness keeps so that tests need not think about them:
 //! every name carries [`run_prefix`], unique per process; every address,
@@ -20,20 +25,30 @@
 
 #![warn(missing_docs)]
 
+pub mod admin;
 mod cni;
 mod daemon;
 mod netns;
 pub mod reference;
+pub mod view;
 
+pub use admin::{admin, pb};
 pub use cni::{add, check, cni, cni_with_timeout, del, ref_plugin, CniEnv, CniOutput};
 pub use cni::{CNI_TIMEOUT, REF_PLUGIN_DIR};
 pub use daemon::{Daemon, DaemonOpts, DEFAULT_LOG_LEVEL};
 pub use netns::{Family, Netns};
+pub use view::{
+    assert_pod_holds, assert_tether_links_settle, expected_routes, is_tether_link, wait_link_gone,
+    AddResult, LINK_SETTLE, ROUTE_PROTOCOL,
+};
 
+use std::collections::{BTreeSet, HashSet};
+use std::fmt::Debug;
+use std::hash::Hash;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Barrier, OnceLock};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Panics with a clear message unless the process runs as root: these
 /// suites need real namespaces and must fail, not skip, when they cannot.
@@ -136,6 +151,35 @@ pub fn parallel<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
             .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
             .collect()
     })
+}
+
+/// Polls `done` every 50 ms until it holds or `limit` passes; returns
+/// whether it held.
+pub fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        if done() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Panics naming the duplicates unless every item is distinct; `what`
+/// says what the items are.
+pub fn assert_distinct<T>(what: &str, items: impl IntoIterator<Item = T>)
+where
+    T: Clone + Eq + Hash + Ord + Debug,
+{
+    let mut seen = HashSet::new();
+    let dups: BTreeSet<T> = items
+        .into_iter()
+        .filter(|i| !seen.insert(i.clone()))
+        .collect();
+    assert!(dups.is_empty(), "duplicate {what}: {dups:?}");
 }
 
 /// A directory under `/tmp`, named with [`run_prefix`], removed with all

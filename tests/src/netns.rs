@@ -99,6 +99,11 @@ impl Netns {
             .collect()
     }
 
+    /// True if a link named `ifname` is here.
+    pub fn has_link(&self, ifname: &str) -> bool {
+        self.link_names().iter().any(|n| n == ifname)
+    }
+
     /// The links with their addresses (`ip -j addr show`).
     pub fn addrs(&self) -> Vec<Value> {
         self.ip_json(&["addr", "show"])
@@ -121,6 +126,18 @@ impl Netns {
             Family::V6 => "-6",
         };
         self.ip_json(&[fam, "route", "show"])
+    }
+
+    /// The routes of the main table marked with `protocol` (`proto N`),
+    /// IPv4 then IPv6. `ip -j` prints a protocol without a name as a
+    /// string, so both forms match.
+    pub fn routes_with_protocol(&self, protocol: u8) -> Vec<Value> {
+        let name = protocol.to_string();
+        [Family::V4, Family::V6]
+            .into_iter()
+            .flat_map(|f| self.routes(f))
+            .filter(|r| r["protocol"] == name.as_str() || r["protocol"] == protocol)
+            .collect()
     }
 
     /// The neighbour table, both families (`ip -j neigh show`).

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::{json, Value};
+use tether_e2e::admin::{self, pb};
 use tether_e2e::{cni, require_root, tether_bin, CniEnv, CniOutput, Daemon, DaemonOpts, Netns};
-use tether_proto::admin::v1 as pb;
 
 const V4_CIDR: &str = "10.83.0.0/28";
 const V6_CIDR: &str = "fd00:83::/120";
@@ -153,32 +153,6 @@ fn verbs_json(stats: &Value) -> BTreeMap<String, (u64, u64)> {
             )
         })
         .collect()
-}
-
-// ---------------------------------------------------------------------------
-// The Rust client over the unix socket (private: the harness has none).
-
-fn block_on<F: std::future::Future>(f: F) -> F::Output {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-        .block_on(f)
-}
-
-async fn admin_client(socket: &Path) -> pb::admin_client::AdminClient<tonic::transport::Channel> {
-    let socket = socket.to_path_buf();
-    let channel = tonic::transport::Endpoint::from_static("http://tether.invalid")
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let socket = socket.clone();
-            async move {
-                let stream = tokio::net::UnixStream::connect(socket).await?;
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
-            }
-        }))
-        .await
-        .expect("connecting to the admin API");
-    pb::admin_client::AdminClient::new(channel)
 }
 
 // ---------------------------------------------------------------------------
@@ -360,7 +334,8 @@ fn grpcurl_shows_node_attachments_and_stats() {
     assert_eq!(as_u64(&stats["pendingDelQueue"]), 0, "{stats}");
 }
 
-/// The same API from Rust: the generated client over the unix socket.
+/// The same API from Rust: the generated client over the unix socket (the
+/// harness's, several calls on one connection).
 #[test]
 fn rust_client_reads_the_admin_api() {
     require_root();
@@ -369,8 +344,7 @@ fn rust_client_reads_the_admin_api() {
     let pod = Netns::new("pod");
     let result = run_cni("ADD", &conf, "rs-a", Some(&pod)).result().clone();
 
-    let (node, list, one, stats) = block_on(async {
-        let mut client = admin_client(daemon.socket()).await;
+    let (node, list, one, stats) = admin::with_client(daemon.socket(), |mut client| async move {
         let node = client.get_node(pb::GetNodeRequest {}).await;
         let list = client
             .list_attachments(pb::ListAttachmentsRequest {
@@ -423,9 +397,8 @@ fn rust_client_reads_the_admin_api() {
     assert_eq!((add.ok, add.errors), (1, 0), "{stats:?}");
 
     // Filtering by another network finds nothing.
-    let other = block_on(async {
-        admin_client(daemon.socket())
-            .await
+    let other = admin::with_client(daemon.socket(), |mut client| async move {
+        client
             .list_attachments(pb::ListAttachmentsRequest {
                 network: "not-this-one".into(),
             })

@@ -13,7 +13,6 @@ use tether_e2e::{
     cni, require_root, tether_bin, unique_name, CniEnv, CniOutput, Daemon, DaemonOpts, Family,
     Netns, TempDir,
 };
-use tether_proto::admin::v1 as pb;
 
 /// The network the fixture's attachment and most cases use.
 const NET: &str = "badnet";
@@ -265,8 +264,10 @@ struct Snapshot {
 
 impl Snapshot {
     fn take(fx: &Fx) -> Snapshot {
-        let node = node_info(fx.daemon.socket());
-        let mut attachments: Vec<String> = list_attachments(fx.daemon.socket())
+        let node = fx.daemon.node_info();
+        let mut attachments: Vec<String> = fx
+            .daemon
+            .attachments()
             .iter()
             .map(|a| format!("{a:?}"))
             .collect();
@@ -357,55 +358,6 @@ fn files_under(dir: &Path) -> BTreeSet<String> {
         }
     }
     out
-}
-
-// ---------------------------------------------------------------------------
-// The admin API over the unix socket (private: the harness has no client).
-
-fn block_on<F: std::future::Future>(f: F) -> F::Output {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-        .block_on(f)
-}
-
-async fn admin_client(socket: &Path) -> pb::admin_client::AdminClient<tonic::transport::Channel> {
-    let socket = socket.to_path_buf();
-    let channel = tonic::transport::Endpoint::from_static("http://tether.invalid")
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let socket = socket.clone();
-            async move {
-                let stream = tokio::net::UnixStream::connect(socket).await?;
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
-            }
-        }))
-        .await
-        .expect("connecting to the admin API");
-    pb::admin_client::AdminClient::new(channel)
-}
-
-fn list_attachments(socket: &Path) -> Vec<pb::Attachment> {
-    block_on(async {
-        admin_client(socket)
-            .await
-            .list_attachments(pb::ListAttachmentsRequest::default())
-            .await
-            .expect("ListAttachments")
-            .into_inner()
-            .attachments
-    })
-}
-
-fn node_info(socket: &Path) -> pb::Node {
-    block_on(async {
-        admin_client(socket)
-            .await
-            .get_node(pb::GetNodeRequest {})
-            .await
-            .expect("GetNode")
-            .into_inner()
-    })
 }
 
 // ---------------------------------------------------------------------------

@@ -398,7 +398,7 @@ fn tether_then_portmap_through_libcni() {
         "DNAT rules to {ip} survived DEL"
     );
     assert!(
-        !pod.link_names().iter().any(|l| l == "eth0"),
+        !pod.has_link("eth0"),
         "the pod still has eth0: {:?}",
         pod.link_names()
     );

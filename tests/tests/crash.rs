@@ -12,27 +12,20 @@
 //! The kill points are random; the seed is printed and can be fixed with
 //! `TETHER_E2E_SEED=<n>` to replay a failure.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
-use std::future::Future;
-use std::path::Path;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use hyper_util::rt::TokioIo;
-use serde_json::{json, Value};
+use serde_json::json;
 use tether_e2e::{
-    add, check, cni, del, parallel, require_root, tether_bin, unique_name, CniEnv, CniOutput,
-    Daemon, DaemonOpts, Family, Netns, REF_PLUGIN_DIR,
+    add, assert_distinct, assert_pod_holds, assert_tether_links_settle, cni, del, expected_routes,
+    parallel, require_root, tether_bin, unique_name, wait_link_gone, AddResult, CniEnv, CniOutput,
+    Daemon, DaemonOpts, Netns, LINK_SETTLE, REF_PLUGIN_DIR, ROUTE_PROTOCOL,
 };
-use tether_proto::admin::v1::admin_client::AdminClient;
-use tether_proto::admin::v1::{Attachment, GetNodeRequest, ListAttachmentsRequest};
-use tonic::transport::{Channel, Endpoint, Uri};
 
 const NETWORK: &str = "tether-crash";
 const POD_CIDR_V4: &str = "10.97.0.0/24";
 const POD_CIDR_V6: &str = "fd00:97::/120";
-/// Background veth deletion (after DEL or GC replied) is done well within this.
-const LINK_SETTLE: Duration = Duration::from_secs(5);
 
 /// A dual-stack daemon in its own node netns.
 fn dual_stack_daemon() -> Daemon {
@@ -43,185 +36,8 @@ fn dual_stack_daemon() -> Daemon {
 }
 
 // ---------------------------------------------------------------------------
-// Private helpers. The harness has no admin client yet, so this file carries
-// a minimal one (the shim's unix-socket connector pattern).
+// Private helpers
 // ---------------------------------------------------------------------------
-
-/// Makes one admin RPC on the daemon's socket, on a throwaway runtime.
-fn admin<T, Fut>(socket: &Path, call: impl FnOnce(AdminClient<Channel>) -> Fut) -> T
-where
-    Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
-{
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("building a tokio runtime");
-    runtime.block_on(async {
-        let path = socket.to_path_buf();
-        // The URI is never resolved: the connector dials the socket.
-        let channel = Endpoint::from_static("http://tether.invalid")
-            .connect_with_connector(tower::service_fn(move |_: Uri| {
-                let path = path.clone();
-                async move {
-                    let stream = tokio::net::UnixStream::connect(path).await?;
-                    Ok::<_, std::io::Error>(TokioIo::new(stream))
-                }
-            }))
-            .await
-            .unwrap_or_else(|e| panic!("admin: connecting to {}: {e}", socket.display()));
-        call(AdminClient::new(channel))
-            .await
-            .unwrap_or_else(|status| panic!("admin call failed: {status}"))
-            .into_inner()
-    })
-}
-
-/// Every attachment the daemon holds (ListAttachments).
-fn attachments(daemon: &Daemon) -> Vec<Attachment> {
-    admin(daemon.socket(), |mut c| async move {
-        c.list_attachments(ListAttachmentsRequest::default()).await
-    })
-    .attachments
-}
-
-/// Addresses in use per pool CIDR (GetNode).
-fn pools_used(daemon: &Daemon) -> BTreeMap<String, u64> {
-    admin(daemon.socket(), |mut c| async move {
-        c.get_node(GetNodeRequest::default()).await
-    })
-    .pools
-    .into_iter()
-    .map(|p| (p.cidr, p.used))
-    .collect()
-}
-
-/// What one successful ADD handed back.
-#[derive(Clone, Debug)]
-struct Added {
-    v4: String,
-    v6: String,
-    /// The node-side veth, `interfaces[0]` of the result.
-    host: String,
-    result: Value,
-}
-
-impl Added {
-    fn from_output(out: &CniOutput) -> Added {
-        let result = out.result().clone();
-        let ips: Vec<&str> = result["ips"]
-            .as_array()
-            .unwrap_or_else(|| panic!("ADD result without ips: {result}"))
-            .iter()
-            .filter_map(|ip| ip["address"].as_str())
-            .collect();
-        let pick = |suffix: &str| -> String {
-            let found: Vec<&str> = ips.iter().filter_map(|a| a.strip_suffix(suffix)).collect();
-            assert_eq!(found.len(), 1, "one {suffix} address expected in {result}");
-            found[0].to_owned()
-        };
-        let host = result["interfaces"][0]["name"]
-            .as_str()
-            .unwrap_or_else(|| panic!("ADD result without a host interface: {result}"))
-            .to_owned();
-        Added {
-            v4: pick("/32"),
-            v6: pick("/128"),
-            host,
-            result,
-        }
-    }
-
-    /// The addresses as the admin API lists them.
-    fn admin_ips(&self) -> Vec<String> {
-        vec![format!("{}/32", self.v4), format!("{}/128", self.v6)]
-    }
-}
-
-/// Panics naming the duplicates unless every item is distinct.
-fn assert_distinct<'a>(what: &str, items: impl IntoIterator<Item = &'a String>) {
-    let mut seen = HashSet::new();
-    let dups: BTreeSet<&String> = items.into_iter().filter(|i| !seen.insert(*i)).collect();
-    assert!(dups.is_empty(), "duplicate {what}: {dups:?}");
-}
-
-/// True for a host veth name tether makes: `tth` and 12 hex digits.
-fn is_tether_link(name: &str) -> bool {
-    name.len() == 15 && name.starts_with("tth") && name[3..].chars().all(|c| c.is_ascii_hexdigit())
-}
-
-/// tether's host veths in `node`.
-fn tether_links(node: &Netns) -> BTreeSet<String> {
-    node.link_names()
-        .into_iter()
-        .filter(|n| is_tether_link(n))
-        .collect()
-}
-
-/// tether's routes (protocol 201) in `node`, both families, as sorted
-/// (destination, device) pairs.
-fn tether_routes(node: &Netns) -> Vec<(String, String)> {
-    let mut out: Vec<(String, String)> = [Family::V4, Family::V6]
-        .into_iter()
-        .flat_map(|f| node.routes(f))
-        .filter(|r| r["protocol"] == "201" || r["protocol"] == 201)
-        .map(|r| {
-            let field = |k: &str| r[k].as_str().unwrap_or_default().to_owned();
-            (field("dst"), field("dev"))
-        })
-        .collect();
-    out.sort();
-    out
-}
-
-/// The routes the node must carry for `pods`, in [`tether_routes`] form.
-fn expected_routes<'a>(pods: impl IntoIterator<Item = &'a Added>) -> Vec<(String, String)> {
-    let mut out: Vec<(String, String)> = pods
-        .into_iter()
-        .flat_map(|a| {
-            [
-                (a.v4.clone(), a.host.clone()),
-                (a.v6.clone(), a.host.clone()),
-            ]
-        })
-        .collect();
-    out.sort();
-    out
-}
-
-/// Panics unless `pod`'s eth0 holds both addresses of `added`.
-fn assert_pod_holds(pod: &Netns, added: &Added) {
-    let addrs = pod.addrs_of("eth0");
-    for want in [format!("{}/32", added.v4), format!("{}/128", added.v6)] {
-        assert!(
-            addrs.contains(&want),
-            "netns {} lacks {want} on eth0; it has {addrs:?}",
-            pod.name()
-        );
-    }
-}
-
-/// Polls `done` every 50 ms until it holds or `limit` passes.
-fn wait_for(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + limit;
-    loop {
-        if done() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// CHECK of `id` in `pod` with the ADD's result as prevResult; panics unless
-/// it passes.
-fn assert_check_passes(daemon: &Daemon, id: &str, pod: &Netns, added: &Added) {
-    let mut conf = daemon.netconf("1.0.0", NETWORK);
-    conf["prevResult"] = added.result.clone();
-    let out = check(&tether_bin(), &conf, id, pod);
-    assert!(out.success(), "CHECK of {id} failed: {out}");
-}
 
 /// GC of [`NETWORK`] keeping exactly `valid` (container ids, ifname eth0).
 fn gc(daemon: &Daemon, valid: &[&str]) -> CniOutput {
@@ -247,8 +63,8 @@ fn gc(daemon: &Daemon, valid: &[&str]) -> CniOutput {
 /// veth, one holder per address, CHECK passing, addresses in the pods, the
 /// pools' usage, and the node's routes and veths (waiting for background
 /// deletions of the others).
-fn assert_node_holds_exactly(daemon: &Daemon, live: &BTreeMap<String, (&Netns, Added)>) {
-    let listed = attachments(daemon);
+fn assert_node_holds_exactly(daemon: &Daemon, live: &BTreeMap<String, (&Netns, AddResult)>) {
+    let listed = daemon.attachments();
     assert_distinct(
         "addresses among the daemon's attachments",
         listed.iter().flat_map(|a| &a.ips),
@@ -260,33 +76,36 @@ fn assert_node_holds_exactly(daemon: &Daemon, live: &BTreeMap<String, (&Netns, A
         let (pod, added) = &live[&a.container_id];
         let mut ips = a.ips.clone();
         ips.sort();
-        let mut want = added.admin_ips();
+        let mut want = added.prefixed_ips();
         want.sort();
         assert_eq!(ips, want, "addresses of {}", a.container_id);
         assert_eq!(a.host_interface, added.host, "veth of {}", a.container_id);
         assert_eq!(a.netns, pod.path().display().to_string());
         assert_pod_holds(pod, added);
-        assert_check_passes(daemon, &a.container_id, pod, added);
+        added.assert_check_passes(daemon, NETWORK, &a.container_id, pod);
     }
     let n = live.len() as u64;
     assert_eq!(
-        pools_used(daemon),
+        daemon.pools_used(),
         BTreeMap::from([(POD_CIDR_V4.to_owned(), n), (POD_CIDR_V6.to_owned(), n)]),
         "pool usage (a leaked or lost address)"
     );
     let node = daemon.node();
     assert_eq!(
-        tether_routes(node),
+        node.tether_routes(),
         expected_routes(live.values().map(|(_, a)| a)),
         "proto-201 routes in the node netns (orphan, missing or misdirected)"
     );
-    let want_links: BTreeSet<String> = live.values().map(|(_, a)| a.host.clone()).collect();
-    let settled = wait_for(LINK_SETTLE, || tether_links(node) == want_links);
-    assert!(
-        settled,
-        "tth links did not settle within {LINK_SETTLE:?}: have {:?}, want {want_links:?}",
-        tether_links(node)
-    );
+    assert_tether_links_settle(node, live.values().map(|(_, a)| a));
+}
+
+/// Adds a route of ours (protocol [`ROUTE_PROTOCOL`]) to `dst` via `dev` in
+/// `node`, as tetherd would; `family` is `-4` or `-6`.
+fn plant_route(node: &Netns, family: &str, dst: &str, dev: &str) {
+    let proto = ROUTE_PROTOCOL.to_string();
+    node.exec_ok(&[
+        "ip", family, "route", "add", dst, "dev", dev, "proto", &proto,
+    ]);
 }
 
 /// A small deterministic generator (splitmix64): no dependency needed.
@@ -339,7 +158,7 @@ enum Verb {
 /// What a pod's runtime was last told about its attachment.
 #[derive(Clone, Debug)]
 enum Acked {
-    Added(Added),
+    Added(AddResult),
     Deleted,
 }
 
@@ -400,7 +219,7 @@ fn crash_mid_burst(test: &str, kill_window: (f64, f64)) {
                             .push((format!("{verb:?}"), out.status, out.error_code()));
                         if out.success() {
                             log.last = Some(match verb {
-                                Verb::Add => Acked::Added(Added::from_output(&out)),
+                                Verb::Add => Acked::Added(AddResult::from_output(&out)),
                                 Verb::Del => Acked::Deleted,
                             });
                         }
@@ -432,7 +251,7 @@ fn crash_mid_burst(test: &str, kill_window: (f64, f64)) {
     });
 
     let mut history = String::new();
-    let mut live: BTreeMap<String, (&Netns, Added)> = BTreeMap::new();
+    let mut live: BTreeMap<String, (&Netns, AddResult)> = BTreeMap::new();
     for (p, log) in &logs {
         history.push_str(&format!("pod {p} {}: {:?}\n", ids[*p], log.calls));
         if let Some(Acked::Added(a)) = &log.last {
@@ -463,11 +282,7 @@ fn crash_mid_burst(test: &str, kill_window: (f64, f64)) {
         .filter(|(p, _)| !live.contains_key(&ids[*p]))
         .map(|(p, _)| &pods[*p])
         .collect();
-    let cleaned = wait_for(LINK_SETTLE, || {
-        stale
-            .iter()
-            .all(|p| !p.link_names().iter().any(|n| n == "eth0"))
-    });
+    let cleaned = wait_link_gone(stale.iter().copied(), "eth0", LINK_SETTLE);
     assert!(cleaned, "a pod without a valid attachment still has eth0");
 }
 
@@ -508,10 +323,10 @@ fn acknowledged_adds_survive_kill9() {
     }
     daemon.restart();
 
-    let live: BTreeMap<String, (&Netns, Added)> = outs
+    let live: BTreeMap<String, (&Netns, AddResult)> = outs
         .iter()
         .enumerate()
-        .map(|(i, out)| (ids[i].clone(), (&pods[i], Added::from_output(out))))
+        .map(|(i, out)| (ids[i].clone(), (&pods[i], AddResult::from_output(out))))
         .collect();
     assert_node_holds_exactly(&daemon, &live);
 }
@@ -523,7 +338,7 @@ fn startup_reconciliation_removes_planted_orphans_and_keeps_real_attachments() {
     let conf = daemon.netconf("1.0.0", NETWORK);
     let pod = Netns::new("rp");
     let id = unique_name("rc");
-    let keeper = Added::from_output(&add(&tether_bin(), &conf, &id, &pod));
+    let keeper = AddResult::from_output(&add(&tether_bin(), &conf, &id, &pod));
     // No traffic from here on.
     daemon.kill9();
 
@@ -544,47 +359,17 @@ fn startup_reconciliation_removes_planted_orphans_and_keeps_real_attachments() {
         "ip", "link", "add", &orphan, "type", "veth", "peer", "name", &peer,
     ]);
     node.exec_ok(&["ip", "link", "set", &orphan, "up"]);
-    node.exec_ok(&[
-        "ip",
-        "-4",
-        "route",
-        "add",
-        &format!("{stray_v4}/32"),
-        "dev",
-        &orphan,
-        "proto",
-        "201",
-    ]);
-    node.exec_ok(&[
-        "ip",
-        "-6",
-        "route",
-        "add",
-        &format!("{stray_v6}/128"),
-        "dev",
-        &orphan,
-        "proto",
-        "201",
-    ]);
-    node.exec_ok(&[
-        "ip",
-        "-4",
-        "route",
-        "add",
-        &format!("{stray_on_keeper}/32"),
-        "dev",
-        &keeper.host,
-        "proto",
-        "201",
-    ]);
-    let planted = tether_routes(node);
+    plant_route(node, "-4", &format!("{stray_v4}/32"), &orphan);
+    plant_route(node, "-6", &format!("{stray_v6}/128"), &orphan);
+    plant_route(node, "-4", &format!("{stray_on_keeper}/32"), &keeper.host);
+    let planted = node.tether_routes();
     for stray in [stray_v4, stray_v6, stray_on_keeper] {
         assert!(
             planted.iter().any(|(dst, _)| dst == stray),
             "planting {stray} failed: {planted:?}"
         );
     }
-    assert!(tether_links(node).contains(&orphan));
+    assert!(node.tether_links().contains(&orphan));
 
     daemon.restart();
 

@@ -122,6 +122,54 @@ impl Drop for NetnsPod<'_> {
     }
 }
 
+/// Panics if the daemon still lists `container_id` in `network` (after its
+/// DEL).
+fn assert_not_held(daemon: &Daemon, network: &str, container_id: &str) {
+    let held = attachments(daemon, network);
+    assert!(
+        !held.iter().any(|a| a["containerId"] == container_id),
+        "the attachment survived DEL: {held:?}"
+    );
+}
+
+/// After `runtime`'s DEL of a container that held `ip` on node veth
+/// `host_if`: the veth goes, no route to `ip` stays, libcni caches nothing
+/// of `network`; then, once `other` is DEL'd too, the node holds nothing of
+/// tether and the daemon no attachment.
+fn assert_cleaned_up(
+    runtime: &str,
+    daemon: &Daemon,
+    network: &str,
+    host_if: Option<&str>,
+    ip: &str,
+    mut other: NetnsPod<'_>,
+) {
+    let node = daemon.node();
+    if let Some(host_if) = host_if {
+        wait_for(
+            "the container's host veth to go",
+            Duration::from_secs(10),
+            || (!node.has_link(host_if)).then_some(()),
+        );
+    }
+    let routes = node.exec_ok(&["ip", "-4", "route", "show", &format!("{ip}/32")]);
+    assert!(
+        routes.trim().is_empty(),
+        "a route to {ip} survived DEL: {routes}"
+    );
+    assert!(
+        libcni_cache_files(Path::new(LIBCNI_CACHE), network).is_empty(),
+        "{runtime} left libcni cache files for {network}"
+    );
+
+    // And once the other pod is gone too, the node holds nothing of tether.
+    other.del();
+    wait_for("the node to be clean", Duration::from_secs(10), || {
+        node_leftovers(node).is_empty().then_some(())
+    });
+    assert!(attachments(daemon, network).is_empty(), "attachments left");
+}
+
 // ---------------------------------------------------------------------------
 // containerd: `ctr run --cni --rootfs`
 
@@ -556,7 +604,7 @@ fn ctr_run_cni_wires_the_container_and_cleans_up_after_it() {
     );
 
     // Pod to pod, both ways.
-    let mut other = NetnsPod::add(&daemon, &network);
+    let other = NetnsPod::add(&daemon, &network);
     let ping = ping_argv("/bin/ping", &other.ip);
     let ping: Vec<&str> = ping.iter().map(String::as_str).collect();
     let out = container.exec(&ping);
@@ -608,40 +656,8 @@ fn ctr_run_cni_wires_the_container_and_cleans_up_after_it() {
 
     // Nothing of the container is left: no attachment, no host veth, no
     // route, no libcni cache entry.
-    let held = attachments(&daemon, &network);
-    assert!(
-        !held
-            .iter()
-            .any(|a| a["containerId"] == container.cni_container_id().as_str()),
-        "the attachment survived DEL: {held:?}"
-    );
-    let node = daemon.node();
-    if let Some(host_if) = &host_if {
-        wait_for(
-            "the container's host veth to go",
-            Duration::from_secs(10),
-            || (!node.link_names().contains(host_if)).then_some(()),
-        );
-    }
-    let routes = node.exec_ok(&["ip", "-4", "route", "show", &format!("{ip}/32")]);
-    assert!(
-        routes.trim().is_empty(),
-        "a route to {ip} survived DEL: {routes}"
-    );
-    assert!(
-        libcni_cache_files(Path::new(LIBCNI_CACHE), &network).is_empty(),
-        "ctr left libcni cache files for {network}"
-    );
-
-    // And once the other pod is gone too, the node holds nothing of tether.
-    other.del();
-    wait_for("the node to be clean", Duration::from_secs(10), || {
-        node_leftovers(node).is_empty().then_some(())
-    });
-    assert!(
-        attachments(&daemon, &network).is_empty(),
-        "attachments left"
-    );
+    assert_not_held(&daemon, &network, &container.cni_container_id());
+    assert_cleaned_up("ctr", &daemon, &network, host_if.as_deref(), &ip, other);
     eprintln!("ctr test took {:?}", started.elapsed());
 }
 
@@ -919,7 +935,7 @@ fn podman_cni_backend_wires_the_container_and_cleans_up_after_it() {
     );
 
     // Pod to pod, both ways.
-    let mut other = NetnsPod::add(&daemon, &network);
+    let other = NetnsPod::add(&daemon, &network);
     let mut exec = vec!["exec".to_owned(), name.clone()];
     exec.extend(ping_argv("/bin/ping", &other.ip));
     let exec: Vec<&str> = exec.iter().map(String::as_str).collect();
@@ -947,42 +963,11 @@ fn podman_cni_backend_wires_the_container_and_cleans_up_after_it() {
         "DEL's prevResult"
     );
 
-    let held = attachments(&daemon, &network);
-    assert!(
-        !held
-            .iter()
-            .any(|a| a["containerId"] == container_id.as_str()),
-        "the attachment survived DEL: {held:?}"
-    );
+    assert_not_held(&daemon, &network, &container_id);
     assert!(
         !Path::new(&sandbox).exists(),
         "podman left its netns {sandbox}"
     );
-    let node = daemon.node();
-    if let Some(host_if) = &host_if {
-        wait_for(
-            "the container's host veth to go",
-            Duration::from_secs(10),
-            || (!node.link_names().contains(host_if)).then_some(()),
-        );
-    }
-    let routes = node.exec_ok(&["ip", "-4", "route", "show", &format!("{ip}/32")]);
-    assert!(
-        routes.trim().is_empty(),
-        "a route to {ip} survived DEL: {routes}"
-    );
-    assert!(
-        libcni_cache_files(Path::new(LIBCNI_CACHE), &network).is_empty(),
-        "podman left libcni cache files for {network}"
-    );
-
-    other.del();
-    wait_for("the node to be clean", Duration::from_secs(10), || {
-        node_leftovers(node).is_empty().then_some(())
-    });
-    assert!(
-        attachments(&daemon, &network).is_empty(),
-        "attachments left"
-    );
+    assert_cleaned_up("podman", &daemon, &network, host_if.as_deref(), &ip, other);
     eprintln!("podman test took {:?}", started.elapsed());
 }

@@ -5,14 +5,13 @@
 //! the daemon's own check stands in its way). Run as root.
 
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 use serde_json::Value;
 use tether_e2e::{
     cni, require_root, tether_bin, CniEnv, CniOutput, Daemon, DaemonOpts, Netns, TempDir,
 };
-use tether_proto::admin::v1 as pb;
 
 /// The unprivileged uid and gid (nobody/nogroup).
 const NOBODY: u32 = 65534;
@@ -93,8 +92,8 @@ fn with_prev(conf: &Value, prev: &Value) -> Value {
 /// Asserts the daemon holds no attachment and no address, and `pod` got
 /// no interface.
 fn assert_nothing_allocated(daemon: &Daemon, pod: &Netns) {
-    assert!(list_attachments(daemon.socket()).is_empty());
-    let node = node_info(daemon.socket());
+    assert!(daemon.attachments().is_empty());
+    let node = daemon.node_info();
     assert!(node.pools.iter().all(|p| p.used == 0), "{node:?}");
     assert_eq!(pod.link_names(), ["lo"]);
     assert_eq!(daemon.node().link_names(), ["lo"]);
@@ -108,55 +107,6 @@ fn queue_entries(daemon: &Daemon) -> Vec<String> {
             .collect(),
         Err(_) => Vec::new(),
     }
-}
-
-// ---------------------------------------------------------------------------
-// The admin API over the unix socket (private: the harness has no client).
-
-fn block_on<F: std::future::Future>(f: F) -> F::Output {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-        .block_on(f)
-}
-
-async fn admin_client(socket: &Path) -> pb::admin_client::AdminClient<tonic::transport::Channel> {
-    let socket = socket.to_path_buf();
-    let channel = tonic::transport::Endpoint::from_static("http://tether.invalid")
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let socket = socket.clone();
-            async move {
-                let stream = tokio::net::UnixStream::connect(socket).await?;
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
-            }
-        }))
-        .await
-        .expect("connecting to the admin API");
-    pb::admin_client::AdminClient::new(channel)
-}
-
-fn list_attachments(socket: &Path) -> Vec<pb::Attachment> {
-    block_on(async {
-        admin_client(socket)
-            .await
-            .list_attachments(pb::ListAttachmentsRequest::default())
-            .await
-            .expect("ListAttachments")
-            .into_inner()
-            .attachments
-    })
-}
-
-fn node_info(socket: &Path) -> pb::Node {
-    block_on(async {
-        admin_client(socket)
-            .await
-            .get_node(pb::GetNodeRequest {})
-            .await
-            .expect("GetNode")
-            .into_inner()
-    })
 }
 
 // ---------------------------------------------------------------------------
@@ -245,7 +195,7 @@ fn allowed_uid_is_served() {
 
     let out = nobody.run(&CniEnv::new("ADD", "sec-allowed", &pod), &conf);
     let result = out.result().clone();
-    let listed = list_attachments(daemon.socket());
+    let listed = daemon.attachments();
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0].container_id, "sec-allowed");
     assert!(pod.link_names().contains(&"eth0".to_owned()));
@@ -266,7 +216,7 @@ fn allowed_uid_is_served() {
     assert!(check.success(), "CHECK: {check}");
     let del = nobody.run(&CniEnv::new("DEL", "sec-allowed", &pod), &conf);
     assert!(del.success(), "DEL: {del}");
-    assert!(list_attachments(daemon.socket()).is_empty());
+    assert!(daemon.attachments().is_empty());
     assert!(
         !daemon.log().contains("refused a peer"),
         "an allowed uid was refused"
@@ -329,7 +279,7 @@ fn refused_non_root_del_is_not_queued() {
     );
 
     daemon.restart();
-    let listed = list_attachments(daemon.socket());
+    let listed = daemon.attachments();
     assert_eq!(listed.len(), 1, "the attachment survived: {listed:?}");
     let check = as_root(
         &CniEnv::new("CHECK", "sec-del", &pod),
@@ -368,7 +318,7 @@ fn refused_capable_peer_cannot_del_through_the_queue() {
         .collect();
 
     daemon.restart();
-    let listed = list_attachments(daemon.socket());
+    let listed = daemon.attachments();
     assert_eq!(
         listed.len(),
         1,

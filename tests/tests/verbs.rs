@@ -7,15 +7,13 @@
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tether_e2e::{
-    cni, require_root, tether_bin, unique_name, CniEnv, CniOutput, Daemon, DaemonOpts, Family,
-    Netns,
+    cni, is_tether_link, require_root, tether_bin, unique_name, CniEnv, CniOutput, Daemon,
+    DaemonOpts, Family, Netns,
 };
-use tether_proto::admin::v1 as pb;
 
 /// Every cniVersion tether renders.
 const VERSIONS: [&str; 5] = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
@@ -144,9 +142,7 @@ fn read_result(result: &Value, version: &str, pod: &Netns, ifname: &str, mtu: u3
     );
     let host_if = host["name"].as_str().expect("host name").to_owned();
     assert!(
-        host_if.len() == 15
-            && host_if.starts_with("tth")
-            && host_if[3..].chars().all(|c| c.is_ascii_hexdigit()),
+        is_tether_link(&host_if),
         "host interface name {host_if:?} is not tth + 12 hex digits"
     );
     assert_eq!(host["mac"], GATEWAY_MAC, "{result}");
@@ -350,7 +346,7 @@ fn assert_released(daemon: &Daemon, pod: &Netns, cid: &str, w: &Wiring) {
         let routes = node_routes_to(daemon, ip);
         assert!(routes.is_empty(), "node route to {ip} survived: {routes:?}");
     }
-    let listed = attachments(daemon.socket());
+    let listed = daemon.attachments();
     assert!(
         !listed.iter().any(|a| a.container_id == cid),
         "{cid} still listed: {listed:?}"
@@ -382,58 +378,11 @@ fn ping(from: &Netns, to: IpAddr) {
 }
 
 // ---------------------------------------------------------------------------
-// The admin API, called directly (tonic over the unix socket, as the shim
-// does it). Private to this file: the harness has no admin client.
-
-fn block_on<F: std::future::Future>(f: F) -> F::Output {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-        .block_on(f)
-}
-
-async fn admin_client(socket: &Path) -> pb::admin_client::AdminClient<tonic::transport::Channel> {
-    let socket = socket.to_path_buf();
-    let channel = tonic::transport::Endpoint::from_static("http://tether.invalid")
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let socket = socket.clone();
-            async move {
-                let stream = tokio::net::UnixStream::connect(socket).await?;
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
-            }
-        }))
-        .await
-        .expect("connecting to the admin API");
-    pb::admin_client::AdminClient::new(channel)
-}
-
-fn attachments(socket: &Path) -> Vec<pb::Attachment> {
-    block_on(async {
-        admin_client(socket)
-            .await
-            .list_attachments(pb::ListAttachmentsRequest::default())
-            .await
-            .expect("ListAttachments")
-            .into_inner()
-            .attachments
-    })
-}
-
-fn node_info(socket: &Path) -> pb::Node {
-    block_on(async {
-        admin_client(socket)
-            .await
-            .get_node(pb::GetNodeRequest {})
-            .await
-            .expect("GetNode")
-            .into_inner()
-    })
-}
+// The admin API
 
 /// (used, free) of the pool whose CIDR is `cidr`.
-fn pool_usage(socket: &Path, cidr: &str) -> (u64, u64) {
-    let node = node_info(socket);
+fn pool_usage(daemon: &Daemon, cidr: &str) -> (u64, u64) {
+    let node = daemon.node_info();
     let pool = node
         .pools
         .iter()
@@ -468,7 +417,7 @@ fn every_version_add_check_del_dual_stack() {
         assert_wired(&daemon, &pod, &w, 1500);
 
         // The admin API holds the same attachment.
-        let listed = attachments(daemon.socket());
+        let listed = daemon.attachments();
         let a = listed
             .iter()
             .find(|a| a.container_id == cid)
@@ -500,7 +449,7 @@ fn every_version_add_check_del_dual_stack() {
         let del = call("DEL", &conf, &cid, Some(&pod));
         assert_silent_ok(&format!("second DEL {version}"), &del);
     }
-    let (used, _) = pool_usage(daemon.socket(), DUAL[0]);
+    let (used, _) = pool_usage(&daemon, DUAL[0]);
     assert_eq!(used, 0, "every address is free again");
 }
 
@@ -582,7 +531,7 @@ fn add_in_another_netns_conflicts() {
     assert_code("ADD in another netns", &out, &[103]);
     assert_eq!(second.link_names(), ["lo"], "the second netns is untouched");
     assert_eq!(daemon.node().link_names(), node_links);
-    assert_eq!(attachments(daemon.socket()).len(), 1);
+    assert_eq!(daemon.attachments().len(), 1);
     assert_wired(&daemon, &first, &w, 1500);
     let check = call(
         "CHECK",
@@ -795,8 +744,8 @@ fn del_is_idempotent_and_needs_no_netns() {
         "DEL of an unknown container",
         &call("DEL", &conf, "never-added", Some(&pod)),
     );
-    assert!(attachments(daemon.socket()).is_empty());
-    let (used, _) = pool_usage(daemon.socket(), DUAL[0]);
+    assert!(daemon.attachments().is_empty());
+    let (used, _) = pool_usage(&daemon, DUAL[0]);
     assert_eq!(used, 0);
 }
 
@@ -824,7 +773,7 @@ fn tiny_pool_exhaustion_status_and_reuse() {
         .map(|n| format!("10.79.0.{n}").parse().unwrap())
         .collect();
     assert_eq!(all, want, "a /29 hands out .1 to .6");
-    assert_eq!(pool_usage(daemon.socket(), CIDR), (6, 0));
+    assert_eq!(pool_usage(&daemon, CIDR), (6, 0));
 
     let status = call("STATUS", &conf, "", None);
     assert_code("STATUS with the pool exhausted", &status, &[50]);
@@ -839,13 +788,13 @@ fn tiny_pool_exhaustion_status_and_reuse() {
     );
     assert_eq!(extra.link_names(), ["lo"], "a failed ADD leaves no link");
     assert_eq!(daemon.node().link_names(), node_links);
-    assert_eq!(attachments(daemon.socket()).len(), 6);
-    assert_eq!(pool_usage(daemon.socket(), CIDR), (6, 0));
+    assert_eq!(daemon.attachments().len(), 6);
+    assert_eq!(pool_usage(&daemon, CIDR), (6, 0));
 
     let (pod, cid, w) = pods.remove(2);
     assert_silent_ok("DEL", &call("DEL", &conf, &cid, Some(&pod)));
     assert_released(&daemon, &pod, &cid, &w);
-    assert_eq!(pool_usage(daemon.socket(), CIDR), (5, 1));
+    assert_eq!(pool_usage(&daemon, CIDR), (5, 1));
     assert_silent_ok("STATUS after a DEL", &call("STATUS", &conf, "", None));
 
     let reused = read_result(
@@ -875,21 +824,17 @@ fn gc_releases_unlisted_attachments() {
     let wa = read_result(&ra, "1.1.0", &pa, "eth0", 1500);
     let wb = read_result(&rb, "1.1.0", &pb, "eth0", 1500);
     let wc = read_result(&rc, "1.1.0", &pc, "eth0", 1500);
-    assert_eq!(pool_usage(daemon.socket(), DUAL[0]).0, 3);
+    assert_eq!(pool_usage(&daemon, DUAL[0]).0, 3);
 
     let mut gc = conf.clone();
     gc["cni.dev/valid-attachments"] = json!([{"containerID": "gc-keep", "ifname": "eth0"}]);
     assert_silent_ok("GC", &call("GC", &gc, "", None));
 
     assert_released(&daemon, &pb, "gc-drop", &wb);
-    assert_eq!(pool_usage(daemon.socket(), DUAL[0]).0, 2);
-    assert_eq!(pool_usage(daemon.socket(), DUAL[1]).0, 2);
-    let listed: BTreeSet<String> = attachments(daemon.socket())
-        .into_iter()
-        .map(|a| a.container_id)
-        .collect();
+    assert_eq!(pool_usage(&daemon, DUAL[0]).0, 2);
+    assert_eq!(pool_usage(&daemon, DUAL[1]).0, 2);
     assert_eq!(
-        listed,
+        daemon.attachment_ids(),
         BTreeSet::from(["gc-keep".to_owned(), "gc-other".to_owned()])
     );
     assert_wired(&daemon, &pa, &wa, 1500);
@@ -910,7 +855,7 @@ fn gc_releases_unlisted_attachments() {
 fn mtu_from_flag_and_from_netconf() {
     require_root();
     let daemon = daemon_with(&DUAL, Some(1400));
-    assert_eq!(node_info(daemon.socket()).mtu, 1400);
+    assert_eq!(daemon.node_info().mtu, 1400);
 
     let conf = daemon.netconf("1.1.0", "mtu");
     let pa = Netns::new("pa");
@@ -952,13 +897,13 @@ fn exhausting_one_family_rolls_back_the_other() {
     for (i, pod) in pods.iter().take(2).enumerate() {
         add_ok(&conf, &format!("half-{i}"), pod);
     }
-    assert_eq!(pool_usage(daemon.socket(), V4), (2, 0));
-    assert_eq!(pool_usage(daemon.socket(), V6), (2, 253));
+    assert_eq!(pool_usage(&daemon, V4), (2, 0));
+    assert_eq!(pool_usage(&daemon, V6), (2, 253));
 
     let out = call("ADD", &conf, "half-2", Some(&pods[2]));
     assert_code("ADD with the IPv4 pool full", &out, &[100]);
     assert!(error_text(&out).contains(V4), "names {V4}: {out}");
-    assert_eq!(pool_usage(daemon.socket(), V6), (2, 253), "IPv6 given back");
+    assert_eq!(pool_usage(&daemon, V6), (2, 253), "IPv6 given back");
     assert_eq!(pods[2].link_names(), ["lo"]);
-    assert_eq!(attachments(daemon.socket()).len(), 2);
+    assert_eq!(daemon.attachments().len(), 2);
 }
