@@ -140,6 +140,30 @@ fn rebooted_since_last_run(state_dir: &Path) -> Result<bool> {
     Ok(rebooted)
 }
 
+/// Requested addresses (CNI_ARGS `IP=`/`MAC=`, runtimeConfig `ips`/`mac`)
+/// are not honoured yet; refusing them is better than silently handing out
+/// another address than the one asked for.
+fn refuse_requested_addresses(inv: &Invocation) -> Result<()> {
+    let unsupported = |key: &str, value: String| Error::UnsupportedField {
+        key: key.to_string(),
+        value,
+    };
+    if let Some(ip) = &inv.args.ip {
+        return Err(unsupported("CNI_ARGS IP", ip.clone()));
+    }
+    if let Some(mac) = &inv.args.mac {
+        return Err(unsupported("CNI_ARGS MAC", mac.clone()));
+    }
+    let rc = &inv.conf.runtime_config;
+    if !rc.ips.is_empty() {
+        return Err(unsupported("runtimeConfig.ips", rc.ips.join(",")));
+    }
+    if let Some(mac) = &rc.mac {
+        return Err(unsupported("runtimeConfig.mac", mac.clone()));
+    }
+    Ok(())
+}
+
 fn key_of(inv: &Invocation) -> AttachmentKey {
     AttachmentKey {
         network: inv.conf.name.clone(),
@@ -351,6 +375,7 @@ impl Node {
             return self.add_again(inv, a, &netns, &netns_path).await;
         }
 
+        refuse_requested_addresses(inv)?;
         let host_ifname = dataplane::host_ifname(&key.network, &key.container_id, &key.ifname);
         if let Some(other) = lock(&self.attachments)
             .values()

@@ -224,6 +224,10 @@ const CASES: &[Case] = &[
     case("CNI_ARGS unknown key, IgnoreUnknown=0", 2, |fx| fx.add_env(|e| e.args = Some("IgnoreUnknown=0;FOO=bar".into()))),
     case("CNI_ARGS bad IgnoreUnknown value", 4, |fx| fx.add_env(|e| e.args = Some("IgnoreUnknown=maybe;FOO=bar".into()))),
     case("CNI_ARGS IP not an address", 4, |fx| fx.add_env(|e| e.args = Some("IgnoreUnknown=1;IP=not-an-ip".into()))),
+    case("CNI_ARGS IP requested (not honoured yet)", 2, |fx| fx.add_env(|e| e.args = Some("IgnoreUnknown=1;IP=10.88.0.5".into()))),
+    case("CNI_ARGS MAC requested (not honoured yet)", 2, |fx| fx.add_env(|e| e.args = Some("IgnoreUnknown=1;MAC=0a:58:0a:58:00:05".into()))),
+    case("runtimeConfig ips requested (not honoured yet)", 2, |fx| fx.add(|c| c["runtimeConfig"] = json!({"ips": ["10.88.0.5/24"]}))),
+    case("runtimeConfig mac requested (not honoured yet)", 2, |fx| fx.add(|c| c["runtimeConfig"] = json!({"mac": "0a:58:0a:58:00:05"}))),
     case("CNI_ARGS MAC malformed", 4, |fx| fx.add_env(|e| e.args = Some("IgnoreUnknown=1;MAC=0a:58".into()))),
     // version gates
     case("CHECK with cniVersion 0.3.1", 1, |fx| fx.kept("CHECK", "0.3.1", |_| {})),
