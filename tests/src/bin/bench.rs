@@ -742,7 +742,21 @@ impl Machine {
             .unwrap_or_else(|| "unknown".to_owned());
         let ws = workspace_dir().display().to_string();
         let rev = run("git", &["-C", &ws, "rev-parse", "--short", "HEAD"]);
-        let dirty = !run("git", &["-C", &ws, "status", "--porcelain"]).is_empty();
+        // The report file itself is rewritten by every run: not a change to
+        // what was measured.
+        let dirty = !run(
+            "git",
+            &[
+                "-C",
+                &ws,
+                "status",
+                "--porcelain",
+                "--",
+                ".",
+                ":!BENCHMARKS.md",
+            ],
+        )
+        .is_empty();
         Machine {
             nproc: std::thread::available_parallelism().map_or(0, |n| n.get()),
             kernel: read("/proc/sys/kernel/osrelease").trim().to_owned(),
