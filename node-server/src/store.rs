@@ -111,10 +111,9 @@ pub struct LocalStore {
     dir: PathBuf,
     fsync: Fsync,
     inner: Mutex<Journal>,
-    flusher: Arc<Flusher>,
-    /// Group commit for `Fsync::Always`: how much of the journal is known
-    /// to be on the device.
-    durable: Durable,
+    /// How much of the journal is known to be on the device; shared with
+    /// the flush thread of `Fsync::Background`.
+    durable: Arc<Durable>,
 }
 
 /// Group-commit state. Journal positions are counted in bytes appended
@@ -127,7 +126,10 @@ struct Durable {
     /// Bytes appended so far; written under the store's lock.
     appended: AtomicU64,
     state: Mutex<DurableState>,
+    /// A flush finished.
     flushed: Condvar,
+    /// Something was appended (wakes the `Fsync::Background` thread).
+    appended_more: Condvar,
 }
 
 struct DurableState {
@@ -137,6 +139,8 @@ struct DurableState {
     syncing: bool,
     /// A failed flush poisons the store: what was acknowledged may be lost.
     error: Option<String>,
+    /// The store is closing: the flush thread does a last flush and ends.
+    stop: bool,
 }
 
 struct Journal {
@@ -144,19 +148,6 @@ struct Journal {
     len: u64,
     attachments: BTreeMap<AttachmentKey, Attachment>,
     holders: HashMap<IpAddr, AttachmentKey>,
-}
-
-/// The background flush thread's mailbox.
-struct Flusher {
-    state: Mutex<FlushState>,
-    wake: Condvar,
-}
-
-struct FlushState {
-    file: Option<File>,
-    dirty: bool,
-    stop: bool,
-    last_error: Option<String>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -309,16 +300,7 @@ impl LocalStore {
         for r in records {
             journal.apply(r);
         }
-        let flusher = Arc::new(Flusher {
-            state: Mutex::new(FlushState {
-                file: None,
-                dirty: false,
-                stop: false,
-                last_error: None,
-            }),
-            wake: Condvar::new(),
-        });
-        let durable = Durable {
+        let durable = Arc::new(Durable {
             file: journal
                 .file
                 .try_clone()
@@ -328,14 +310,15 @@ impl LocalStore {
                 synced: 0,
                 syncing: false,
                 error: None,
+                stop: false,
             }),
             flushed: Condvar::new(),
-        };
+            appended_more: Condvar::new(),
+        });
         let store = LocalStore {
             dir: state_dir.to_path_buf(),
             fsync,
             inner: Mutex::new(journal),
-            flusher,
             durable,
         };
         {
@@ -343,10 +326,10 @@ impl LocalStore {
             store.compact(&mut j)?;
         }
         if fsync == Fsync::Background {
-            let flusher = store.flusher.clone();
+            let durable = store.durable.clone();
             std::thread::Builder::new()
                 .name("tetherd-fsync".into())
-                .spawn(move || flush_loop(&flusher))
+                .spawn(move || durable.flush_in_background())
                 .map_err(|e| store_err("starting the flush thread", e))?;
         }
         Ok(store)
@@ -384,11 +367,6 @@ impl LocalStore {
         let mut d = lock(&self.durable.state);
         d.synced = d.synced.max(appended);
         drop(d);
-        let file = j
-            .file
-            .try_clone()
-            .map_err(|e| store_err("journal handle", e))?;
-        lock(&self.flusher.state).file = Some(file);
         Ok(())
     }
 
@@ -396,6 +374,9 @@ impl LocalStore {
     /// from a daemon crash) when this returns. Returns the journal position
     /// after it, for [`LocalStore::make_durable`].
     fn append(&self, j: &mut Journal, record: &Record) -> Result<u64> {
+        if let Some(e) = &lock(&self.durable.state).error {
+            return Err(Error::Store(format!("flushing the journal: {e}")));
+        }
         let bytes = frame(record)?;
         if let Err(e) = j.file.write_all(&bytes) {
             // A partial append is cut off at the next open by its checksum;
@@ -407,25 +388,30 @@ impl LocalStore {
         let end = self.durable.appended.load(Ordering::Acquire) + bytes.len() as u64;
         self.durable.appended.store(end, Ordering::Release);
         if self.fsync == Fsync::Background {
-            let mut st = lock(&self.flusher.state);
-            if let Some(e) = st.last_error.take() {
-                return Err(Error::Store(format!("flushing the journal: {e}")));
-            }
-            st.dirty = true;
-            self.flusher.wake.notify_one();
+            // Notified under the lock, so the flush thread cannot miss it
+            // between its check and its wait.
+            let _st = lock(&self.durable.state);
+            self.durable.appended_more.notify_one();
         }
         Ok(end)
     }
 
     /// With `Fsync::Always`, waits until the journal is on the device up to
-    /// `end`, called without the store's lock. One flush covers everything
-    /// appended before it started, so concurrent writers share flushes.
+    /// `end`; called without the store's lock.
     fn make_durable(&self, end: u64) -> Result<()> {
-        if self.fsync != Fsync::Always {
-            return Ok(());
+        match self.fsync {
+            Fsync::Always => self.durable.flush_to(end),
+            Fsync::Background => Ok(()),
         }
-        let d = &self.durable;
-        let mut st = lock(&d.state);
+    }
+}
+
+impl Durable {
+    /// Returns once the journal is on the device up to `end`. One flush
+    /// covers everything appended before it started, so concurrent callers
+    /// share flushes (group commit).
+    fn flush_to(&self, end: u64) -> Result<()> {
+        let mut st = lock(&self.state);
         loop {
             if let Some(e) = &st.error {
                 return Err(Error::Store(format!("flushing the journal: {e}")));
@@ -434,14 +420,14 @@ impl LocalStore {
                 return Ok(());
             }
             if st.syncing {
-                st = d.flushed.wait(st).unwrap_or_else(|p| p.into_inner());
+                st = self.flushed.wait(st).unwrap_or_else(|p| p.into_inner());
                 continue;
             }
             st.syncing = true;
             drop(st);
-            let target = d.appended.load(Ordering::Acquire);
-            let outcome = d.file.sync_data();
-            st = lock(&d.state);
+            let target = self.appended.load(Ordering::Acquire);
+            let outcome = self.file.sync_data();
+            st = lock(&self.state);
             st.syncing = false;
             match outcome {
                 Ok(()) => st.synced = st.synced.max(target),
@@ -450,43 +436,46 @@ impl LocalStore {
                     st.error = Some(e.to_string());
                 }
             }
-            d.flushed.notify_all();
+            self.flushed.notify_all();
         }
     }
-}
 
-fn flush_loop(flusher: &Flusher) {
-    let mut st = lock(&flusher.state);
-    loop {
-        while !st.dirty && !st.stop {
-            st = flusher.wake.wait(st).unwrap_or_else(|p| p.into_inner());
-        }
-        if st.stop && !st.dirty {
-            return;
-        }
-        st.dirty = false;
-        let file = st.file.as_ref().and_then(|f| f.try_clone().ok());
-        drop(st);
-        // Changes appended while this flush runs set `dirty` again and are
-        // covered by the next one: one device flush serves a whole group.
-        let outcome = file.map(|f| f.sync_data());
-        st = lock(&flusher.state);
-        if let Some(Err(e)) = outcome {
-            tracing::error!(error = %e, "journal flush failed");
-            st.last_error = Some(e.to_string());
+    /// The `Fsync::Background` thread: flushes whenever something was
+    /// appended, until the store closes or a flush fails.
+    fn flush_in_background(&self) {
+        loop {
+            let mut st = lock(&self.state);
+            while !st.stop
+                && st.error.is_none()
+                && st.synced >= self.appended.load(Ordering::Acquire)
+            {
+                st = self
+                    .appended_more
+                    .wait(st)
+                    .unwrap_or_else(|p| p.into_inner());
+            }
+            if st.error.is_some() {
+                return;
+            }
+            let stop = st.stop;
+            drop(st);
+            // Errors are recorded in the state, where every later write and
+            // STATUS see them.
+            let _ = self.flush_to(self.appended.load(Ordering::Acquire));
+            if stop {
+                return;
+            }
         }
     }
 }
 
 impl Drop for LocalStore {
     fn drop(&mut self) {
-        let mut st = lock(&self.flusher.state);
-        st.stop = true;
-        self.flusher.wake.notify_one();
-        drop(st);
-        if let Some(f) = lock(&self.flusher.state).file.as_ref() {
-            let _ = f.sync_data();
-        }
+        lock(&self.durable.state).stop = true;
+        self.durable.appended_more.notify_one();
+        let _ = self
+            .durable
+            .flush_to(self.durable.appended.load(Ordering::Acquire));
     }
 }
 
@@ -550,9 +539,6 @@ impl Store for LocalStore {
     fn probe(&self) -> Result<()> {
         if let Some(e) = lock(&self.durable.state).error.clone() {
             return Err(Error::Store(format!("a journal flush failed: {e}")));
-        }
-        if let Some(e) = lock(&self.flusher.state).last_error.clone() {
-            return Err(Error::Store(format!("the last journal flush failed: {e}")));
         }
         let j = lock(&self.inner);
         j.file
@@ -737,6 +723,22 @@ mod tests {
             std::fs::metadata(dir.path().join(JOURNAL)).unwrap().len(),
             0
         );
+    }
+
+    #[test]
+    fn background_policy_flushes_what_was_appended() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = LocalStore::open(dir.path(), Fsync::Background).unwrap();
+        s.insert(&attachment("a", &["10.0.0.2"])).unwrap();
+        s.remove(&[attachment("a", &[]).key]).unwrap();
+        let appended = s.durable.appended.load(Ordering::Acquire);
+        assert!(appended > 0);
+        // The flush thread catches up on its own; nobody waits for it.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while lock(&s.durable.state).synced < appended {
+            assert!(std::time::Instant::now() < deadline, "never flushed");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
     }
 
     /// Group commit's correctness: concurrent writers, every change flushed
