@@ -26,14 +26,7 @@ pub const DEFAULT_SOCKET: &str = "/run/tether/tether.sock";
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/tether";
 
 /// The CNI_* variables forwarded to the daemon, in `present` order.
-pub const CNI_VARS: [&str; 6] = [
-    "CNI_COMMAND",
-    "CNI_CONTAINERID",
-    "CNI_NETNS",
-    "CNI_IFNAME",
-    "CNI_ARGS",
-    "CNI_PATH",
-];
+pub use tether_proto::cni::FORWARDED_VARIABLES as CNI_VARS;
 
 /// A CNI verb the daemon serves (VERSION is answered by the shim).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

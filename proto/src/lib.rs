@@ -6,6 +6,17 @@
 
 /// The shim-to-daemon CNI service, `tether.cni.v1`.
 pub mod cni {
+    /// The CNI_* variables the shim forwards, in the order in which
+    /// `CniRequest.present` lists those that were set.
+    pub const FORWARDED_VARIABLES: [&str; 6] = [
+        "CNI_COMMAND",
+        "CNI_CONTAINERID",
+        "CNI_NETNS",
+        "CNI_IFNAME",
+        "CNI_ARGS",
+        "CNI_PATH",
+    ];
+
     /// Version 1 of the CNI service.
     pub mod v1 {
         #![allow(missing_docs, clippy::all)]

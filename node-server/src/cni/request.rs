@@ -273,14 +273,7 @@ mod tests {
     use crate::cni::version::SUPPORTED_VERSIONS;
     use serde_json::json;
 
-    const ALL_VARS: [&str; 6] = [
-        "CNI_COMMAND",
-        "CNI_CONTAINERID",
-        "CNI_NETNS",
-        "CNI_IFNAME",
-        "CNI_ARGS",
-        "CNI_PATH",
-    ];
+    use tether_proto::cni::FORWARDED_VARIABLES as ALL_VARS;
 
     fn conf_json(version: &str) -> Value {
         json!({"cniVersion": version, "name": "tether", "type": "tether"})
