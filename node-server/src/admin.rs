@@ -30,6 +30,17 @@ impl AdminService {
     }
 }
 
+fn join(ips: &[std::net::IpAddr]) -> String {
+    ips.iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn tetherd_error(e: tokio::task::JoinError) -> crate::error::Error {
+    crate::error::Error::Internal(format!("store probe task failed: {e}"))
+}
+
 fn to_pb(a: &Attachment) -> pb::Attachment {
     pb::Attachment {
         network: a.key.network.clone(),
@@ -84,7 +95,7 @@ impl admin_server::Admin for AdminService {
                 free: u64::try_from(free).unwrap_or(u64::MAX),
             })
             .collect();
-        Ok(Response::new(pb::Node {
+        let mut node = pb::Node {
             name: cfg.name.clone(),
             pools,
             store_backend: self.node.store().backend().to_string(),
@@ -92,7 +103,75 @@ impl admin_server::Admin for AdminService {
             version: env!("CARGO_PKG_VERSION").to_string(),
             socket: self.socket.display().to_string(),
             mtu: cfg.mtu,
-        }))
+            ipam_mode: "pod-cidr".into(),
+            routing: "none".into(),
+            ..Default::default()
+        };
+        let started = std::time::Instant::now();
+        let probed = match self.node.cluster() {
+            Some(c) => {
+                let me = c.me();
+                node.node_id = me.id;
+                node.blocks = c.my_blocks().iter().map(|b| b.to_string()).collect();
+                node.ipam_mode = "cluster".into();
+                node.cluster_cidrs = c
+                    .config()
+                    .cluster_cidrs
+                    .iter()
+                    .map(|c| c.to_string())
+                    .collect();
+                node.routing = c.config().overlay.name().into();
+                node.node_ip = join(&me.node_ips);
+                // The control plane is the store that can fail in cluster
+                // mode; the local journal still holds the attachments.
+                node.store_backend = c.store().backend().into();
+                node.store_location = c.store().location();
+                c.probe().await
+            }
+            None => {
+                let store = self.node.store().clone();
+                tokio::task::spawn_blocking(move || store.probe())
+                    .await
+                    .unwrap_or_else(|e| Err(tetherd_error(e)))
+            }
+        };
+        node.store_health = Some(pb::StoreHealth {
+            healthy: probed.is_ok(),
+            detail: probed.err().map(|e| e.to_string()).unwrap_or_default(),
+            probe_ms: started.elapsed().as_secs_f64() * 1000.0,
+        });
+        Ok(Response::new(node))
+    }
+
+    async fn list_nodes(
+        &self,
+        _: Request<pb::ListNodesRequest>,
+    ) -> Result<Response<pb::ListNodesResponse>, Status> {
+        let Some(c) = self.node.cluster() else {
+            return Err(Status::failed_precondition(
+                "not in cluster mode (this node runs with --pod-cidr)",
+            ));
+        };
+        let view = c.view();
+        let me = c.me();
+        let nodes = view
+            .nodes
+            .values()
+            .map(|(n, _)| pb::ClusterNode {
+                name: n.name.clone(),
+                id: n.id,
+                node_ip: join(&n.node_ips),
+                alive: view.alive.contains(&n.name),
+                blocks: view
+                    .blocks_of(&n.name)
+                    .iter()
+                    .map(|b| b.to_string())
+                    .collect(),
+                vtep_mac: n.vtep_mac.clone().unwrap_or_default(),
+                local: n.name == me.name,
+            })
+            .collect();
+        Ok(Response::new(pb::ListNodesResponse { nodes }))
     }
 
     async fn list_attachments(
@@ -157,12 +236,22 @@ impl admin_server::Admin for AdminService {
                 }
             })
             .collect();
+        let (block_claims, last_block_claim_ms) = self
+            .node
+            .cluster()
+            .map(|c| {
+                let (n, last) = c.claim_stats();
+                (n, last.as_secs_f64() * 1000.0)
+            })
+            .unwrap_or((0, 0.0));
         Ok(Response::new(pb::StatsResponse {
             pending_del_queue: pending_del::queue_len(&self.node.config().state_dir),
             verbs,
             uptime_seconds: self.stats.started.elapsed().as_secs(),
             pending_del_processed: self.stats.pending_del_processed.load(Ordering::Relaxed),
             link_deletions_in_flight: self.node.link_deletions_in_flight(),
+            block_claims,
+            last_block_claim_ms,
         }))
     }
 }

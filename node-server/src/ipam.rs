@@ -116,14 +116,61 @@ impl Pool {
     }
 }
 
-/// The node's pools: at most one IPv4 and one IPv6.
+/// An address family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Family {
+    /// IPv4.
+    V4,
+    /// IPv6.
+    V6,
+}
+
+impl Family {
+    /// The family of a CIDR.
+    pub fn of(net: &IpNet) -> Family {
+        match net {
+            IpNet::V4(_) => Family::V4,
+            IpNet::V6(_) => Family::V6,
+        }
+    }
+
+    /// "IPv4" or "IPv6".
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::V4 => "IPv4",
+            Family::V6 => "IPv6",
+        }
+    }
+}
+
+/// Why an allocation found no address: the families whose every pool is
+/// full. In cluster mode the caller claims a new block for each and tries
+/// again; with fixed pod CIDRs it is final.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shortage {
+    /// Families with no free address.
+    pub families: Vec<Family>,
+    /// For the operator: which pools are full.
+    pub detail: String,
+}
+
+impl From<Shortage> for Error {
+    fn from(s: Shortage) -> Error {
+        Error::PoolExhausted(s.detail)
+    }
+}
+
+/// The node's pools. Every ADD gets one address of each family the node
+/// serves. With fixed pod CIDRs there is one pool per family; in cluster
+/// mode each claimed block is a pool, and a family may have several.
 #[derive(Debug)]
 pub struct Pools {
+    families: Vec<Family>,
     pools: Vec<Pool>,
 }
 
 impl Pools {
-    /// Pools over the given CIDRs; at least one, at most one per family.
+    /// Fixed pools over the given CIDRs; at least one, at most one per family.
     pub fn new(cidrs: &[IpNet]) -> Result<Self> {
         if cidrs.is_empty() {
             return Err(Error::InvalidConfig("no pod CIDR configured".into()));
@@ -134,18 +181,53 @@ impl Pools {
                 "at most one IPv4 and one IPv6 pod CIDR".into(),
             ));
         }
-        let pools = cidrs.iter().map(|c| Pool::new(*c)).collect::<Result<_>>()?;
-        Ok(Pools { pools })
+        let pools: Vec<Pool> = cidrs.iter().map(|c| Pool::new(*c)).collect::<Result<_>>()?;
+        let families = pools.iter().map(|p| Family::of(&p.cidr)).collect();
+        Ok(Pools { families, pools })
     }
 
-    /// The pools, IPv4 first as configured.
+    /// No pools yet, serving `families`: blocks are added as they are
+    /// claimed (cluster mode).
+    pub fn for_blocks(families: &[Family]) -> Self {
+        Pools {
+            families: families.to_vec(),
+            pools: Vec::new(),
+        }
+    }
+
+    /// Adds a claimed block. Adding a block already present is a no-op.
+    pub fn add_block(&mut self, cidr: IpNet) -> Result<()> {
+        if self.pools.iter().any(|p| p.cidr == cidr.trunc()) {
+            return Ok(());
+        }
+        if let Some(p) = self
+            .pools
+            .iter()
+            .find(|p| p.cidr.contains(&cidr.network()) || cidr.contains(&p.cidr.network()))
+        {
+            return Err(Error::Internal(format!(
+                "block {cidr} overlaps the pool {}",
+                p.cidr
+            )));
+        }
+        self.pools.push(Pool::new(cidr)?);
+        Ok(())
+    }
+
+    /// The pools, in the order they were configured or claimed.
     pub fn pools(&self) -> &[Pool] {
         &self.pools
     }
 
+    /// The families every ADD gets an address of.
+    pub fn families(&self) -> &[Family] {
+        &self.families
+    }
+
     /// Records addresses found in the store at startup. Returns the addresses
     /// that were already claimed or lie outside every pool, which the caller
-    /// must report: they are a sign of a changed --pod-cidr or of corruption.
+    /// must report (or, in cluster mode, claim the blocks of): they are a
+    /// sign of a changed --pod-cidr, a lost block or corruption.
     pub fn restore(&mut self, ips: &[IpAddr]) -> Vec<IpAddr> {
         let mut bad = Vec::new();
         for &ip in ips {
@@ -164,28 +246,52 @@ impl Pools {
         bad
     }
 
-    /// Allocates one address from every pool, or nothing at all.
-    pub fn allocate(&mut self) -> Result<Vec<IpAddr>> {
-        let mut picked = Vec::with_capacity(self.pools.len());
-        for p in &self.pools {
-            match p.next_free() {
-                Some(n) => picked.push(n),
-                None => {
-                    return Err(Error::PoolExhausted(format!(
-                        "no free address left in {} ({} in use)",
-                        p.cidr,
-                        p.used()
-                    )))
-                }
+    /// Allocates one address of every family, or nothing at all. Within a
+    /// family the first pool with room is used, so a node fills its blocks
+    /// in the order it claimed them.
+    pub fn allocate(&mut self) -> std::result::Result<Vec<IpAddr>, Shortage> {
+        let mut picked = Vec::with_capacity(self.families.len());
+        let mut short = Vec::new();
+        for &family in &self.families {
+            let found = self
+                .pools
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| Family::of(&p.cidr) == family)
+                .find_map(|(i, p)| p.next_free().map(|n| (i, n)));
+            match found {
+                Some(hit) => picked.push(hit),
+                None => short.push(family),
             }
         }
+        if !short.is_empty() {
+            return Err(self.shortage().unwrap_or(Shortage {
+                families: short,
+                detail: String::new(),
+            }));
+        }
         let mut out = Vec::with_capacity(picked.len());
-        for (p, n) in self.pools.iter_mut().zip(picked) {
+        for (i, n) in picked {
+            let p = &mut self.pools[i];
             p.used.insert(n);
             p.cursor = n;
             out.push(p.addr(n));
         }
         Ok(out)
+    }
+
+    fn describe_full(&self, family: Family) -> String {
+        let full: Vec<String> = self
+            .pools
+            .iter()
+            .filter(|p| Family::of(&p.cidr) == family)
+            .map(|p| format!("{} ({} in use)", p.cidr, p.used()))
+            .collect();
+        if full.is_empty() {
+            format!("no {} block held", family.name())
+        } else {
+            format!("no free address left in {}", full.join(", "))
+        }
     }
 
     /// Returns addresses to their pools. Unknown addresses are ignored.
@@ -197,9 +303,32 @@ impl Pools {
         }
     }
 
-    /// True when every pool has at least one free address.
-    pub fn has_room(&self) -> bool {
-        self.pools.iter().all(|p| p.free() > 0)
+    /// Families with no free address in any of their pools.
+    pub fn full_families(&self) -> Vec<Family> {
+        self.families
+            .iter()
+            .copied()
+            .filter(|&f| {
+                !self
+                    .pools
+                    .iter()
+                    .any(|p| Family::of(&p.cidr) == f && p.free() > 0)
+            })
+            .collect()
+    }
+
+    /// What the next allocation would lack, if anything.
+    pub fn shortage(&self) -> Option<Shortage> {
+        let families = self.full_families();
+        if families.is_empty() {
+            return None;
+        }
+        let detail = families
+            .iter()
+            .map(|&f| self.describe_full(f))
+            .collect::<Vec<_>>()
+            .join("; ");
+        Some(Shortage { families, detail })
     }
 }
 
@@ -220,7 +349,7 @@ mod tests {
         let mut p = pools(&["10.1.0.0/30", "fd00::/126"]);
         assert_eq!(p.allocate().unwrap(), vec![ip("10.1.0.1"), ip("fd00::1")]);
         assert_eq!(p.allocate().unwrap(), vec![ip("10.1.0.2"), ip("fd00::2")]);
-        let e = p.allocate().unwrap_err();
+        let e = Error::from(p.allocate().unwrap_err());
         assert_eq!(e.code(), 100);
         assert!(e.to_string().contains("10.1.0.0/30"), "{e}");
         // All or nothing: the IPv6 pool was not charged for the failure.
@@ -240,7 +369,7 @@ mod tests {
             p.allocate().unwrap();
         }
         assert_eq!(p.allocate().unwrap(), a);
-        assert_eq!(p.allocate().unwrap_err().code(), 100);
+        assert_eq!(Error::from(p.allocate().unwrap_err()).code(), 100);
     }
 
     #[test]
@@ -263,10 +392,48 @@ mod tests {
     }
 
     #[test]
+    fn blocks_fill_in_claim_order_and_report_short_families() {
+        let mut p = Pools::for_blocks(&[Family::V4, Family::V6]);
+        let short = p.allocate().unwrap_err();
+        assert_eq!(short.families, vec![Family::V4, Family::V6]);
+        assert!(
+            short.detail.contains("no IPv4 block held"),
+            "{}",
+            short.detail
+        );
+        p.add_block("10.2.0.0/30".parse().unwrap()).unwrap();
+        p.add_block("fd00::/120".parse().unwrap()).unwrap();
+        assert_eq!(p.allocate().unwrap(), vec![ip("10.2.0.1"), ip("fd00::1")]);
+        assert_eq!(p.allocate().unwrap(), vec![ip("10.2.0.2"), ip("fd00::2")]);
+        // IPv4 is full, IPv6 is not: only IPv4 is short, and nothing moved.
+        let short = p.allocate().unwrap_err();
+        assert_eq!(short.families, vec![Family::V4]);
+        assert!(
+            short.detail.contains("10.2.0.0/30 (2 in use)"),
+            "{}",
+            short.detail
+        );
+        assert_eq!(p.full_families(), vec![Family::V4]);
+        p.add_block("10.2.0.4/30".parse().unwrap()).unwrap();
+        assert_eq!(p.allocate().unwrap(), vec![ip("10.2.0.5"), ip("fd00::3")]);
+        // The same block twice is a no-op; an overlapping one is a bug.
+        p.add_block("10.2.0.4/30".parse().unwrap()).unwrap();
+        assert_eq!(p.pools().len(), 3);
+        assert!(p.add_block("10.2.0.0/29".parse().unwrap()).is_err());
+        // Restore finds the holder block of each address.
+        let mut q = Pools::for_blocks(&[Family::V4]);
+        q.add_block("10.2.0.0/30".parse().unwrap()).unwrap();
+        assert_eq!(
+            q.restore(&[ip("10.2.0.2"), ip("10.2.0.6")]),
+            vec![ip("10.2.0.6")]
+        );
+    }
+
+    #[test]
     fn huge_ipv6_pool_counts_without_overflow() {
         let mut p = pools(&["fd00::/64"]);
         p.allocate().unwrap();
         assert_eq!(p.pools()[0].free(), (1u128 << 64) - 2);
-        assert!(p.has_room());
+        assert!(p.full_families().is_empty());
     }
 }

@@ -9,7 +9,9 @@
 
 pub mod admin;
 pub mod authority;
+pub mod cluster;
 pub mod cni;
+pub mod control;
 pub mod dataplane;
 pub mod error;
 pub mod ipam;

@@ -6,10 +6,15 @@
 
 use clap::Parser;
 use ipnet::IpNet;
+use std::net::IpAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
+use tetherd::cluster::{Cluster, ClusterConfig, Overlay};
+use tetherd::control::etcd::{EtcdOptions, EtcdStore};
+use tetherd::control::{embedded::EmbeddedStore, ControlStore};
+use tetherd::error::Error;
 use tetherd::node::{Node, NodeConfig};
 use tetherd::server::{self, ServeOptions};
 use tetherd::service::{self, Stats};
@@ -27,11 +32,93 @@ struct Args {
     #[arg(long, env = "TETHER_NODE_NAME")]
     node_name: Option<String>,
 
-    /// A pod CIDR to allocate pod addresses from: give it once per family
-    /// (one IPv4 and/or one IPv6), e.g. --pod-cidr 10.244.1.0/24
-    /// --pod-cidr fd00:10:244:1::/64.
-    #[arg(long = "pod-cidr", required = true, value_name = "CIDR")]
+    /// A fixed pod CIDR for this node (single node, or CIDRs handed out by
+    /// hand): give it once per family (one IPv4 and/or one IPv6), e.g.
+    /// --pod-cidr 10.244.1.0/24 --pod-cidr fd00:10:244:1::/64. Give either
+    /// --pod-cidr or --cluster-cidr.
+    #[arg(
+        long = "pod-cidr",
+        value_name = "CIDR",
+        required_unless_present = "cluster_cidrs",
+        conflicts_with = "cluster_cidrs"
+    )]
     pod_cidrs: Vec<IpNet>,
+
+    /// Cluster mode: the CIDR every node claims address blocks from, once
+    /// per family, e.g. --cluster-cidr 10.244.0.0/16 --cluster-cidr
+    /// fd00:10:244::/56. Every node of a cluster must be given the same.
+    #[arg(long = "cluster-cidr", value_name = "CIDR")]
+    cluster_cidrs: Vec<IpNet>,
+
+    /// Prefix length of the IPv4 blocks claimed from the cluster CIDR.
+    #[arg(long, default_value_t = 26, value_parser = clap::value_parser!(u8).range(8..=30))]
+    block_size: u8,
+
+    /// Prefix length of the IPv6 blocks claimed from the cluster CIDR.
+    #[arg(long, default_value_t = 122, value_parser = clap::value_parser!(u8).range(64..=126))]
+    block_size_v6: u8,
+
+    /// Where the control plane (node records, blocks) lives: "embedded"
+    /// (alias "local": in the state dir, for one node) or "etcd". Pod
+    /// attachment records always stay in the node's local journal.
+    #[arg(long, value_enum, default_value_t = StoreArg::Local)]
+    store: StoreArg,
+
+    /// etcd client URLs, comma-separated, e.g.
+    /// https://10.0.0.1:2379,https://10.0.0.2:2379.
+    #[arg(long, value_delimiter = ',', value_name = "URL")]
+    etcd_endpoints: Vec<String>,
+
+    /// CA bundle that signed the etcd members' certificates.
+    #[arg(long, value_name = "FILE")]
+    etcd_ca: Option<PathBuf>,
+
+    /// Client certificate for etcd (mutual TLS); needs --etcd-key.
+    #[arg(long, value_name = "FILE", requires = "etcd_key")]
+    etcd_cert: Option<PathBuf>,
+
+    /// The client certificate's private key.
+    #[arg(long, value_name = "FILE", requires = "etcd_cert")]
+    etcd_key: Option<PathBuf>,
+
+    /// Key prefix of tether's records in etcd.
+    #[arg(long, default_value = "/tether")]
+    etcd_prefix: String,
+
+    /// Bound on every control-plane request, in ms. A block claim while
+    /// etcd does not answer fails after this with CNI code 11.
+    #[arg(long, default_value_t = 2000)]
+    etcd_timeout_ms: u64,
+
+    /// This node's underlay address that other nodes route its pods
+    /// through (once per family). Default: the address of the interface
+    /// the default route uses.
+    #[arg(long = "node-ip", value_name = "IP")]
+    node_ips: Vec<IpAddr>,
+
+    /// How pods reach other nodes' pods: "none" (host-gw: a route per block
+    /// via the node's IP; the nodes share an L2 segment) or "vxlan" (one
+    /// VXLAN device with static entries per node, for any IP underlay).
+    #[arg(long, value_enum, default_value_t = OverlayArg::None)]
+    overlay: OverlayArg,
+
+    /// VXLAN network identifier (--overlay vxlan).
+    #[arg(long, default_value_t = 4097)]
+    vxlan_vni: u32,
+
+    /// VXLAN UDP port (--overlay vxlan).
+    #[arg(long, default_value_t = 4789)]
+    vxlan_port: u16,
+
+    /// Time to live of the node's liveness lease, in seconds.
+    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
+    lease_ttl: u64,
+
+    /// How long, in seconds, a node's lease must have been gone before the
+    /// other nodes delete its record and blocks and withdraw its routes.
+    /// Keep it well above a daemon restart.
+    #[arg(long, default_value_t = 600)]
+    node_grace: u64,
 
     /// The unix socket to serve the CNI and admin services on. The plugin
     /// finds it through the netconf's "socket" field (same default).
@@ -69,6 +156,25 @@ struct Args {
     /// Log filter, e.g. "info" or "tetherd=debug".
     #[arg(long, default_value = "info", env = "TETHER_LOG")]
     log_level: String,
+}
+
+/// The --store backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum StoreArg {
+    /// In the state dir (one node).
+    #[value(alias = "embedded")]
+    Local,
+    /// An etcd cluster.
+    Etcd,
+}
+
+/// The --overlay mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum OverlayArg {
+    /// host-gw routes.
+    None,
+    /// VXLAN.
+    Vxlan,
 }
 
 /// The --fsync policy.
@@ -135,7 +241,8 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
             .map_err(|e| tetherd::error::Error::Internal(e.to_string()))??
             .into_arc()
     };
-    let (node, reconciled) = Node::open(config, store).await?;
+    let cluster = join_cluster(&args).await?;
+    let (node, reconciled) = Node::open(config, store, cluster).await?;
     tracing::info!(?reconciled, "reconciled the kernel against the store");
     let node = Arc::new(node);
     let stats = Arc::new(Stats::default());
@@ -147,7 +254,7 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
     tracing::info!(
         node = %node.config().name,
         socket = %args.socket.display(),
-        pools = ?node.config().pod_cidrs,
+        pools = ?node.pool_usage().iter().map(|p| p.0.to_string()).collect::<Vec<_>>(),
         "serving"
     );
     // A DEL queued by a shim that raced our startup is picked up here.
@@ -174,6 +281,68 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
     }
     tracing::info!("stopped");
     served
+}
+
+/// In cluster mode: opens the control plane and joins the cluster.
+async fn join_cluster(args: &Args) -> tetherd::error::Result<Option<Arc<Cluster>>> {
+    if args.cluster_cidrs.is_empty() {
+        if args.store == StoreArg::Etcd {
+            return Err(Error::InvalidConfig(
+                "--store etcd is for cluster mode: give --cluster-cidr instead of --pod-cidr"
+                    .into(),
+            ));
+        }
+        return Ok(None);
+    }
+    let store: Arc<dyn ControlStore> = match args.store {
+        StoreArg::Local => {
+            let dir = args.state_dir.clone();
+            Arc::new(
+                tokio::task::spawn_blocking(move || EmbeddedStore::open(&dir))
+                    .await
+                    .map_err(|e| Error::Internal(e.to_string()))??,
+            )
+        }
+        StoreArg::Etcd => EtcdStore::connect(&EtcdOptions {
+            endpoints: args.etcd_endpoints.clone(),
+            ca: args.etcd_ca.clone(),
+            cert: args.etcd_cert.clone(),
+            key: args.etcd_key.clone(),
+            timeout: Duration::from_millis(args.etcd_timeout_ms),
+        })
+        .await?
+        .into(),
+    };
+    let mut node_ips = args.node_ips.clone();
+    if node_ips.is_empty() {
+        let dataplane = tetherd::dataplane::Dataplane::connect()?;
+        node_ips = dataplane.default_route_addresses().await?;
+        if node_ips.is_empty() {
+            return Err(Error::InvalidConfig(
+                "no default route to find the node's address by: give --node-ip".into(),
+            ));
+        }
+        tracing::info!(?node_ips, "node address found through the default route");
+    }
+    let overlay = match args.overlay {
+        OverlayArg::None => Overlay::HostGw,
+        OverlayArg::Vxlan => Overlay::Vxlan {
+            vni: args.vxlan_vni,
+            port: args.vxlan_port,
+        },
+    };
+    let config = ClusterConfig {
+        node_name: args.node_name.clone().unwrap_or_else(hostname),
+        node_ips,
+        cluster_cidrs: args.cluster_cidrs.clone(),
+        block_v4: args.block_size,
+        block_v6: args.block_size_v6,
+        prefix: args.etcd_prefix.clone(),
+        lease_ttl: Duration::from_secs(args.lease_ttl),
+        node_grace: Duration::from_secs(args.node_grace),
+        overlay,
+    };
+    Ok(Some(Cluster::join(store, config).await?))
 }
 
 async fn shutdown_signal() {

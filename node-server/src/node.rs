@@ -13,10 +13,11 @@
 //! - Every kernel object tether makes is recognisable (the `tth` link prefix,
 //!   route protocol 201), so reconciliation can find what is ours.
 
+use crate::cluster::Cluster;
 use crate::cni::{self, Invocation};
 use crate::dataplane::{self, Dataplane, PodWiring};
 use crate::error::{Error, Mismatch, Result};
-use crate::ipam::Pools;
+use crate::ipam::{Family, Pools};
 use crate::store::{Attachment, AttachmentKey, Store};
 use ipnet::IpNet;
 use std::collections::{HashMap, HashSet};
@@ -31,7 +32,8 @@ use tokio::sync::{Notify, OwnedMutexGuard, RwLock};
 pub struct NodeConfig {
     /// This node's name.
     pub name: String,
-    /// Pod CIDRs: at most one per family.
+    /// Fixed pod CIDRs, at most one per family (`--pod-cidr` mode); empty
+    /// in cluster mode, where addresses come from claimed blocks.
     pub pod_cidrs: Vec<IpNet>,
     /// MTU of pod interfaces unless the netconf overrides it.
     pub mtu: u32,
@@ -52,6 +54,10 @@ pub struct Reconciled {
     pub attachments: usize,
     /// Host routes re-added for recorded attachments.
     pub routes_added: usize,
+    /// Routes to other nodes' blocks added (cluster mode).
+    pub cluster_routes_added: usize,
+    /// Stale routes to other nodes' blocks removed (cluster mode).
+    pub cluster_routes_removed: usize,
     /// Our routes removed because no attachment owns them.
     pub routes_removed: usize,
     /// Our links removed because no attachment owns them.
@@ -62,6 +68,8 @@ pub struct Reconciled {
 pub struct Node {
     config: NodeConfig,
     store: Arc<dyn Store>,
+    /// Cluster mode: membership, blocks and routes to other nodes.
+    cluster: Option<Arc<Cluster>>,
     dataplane: Dataplane,
     pools: Mutex<Pools>,
     attachments: Mutex<HashMap<AttachmentKey, Attachment>>,
@@ -201,10 +209,23 @@ impl Node {
     /// Opens the node: loads the store, rebuilds the pools, and reconciles
     /// the kernel against the store. Call [`Node::drain_pending_dels`] next,
     /// then serve.
-    pub async fn open(config: NodeConfig, store: Arc<dyn Store>) -> Result<(Self, Reconciled)> {
+    pub async fn open(
+        config: NodeConfig,
+        store: Arc<dyn Store>,
+        cluster: Option<Arc<Cluster>>,
+    ) -> Result<(Self, Reconciled)> {
         let dataplane = Dataplane::connect()?;
         dataplane.prepare_node()?;
-        let mut pools = Pools::new(&config.pod_cidrs)?;
+        let mut pools = match &cluster {
+            None => Pools::new(&config.pod_cidrs)?,
+            Some(c) => {
+                let mut pools = Pools::for_blocks(&c.config().families());
+                for block in c.my_blocks() {
+                    pools.add_block(block)?;
+                }
+                pools
+            }
+        };
         let mut loaded = {
             let store = store.clone();
             blocking(move || store.load()).await?
@@ -222,7 +243,21 @@ impl Node {
             loaded.clear();
         }
         let all_ips: Vec<IpAddr> = loaded.iter().flat_map(|a| a.ips.clone()).collect();
-        let strays = pools.restore(&all_ips);
+        let mut strays = pools.restore(&all_ips);
+        if let (Some(c), false) = (&cluster, strays.is_empty()) {
+            // Recorded addresses outside the blocks the control plane says
+            // we hold: our record was reaped while we were away. Take the
+            // blocks back unless another node holds them now.
+            for &ip in &strays {
+                match c.reclaim_block_of(ip).await {
+                    Ok(block) => pools.add_block(block)?,
+                    Err(e) => {
+                        tracing::error!(%ip, error = %e, "cannot reclaim the block of a local pod address")
+                    }
+                }
+            }
+            strays = pools.restore(&strays);
+        }
         if !strays.is_empty() {
             // Kept in the store (and so never handed out twice), but outside
             // the configured pools or claimed twice: an operator must look.
@@ -235,6 +270,7 @@ impl Node {
         let node = Node {
             config,
             store,
+            cluster,
             dataplane,
             pools: Mutex::new(pools),
             attachments: Mutex::new(attachments),
@@ -245,8 +281,84 @@ impl Node {
             doomed_queued: Arc::new(Notify::new()),
         };
         node.spawn_deletion_worker();
-        let reconciled = node.reconcile().await?;
+        let mut reconciled = node.reconcile().await?;
+        if let Some(c) = &node.cluster {
+            // The first block of each family is claimed before serving, so
+            // that the first ADDs do not wait on the control plane.
+            let full = lock(&node.pools).full_families();
+            for family in full {
+                if let Err(e) = node.grow(c, family).await {
+                    tracing::warn!(family = family.name(), error = %e, "cannot claim a first block yet");
+                }
+            }
+            c.prepare_dataplane(&node.dataplane, node.config.mtu)
+                .await?;
+            // A route the kernel refuses now (the underlay not up yet, say)
+            // must not stop the node from serving its own pods: the route
+            // manager keeps trying.
+            let first = c.program(&node.dataplane, &c.view()).await;
+            match &first {
+                Ok((added, removed)) => {
+                    reconciled.cluster_routes_added = *added;
+                    reconciled.cluster_routes_removed = *removed;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot program the cluster routes yet; retrying")
+                }
+            }
+            c.spawn_route_manager(node.dataplane.clone(), first.is_err());
+        }
         Ok((node, reconciled))
+    }
+
+    /// The cluster membership, in cluster mode.
+    pub fn cluster(&self) -> Option<&Arc<Cluster>> {
+        self.cluster.as_ref()
+    }
+
+    /// Claims a block of `family` (or finds one that a concurrent claim
+    /// got) and adds every block this node holds to the pools.
+    async fn grow(&self, cluster: &Cluster, family: Family) -> Result<()> {
+        let held: Vec<IpNet> = lock(&self.pools).pools().iter().map(|p| p.cidr()).collect();
+        cluster.claim_block(family, &held).await?;
+        let mut pools = lock(&self.pools);
+        for block in cluster.my_blocks() {
+            pools.add_block(block)?;
+        }
+        Ok(())
+    }
+
+    /// One address of each family. Never waits on the control plane while
+    /// the node's blocks have room; when a family's blocks are full (cluster
+    /// mode), claims a new block and tries again.
+    async fn allocate(&self) -> Result<Vec<IpAddr>> {
+        // Each round either allocates or adds a block; a handful of rounds
+        // covers concurrent ADDs filling a new block before we get to it.
+        for _round in 0..8 {
+            let shortage = match lock(&self.pools).allocate() {
+                Ok(ips) => return Ok(ips),
+                Err(s) => s,
+            };
+            let Some(cluster) = &self.cluster else {
+                return Err(shortage.into());
+            };
+            for &family in &shortage.families {
+                match self.grow(cluster, family).await {
+                    Ok(()) => {}
+                    Err(Error::TryAgain(why)) => {
+                        return Err(Error::TryAgain(format!(
+                            "{}, and a new {} block cannot be claimed: {why}",
+                            shortage.detail,
+                            family.name()
+                        )))
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Err(Error::TryAgain(
+            "new blocks filled up faster than they could be claimed".into(),
+        ))
     }
 
     /// The node's settings.
@@ -388,7 +500,7 @@ impl Node {
         }
         self.wait_for_deletion(&host_ifname).await;
         let mtu = inv.conf.mtu.unwrap_or(self.config.mtu);
-        let ips = lock(&self.pools).allocate()?;
+        let ips = self.allocate().await?;
         let mac = dataplane::pod_mac(&ips);
         let attachment = Attachment {
             key: key.clone(),
@@ -663,14 +775,20 @@ impl Node {
         blocking(move || store.probe())
             .await
             .map_err(|e| Error::NotReady(format!("the state store does not answer: {e}")))?;
-        let pools = lock(&self.pools);
-        if let Some(p) = pools.pools().iter().find(|p| p.free() == 0) {
-            return Err(Error::NotReady(format!(
-                "pool {} is exhausted ({} addresses in use)",
-                p.cidr(),
-                p.used()
-            )));
+        let Some(shortage) = lock(&self.pools).shortage() else {
+            return Ok(cni::empty_result());
+        };
+        let (detail, family) = (shortage.detail, shortage.families[0]);
+        match &self.cluster {
+            // A full block is fine while a new one can be claimed.
+            Some(c) => match c.probe().await {
+                Ok(()) => Ok(cni::empty_result()),
+                Err(e) => Err(Error::NotReady(format!(
+                    "{detail}, and no new {} block can be claimed: {e}",
+                    family.name()
+                ))),
+            },
+            None => Err(Error::NotReady(format!("pool exhausted: {detail}"))),
         }
-        Ok(cni::empty_result())
     }
 }

@@ -211,7 +211,7 @@ fn unframe(bytes: &[u8]) -> (Vec<Record>, usize) {
     (records, at)
 }
 
-fn sync_dir(dir: &Path) -> std::io::Result<()> {
+pub(crate) fn sync_dir(dir: &Path) -> std::io::Result<()> {
     File::open(dir)?.sync_all()
 }
 

@@ -12,6 +12,7 @@
 //! through a connection opened inside the pod netns by a dedicated thread
 //! (see `netns`). This module is the only place that speaks netlink.
 
+mod cluster;
 mod messages;
 mod netns;
 mod pod;
@@ -32,6 +33,9 @@ use rtnetlink::packet_route::{AddressFamily, RouteNetlinkMessage};
 use rtnetlink::Handle;
 
 use crate::error::{Error, Mismatch, Result};
+pub use cluster::{
+    ClusterRoute, Synced, VxlanConfig, VxlanPeer, CLUSTER_ROUTE_PROTOCOL, VXLAN_IFNAME,
+};
 use messages::{errno, reason, Step, ACKED, CREATE, CREATE_ECHO, REPLACE};
 pub use netns::{open_netns, pod_interface_exists};
 

@@ -1,0 +1,331 @@
+//! The `etcd` control-plane backend (etcd v3 API through `etcd-client`).
+//!
+//! - Transactions map one to one: [`Cmp::Absent`] is `version == 0`,
+//!   [`Cmp::Unchanged`] is `mod_revision == r`.
+//! - Every unary call is bounded by the request timeout. Without that bound
+//!   a call made while etcd has no quorum waits for as long as the
+//!   connection lives.
+//! - HTTP/2 keep-alives find a dead connection (a killed member) within a
+//!   few seconds, so that a watch on it breaks and is re-established on a
+//!   live member instead of going silent.
+
+use super::{BoxFut, Cmp, ControlStore, Event, Kv, Op, WatchMessage};
+use crate::error::{Error, Result};
+use etcd_client::{
+    Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity,
+    PutOptions, TlsOptions, Txn, TxnOp, WatchOptions,
+};
+use std::path::PathBuf;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// How to reach etcd.
+#[derive(Debug, Clone)]
+pub struct EtcdOptions {
+    /// Client URLs, `http://host:port` or `https://host:port`.
+    pub endpoints: Vec<String>,
+    /// CA bundle that signed the members' certificates (TLS).
+    pub ca: Option<PathBuf>,
+    /// Client certificate and key (mutual TLS).
+    pub cert: Option<PathBuf>,
+    /// The client certificate's key.
+    pub key: Option<PathBuf>,
+    /// Bound on every unary request.
+    pub timeout: Duration,
+}
+
+/// The etcd backend.
+pub struct EtcdStore {
+    client: Client,
+    endpoints: Vec<String>,
+    timeout: Duration,
+}
+
+fn read(path: &PathBuf, what: &str) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|e| {
+        Error::InvalidConfig(format!("reading the etcd {what} {}: {e}", path.display()))
+    })
+}
+
+impl EtcdStore {
+    /// Connects lazily: a member that is down now is tried again per
+    /// request, so the daemon can start while part of etcd is down.
+    pub async fn connect(opts: &EtcdOptions) -> Result<Self> {
+        if opts.endpoints.is_empty() {
+            return Err(Error::InvalidConfig(
+                "--store etcd needs --etcd-endpoints".into(),
+            ));
+        }
+        let mut connect = ConnectOptions::new()
+            .with_connect_timeout(opts.timeout)
+            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
+            .with_keep_alive_while_idle(true);
+        let tls = opts.endpoints.iter().any(|e| e.starts_with("https://"));
+        if tls || opts.ca.is_some() || opts.cert.is_some() {
+            let mut t = TlsOptions::new();
+            if let Some(ca) = &opts.ca {
+                t = t.ca_certificate(Certificate::from_pem(read(ca, "CA bundle")?));
+            }
+            match (&opts.cert, &opts.key) {
+                (Some(cert), Some(key)) => {
+                    t = t.identity(Identity::from_pem(
+                        read(cert, "client certificate")?,
+                        read(key, "client key")?,
+                    ));
+                }
+                (None, None) => {}
+                _ => {
+                    return Err(Error::InvalidConfig(
+                        "--etcd-cert and --etcd-key go together".into(),
+                    ))
+                }
+            }
+            connect = connect.with_tls(t);
+        }
+        let client = Client::connect(&opts.endpoints, Some(connect))
+            .await
+            .map_err(|e| unreachable_err(&opts.endpoints, e))?;
+        Ok(EtcdStore {
+            client,
+            endpoints: opts.endpoints.clone(),
+            timeout: opts.timeout,
+        })
+    }
+
+    async fn bounded<T>(
+        &self,
+        what: &str,
+        f: impl std::future::Future<Output = std::result::Result<T, etcd_client::Error>>,
+    ) -> Result<T> {
+        match tokio::time::timeout(self.timeout, f).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(Error::TryAgain(format!(
+                "etcd ({}) failed to {what}: {e}",
+                self.endpoints.join(",")
+            ))),
+            Err(_) => Err(Error::TryAgain(format!(
+                "etcd ({}) did not answer within {} ms to {what}",
+                self.endpoints.join(","),
+                self.timeout.as_millis()
+            ))),
+        }
+    }
+}
+
+fn unreachable_err(endpoints: &[String], e: etcd_client::Error) -> Error {
+    Error::TryAgain(format!("cannot reach etcd at {}: {e}", endpoints.join(",")))
+}
+
+fn kv_of(kv: &etcd_client::KeyValue) -> Kv {
+    Kv {
+        key: String::from_utf8_lossy(kv.key()).into_owned(),
+        value: kv.value().to_vec(),
+        mod_revision: kv.mod_revision(),
+        lease: kv.lease(),
+    }
+}
+
+impl ControlStore for EtcdStore {
+    fn backend(&self) -> &'static str {
+        "etcd"
+    }
+
+    fn location(&self) -> String {
+        self.endpoints.join(",")
+    }
+
+    fn list(&self, prefix: &str) -> BoxFut<'_, (Vec<Kv>, i64)> {
+        let prefix = prefix.to_owned();
+        Box::pin(async move {
+            let mut kv = self.client.kv_client();
+            let resp = self
+                .bounded(
+                    &format!("list {prefix}"),
+                    kv.get(prefix.clone(), Some(GetOptions::new().with_prefix())),
+                )
+                .await?;
+            let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
+            Ok((resp.kvs().iter().map(kv_of).collect(), revision))
+        })
+    }
+
+    fn txn(&self, when: Vec<Cmp>, ops: Vec<Op>) -> BoxFut<'_, bool> {
+        Box::pin(async move {
+            let compares: Vec<Compare> = when
+                .into_iter()
+                .map(|c| match c {
+                    Cmp::Absent(k) => Compare::version(k, CompareOp::Equal, 0),
+                    Cmp::Unchanged(k, r) => Compare::mod_revision(k, CompareOp::Equal, r),
+                })
+                .collect();
+            let ops: Vec<TxnOp> = ops
+                .into_iter()
+                .map(|o| match o {
+                    Op::Put { key, value, lease } => {
+                        TxnOp::put(key, value, lease.map(|l| PutOptions::new().with_lease(l)))
+                    }
+                    Op::Delete(key) => TxnOp::delete(key, None),
+                })
+                .collect();
+            let txn = Txn::new().when(compares).and_then(ops);
+            let mut kv = self.client.kv_client();
+            let resp = self.bounded("commit a transaction", kv.txn(txn)).await?;
+            Ok(resp.succeeded())
+        })
+    }
+
+    fn watch(&self, prefix: &str, after: i64) -> BoxFut<'_, mpsc::Receiver<WatchMessage>> {
+        let prefix = prefix.to_owned();
+        Box::pin(async move {
+            let mut client = self.client.watch_client();
+            let options = WatchOptions::new()
+                .with_prefix()
+                .with_start_revision(after + 1);
+            let mut stream = self
+                .bounded(
+                    &format!("watch {prefix}"),
+                    client.watch(prefix.clone(), Some(options)),
+                )
+                .await?;
+            let (tx, rx) = mpsc::channel(64);
+            tokio::spawn(async move {
+                loop {
+                    let message = match stream.message().await {
+                        Ok(Some(resp)) if resp.canceled() => WatchMessage::Broken(format!(
+                            "etcd cancelled the watch: {}",
+                            resp.cancel_reason()
+                        )),
+                        Ok(Some(resp)) if resp.compact_revision() > 0 => WatchMessage::Broken(
+                            format!("history compacted at {}", resp.compact_revision()),
+                        ),
+                        Ok(Some(resp)) => {
+                            let events: Vec<Event> = resp
+                                .events()
+                                .iter()
+                                .filter_map(|e| {
+                                    let kv = e.kv()?;
+                                    Some(match e.event_type() {
+                                        EventType::Put => Event::Put(kv_of(kv)),
+                                        EventType::Delete => Event::Delete {
+                                            key: String::from_utf8_lossy(kv.key()).into_owned(),
+                                            mod_revision: kv.mod_revision(),
+                                        },
+                                    })
+                                })
+                                .collect();
+                            if events.is_empty() {
+                                continue;
+                            }
+                            WatchMessage::Events(events)
+                        }
+                        Ok(None) => WatchMessage::Broken("the watch stream ended".into()),
+                        Err(e) => WatchMessage::Broken(format!("the watch stream failed: {e}")),
+                    };
+                    let broken = matches!(message, WatchMessage::Broken(_));
+                    if tx.send(message).await.is_err() || broken {
+                        return;
+                    }
+                }
+            });
+            Ok(rx)
+        })
+    }
+
+    fn grant_lease(&self, ttl_secs: i64) -> BoxFut<'_, i64> {
+        Box::pin(async move {
+            let mut lease = self.client.lease_client();
+            let resp = self
+                .bounded("grant a lease", lease.grant(ttl_secs, None))
+                .await?;
+            Ok(resp.id())
+        })
+    }
+
+    fn keep_alive(&self, id: i64) -> BoxFut<'_, bool> {
+        Box::pin(async move {
+            let mut lease = self.client.lease_client();
+            let once = async {
+                let (mut keeper, mut stream) = lease.keep_alive(id).await?;
+                keeper.keep_alive().await?;
+                let resp = stream.message().await?;
+                Ok::<_, etcd_client::Error>(resp.map(|r| r.ttl()).unwrap_or(0))
+            };
+            let ttl = self.bounded("renew the node lease", once).await?;
+            Ok(ttl > 0)
+        })
+    }
+
+    fn probe(&self) -> BoxFut<'_, ()> {
+        Box::pin(async move {
+            // A linearizable read goes through the leader and needs a quorum,
+            // as every write does.
+            let mut kv = self.client.kv_client();
+            self.bounded(
+                "answer a health probe",
+                kv.get("/", Some(GetOptions::new().with_count_only())),
+            )
+            .await?;
+            Ok(())
+        })
+    }
+}
+
+impl From<EtcdStore> for std::sync::Arc<dyn ControlStore> {
+    fn from(s: EtcdStore) -> Self {
+        std::sync::Arc::new(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn refuses_no_endpoints_and_half_a_client_identity() {
+        let mut opts = EtcdOptions {
+            endpoints: vec![],
+            ca: None,
+            cert: None,
+            key: None,
+            timeout: Duration::from_millis(100),
+        };
+        assert!(matches!(
+            EtcdStore::connect(&opts).await,
+            Err(Error::InvalidConfig(_))
+        ));
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let cert = dir.path().join("c.pem");
+        std::fs::write(&cert, b"x").unwrap_or_else(|e| panic!("write: {e}"));
+        opts.endpoints = vec!["https://127.0.0.1:1".into()];
+        opts.cert = Some(cert);
+        let err = EtcdStore::connect(&opts).await.err();
+        assert!(
+            matches!(&err, Some(Error::InvalidConfig(m)) if m.contains("--etcd-key")),
+            "{err:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_etcd_fails_calls_within_the_timeout() {
+        // Port 1 on loopback refuses at once; nothing leaves the machine.
+        let opts = EtcdOptions {
+            endpoints: vec!["http://127.0.0.1:1".into()],
+            ca: None,
+            cert: None,
+            key: None,
+            timeout: Duration::from_millis(300),
+        };
+        let store = match EtcdStore::connect(&opts).await {
+            Ok(s) => s,
+            // Also a correct answer: connecting found nobody.
+            Err(Error::TryAgain(_)) => return,
+            Err(e) => panic!("unexpected {e:?}"),
+        };
+        // The outer bound only turns a hang into a failure.
+        let err = tokio::time::timeout(Duration::from_secs(60), store.probe())
+            .await
+            .unwrap_or_else(|_| panic!("the probe hung past its own timeout"))
+            .err();
+        assert!(matches!(err, Some(Error::TryAgain(_))), "{err:?}");
+    }
+}

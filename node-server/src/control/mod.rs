@@ -1,0 +1,107 @@
+//! The control plane's storage: a small key-value interface with
+//! compare-and-swap transactions, leases and watches, and its backends.
+//!
+//! Cluster state (node records, node IDs, address blocks; later VM address
+//! records) is written through this trait only, so the logic that keeps it
+//! consistent ([`crate::cluster`]) is written once and runs unchanged on
+//! every backend:
+//! - `embedded`: one node, in the state dir. The default, with nothing to
+//!   run beside the daemon.
+//! - `etcd`: a cluster of nodes sharing one etcd.
+//!
+//! A pod's attachment record is not here: it stays in the node's local
+//! journal ([`crate::store`]), so an ordinary ADD never waits on a network
+//! round-trip.
+
+pub mod embedded;
+pub mod etcd;
+
+use crate::error::Result;
+use std::future::Future;
+use std::pin::Pin;
+use tokio::sync::mpsc;
+
+/// A boxed future, so that the trait can be used as `dyn ControlStore`.
+pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = Result<T>> + Send + 'a>>;
+
+/// One stored key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Kv {
+    /// The full key, prefix included.
+    pub key: String,
+    /// The value (JSON for every record tether writes).
+    pub value: Vec<u8>,
+    /// The store revision of the key's last change; the token of a
+    /// compare-and-swap.
+    pub mod_revision: i64,
+    /// The lease the key is attached to, 0 for none.
+    pub lease: i64,
+}
+
+/// A condition of a transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cmp {
+    /// The key does not exist.
+    Absent(String),
+    /// The key exists and was last changed at this revision.
+    Unchanged(String, i64),
+}
+
+/// A change of a transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Op {
+    /// Sets the key; with a lease, the key is deleted when the lease expires.
+    Put {
+        key: String,
+        value: Vec<u8>,
+        lease: Option<i64>,
+    },
+    /// Deletes the key (no error if it is absent).
+    Delete(String),
+}
+
+/// A change seen by a watch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// The key was created or changed.
+    Put(Kv),
+    /// The key was deleted (or its lease expired).
+    Delete { key: String, mod_revision: i64 },
+}
+
+/// What a watch delivers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WatchMessage {
+    /// Changes at one revision, in order.
+    Events(Vec<Event>),
+    /// The watch broke (the store went away, or the history it needed was
+    /// compacted). The watcher must list again and watch from there.
+    Broken(String),
+}
+
+/// The control plane's storage. Every call is bounded by the backend's
+/// request timeout, so a store that does not answer fails the call instead
+/// of hanging it.
+pub trait ControlStore: Send + Sync + 'static {
+    /// The backend's name as shown to operators ("embedded", "etcd").
+    fn backend(&self) -> &'static str;
+    /// Where the data lives (a path, or the endpoints).
+    fn location(&self) -> String;
+    /// Every key under `prefix`, and the store revision they were read at.
+    fn list(&self, prefix: &str) -> BoxFut<'_, (Vec<Kv>, i64)>;
+    /// Applies `ops` atomically if every condition holds. Returns whether
+    /// it did. An error means the outcome is unknown: the caller reads the
+    /// keys again to find out.
+    fn txn(&self, when: Vec<Cmp>, ops: Vec<Op>) -> BoxFut<'_, bool>;
+    /// Changes under `prefix` after revision `after`, in order, until the
+    /// receiver is dropped or a [`WatchMessage::Broken`] is sent.
+    fn watch(&self, prefix: &str, after: i64) -> BoxFut<'_, mpsc::Receiver<WatchMessage>>;
+    /// Grants a lease of `ttl_secs`.
+    fn grant_lease(&self, ttl_secs: i64) -> BoxFut<'_, i64>;
+    /// Renews a lease once. False when the lease no longer exists (it
+    /// expired while we could not reach the store).
+    fn keep_alive(&self, lease: i64) -> BoxFut<'_, bool>;
+    /// A cheap read that needs the store to be able to commit (for etcd, a
+    /// quorum), for health reporting.
+    fn probe(&self) -> BoxFut<'_, ()>;
+}
