@@ -101,11 +101,6 @@ impl ClusterConfig {
                     c.prefix_len()
                 ));
             }
-            if block - c.prefix_len() > 64 {
-                return bad(format!(
-                    "cluster CIDR {c} holds more than 2^64 /{block} blocks"
-                ));
-            }
         }
         if self.cluster_cidrs.is_empty() {
             return bad("cluster mode needs a --cluster-cidr".into());
@@ -348,8 +343,11 @@ pub struct Cluster {
     dead_since: Mutex<HashMap<String, Instant>>,
     /// Block claims made since start: (count, last duration).
     claims: Mutex<(u64, Duration)>,
-    /// Blocks this process claimed, known before the watch reports them.
-    claimed: Mutex<BTreeSet<IpNet>>,
+    /// The blocks this node holds as far as this process knows: those the
+    /// control plane showed at join, and every claim since (known before
+    /// the watch reports it). If the node is reaped while it cannot reach
+    /// the control plane, it claims these back when it returns.
+    held: Mutex<BTreeSet<IpNet>>,
 }
 
 impl Cluster {
@@ -387,11 +385,13 @@ impl Cluster {
             }),
             dead_since: Mutex::new(HashMap::new()),
             claims: Mutex::new((0, Duration::ZERO)),
-            claimed: Mutex::new(BTreeSet::new()),
+            held: Mutex::new(BTreeSet::new()),
         });
         // The first listing before anything else: startup reconciles the
         // kernel against it.
         let revision = cluster.relist().await?;
+        let mine = cluster.view().blocks_of(&cluster.me().name);
+        lock(&cluster.held).extend(mine);
         tokio::spawn(cluster.clone().watch_loop(revision));
         tokio::spawn(cluster.clone().lease_loop());
         tokio::spawn(cluster.clone().reaper_loop());
@@ -550,6 +550,12 @@ impl Cluster {
                     );
                     let again = register(&*self.store, &self.keys, &self.config).await?;
                     *lock(&self.me) = again;
+                    let held: Vec<IpNet> = lock(&self.held).iter().copied().collect();
+                    for block in held {
+                        if let Err(e) = self.reclaim(block).await {
+                            tracing::error!(%block, error = %e, "cannot claim back a block in use");
+                        }
+                    }
                 }
                 self.store
                     .txn(
@@ -565,9 +571,12 @@ impl Cluster {
                 Ok(())
             }
             .await;
-            if let Err(e) = step {
-                tracing::debug!(error = %e, "node lease renewal failed");
-                self.set_health(&Err(e));
+            match step {
+                Ok(()) => self.set_health(&Ok(())),
+                Err(e) => {
+                    tracing::debug!(error = %e, "node lease renewal failed");
+                    self.set_health(&Err(e));
+                }
             }
             tokio::time::sleep(tick).await;
         }
@@ -630,10 +639,10 @@ impl Cluster {
     }
 
     /// Every block this node holds: those the view shows, and those this
-    /// process claimed that the watch has not reported yet.
+    /// process holds that the watch has not reported (yet).
     pub fn my_blocks(&self) -> Vec<IpNet> {
         let mut all: BTreeSet<IpNet> = self.view().blocks_of(&self.me().name).into_iter().collect();
-        all.extend(lock(&self.claimed).iter().copied());
+        all.extend(lock(&self.held).iter().copied());
         all.into_iter().collect()
     }
 
@@ -653,7 +662,7 @@ impl Cluster {
         }
         let started = Instant::now();
         let block = self.claim(family).await?;
-        lock(&self.claimed).insert(block);
+        lock(&self.held).insert(block);
         let took = started.elapsed();
         {
             let mut c = lock(&self.claims);
@@ -676,10 +685,17 @@ impl Cluster {
         // claiming at the same moment rarely want the same block.
         let start = (u128::from(me.id).wrapping_mul(0x9e37_79b9)) % count;
         for _attempt in 0..32 {
-            let (kvs, _) = self.store.list(&self.keys.blocks(family)).await?;
+            let (kvs, _) = self
+                .retrying(|| self.store.list(&self.keys.blocks(family)))
+                .await?;
             let mut taken = BTreeSet::new();
             for kv in &kvs {
                 if let Ok(b) = serde_json::from_slice::<BlockRecord>(&kv.value) {
+                    if b.node == me.name && !lock(&self.held).contains(&b.cidr) {
+                        // Ours, but unknown to us: a claim whose answer was
+                        // lost (the member died after committing it).
+                        return Ok(b.cidr);
+                    }
                     taken.insert(block_index(&cidr, &b.cidr, len));
                 }
             }
@@ -711,11 +727,13 @@ impl Cluster {
                 Ok(false) => continue,
                 Err(e) => {
                     // The outcome is unknown: the block is ours if the store
-                    // says so; otherwise the error stands.
-                    if self.holder_of(&block).await.ok().flatten().as_deref() == Some(&me.name) {
-                        return Ok(block);
+                    // says so. Otherwise a transient failure is retried (the
+                    // create is safe to repeat) and any other error stands.
+                    match self.retrying(|| self.holder_of(&block)).await {
+                        Ok(Some(holder)) if holder == me.name => return Ok(block),
+                        Ok(_) if matches!(e, Error::TryAgain(_)) => continue,
+                        _ => return Err(e),
                     }
-                    return Err(e);
                 }
             }
         }
@@ -723,6 +741,27 @@ impl Cluster {
             "lost every race for a {} block; try again",
             family.name()
         )))
+    }
+
+    /// Runs a call up to three times while the store answers "try again":
+    /// right after an etcd leader dies, requests fail until a new leader is
+    /// elected (well under a second with etcd's defaults). Only for calls
+    /// that are safe to repeat.
+    async fn retrying<T, F, Fut>(&self, mut call: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        let mut attempt = 0;
+        loop {
+            match call().await {
+                Err(Error::TryAgain(_)) if attempt < 2 => {
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(150)).await;
+                }
+                other => return other,
+            }
+        }
     }
 
     async fn holder_of(&self, block: &IpNet) -> Result<Option<String>> {
@@ -735,24 +774,32 @@ impl Cluster {
             .map(|b| b.node))
     }
 
-    /// Claims the block of `len` holding `ip`, for addresses recorded
-    /// locally whose block this node no longer holds (it was reaped while
-    /// the node was away). Fails when another node holds it.
+    /// Claims the block holding `ip`, for addresses recorded locally whose
+    /// block this node no longer holds (it was reaped while away). Fails
+    /// when another node holds it.
     pub async fn reclaim_block_of(&self, ip: IpAddr) -> Result<IpNet> {
         let family = if ip.is_ipv4() { Family::V4 } else { Family::V6 };
-        let len = self.config.block_len(family);
-        let block = IpNet::new(ip, len)
+        let block = IpNet::new(ip, self.config.block_len(family))
             .map_err(|e| Error::Internal(e.to_string()))?
             .trunc();
+        self.reclaim(block).await?;
+        Ok(block)
+    }
+
+    /// Makes sure the control plane records `block` as ours: a no-op if it
+    /// does, a CAS create if nobody holds it, an error naming the holder if
+    /// another node does (two nodes then hand out the same addresses: an
+    /// operator must look).
+    async fn reclaim(&self, block: IpNet) -> Result<()> {
         let me = self.me();
         match self.holder_of(&block).await? {
             Some(n) if n == me.name => {
-                lock(&self.claimed).insert(block);
-                return Ok(block);
+                lock(&self.held).insert(block);
+                return Ok(());
             }
             Some(other) => {
                 return Err(Error::Store(format!(
-                    "block {block} holding local address {ip} is held by node {other}"
+                    "block {block}, which this node still uses, is held by node {other}"
                 )))
             }
             None => {}
@@ -770,11 +817,12 @@ impl Cluster {
             lease: None,
         };
         if self.store.txn(vec![Cmp::Absent(key)], vec![put]).await? {
-            lock(&self.claimed).insert(block);
-            Ok(block)
+            lock(&self.held).insert(block);
+            tracing::warn!(%block, "claimed back a block this node still uses");
+            Ok(())
         } else {
             Err(Error::Store(format!(
-                "lost the race to reclaim block {block}"
+                "lost the race to claim back block {block}"
             )))
         }
     }

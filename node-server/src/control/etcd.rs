@@ -5,6 +5,10 @@
 //! - Every unary call is bounded by the request timeout. Without that bound
 //!   a call made while etcd has no quorum waits for as long as the
 //!   connection lives.
+//! - One client per member, used in turn: a call that fails on one member
+//!   (refused, timed out, no leader there) is tried on the next, and the
+//!   member that answered is used first from then on. The crate's own
+//!   balanced channel kept sending requests to a killed member here.
 //! - HTTP/2 keep-alives find a dead connection (a killed member) within a
 //!   few seconds, so that a watch on it breaks and is re-established on a
 //!   live member instead of going silent.
@@ -15,7 +19,9 @@ use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity,
     PutOptions, TlsOptions, Txn, TxnOp, WatchOptions,
 };
+use std::future::Future;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::sync::mpsc;
 
@@ -36,7 +42,10 @@ pub struct EtcdOptions {
 
 /// The etcd backend.
 pub struct EtcdStore {
-    client: Client,
+    /// One client per endpoint, in the order given.
+    clients: Vec<Client>,
+    /// The client that answered last.
+    current: AtomicUsize,
     endpoints: Vec<String>,
     timeout: Duration,
 }
@@ -82,34 +91,69 @@ impl EtcdStore {
             }
             connect = connect.with_tls(t);
         }
-        let client = Client::connect(&opts.endpoints, Some(connect))
-            .await
-            .map_err(|e| unreachable_err(&opts.endpoints, e))?;
+        let mut clients = Vec::with_capacity(opts.endpoints.len());
+        for endpoint in &opts.endpoints {
+            // Connecting does no I/O: a member that is down now is dialled
+            // again per request, so the daemon can start while it is down.
+            let client = Client::connect([endpoint], Some(connect.clone()))
+                .await
+                .map_err(|e| unreachable_err(&opts.endpoints, e))?;
+            clients.push(client);
+        }
         Ok(EtcdStore {
-            client,
+            clients,
+            current: AtomicUsize::new(0),
             endpoints: opts.endpoints.clone(),
             timeout: opts.timeout,
         })
     }
 
-    async fn bounded<T>(
-        &self,
-        what: &str,
-        f: impl std::future::Future<Output = std::result::Result<T, etcd_client::Error>>,
-    ) -> Result<T> {
-        match tokio::time::timeout(self.timeout, f).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(Error::TryAgain(format!(
-                "etcd ({}) failed to {what}: {e}",
-                self.endpoints.join(",")
-            ))),
-            Err(_) => Err(Error::TryAgain(format!(
-                "etcd ({}) did not answer within {} ms to {what}",
-                self.endpoints.join(","),
-                self.timeout.as_millis()
-            ))),
+    /// Runs `call` on the member that answered last, then on each other
+    /// member in turn until one answers, each attempt bounded by the
+    /// timeout. Every caller's request is safe to repeat: reads, leases,
+    /// and transactions whose conditions make a repeat a no-op (callers
+    /// read back the outcome of a transaction that failed ambiguously).
+    async fn call<T, F, Fut>(&self, what: &str, call: F) -> Result<T>
+    where
+        F: Fn(Client) -> Fut,
+        Fut: Future<Output = std::result::Result<T, etcd_client::Error>>,
+    {
+        let n = self.clients.len();
+        let first = self.current.load(Ordering::Relaxed) % n;
+        let mut failures = Vec::new();
+        for k in 0..n {
+            let i = (first + k) % n;
+            match tokio::time::timeout(self.timeout, call(self.clients[i].clone())).await {
+                Ok(Ok(v)) => {
+                    self.current.store(i, Ordering::Relaxed);
+                    return Ok(v);
+                }
+                Ok(Err(e)) => failures.push(format!("{}: {}", self.endpoints[i], brief(&e))),
+                Err(_) => failures.push(format!(
+                    "{}: no answer within {} ms",
+                    self.endpoints[i],
+                    self.timeout.as_millis()
+                )),
+            }
         }
+        Err(Error::TryAgain(format!(
+            "etcd did not {what} ({})",
+            failures.join("; ")
+        )))
     }
+}
+
+/// The useful part of a client error: the innermost cause (for example
+/// "Connection refused (os error 111)") when there is one, which tonic's
+/// transport errors nest several levels deep; else the error itself.
+fn brief(e: &etcd_client::Error) -> String {
+    let mut source = std::error::Error::source(e);
+    let mut root = None;
+    while let Some(s) = source {
+        root = Some(s.to_string());
+        source = s.source();
+    }
+    root.unwrap_or_else(|| e.to_string())
 }
 
 fn unreachable_err(endpoints: &[String], e: etcd_client::Error) -> Error {
@@ -137,12 +181,15 @@ impl ControlStore for EtcdStore {
     fn list(&self, prefix: &str) -> BoxFut<'_, (Vec<Kv>, i64)> {
         let prefix = prefix.to_owned();
         Box::pin(async move {
-            let mut kv = self.client.kv_client();
             let resp = self
-                .bounded(
-                    &format!("list {prefix}"),
-                    kv.get(prefix.clone(), Some(GetOptions::new().with_prefix())),
-                )
+                .call(&format!("list {prefix}"), |c| {
+                    let prefix = prefix.clone();
+                    async move {
+                        c.kv_client()
+                            .get(prefix, Some(GetOptions::new().with_prefix()))
+                            .await
+                    }
+                })
                 .await?;
             let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
             Ok((resp.kvs().iter().map(kv_of).collect(), revision))
@@ -168,8 +215,12 @@ impl ControlStore for EtcdStore {
                 })
                 .collect();
             let txn = Txn::new().when(compares).and_then(ops);
-            let mut kv = self.client.kv_client();
-            let resp = self.bounded("commit a transaction", kv.txn(txn)).await?;
+            let resp = self
+                .call("commit a transaction", |c| {
+                    let txn = txn.clone();
+                    async move { c.kv_client().txn(txn).await }
+                })
+                .await?;
             Ok(resp.succeeded())
         })
     }
@@ -177,15 +228,14 @@ impl ControlStore for EtcdStore {
     fn watch(&self, prefix: &str, after: i64) -> BoxFut<'_, mpsc::Receiver<WatchMessage>> {
         let prefix = prefix.to_owned();
         Box::pin(async move {
-            let mut client = self.client.watch_client();
             let options = WatchOptions::new()
                 .with_prefix()
                 .with_start_revision(after + 1);
             let mut stream = self
-                .bounded(
-                    &format!("watch {prefix}"),
-                    client.watch(prefix.clone(), Some(options)),
-                )
+                .call(&format!("watch {prefix}"), |c| {
+                    let (prefix, options) = (prefix.clone(), options.clone());
+                    async move { c.watch_client().watch(prefix, Some(options)).await }
+                })
                 .await?;
             let (tx, rx) = mpsc::channel(64);
             tokio::spawn(async move {
@@ -233,9 +283,10 @@ impl ControlStore for EtcdStore {
 
     fn grant_lease(&self, ttl_secs: i64) -> BoxFut<'_, i64> {
         Box::pin(async move {
-            let mut lease = self.client.lease_client();
             let resp = self
-                .bounded("grant a lease", lease.grant(ttl_secs, None))
+                .call("grant a lease", |c| async move {
+                    c.lease_client().grant(ttl_secs, None).await
+                })
                 .await?;
             Ok(resp.id())
         })
@@ -243,14 +294,14 @@ impl ControlStore for EtcdStore {
 
     fn keep_alive(&self, id: i64) -> BoxFut<'_, bool> {
         Box::pin(async move {
-            let mut lease = self.client.lease_client();
-            let once = async {
-                let (mut keeper, mut stream) = lease.keep_alive(id).await?;
-                keeper.keep_alive().await?;
-                let resp = stream.message().await?;
-                Ok::<_, etcd_client::Error>(resp.map(|r| r.ttl()).unwrap_or(0))
-            };
-            let ttl = self.bounded("renew the node lease", once).await?;
+            let ttl = self
+                .call("renew the node lease", |c| async move {
+                    let (mut keeper, mut stream) = c.lease_client().keep_alive(id).await?;
+                    keeper.keep_alive().await?;
+                    let resp = stream.message().await?;
+                    Ok::<_, etcd_client::Error>(resp.map(|r| r.ttl()).unwrap_or(0))
+                })
+                .await?;
             Ok(ttl > 0)
         })
     }
@@ -259,11 +310,11 @@ impl ControlStore for EtcdStore {
         Box::pin(async move {
             // A linearizable read goes through the leader and needs a quorum,
             // as every write does.
-            let mut kv = self.client.kv_client();
-            self.bounded(
-                "answer a health probe",
-                kv.get("/", Some(GetOptions::new().with_count_only())),
-            )
+            self.call("answer a health probe", |c| async move {
+                c.kv_client()
+                    .get("/", Some(GetOptions::new().with_count_only()))
+                    .await
+            })
             .await?;
             Ok(())
         })

@@ -1112,7 +1112,11 @@ fn default_route_address_follows_the_default_route() {
         );
         assert_eq!(address(), Some(ip("192.0.2.10")), "IPv4 first");
         let both = a.run(|dp| async move { dp.default_route_addresses().await.expect("read") });
-        assert_eq!(both, vec![ip("192.0.2.10"), ip("fd00:1::1")], "one per family");
+        assert_eq!(
+            both,
+            vec![ip("192.0.2.10"), ip("fd00:1::1")],
+            "one per family"
+        );
         run_in(a.path(), &["ip", "route", "del", "default"]);
         assert_eq!(address(), Some(ip("fd00:1::1")));
         run_in(a.path(), &["ip", "-6", "route", "del", "default"]);
