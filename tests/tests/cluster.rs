@@ -1,0 +1,524 @@
+//! Cluster mode end to end: three node netns on a fabric bridge, each with
+//! its own tetherd, against a 3-member etcd cluster in a control netns.
+//! Pods are added through the real `tether` plugin.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::time::Duration;
+
+use ipnet::IpNet;
+use serde_json::Value;
+use tether_e2e::admin::{self, pb};
+use tether_e2e::cluster::{
+    assert_ping_within, Cluster, ClusterNode, ClusterOpts, NodeOpts, Overlay, Pod, CLUSTER_NETWORK,
+};
+use tether_e2e::{
+    assert_distinct, cni, parallel, require_root, tether_bin, wait_until, CniEnv, CniOutput, Netns,
+};
+
+/// Routes and blocks follow the store through a watch: allow for it.
+const CONVERGE: Duration = Duration::from_secs(15);
+
+fn list_nodes(node: &ClusterNode) -> Vec<pb::ClusterNode> {
+    admin::admin(node.daemon().socket(), |mut c| async move {
+        c.list_nodes(pb::ListNodesRequest::default()).await
+    })
+    .nodes
+}
+
+fn get_node(node: &ClusterNode) -> pb::Node {
+    admin::node(node.daemon().socket())
+}
+
+/// Every block in etcd, with its holder.
+fn etcd_blocks(cluster: &Cluster) -> BTreeMap<IpNet, String> {
+    cluster
+        .etcd_keys()
+        .iter()
+        .filter(|(k, _)| k.starts_with("/tether/v1/blocks/"))
+        .map(|(k, v)| {
+            let rec: Value = serde_json::from_str(v).unwrap_or_else(|e| panic!("{k}: {e}: {v}"));
+            let cidr: IpNet = rec["cidr"]
+                .as_str()
+                .unwrap_or_default()
+                .parse()
+                .unwrap_or_else(|e| panic!("{k}: {e}"));
+            (cidr, rec["node"].as_str().unwrap_or_default().to_owned())
+        })
+        .collect()
+}
+
+/// Blocks never overlap; each route destination of a node is another
+/// node's block.
+fn assert_no_overlap(blocks: &BTreeMap<IpNet, String>) {
+    let list: Vec<&IpNet> = blocks.keys().collect();
+    for (i, a) in list.iter().enumerate() {
+        for b in &list[i + 1..] {
+            assert!(
+                !a.contains(&b.network()) && !b.contains(&a.network()),
+                "blocks {a} and {b} overlap: {blocks:?}"
+            );
+        }
+    }
+}
+
+/// The cluster routes of `node` are exactly the blocks of the other nodes.
+fn routes_match_blocks(cluster: &Cluster, i: usize) -> bool {
+    let me = cluster.node(i).name().to_owned();
+    let want: Vec<String> = etcd_blocks(cluster)
+        .into_iter()
+        .filter(|(_, n)| *n != me)
+        .map(|(b, _)| b.to_string())
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let have: BTreeSet<String> = cluster.node(i).cluster_route_dsts().into_iter().collect();
+    have.into_iter().collect::<Vec<_>>() == want
+}
+
+fn wait_routes_converge(cluster: &Cluster) {
+    for i in 0..cluster.nodes().len() {
+        assert!(
+            wait_until(CONVERGE, || routes_match_blocks(cluster, i)),
+            "node {i} routes {:?} do not match the blocks {:?}",
+            cluster.node(i).cluster_route_dsts(),
+            etcd_blocks(cluster)
+        );
+    }
+}
+
+fn ping_every_pair(pods: &[&Pod]) {
+    for from in pods {
+        for to in pods.iter().filter(|p| p.node() != from.node()) {
+            for ip in to.ips() {
+                assert_ping_within(from.netns(), *ip, CONVERGE);
+            }
+        }
+    }
+}
+
+fn pods_on_every_pair_ping(overlay: Overlay) -> Cluster {
+    let cluster = Cluster::new(ClusterOpts {
+        node: NodeOpts {
+            overlay,
+            ..NodeOpts::default()
+        },
+        ..ClusterOpts::default()
+    });
+    let pods: Vec<Pod> = (0..3).map(|i| cluster.add_pod(i)).collect();
+    for p in &pods {
+        assert!(
+            p.v4().is_some() && p.v6().is_some(),
+            "dual-stack: {:?}",
+            p.ips()
+        );
+    }
+    wait_routes_converge(&cluster);
+    ping_every_pair(&pods.iter().collect::<Vec<_>>());
+    cluster
+}
+
+#[test]
+fn host_gw_pods_on_every_pair_of_nodes_reach_each_other() {
+    require_root();
+    let cluster = pods_on_every_pair_ping(Overlay::HostGw);
+
+    // Routes go straight to the other node's underlay address.
+    for (i, node) in cluster.nodes().iter().enumerate() {
+        for r in node.cluster_routes() {
+            let gw = r["gateway"].as_str().unwrap_or_default();
+            let others: Vec<String> = cluster
+                .nodes()
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != i)
+                .flat_map(|(_, n)| [n.underlay().v4.to_string(), n.underlay().v6.to_string()])
+                .collect();
+            assert!(
+                others.contains(&gw.to_owned()),
+                "route {r} of node {i} is not via a node IP"
+            );
+        }
+    }
+
+    // The admin API: every node sees the same three live nodes with
+    // distinct IDs; GetNode shows this node's ID, blocks and store health.
+    let blocks = etcd_blocks(&cluster);
+    assert_no_overlap(&blocks);
+    for node in cluster.nodes() {
+        let listed = list_nodes(node);
+        assert_eq!(listed.len(), 3, "{listed:?}");
+        assert!(listed.iter().all(|n| n.alive), "{listed:?}");
+        assert_distinct("node IDs", listed.iter().map(|n| n.id));
+        assert_eq!(listed.iter().filter(|n| n.local).count(), 1);
+        let me = get_node(node);
+        assert_eq!(me.ipam_mode, "cluster");
+        assert_eq!(me.routing, "host-gw");
+        assert_eq!(me.store_backend, "etcd");
+        assert!(
+            me.store_health.as_ref().is_some_and(|h| h.healthy),
+            "{me:?}"
+        );
+        assert!(me.node_id >= 1);
+        assert!(
+            me.node_ip.contains(&node.underlay().v4.to_string()),
+            "{}",
+            me.node_ip
+        );
+        let mine: BTreeSet<String> = blocks
+            .iter()
+            .filter(|(_, n)| *n == node.name())
+            .map(|(b, _)| b.to_string())
+            .collect();
+        assert_eq!(me.blocks.iter().cloned().collect::<BTreeSet<_>>(), mine);
+        assert_eq!(mine.len(), 2, "one block per family: {mine:?}");
+    }
+
+    // The same through grpcurl (server reflection), as operators read it.
+    let sock = cluster.node(0).daemon().socket().display().to_string();
+    let grpcurl = |method: &str| -> Value {
+        let out = std::process::Command::new("/usr/local/bin/grpcurl")
+            .args(["-plaintext", "-unix", &sock, method])
+            .output()
+            .unwrap_or_else(|e| panic!("grpcurl (installed by tests/setup.sh): {e}"));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}"))
+    };
+    let listed = grpcurl("tether.admin.v1.Admin/ListNodes");
+    assert_eq!(
+        listed["nodes"].as_array().map(Vec::len),
+        Some(3),
+        "{listed}"
+    );
+    let got = grpcurl("tether.admin.v1.Admin/GetNode");
+    assert_eq!(got["ipamMode"], "cluster", "{got}");
+    assert_eq!(got["storeHealth"]["healthy"], true, "{got}");
+    assert_eq!(got["blocks"].as_array().map(Vec::len), Some(2), "{got}");
+    assert!(got["nodeId"].as_u64().is_some_and(|id| id >= 1), "{got}");
+
+    // The key layout in etcd.
+    let keys = cluster.etcd_keys();
+    for node in cluster.nodes() {
+        let name = node.name();
+        assert!(
+            keys.contains_key(&format!("/tether/v1/nodes/{name}")),
+            "{keys:?}"
+        );
+        assert!(
+            keys.contains_key(&format!("/tether/v1/alive/{name}")),
+            "{keys:?}"
+        );
+        let rec: Value = serde_json::from_str(&keys[&format!("/tether/v1/nodes/{name}")])
+            .unwrap_or_else(|e| panic!("{e}"));
+        let id = rec["id"].as_u64().unwrap_or_default();
+        assert_eq!(
+            keys.get(&format!("/tether/v1/nodeids/{id}"))
+                .map(String::as_str),
+            Some(name)
+        );
+    }
+}
+
+#[test]
+fn vxlan_pods_on_every_pair_of_nodes_reach_each_other() {
+    require_root();
+    let cluster = pods_on_every_pair_ping(Overlay::Vxlan);
+    for node in cluster.nodes() {
+        assert!(node.netns().has_link("tether.vxlan"));
+        let routes = node.cluster_routes();
+        assert_eq!(
+            routes.len(),
+            4,
+            "two blocks of each of two nodes: {routes:?}"
+        );
+        for r in routes {
+            assert_eq!(r["dev"].as_str(), Some("tether.vxlan"), "{r}");
+        }
+        assert_eq!(get_node(node).routing, "vxlan");
+        // One static FDB entry per remote node.
+        let fdb = node
+            .netns()
+            .exec_ok(&["bridge", "fdb", "show", "dev", "tether.vxlan"]);
+        let permanent = fdb
+            .lines()
+            .filter(|l| l.contains("dst") && l.contains("permanent"))
+            .count();
+        assert_eq!(permanent, 2, "{fdb}");
+    }
+}
+
+#[test]
+fn daemon_restart_keeps_blocks_and_pods_reachable_and_drops_stale_routes() {
+    require_root();
+    let mut cluster = Cluster::new(ClusterOpts::default());
+    let pods: Vec<Pod> = (0..3).map(|i| cluster.add_pod(i)).collect();
+    wait_routes_converge(&cluster);
+    let before = get_node(cluster.node(0));
+    // A route of ours that no block explains: startup must remove it.
+    let node0 = cluster.node(0).netns().name().to_owned();
+    let gw = cluster.node(1).underlay().v4.to_string();
+    cluster.node(0).netns().exec_ok(&[
+        "ip",
+        "route",
+        "add",
+        "10.250.0.0/26",
+        "via",
+        &gw,
+        "proto",
+        "202",
+    ]);
+    assert!(cluster
+        .node(0)
+        .cluster_route_dsts()
+        .contains(&"10.250.0.0/26".to_owned()));
+
+    cluster.node_mut(0).daemon_mut().restart();
+
+    let after = get_node(cluster.node(0));
+    assert_eq!(
+        after.node_id, before.node_id,
+        "the node ID survives a restart"
+    );
+    assert_eq!(after.blocks, before.blocks, "the blocks survive a restart");
+    assert!(
+        !cluster
+            .node(0)
+            .cluster_route_dsts()
+            .contains(&"10.250.0.0/26".to_owned()),
+        "stale route survived startup on {node0}"
+    );
+    wait_routes_converge(&cluster);
+    ping_every_pair(&pods.iter().collect::<Vec<_>>());
+    // A new pod after the restart comes from the same blocks.
+    let p = cluster.add_pod(0);
+    let v4 = p.v4().unwrap_or_else(|| panic!("no IPv4"));
+    assert!(
+        after
+            .blocks
+            .iter()
+            .any(|b| b.parse::<IpNet>().is_ok_and(|b| b.contains(&v4))),
+        "{v4} not in {:?}",
+        after.blocks
+    );
+}
+
+/// Small blocks, so that a few ADDs need a new one: /30 holds two pod
+/// addresses, /126 three.
+fn small_blocks() -> NodeOpts {
+    NodeOpts {
+        block_size: Some(30),
+        block_size_v6: Some(126),
+        // Long enough that an etcd outage does not reap anyone.
+        node_grace_secs: 60,
+        etcd_timeout_ms: Some(1000),
+        ..NodeOpts::default()
+    }
+}
+
+fn add(node: &ClusterNode) -> (Netns, CniOutput) {
+    let ns = Netns::new("pod");
+    let id = ns.name().to_owned();
+    let out = node.try_add(&ns, &id);
+    (ns, out)
+}
+
+#[test]
+fn etcd_member_loss_and_full_outage() {
+    require_root();
+    let mut cluster = Cluster::new(ClusterOpts {
+        node: small_blocks(),
+        ..ClusterOpts::default()
+    });
+    let mut pods: Vec<Pod> = Vec::new();
+
+    // One member down, the leader: everything keeps working, block claims
+    // included.
+    let leader = cluster
+        .etcd()
+        .leader()
+        .unwrap_or_else(|| panic!("no etcd leader"));
+    cluster.etcd_mut().kill_member(leader);
+    for _ in 0..3 {
+        for i in 0..3 {
+            pods.push(cluster.add_pod(i));
+        }
+    }
+    wait_routes_converge(&cluster);
+    ping_every_pair(&pods.iter().collect::<Vec<_>>());
+    assert_no_overlap(&etcd_blocks(&cluster));
+    cluster.etcd_mut().start_member(leader);
+
+    // Every member down, with one address of each family free on node 0
+    // (its first pod deleted). That ADD succeeds...
+    let first = pods.remove(0);
+    assert!(cluster.node(0).del(&first).success());
+    drop(first);
+    let claims_before = admin::stats(cluster.node(0).daemon().socket()).block_claims;
+    cluster.etcd_mut().stop_all();
+    let mut ok = 0;
+    let failure = loop {
+        let (ns, out) = add(cluster.node(0));
+        if out.success() {
+            ok += 1;
+            drop(ns);
+            assert!(ok < 10, "ADDs kept succeeding with etcd down");
+            continue;
+        }
+        break out;
+    };
+    assert!(
+        ok >= 1,
+        "no ADD succeeded from free block space with etcd down"
+    );
+    // ...and the one that needs a new block fails with 11, saying why.
+    assert_eq!(failure.error_code(), Some(11), "{failure}");
+    let msg = failure.to_string();
+    assert!(msg.contains("block"), "{msg}");
+    assert!(msg.contains("etcd"), "{msg}");
+    assert_eq!(
+        admin::stats(cluster.node(0).daemon().socket()).block_claims,
+        claims_before,
+        "no claim can have succeeded"
+    );
+    // STATUS says the node cannot serve ADDs, and the admin API says why.
+    let status = {
+        let conf = cluster.node(0).daemon().netconf("1.1.0", CLUSTER_NETWORK);
+        let env = CniEnv {
+            command: Some("STATUS".into()),
+            ..CniEnv::default()
+        };
+        cni(
+            &tether_bin(),
+            &env,
+            &serde_json::to_vec(&conf).unwrap_or_default(),
+        )
+    };
+    assert_eq!(status.error_code(), Some(50), "{status}");
+    assert!(status.to_string().contains("block"), "{status}");
+    let health = get_node(cluster.node(0)).store_health.unwrap_or_default();
+    assert!(!health.healthy, "{health:?}");
+    assert!(health.detail.contains("etcd"), "{health:?}");
+    // Traffic between existing pods is untouched.
+    ping_every_pair(&pods.iter().collect::<Vec<_>>());
+
+    // etcd returns: claims work again without restarting anything.
+    cluster.etcd_mut().start_all();
+    let mut recovered = None;
+    assert!(
+        wait_until(CONVERGE, || {
+            let (ns, out) = add(cluster.node(0));
+            if out.success() {
+                recovered = Some((ns, out));
+                true
+            } else {
+                false
+            }
+        }),
+        "ADD needing a block still fails after etcd returned"
+    );
+    let (_pod, added) = recovered.unwrap_or_else(|| panic!("no ADD recorded"));
+    assert!(added.success());
+    assert!(admin::stats(cluster.node(0).daemon().socket()).block_claims > claims_before);
+    assert!(wait_until(CONVERGE, || get_node(cluster.node(0))
+        .store_health
+        .is_some_and(|h| h.healthy)));
+    for node in cluster.nodes() {
+        assert!(
+            wait_until(CONVERGE, || {
+                let l = list_nodes(node);
+                l.len() == 3 && l.iter().all(|n| n.alive)
+            }),
+            "{:?}",
+            list_nodes(node)
+        );
+    }
+    wait_routes_converge(&cluster);
+    assert_no_overlap(&etcd_blocks(&cluster));
+    ping_every_pair(&pods.iter().collect::<Vec<_>>());
+}
+
+#[test]
+fn a_node_that_goes_away_is_reaped_and_its_routes_withdrawn() {
+    require_root();
+    let mut cluster = Cluster::new(ClusterOpts::default());
+    let pods: Vec<Pod> = (0..2).map(|i| cluster.add_pod(i)).collect();
+    wait_routes_converge(&cluster);
+    let gone = cluster.node(2).name().to_owned();
+    let gone_blocks: Vec<String> = get_node(cluster.node(2)).blocks;
+    assert!(cluster
+        .node(0)
+        .cluster_route_dsts()
+        .iter()
+        .any(|d| gone_blocks.contains(d)));
+
+    // The node disappears (daemon killed, netns gone): its lease expires
+    // (2 s), the grace passes (3 s), a live node reaps it.
+    drop(cluster.remove_node(2));
+    for i in 0..2 {
+        assert!(
+            wait_until(Duration::from_secs(30), || {
+                !cluster
+                    .node(i)
+                    .cluster_route_dsts()
+                    .iter()
+                    .any(|d| gone_blocks.contains(d))
+            }),
+            "node {i} still routes to {gone}'s blocks: {:?}",
+            cluster.node(i).cluster_route_dsts()
+        );
+        assert!(list_nodes(cluster.node(i)).iter().all(|n| n.name != gone));
+    }
+    let keys = cluster.etcd_keys();
+    assert!(
+        !keys.keys().any(|k| k.ends_with(&format!("/{gone}"))),
+        "{keys:?}"
+    );
+    assert!(!etcd_blocks(&cluster).values().any(|n| *n == gone));
+    wait_routes_converge(&cluster);
+    ping_every_pair(&pods.iter().collect::<Vec<_>>());
+}
+
+#[test]
+fn three_nodes_times_a_hundred_concurrent_adds() {
+    require_root();
+    let cluster = Cluster::new(ClusterOpts::default());
+    let pods: Vec<Pod> = parallel(300, |i| cluster.add_pod(i % 3));
+    let ips: Vec<IpAddr> = pods.iter().flat_map(|p| p.ips().to_vec()).collect();
+    assert_eq!(ips.len(), 600);
+    assert_distinct("pod addresses", ips.iter().copied());
+
+    let blocks = etcd_blocks(&cluster);
+    assert_no_overlap(&blocks);
+    // Every address lies in a block held by the node that handed it out.
+    for p in &pods {
+        for ip in p.ips() {
+            let holder = blocks
+                .iter()
+                .find(|(b, _)| b.contains(ip))
+                .map(|(_, n)| n.as_str());
+            assert_eq!(
+                holder,
+                Some(p.node()),
+                "{ip} of a pod on {}: {blocks:?}",
+                p.node()
+            );
+        }
+    }
+    // 100 pods need two /26 (62 each) and two /122 (63 each) per node; a
+    // concurrent burst must not grab more than it needs.
+    for node in cluster.nodes() {
+        let n = blocks.values().filter(|h| *h == node.name()).count();
+        assert_eq!(n, 4, "{} holds {n} blocks: {blocks:?}", node.name());
+    }
+    wait_routes_converge(&cluster);
+    let one_per_node: Vec<&Pod> = pods.iter().take(3).collect();
+    ping_every_pair(&one_per_node);
+    let dels = parallel(300, |i| cluster.node(i % 3).del(&pods[i]));
+    for d in &dels {
+        assert!(d.success(), "{d}");
+    }
+}
