@@ -45,9 +45,11 @@ test: setup lint build shim-size
 	@test "$$(id -u)" = 0 || { echo "make test must run as root (it creates network namespaces)"; exit 1; }
 	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test --workspace --no-fail-fast -- --test-threads=2
 
-## bench: tether vs the reference ptp/bridge + host-local, side by side.
+## bench: tether vs the reference ptp/bridge + host-local, side by side; then
+## cluster mode (3 nodes on etcd) vs one node, block claims, claim to route.
 bench: setup release
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench -- --write BENCHMARKS.md
+	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_cluster -- --write BENCHMARKS.md
 
 clean:
 	$(CARGO) clean

@@ -245,3 +245,28 @@ fn a_missing_conflist_fails_without_leaving_temp_files() {
     let bin = listing(&layout.bin());
     assert_eq!(names(&bin), ["tether"]);
 }
+
+/// Every flag the DaemonSet passes to tetherd is one tetherd knows: a
+/// renamed flag would otherwise only show in a crash-looping pod.
+#[test]
+fn the_daemonset_passes_only_flags_tetherd_knows() {
+    let yaml = std::fs::read_to_string(tether_e2e::workspace_dir().join("install/daemonset.yaml"))
+        .expect("reading install/daemonset.yaml");
+    let help = std::process::Command::new(tether_e2e::tetherd_bin())
+        .arg("--help")
+        .output()
+        .expect("running tetherd --help");
+    let help = String::from_utf8_lossy(&help.stdout);
+    let flags: Vec<&str> = yaml
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- --"))
+        .map(|f| f.split('=').next().unwrap_or(f))
+        .collect();
+    assert!(flags.len() >= 8, "{flags:?}");
+    for flag in flags {
+        assert!(
+            help.contains(&format!("--{flag} ")) || help.contains(&format!("--{flag}\n")),
+            "install/daemonset.yaml passes --{flag}, which tetherd --help does not list"
+        );
+    }
+}
