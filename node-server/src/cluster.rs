@@ -662,7 +662,6 @@ impl Cluster {
         }
         let started = Instant::now();
         let block = self.claim(family).await?;
-        lock(&self.held).insert(block);
         let took = started.elapsed();
         {
             let mut c = lock(&self.claims);
@@ -673,7 +672,14 @@ impl Cluster {
         Ok(Some(block))
     }
 
+    /// Claims a block of `family` and records it as held.
     async fn claim(&self, family: Family) -> Result<IpNet> {
+        let block = self.claim_unrecorded(family).await?;
+        lock(&self.held).insert(block);
+        Ok(block)
+    }
+
+    async fn claim_unrecorded(&self, family: Family) -> Result<IpNet> {
         let cidr = self
             .config
             .cidr_of(family)
@@ -1210,13 +1216,16 @@ mod tests {
         // Two nodes claim concurrently until the /24 (four /26) is gone.
         let claim = |c: Arc<Cluster>| async move {
             let mut got = Vec::new();
-            loop {
+            // Four blocks exist: more rounds than that is a claim repeating
+            // itself, which must fail here rather than hang the suite.
+            for _ in 0..8 {
                 match c.claim(Family::V4).await {
                     Ok(b) => got.push(b),
                     Err(Error::PoolExhausted(m)) => return (got, m),
                     Err(e) => panic!("{e}"),
                 }
             }
+            panic!("claimed {got:?} and kept going");
         };
         let ((ga, ma), (gb, _)) = tokio::join!(claim(a.clone()), claim(b.clone()));
         let mut all: Vec<IpNet> = ga.iter().chain(gb.iter()).copied().collect();
@@ -1235,6 +1244,46 @@ mod tests {
             v.sort();
             v
         });
+    }
+
+    #[tokio::test]
+    async fn a_claim_whose_answer_was_lost_is_adopted_not_repeated() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let store: Arc<dyn ControlStore> =
+            Arc::new(EmbeddedStore::open(dir.path()).unwrap_or_else(|e| panic!("{e}")));
+        let a = Cluster::join(store.clone(), config("a"))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        // The block key exists for us, but this process never heard back.
+        let lost: IpNet = "10.244.0.192/26".parse().unwrap_or_else(|e| panic!("{e}"));
+        let record = BlockRecord {
+            cidr: lost,
+            node: "a".into(),
+            node_id: a.me().id,
+            claimed_unix_ms: 0,
+        };
+        let key = Keys::new("/tether").block(&lost);
+        let put = Op::Put {
+            key,
+            value: to_json(&record).unwrap_or_else(|e| panic!("{e}")),
+            lease: None,
+        };
+        assert!(matches!(store.txn(vec![], vec![put]).await, Ok(true)));
+        let got = a
+            .claim_block(Family::V4, &[])
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            got,
+            Some(lost),
+            "the lost claim is taken, not a second block"
+        );
+        let (blocks, _) = store
+            .list("/tether/v1/blocks/v4/")
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(blocks.len(), 1);
+        assert_eq!(a.my_blocks(), vec![lost]);
     }
 
     #[tokio::test]

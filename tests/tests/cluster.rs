@@ -522,3 +522,186 @@ fn three_nodes_times_a_hundred_concurrent_adds() {
         assert!(d.success(), "{d}");
     }
 }
+
+/// A child process killed (SIGKILL, by our own handle) and reaped on drop.
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Runs openssl with `args` in `dir`; panics with its stderr on failure.
+fn openssl(dir: &std::path::Path, args: &[&str]) {
+    let out = std::process::Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap_or_else(|e| panic!("spawning openssl: {e}"));
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A CA, a server certificate for `ip` and a client certificate, in `dir`.
+fn make_certs(dir: &std::path::Path, ip: &str) {
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+    ];
+    let req = |name: &str, cn: &str| {
+        let key = format!("{name}-key.pem");
+        let csr = format!("{name}.csr");
+        let subj = format!("/CN={cn}");
+        let mut a = vec!["req"];
+        a.extend(ec);
+        a.extend(["-keyout", &key, "-out", &csr, "-subj", &subj]);
+        openssl(dir, &a);
+    };
+    let mut ca = vec!["req", "-x509"];
+    ca.extend(ec);
+    ca.extend([
+        "-keyout",
+        "ca-key.pem",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=tether-test-ca",
+    ]);
+    openssl(dir, &ca);
+    req("server", "etcd");
+    req("client", "tetherd");
+    let ext = |name: &str, text: String| {
+        std::fs::write(dir.join(name), text).unwrap_or_else(|e| panic!("{name}: {e}"));
+    };
+    ext(
+        "server.ext",
+        format!("subjectAltName=IP:{ip}\nextendedKeyUsage=serverAuth\n"),
+    );
+    ext("client.ext", "extendedKeyUsage=clientAuth\n".to_owned());
+    for name in ["server", "client"] {
+        let (csr, pem, extfile) = (
+            format!("{name}.csr"),
+            format!("{name}.pem"),
+            format!("{name}.ext"),
+        );
+        openssl(
+            dir,
+            &[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.pem",
+                "-CAkey",
+                "ca-key.pem",
+                "-CAcreateserial",
+                "-out",
+                &pem,
+                "-days",
+                "2",
+                "-extfile",
+                &extfile,
+            ],
+        );
+    }
+}
+
+/// The TLS flags work: tetherd joins an etcd that serves HTTPS only and
+/// requires client certificates (mutual TLS), with a CA of the test's own.
+#[test]
+fn etcd_with_mutual_tls() {
+    require_root();
+    let dir = tether_e2e::TempDir::new("tls");
+    let d = dir.path();
+    make_certs(d, "127.0.0.1");
+    let node_ns = Netns::new("node");
+    node_ns.exec_ok(&["ip", "link", "set", "lo", "up"]);
+    let p = |f: &str| d.join(f).display().to_string();
+    let etcd = Reaped(
+        std::process::Command::new("ip")
+            .args(["netns", "exec", node_ns.name(), "etcd", "--name", "e1"])
+            .args(["--data-dir", &p("etcd")])
+            .args(["--listen-client-urls", "https://127.0.0.1:2379"])
+            .args(["--advertise-client-urls", "https://127.0.0.1:2379"])
+            .args(["--listen-peer-urls", "http://127.0.0.1:2380"])
+            .args(["--initial-advertise-peer-urls", "http://127.0.0.1:2380"])
+            .args(["--initial-cluster", "e1=http://127.0.0.1:2380"])
+            .args([
+                "--cert-file",
+                &p("server.pem"),
+                "--key-file",
+                &p("server-key.pem"),
+            ])
+            .args(["--trusted-ca-file", &p("ca.pem"), "--client-cert-auth"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(d.join("etcd.log")).unwrap_or_else(|e| panic!("{e}")))
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning etcd: {e}")),
+    );
+    let health = || {
+        node_ns
+            .exec(&[
+                "env",
+                "ETCDCTL_API=3",
+                "etcdctl",
+                "--endpoints",
+                "https://127.0.0.1:2379",
+                "--cacert",
+                &p("ca.pem"),
+                "--cert",
+                &p("client.pem"),
+                "--key",
+                &p("client-key.pem"),
+                "endpoint",
+                "health",
+            ])
+            .status
+            .success()
+    };
+    assert!(
+        wait_until(Duration::from_secs(20), health),
+        "etcd with TLS did not come up"
+    );
+
+    let daemon = tether_e2e::Daemon::start_in(
+        node_ns,
+        tether_e2e::DaemonOpts {
+            extra_args: [
+                "--store",
+                "etcd",
+                "--etcd-endpoints",
+                "https://127.0.0.1:2379",
+                "--etcd-ca",
+                &p("ca.pem"),
+                "--etcd-cert",
+                &p("client.pem"),
+                "--etcd-key",
+                &p("client-key.pem"),
+                "--cluster-cidr",
+                "10.244.0.0/24",
+                "--node-ip",
+                "192.0.2.1",
+            ]
+            .map(str::to_owned)
+            .to_vec(),
+            ..Default::default()
+        },
+    );
+    let node = admin::node(daemon.socket());
+    assert_eq!(node.store_backend, "etcd");
+    assert!(node.store_health.is_some_and(|h| h.healthy));
+    assert_eq!(node.blocks.len(), 1, "{:?}", node.blocks);
+    drop(daemon);
+    drop(etcd);
+}
