@@ -54,6 +54,17 @@ if [ -n "$missing" ]; then
     apt-get update
     # shellcheck disable=SC2086 # word splitting is intended
     DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $missing
+    # On a machine run by systemd, installing etcd-server also starts a
+    # system etcd on 127.0.0.1:2379. The suites start their own members in
+    # their own namespaces; stop the one this install started.
+    case "$missing" in
+    *etcd-server*)
+        if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet etcd 2>/dev/null; then
+            echo "setup.sh: stopping and disabling the system etcd that etcd-server started"
+            systemctl disable --now etcd
+        fi
+        ;;
+    esac
 else
     echo "setup.sh: all Debian packages present"
 fi
