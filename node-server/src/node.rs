@@ -280,7 +280,7 @@ impl Node {
             doomed: Arc::new(Mutex::new(Vec::new())),
             doomed_queued: Arc::new(Notify::new()),
         };
-        node.spawn_deletion_worker();
+        node.spawn_deletion_worker()?;
         let mut reconciled = node.reconcile().await?;
         if let Some(c) = &node.cluster {
             // The first block of each family is claimed before serving, so
@@ -668,8 +668,14 @@ impl Node {
     /// The deletion worker: takes everything queued and deletes it in one
     /// kernel batch, so a burst of DELs costs the kernel one teardown (and
     /// holds its RTNL lock once) instead of one per pod.
-    fn spawn_deletion_worker(&self) {
-        let dataplane = self.dataplane.clone();
+    ///
+    /// The worker has a netlink socket of its own. The kernel handles a
+    /// netlink request inside the `sendmsg` that carries it, and tearing
+    /// veths down takes milliseconds, so on a shared socket every request
+    /// behind the deletion waited for it: an ADD right after a DEL took
+    /// 26 ms instead of 14 ms (debug build, measured here).
+    fn spawn_deletion_worker(&self) -> Result<()> {
+        let dataplane = Dataplane::connect()?;
         let deleting = self.deleting.clone();
         let doomed = self.doomed.clone();
         let queued = self.doomed_queued.clone();
@@ -696,6 +702,7 @@ impl Node {
                 }
             }
         });
+        Ok(())
     }
 
     /// Waits (bounded) for background link deletions, for a clean shutdown.

@@ -330,6 +330,8 @@ struct Side<'a> {
     netconf: Vec<u8>,
     add: Vec<Duration>,
     del: Vec<Duration>,
+    /// ADDs sent right after a DEL answered, its veth teardown still running.
+    add_after_del: Vec<Duration>,
     calls: usize,
     failures: usize,
 }
@@ -345,6 +347,7 @@ impl<'a> Side<'a> {
                 .expect("a JSON value serializes"),
             add: Vec::new(),
             del: Vec::new(),
+            add_after_del: Vec::new(),
             calls: 0,
             failures: 0,
         }
@@ -386,6 +389,7 @@ struct LatencyRow {
     label: &'static str,
     add: Vec<Duration>,
     del: Vec<Duration>,
+    add_after_del: Vec<Duration>,
     calls: usize,
     failures: usize,
 }
@@ -437,6 +441,12 @@ fn latency_phase(bins: &Bins, args: &Args, f: &mut Failures) -> Latency {
                 let id = format!("{}-{}-s{cycle}", run_prefix(), side.short);
                 let add = side.timed(&bins.shim, "ADD", &id, &pod, f);
                 let del = side.timed(&bins.shim, "DEL", &id, &pod, f);
+                // A second pod at once, as when a pod is restarted: its ADD
+                // meets the first pod's veth teardown.
+                let again_pod = Netns::new("q");
+                let again_id = format!("{id}-again");
+                let again = side.timed(&bins.shim, "ADD", &again_id, &again_pod, f);
+                side.timed(&bins.shim, "DEL", &again_id, &again_pod, f);
                 // tether removes the veth after answering DEL: wait, untimed,
                 // so that the next call does not pay for that work.
                 let deadline = Instant::now() + SETTLE;
@@ -449,11 +459,14 @@ fn latency_phase(bins: &Bins, args: &Args, f: &mut Failures) -> Latency {
                 poll_until_fast(deadline, || {
                     admin::stats(&side.socket).link_deletions_in_flight == 0
                 });
+                poll_until(deadline, || again_pod.link_names(), |l| *l == ["lo"]);
                 if cycle >= args.warmup {
                     side.add.extend(add);
                     side.del.extend(del);
+                    side.add_after_del.extend(again);
                 }
                 pods.push(pod);
+                pods.push(again_pod);
             }
         }
         verify_clean(&sides, pods, f);
@@ -473,6 +486,7 @@ fn latency_phase(bins: &Bins, args: &Args, f: &mut Failures) -> Latency {
             label: s.label,
             add: s.add,
             del: s.del,
+            add_after_del: s.add_after_del,
             calls: s.calls,
             failures: s.failures,
         })
@@ -1039,36 +1053,43 @@ fn report(
          (which goes first alternates). After each DEL the bench waits, untimed, until the \
          pod's interface is gone and the daemon counts no link deletion in flight (Stats \
          `link_deletions_in_flight` = 0): tether answers DEL before the kernel has finished \
-         the veth teardown, and an ADD sent to the same daemon meanwhile waits for it, a \
-         cost this comparison keeps out. p50 and p99 are nearest-rank.\n",
+         the veth teardown. The \"ADD right after a DEL\" columns measure the case that \
+         wait keeps out of the others: in each cycle, right after the DEL answered, a second \
+         pod is added (and deleted) at once, as when a pod restarts, while the first pod's \
+         veth is still being torn down. p50 and p99 are nearest-rank.\n",
         args.cycles, args.warmup, SINGLE_CIDRS[0], SINGLE_CIDRS[1]
     );
     match latency {
         Some(l) => {
             let _ = writeln!(
                 r,
-                "| setup | ADD p50 | ADD p99 | DEL p50 | DEL p99 | calls (with warm-up) | failures |"
+                "| setup | ADD p50 | ADD p99 | DEL p50 | DEL p99 | ADD right after a DEL, p50 | p99 | calls (with warm-up) | failures |"
             );
-            let _ = writeln!(r, "|---|---:|---:|---:|---:|---:|---:|");
+            let _ = writeln!(r, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
             let cells = |row: &LatencyRow| {
                 let (add, del) = (micros_of(&row.add), micros_of(&row.del));
+                let again = micros_of(&row.add_after_del);
                 [
                     percentile(&add, 0.5),
                     percentile(&add, 0.99),
                     percentile(&del, 0.5),
                     percentile(&del, 0.99),
+                    percentile(&again, 0.5),
+                    percentile(&again, 0.99),
                 ]
             };
             for row in &l.rows {
                 let c = cells(row);
                 let _ = writeln!(
                     r,
-                    "| {} | {} | {} | {} | {} | {} | {} |",
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                     row.label,
                     ms(c[0], 1),
                     ms(c[1], 1),
                     ms(c[2], 1),
                     ms(c[3], 1),
+                    ms(c[4], 1),
+                    ms(c[5], 1),
                     row.calls,
                     row.failures
                 );
