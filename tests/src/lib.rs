@@ -28,6 +28,7 @@
 #![warn(missing_docs)]
 
 pub mod admin;
+pub mod benchkit;
 pub mod cluster;
 mod cni;
 mod daemon;

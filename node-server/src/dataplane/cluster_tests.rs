@@ -7,20 +7,17 @@
 //! link, address and route in them: nothing is ever made in the machine's
 //! own netns.
 //!
-//! The harness repeats a few helpers of `dataplane::tests` (private there)
-//! so that the two files stay independent.
+//! The netns helpers are `dataplane::tests`'s.
 
-use std::fs::File;
 use std::future::Future;
 use std::net::IpAddr;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use nix::sched::{setns, unshare, CloneFlags};
 use serde_json::Value;
 
+use super::super::tests::{is_root, netns_inode, new_netns, require_root, run_in, Netns};
 use super::super::{host_ifname, pod_mac, PodWiring};
 use super::*;
 
@@ -236,23 +233,6 @@ fn vxlan_messages_have_the_right_shape() {
 
 // ---------------------------------------------------------------- harness
 
-fn is_root() -> bool {
-    nix::unistd::Uid::effective().is_root()
-}
-
-macro_rules! require_root {
-    () => {
-        if !is_root() {
-            eprintln!("skipping: needs root and real network namespaces");
-            return;
-        }
-    };
-}
-
-fn netns_inode(path: &str) -> u64 {
-    std::fs::metadata(path).expect(path).ino()
-}
-
 /// Runs `body` on a thread that first moves into a netns of its own, so that
 /// even a command that forgot its `--net` lands in a namespace that dies
 /// with the test.
@@ -271,27 +251,6 @@ fn isolated<F: FnOnce() + Send>(body: F) {
         .join()
     })
     .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-}
-
-/// A fresh netns, alive as long as `file`.
-struct Netns {
-    file: File,
-    path: PathBuf,
-}
-
-fn new_netns() -> Netns {
-    let file = std::thread::spawn(|| {
-        unshare(CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
-        File::open("/proc/thread-self/ns/net").expect("open own netns")
-    })
-    .join()
-    .expect("netns thread");
-    let path = PathBuf::from(format!(
-        "/proc/{}/fd/{}",
-        std::process::id(),
-        file.as_raw_fd()
-    ));
-    Netns { file, path }
 }
 
 fn path_str(path: &Path) -> &str {
@@ -411,22 +370,6 @@ impl TestPod {
     fn path(&self) -> &str {
         path_str(&self.ns.path)
     }
-}
-
-/// Runs a command inside a netns given by path; panics with its stderr if it
-/// fails.
-fn run_in(ns: &str, args: &[&str]) -> String {
-    let out = Command::new("nsenter")
-        .arg(format!("--net={ns}"))
-        .args(args)
-        .output()
-        .expect("nsenter");
-    assert!(
-        out.status.success(),
-        "{args:?} in {ns}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// JSON output of `ip -j ...` (or of `bridge -j ...` when args start with

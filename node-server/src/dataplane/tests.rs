@@ -93,7 +93,7 @@ fn open_netns_accepts_a_netns_and_refuses_other_namespaces() {
 
 // ---------------------------------------------------------------- harness
 
-fn is_root() -> bool {
+pub(super) fn is_root() -> bool {
     nix::unistd::Uid::effective().is_root()
 }
 
@@ -105,8 +105,9 @@ macro_rules! require_root {
         }
     };
 }
+pub(super) use require_root;
 
-fn netns_inode(path: &str) -> u64 {
+pub(super) fn netns_inode(path: &str) -> u64 {
     std::fs::metadata(path).expect(path).ino()
 }
 
@@ -147,12 +148,12 @@ fn node_ns_path() -> String {
 }
 
 /// A fresh netns, alive as long as the returned fd.
-struct Netns {
-    file: File,
-    path: PathBuf,
+pub(super) struct Netns {
+    pub(super) file: File,
+    pub(super) path: PathBuf,
 }
 
-fn new_netns() -> Netns {
+pub(super) fn new_netns() -> Netns {
     let file = std::thread::spawn(|| {
         unshare(CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
         File::open("/proc/thread-self/ns/net").expect("open own netns")
@@ -169,7 +170,7 @@ fn new_netns() -> Netns {
 
 /// Runs a command inside a netns given by path; panics with its stderr if it
 /// fails.
-fn run_in(ns: &str, args: &[&str]) -> String {
+pub(super) fn run_in(ns: &str, args: &[&str]) -> String {
     let out = Command::new("nsenter")
         .arg(format!("--net={ns}"))
         .args(args)

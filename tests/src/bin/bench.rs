@@ -19,10 +19,14 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use tether_e2e::benchkit::{
+    build_release, first_lines, judge, loadavg, panic_text, poll_until, stdout_of, write_section,
+    Machine,
+};
 use tether_e2e::reference::{bridge_netconf, host_local_leases, ptp_netconf};
 use tether_e2e::{
-    cni, ref_plugin, require_root, run_prefix, target_dir, workspace_dir, CniEnv, CniOutput,
-    Daemon, DaemonOpts, Family, Netns, TempDir,
+    cni, ref_plugin, require_root, run_prefix, target_dir, CniEnv, CniOutput, Daemon, DaemonOpts,
+    Family, Netns, TempDir,
 };
 
 const USAGE: &str = "usage: bench [--cycles N] [--concurrency N] [--rounds N] [--warmup N] \
@@ -226,23 +230,6 @@ impl Subject {
     }
 }
 
-fn judge(command: &str, out: &CniOutput) -> Result<(), String> {
-    if !out.success() {
-        return Err(format!("{out}"));
-    }
-    if command == "ADD" {
-        let has_ip = out
-            .json
-            .as_ref()
-            .and_then(|j| j["ips"][0]["address"].as_str())
-            .is_some();
-        if !has_ip {
-            return Err(format!("no address in the result: {out}"));
-        }
-    }
-    Ok(())
-}
-
 fn main() -> ExitCode {
     let args = match parse_args() {
         Ok(args) => args,
@@ -309,7 +296,7 @@ fn main() -> ExitCode {
         &table,
     );
     if let Some(path) = &args.write {
-        match write_section(path, &report) {
+        match write_section(path, BEGIN, END, &report) {
             Ok(()) => eprintln!("bench: wrote {}", path.display()),
             Err(e) => {
                 eprintln!("bench: cannot write {}: {e}", path.display());
@@ -350,7 +337,7 @@ fn setup(kind: Kind, subnet: &str, args: &Args) -> Result<Subject, String> {
                 None => target_dir().join("release"),
             };
             if args.build && std::env::var_os("TETHER_BIN_DIR").is_none() {
-                build_release()?;
+                build_release("bench")?;
             }
             let opts = DaemonOpts {
                 pod_cidrs: vec![subnet.to_owned()],
@@ -372,33 +359,6 @@ fn setup(kind: Kind, subnet: &str, args: &Args) -> Result<Subject, String> {
             ))
         }
     }
-}
-
-fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<String>()
-        .cloned()
-        .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-        .unwrap_or_else(|| "panic".to_owned())
-}
-
-fn build_release() -> Result<(), String> {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    // One package per build, as `make release` does: built together, the
-    // shim would pick up the daemon's features through feature unification.
-    for package in ["tether-cni-shim", "tether-node-server"] {
-        eprintln!("bench: cargo build --release -p {package}");
-        let status = Command::new(&cargo)
-            .args(["build", "--release", "-p", package])
-            .current_dir(workspace_dir())
-            .status()
-            .map_err(|e| format!("running cargo: {e}"))?;
-        if !status.success() {
-            return Err(format!(
-                "cargo build --release -p {package} failed ({status})"
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// Sequential ADD then DEL, each cycle into a fresh pod netns, plugins
@@ -578,16 +538,6 @@ fn verify_clean(s: &mut Subject, pods: Vec<Netns>, phase: &str) {
     std::thread::sleep(Duration::from_secs(1));
 }
 
-fn poll_until<T>(deadline: Instant, mut read: impl FnMut() -> T, done: impl Fn(&T) -> bool) -> T {
-    loop {
-        let value = read();
-        if done(&value) || Instant::now() >= deadline {
-            return value;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// The cost of the spawn path itself: `/bin/true` through the same `cni()`
 /// call, from a fresh thread in a node netns (how every plugin is run) and
 /// from a fresh thread in our own netns, interleaved. Equal figures show
@@ -711,87 +661,6 @@ fn table(subjects: &[Subject], args: &Args) -> String {
     t
 }
 
-/// What the machine is, for the record.
-struct Machine {
-    nproc: usize,
-    kernel: String,
-    cpu: String,
-    date: String,
-    ref_version: String,
-    tether_version: String,
-    load_before: String,
-}
-
-impl Machine {
-    fn probe() -> Machine {
-        let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
-        let run = |cmd: &str, args: &[&str]| {
-            Command::new(cmd)
-                .args(args)
-                .output()
-                .ok()
-                .filter(|o| o.status.success())
-                .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-                .unwrap_or_else(|| "unknown".to_owned())
-        };
-        let cpu = read("/proc/cpuinfo")
-            .lines()
-            .find(|l| l.starts_with("model name"))
-            .and_then(|l| l.split_once(':'))
-            .map(|(_, v)| v.trim().to_owned())
-            .unwrap_or_else(|| "unknown".to_owned());
-        let ws = workspace_dir().display().to_string();
-        let rev = run("git", &["-C", &ws, "rev-parse", "--short", "HEAD"]);
-        // The report file itself is rewritten by every run: not a change to
-        // what was measured.
-        let dirty = !run(
-            "git",
-            &[
-                "-C",
-                &ws,
-                "status",
-                "--porcelain",
-                "--",
-                ".",
-                ":!BENCHMARKS.md",
-            ],
-        )
-        .is_empty();
-        Machine {
-            nproc: std::thread::available_parallelism().map_or(0, |n| n.get()),
-            kernel: read("/proc/sys/kernel/osrelease").trim().to_owned(),
-            cpu,
-            date: run("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
-            ref_version: run(
-                "dpkg-query",
-                &["-W", "-f", "${Version}", "containernetworking-plugins"],
-            ),
-            tether_version: format!(
-                "{} (git {rev}{})",
-                env!("CARGO_PKG_VERSION"),
-                if dirty { ", uncommitted changes" } else { "" }
-            ),
-            load_before: loadavg(),
-        }
-    }
-
-    fn one_line(&self) -> String {
-        format!(
-            "{} × {}, kernel {}, load {}",
-            self.nproc, self.cpu, self.kernel, self.load_before
-        )
-    }
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
 fn report(
     m: &Machine,
     args: &Args,
@@ -815,7 +684,11 @@ fn report(
     let _ = writeln!(
         r,
         "- Plugins: tether {}; Debian containernetworking-plugins {} (`/usr/lib/cni`).",
-        m.tether_version, m.ref_version
+        m.tether_version,
+        stdout_of(
+            "dpkg-query",
+            &["-W", "-f", "${Version}", "containernetworking-plugins"]
+        )
     );
     let _ = writeln!(
         r,
@@ -847,26 +720,4 @@ fn report(
         }
     }
     r
-}
-
-fn first_lines(s: &str, n: usize) -> String {
-    s.lines().take(n).collect::<Vec<_>>().join("\n")
-}
-
-/// Replaces the generated section of `path` (between the markers), or
-/// appends one.
-fn write_section(path: &Path, report: &str) -> std::io::Result<()> {
-    let old = match std::fs::read_to_string(path) {
-        Ok(s) => s,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::from("# Benchmarks\n"),
-        Err(e) => return Err(e),
-    };
-    let section = format!("{BEGIN}\n{}\n{END}", report.trim_end());
-    let new = match (old.find(BEGIN), old.find(END)) {
-        (Some(a), Some(b)) if a < b => format!("{}{section}{}", &old[..a], &old[b + END.len()..]),
-        _ => format!("{}\n{section}\n", old.trim_end()),
-    };
-    let tmp = path.with_extension("md.tmp");
-    std::fs::write(&tmp, new)?;
-    std::fs::rename(&tmp, path)
 }

@@ -43,10 +43,14 @@ use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
 use tether_e2e::admin;
+use tether_e2e::benchkit::{
+    build_release, first_lines, judge, loadavg, panic_text, poll_until, stdout_of, write_section,
+    Machine,
+};
 use tether_e2e::cluster::{Cluster, ClusterOpts, NodeOpts, Overlay, CLUSTER_ROUTE_PROTOCOL};
 use tether_e2e::{
-    cni, is_tether_link, require_root, run_prefix, target_dir, workspace_dir, CniEnv, CniOutput,
-    Daemon, DaemonOpts, Netns, TempDir,
+    cni, is_tether_link, require_root, run_prefix, target_dir, CniEnv, CniOutput, Daemon,
+    DaemonOpts, Netns, TempDir,
 };
 
 const USAGE: &str = "usage: bench_cluster [--cycles N] [--warmup N] [--batch N] \
@@ -186,7 +190,7 @@ fn main() -> ExitCode {
     );
     println!("{report}");
     if let Some(path) = &args.write {
-        match write_section(path, &report) {
+        match write_section(path, BEGIN, END, &report) {
             Ok(()) => eprintln!("bench_cluster: wrote {}", path.display()),
             Err(e) => {
                 eprintln!("bench_cluster: cannot write {}: {e}", path.display());
@@ -223,19 +227,12 @@ fn guarded<T>(
     }
 }
 
-fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<String>()
-        .cloned()
-        .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-        .unwrap_or_else(|| "panic".to_owned())
-}
-
 fn bins(args: &Args) -> Result<Bins, String> {
     let dir = match std::env::var_os("TETHER_BIN_DIR") {
         Some(dir) => PathBuf::from(dir),
         None => {
             if args.build {
-                build_release()?;
+                build_release("bench_cluster")?;
             }
             target_dir().join("release")
         }
@@ -250,25 +247,6 @@ fn bins(args: &Args) -> Result<Bins, String> {
         }
     }
     Ok(bins)
-}
-
-fn build_release() -> Result<(), String> {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    // One package per build, as `make release` does (feature unification).
-    for package in ["tether-cni-shim", "tether-node-server"] {
-        eprintln!("bench_cluster: cargo build --release -p {package}");
-        let status = Command::new(&cargo)
-            .args(["build", "--release", "-p", package])
-            .current_dir(workspace_dir())
-            .status()
-            .map_err(|e| format!("running cargo: {e}"))?;
-        if !status.success() {
-            return Err(format!(
-                "cargo build --release -p {package} failed ({status})"
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// How every cluster node's tetherd runs here: the release binary, `info`
@@ -299,23 +277,6 @@ fn invoke(
 ) -> CniOutput {
     let env = CniEnv::new(command, id, pod);
     node.run(|| cni(shim, &env, netconf))
-}
-
-fn judge(command: &str, out: &CniOutput) -> Result<(), String> {
-    if !out.success() {
-        return Err(format!("{out}"));
-    }
-    if command == "ADD" {
-        let has_ip = out
-            .json
-            .as_ref()
-            .and_then(|j| j["ips"][0]["address"].as_str())
-            .is_some();
-        if !has_ip {
-            return Err(format!("no address in the result: {out}"));
-        }
-    }
-    Ok(())
 }
 
 // ---------------------------------------------------------------------------
@@ -537,16 +498,6 @@ fn verify_clean(sides: &[Side], pods: Vec<Netns>, f: &mut Failures) {
     }
     drop(pods);
     std::thread::sleep(Duration::from_secs(1));
-}
-
-fn poll_until<T>(deadline: Instant, mut read: impl FnMut() -> T, done: impl Fn(&T) -> bool) -> T {
-    loop {
-        let value = read();
-        if done(&value) || Instant::now() >= deadline {
-            return value;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 // ---------------------------------------------------------------------------
@@ -919,86 +870,6 @@ fn ratio(a: Option<i64>, b: Option<i64>) -> String {
     }
 }
 
-/// What the machine is, for the record.
-struct Machine {
-    nproc: usize,
-    kernel: String,
-    cpu: String,
-    date: String,
-    etcd_version: String,
-    iproute2: String,
-    tether_version: String,
-    load_before: String,
-}
-
-impl Machine {
-    fn probe() -> Machine {
-        let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
-        let run = |cmd: &str, args: &[&str]| {
-            Command::new(cmd)
-                .args(args)
-                .output()
-                .ok()
-                .filter(|o| o.status.success())
-                .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-                .unwrap_or_else(|| "unknown".to_owned())
-        };
-        let cpu = read("/proc/cpuinfo")
-            .lines()
-            .find(|l| l.starts_with("model name"))
-            .and_then(|l| l.split_once(':'))
-            .map(|(_, v)| v.trim().to_owned())
-            .unwrap_or_else(|| "unknown".to_owned());
-        let ws = workspace_dir().display().to_string();
-        let rev = run("git", &["-C", &ws, "rev-parse", "--short", "HEAD"]);
-        // The report file itself is rewritten by every run: not a change to
-        // what was measured.
-        let dirty = !run(
-            "git",
-            &[
-                "-C",
-                &ws,
-                "status",
-                "--porcelain",
-                "--",
-                ".",
-                ":!BENCHMARKS.md",
-            ],
-        )
-        .is_empty();
-        Machine {
-            nproc: std::thread::available_parallelism().map_or(0, |n| n.get()),
-            kernel: read("/proc/sys/kernel/osrelease").trim().to_owned(),
-            cpu,
-            date: run("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
-            etcd_version: run("dpkg-query", &["-W", "-f", "${Version}", "etcd-server"]),
-            iproute2: run("ip", &["-V"]),
-            tether_version: format!(
-                "{} (git {rev}{})",
-                env!("CARGO_PKG_VERSION"),
-                if dirty { ", uncommitted changes" } else { "" }
-            ),
-            load_before: loadavg(),
-        }
-    }
-
-    fn one_line(&self) -> String {
-        format!(
-            "{} × {}, kernel {}, load {}",
-            self.nproc, self.cpu, self.kernel, self.load_before
-        )
-    }
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
 fn report(
     m: &Machine,
     args: &Args,
@@ -1021,7 +892,9 @@ fn report(
     let _ = writeln!(
         r,
         "- Software: tether {} (`--release`); Debian etcd-server {}; {}.",
-        m.tether_version, m.etcd_version, m.iproute2
+        m.tether_version,
+        stdout_of("dpkg-query", &["-W", "-f", "${Version}", "etcd-server"]),
+        stdout_of("ip", &["-V"])
     );
     let _ = writeln!(
         r,
@@ -1288,28 +1161,6 @@ fn report(
         }
     }
     r
-}
-
-fn first_lines(s: &str, n: usize) -> String {
-    s.lines().take(n).collect::<Vec<_>>().join("\n")
-}
-
-/// Replaces this bench's section of `path` (between its markers), or
-/// appends one; `bench`'s section is left as it is.
-fn write_section(path: &Path, report: &str) -> std::io::Result<()> {
-    let old = match std::fs::read_to_string(path) {
-        Ok(s) => s,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::from("# Benchmarks\n"),
-        Err(e) => return Err(e),
-    };
-    let section = format!("{BEGIN}\n{}\n{END}", report.trim_end());
-    let new = match (old.find(BEGIN), old.find(END)) {
-        (Some(a), Some(b)) if a < b => format!("{}{section}{}", &old[..a], &old[b + END.len()..]),
-        _ => format!("{}\n\n{section}\n", old.trim_end()),
-    };
-    let tmp = path.with_extension("md.cluster.tmp");
-    std::fs::write(&tmp, new)?;
-    std::fs::rename(&tmp, path)
 }
 
 #[cfg(test)]

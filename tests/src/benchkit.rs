@@ -1,0 +1,205 @@
+//! What the benchmarks (`src/bin/bench.rs`, `src/bin/bench_cluster.rs`)
+//! share: the machine's description, building the release binaries, and
+//! writing a generated section of BENCHMARKS.md.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use crate::{workspace_dir, CniOutput};
+
+/// What the machine is, for the record.
+pub struct Machine {
+    /// CPUs available to this process.
+    pub nproc: usize,
+    /// The kernel release.
+    pub kernel: String,
+    /// The CPU model.
+    pub cpu: String,
+    /// When the run started, `YYYY-MM-DD HH:MM UTC`.
+    pub date: String,
+    /// tether's version and git revision, marked when the tree has
+    /// uncommitted changes (BENCHMARKS.md itself aside).
+    pub tether_version: String,
+    /// The load average before the run.
+    pub load_before: String,
+}
+
+impl Machine {
+    /// Reads the machine now.
+    pub fn probe() -> Machine {
+        let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+        let cpu = read("/proc/cpuinfo")
+            .lines()
+            .find(|l| l.starts_with("model name"))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_owned())
+            .unwrap_or_else(|| "unknown".to_owned());
+        let ws = workspace_dir().display().to_string();
+        let rev = stdout_of("git", &["-C", &ws, "rev-parse", "--short", "HEAD"]);
+        // The report file itself is rewritten by every run: not a change to
+        // what was measured.
+        let status = [
+            "-C",
+            &ws,
+            "status",
+            "--porcelain",
+            "--",
+            ".",
+            ":!BENCHMARKS.md",
+        ];
+        let dirty = !stdout_of("git", &status).is_empty();
+        Machine {
+            nproc: std::thread::available_parallelism().map_or(0, |n| n.get()),
+            kernel: read("/proc/sys/kernel/osrelease").trim().to_owned(),
+            cpu,
+            date: stdout_of("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
+            tether_version: format!(
+                "{} (git {rev}{})",
+                env!("CARGO_PKG_VERSION"),
+                if dirty { ", uncommitted changes" } else { "" }
+            ),
+            load_before: loadavg(),
+        }
+    }
+
+    /// CPUs, model, kernel and load on one line, for the progress log.
+    pub fn one_line(&self) -> String {
+        format!(
+            "{} × {}, kernel {}, load {}",
+            self.nproc, self.cpu, self.kernel, self.load_before
+        )
+    }
+}
+
+/// The trimmed stdout of a command that succeeded, else "unknown" (for
+/// version strings in a report).
+pub fn stdout_of(cmd: &str, args: &[&str]) -> String {
+    Command::new(cmd)
+        .args(args)
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_else(|| "unknown".to_owned())
+}
+
+/// The 1, 5 and 15 minute load averages.
+pub fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The first `n` lines of `s`.
+pub fn first_lines(s: &str, n: usize) -> String {
+    s.lines().take(n).collect::<Vec<_>>().join("\n")
+}
+
+/// A caught panic's message.
+pub fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+        .unwrap_or_else(|| "panic".to_owned())
+}
+
+/// Builds the release shim and daemon, one package per build as `make
+/// release` does: built together, the shim would pick up the daemon's
+/// features through feature unification. `who` prefixes the progress log.
+pub fn build_release(who: &str) -> Result<(), String> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    for package in ["tether-cni-shim", "tether-node-server"] {
+        eprintln!("{who}: cargo build --release -p {package}");
+        let status = Command::new(&cargo)
+            .args(["build", "--release", "-p", package])
+            .current_dir(workspace_dir())
+            .status()
+            .map_err(|e| format!("running cargo: {e}"))?;
+        if !status.success() {
+            return Err(format!(
+                "cargo build --release -p {package} failed ({status})"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Whether a plugin call did its job: success, and for ADD an address in
+/// the result. The error says what was wrong, for the report.
+pub fn judge(command: &str, out: &CniOutput) -> Result<(), String> {
+    if !out.success() {
+        return Err(format!("{out}"));
+    }
+    if command == "ADD" {
+        let has_ip = out
+            .json
+            .as_ref()
+            .and_then(|j| j["ips"][0]["address"].as_str())
+            .is_some();
+        if !has_ip {
+            return Err(format!("no address in the result: {out}"));
+        }
+    }
+    Ok(())
+}
+
+/// Reads until `done` or the deadline, every 50 ms; the last value read.
+pub fn poll_until<T>(
+    deadline: Instant,
+    mut read: impl FnMut() -> T,
+    done: impl Fn(&T) -> bool,
+) -> T {
+    loop {
+        let value = read();
+        if done(&value) || Instant::now() >= deadline {
+            return value;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Replaces the section of `path` between the markers `begin` and `end`
+/// with `report`, or appends one; the rest of the file is left as it is.
+/// Written to a temporary file and renamed into place.
+pub fn write_section(path: &Path, begin: &str, end: &str, report: &str) -> std::io::Result<()> {
+    let old = match std::fs::read_to_string(path) {
+        Ok(s) => s,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::from("# Benchmarks\n"),
+        Err(e) => return Err(e),
+    };
+    let section = format!("{begin}\n{}\n{end}", report.trim_end());
+    let new = match (old.find(begin), old.find(end)) {
+        (Some(a), Some(b)) if a < b => format!("{}{section}{}", &old[..a], &old[b + end.len()..]),
+        _ => format!("{}\n\n{section}\n", old.trim_end()),
+    };
+    let tmp = path.with_extension("md.tmp");
+    std::fs::write(&tmp, new)?;
+    std::fs::rename(&tmp, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_section_is_replaced_in_place_and_others_are_kept() {
+        let dir = crate::TempDir::new("bk");
+        let path = dir.path().join("B.md");
+        std::fs::write(&path, "# B\n\nintro\n").unwrap_or_else(|e| panic!("{e}"));
+        write_section(&path, "<!-- a:begin -->", "<!-- a:end -->", "one")
+            .unwrap_or_else(|e| panic!("{e}"));
+        write_section(&path, "<!-- b:begin -->", "<!-- b:end -->", "two")
+            .unwrap_or_else(|e| panic!("{e}"));
+        write_section(&path, "<!-- a:begin -->", "<!-- a:end -->", "three")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            text,
+            "# B\n\nintro\n\n<!-- a:begin -->\nthree\n<!-- a:end -->\n\n<!-- b:begin -->\ntwo\n<!-- b:end -->\n"
+        );
+    }
+}
