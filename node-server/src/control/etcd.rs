@@ -68,7 +68,10 @@ impl EtcdStore {
         let mut connect = ConnectOptions::new()
             .with_connect_timeout(opts.timeout)
             .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
-            .with_keep_alive_while_idle(true);
+            .with_keep_alive_while_idle(true)
+            // A member cut off from the others answers "no leader" instead
+            // of serving a watch that will never see another event.
+            .with_require_leader(true);
         let tls = opts.endpoints.iter().any(|e| e.starts_with("https://"));
         if tls || opts.ca.is_some() || opts.cert.is_some() {
             let mut t = TlsOptions::new();
