@@ -222,6 +222,10 @@ fn hostname() -> String {
 }
 
 async fn run(args: Args) -> tetherd::error::Result<()> {
+    // Signal handlers first: a SIGTERM that arrives while the daemon starts
+    // (the socket already accepts before the server loop runs) must stop it
+    // cleanly, not kill it by the default action.
+    let stop = stop_on_signal();
     let config = NodeConfig {
         name: args.node_name.clone().unwrap_or_else(hostname),
         pod_cidrs: args.pod_cidrs.clone(),
@@ -241,7 +245,14 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
             .map_err(|e| tetherd::error::Error::Internal(e.to_string()))??
             .into_arc()
     };
-    let cluster = join_cluster(&args).await?;
+    // Joining can wait a long time for etcd; a signal ends the wait.
+    let cluster = tokio::select! {
+        joined = join_cluster(&args) => joined?,
+        () = stopped(&stop) => {
+            tracing::info!("stopped before joining the cluster");
+            return Ok(());
+        }
+    };
     let (node, reconciled) = Node::open(config, store, cluster).await?;
     tracing::info!(?reconciled, "reconciled the kernel against the store");
     let node = Arc::new(node);
@@ -273,7 +284,7 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
         socket: args.socket.clone(),
         allowed_uids: args.allowed_uids.clone(),
     };
-    let served = server::serve(node.clone(), stats, listener, &opts, shutdown_signal()).await;
+    let served = server::serve(node.clone(), stats, listener, &opts, stopped(&stop)).await;
     drainer.abort();
     node.quiesce(Duration::from_secs(5)).await;
     if let Err(e) = std::fs::remove_file(&args.socket) {
@@ -345,8 +356,11 @@ async fn join_cluster(args: &Args) -> tetherd::error::Result<Option<Arc<Cluster>
     Ok(Some(Cluster::join(store, config).await?))
 }
 
-async fn shutdown_signal() {
+/// Installs the SIGTERM and SIGINT handlers now; the receiver turns true
+/// when one arrives.
+fn stop_on_signal() -> tokio::sync::watch::Receiver<bool> {
     use tokio::signal::unix::{signal, SignalKind};
+    let (tx, rx) = tokio::sync::watch::channel(false);
     let (Ok(mut term), Ok(mut int)) = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
@@ -354,10 +368,23 @@ async fn shutdown_signal() {
         // Without signal handlers, only kill -9 stops the daemon; that is
         // safe (state is durable) but worth a line in the log.
         tracing::warn!("cannot install signal handlers");
-        return futures::future::pending().await;
+        return rx;
     };
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+            _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+        }
+        let _ = tx.send(true);
+    });
+    rx
+}
+
+/// Resolves once a stop signal has arrived (at once if it already has).
+async fn stopped(stop: &tokio::sync::watch::Receiver<bool>) {
+    let mut stop = stop.clone();
+    if stop.wait_for(|s| *s).await.is_err() {
+        // The handlers could not be installed: never.
+        futures::future::pending::<()>().await;
     }
 }

@@ -151,6 +151,23 @@ pub fn cni(bin: &Path, env: &CniEnv, stdin: &[u8]) -> CniOutput {
     cni_with_timeout(bin, env, stdin, CNI_TIMEOUT)
 }
 
+/// Spawns `cmd`, retrying for up to a second while exec says ETXTBSY. A
+/// plugin file a test has just written can still be open for writing in a
+/// child that another test thread forked at that moment (the descriptor is
+/// close-on-exec, but open until that child execs); it goes at once.
+fn spawn_retrying_busy(cmd: &mut Command) -> std::io::Result<std::process::Child> {
+    let mut tries = 0;
+    loop {
+        match cmd.spawn() {
+            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) && tries < 100 => {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
+}
+
 /// [`cni()`] with a timeout of your choice.
 pub fn cni_with_timeout(bin: &Path, env: &CniEnv, stdin: &[u8], timeout: Duration) -> CniOutput {
     let mut cmd = Command::new(bin);
@@ -164,8 +181,7 @@ pub fn cni_with_timeout(bin: &Path, env: &CniEnv, stdin: &[u8], timeout: Duratio
     env.apply(&mut cmd);
 
     let start = Instant::now();
-    let mut child = cmd
-        .spawn()
+    let mut child = spawn_retrying_busy(&mut cmd)
         .unwrap_or_else(|e| panic!("spawning CNI plugin {}: {e}", bin.display()));
     if let Some(mut pipe) = child.stdin.take() {
         // A plugin may exit without reading its stdin (VERSION, a bad env):

@@ -705,3 +705,67 @@ fn etcd_with_mutual_tls() {
     drop(daemon);
     drop(etcd);
 }
+
+/// A daemon waiting for an etcd that does not answer has not served yet;
+/// SIGTERM still stops it cleanly (exit 0), and it says where it was.
+#[test]
+fn sigterm_while_waiting_for_etcd_exits_cleanly() {
+    require_root();
+    let ns = Netns::new("node");
+    ns.exec_ok(&["ip", "link", "set", "lo", "up"]);
+    let dir = tether_e2e::TempDir::new("wait");
+    let log_path = dir.path().join("tetherd.log");
+    let log = std::fs::File::create(&log_path).unwrap_or_else(|e| panic!("{e}"));
+    let socket = dir.path().join("s.sock").display().to_string();
+    let state = dir.path().display().to_string();
+    let bin = tether_e2e::tetherd_bin().display().to_string();
+    // Port 1 of the netns's own loopback: refused at once, nothing leaves.
+    let args = [
+        "netns",
+        "exec",
+        ns.name(),
+        &bin,
+        "--node-name",
+        "w",
+        "--socket",
+        &socket,
+        "--state-dir",
+        &state,
+        "--store",
+        "etcd",
+        "--etcd-endpoints",
+        "http://127.0.0.1:1",
+        "--cluster-cidr",
+        "10.244.0.0/24",
+        "--node-ip",
+        "192.0.2.1",
+    ];
+    let mut child = Reaped(
+        std::process::Command::new("ip")
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning tetherd: {e}")),
+    );
+    let read_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    assert!(
+        wait_until(CONVERGE, || read_log().contains("retrying registration")),
+        "{}",
+        read_log()
+    );
+    assert!(
+        !std::path::Path::new(&socket).exists(),
+        "served without etcd"
+    );
+    // SAFETY: kill(2) on the PID of our own unreaped child (`ip netns exec`
+    // execs tetherd, so it is tetherd's).
+    unsafe { libc::kill(child.0.id() as libc::pid_t, libc::SIGTERM) };
+    let status = child.0.wait().unwrap_or_else(|e| panic!("{e}"));
+    assert!(status.success(), "{status}: {}", read_log());
+    assert!(
+        read_log().contains("stopped before joining the cluster"),
+        "{}",
+        read_log()
+    );
+}
