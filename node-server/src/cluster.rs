@@ -1170,6 +1170,19 @@ mod tests {
         }
     }
 
+    /// An embedded control plane in a temp dir (kept alive by the guard).
+    fn embedded() -> (tempfile::TempDir, Arc<dyn ControlStore>) {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let store = EmbeddedStore::open(dir.path()).unwrap_or_else(|e| panic!("{e}"));
+        (dir, Arc::new(store))
+    }
+
+    async fn join(store: &Arc<dyn ControlStore>, config: ClusterConfig) -> Arc<Cluster> {
+        Cluster::join(store.clone(), config)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
     #[test]
     fn block_arithmetic() {
         let cidr: IpNet = "10.244.0.0/16".parse().unwrap_or_else(|e| panic!("{e}"));
@@ -1203,15 +1216,9 @@ mod tests {
 
     #[tokio::test]
     async fn ids_and_blocks_are_unique_and_survive_a_restart() {
-        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-        let store: Arc<dyn ControlStore> =
-            Arc::new(EmbeddedStore::open(dir.path()).unwrap_or_else(|e| panic!("{e}")));
-        let a = Cluster::join(store.clone(), config("a"))
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        let b = Cluster::join(store.clone(), config("b"))
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
+        let (_dir, store) = embedded();
+        let a = join(&store, config("a")).await;
+        let b = join(&store, config("b")).await;
         assert_eq!((a.me().id, b.me().id), (1, 2));
         // Two nodes claim concurrently until the /24 (four /26) is gone.
         let claim = |c: Arc<Cluster>| async move {
@@ -1235,9 +1242,7 @@ mod tests {
         assert_eq!(ga.len() + gb.len(), 4, "no block handed out twice");
         assert!(ma.contains("10.244.0.0/24"), "{ma}");
         // The same name gets the same ID again.
-        let a2 = Cluster::join(store.clone(), config("a"))
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
+        let a2 = join(&store, config("a")).await;
         assert_eq!(a2.me().id, 1);
         assert_eq!(a2.view().blocks_of("a"), {
             let mut v = ga.clone();
@@ -1248,12 +1253,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_claim_whose_answer_was_lost_is_adopted_not_repeated() {
-        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-        let store: Arc<dyn ControlStore> =
-            Arc::new(EmbeddedStore::open(dir.path()).unwrap_or_else(|e| panic!("{e}")));
-        let a = Cluster::join(store.clone(), config("a"))
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
+        let (_dir, store) = embedded();
+        let a = join(&store, config("a")).await;
         // The block key exists for us, but this process never heard back.
         let lost: IpNet = "10.244.0.192/26".parse().unwrap_or_else(|e| panic!("{e}"));
         let record = BlockRecord {
@@ -1288,20 +1289,14 @@ mod tests {
 
     #[tokio::test]
     async fn routes_follow_the_view() {
-        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-        let store: Arc<dyn ControlStore> =
-            Arc::new(EmbeddedStore::open(dir.path()).unwrap_or_else(|e| panic!("{e}")));
-        let a = Cluster::join(store.clone(), config("a"))
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
+        let (_dir, store) = embedded();
+        let a = join(&store, config("a")).await;
         let mut cb = config("b");
         cb.node_ips = vec![
             "192.0.2.2".parse().unwrap_or_else(|e| panic!("{e}")),
             "2001:db8::2".parse().unwrap_or_else(|e| panic!("{e}")),
         ];
-        let b = Cluster::join(store.clone(), cb)
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
+        let b = join(&store, cb).await;
         let b4 = b.claim(Family::V4).await.unwrap_or_else(|e| panic!("{e}"));
         let b6 = b.claim(Family::V6).await.unwrap_or_else(|e| panic!("{e}"));
         let a4 = a.claim(Family::V4).await.unwrap_or_else(|e| panic!("{e}"));

@@ -63,6 +63,18 @@ impl Machine {
         }
     }
 
+    /// The report's machine line; the load is read again now, for "after".
+    pub fn report_line(&self) -> String {
+        format!(
+            "- Machine: {} CPUs ({}), kernel {}, load average {} before and {} after.",
+            self.nproc,
+            self.cpu,
+            self.kernel,
+            self.load_before,
+            loadavg()
+        )
+    }
+
     /// CPUs, model, kernel and load on one line, for the progress log.
     pub fn one_line(&self) -> String {
         format!(

@@ -12,12 +12,11 @@
 use std::future::Future;
 use std::net::IpAddr;
 use std::path::Path;
-use std::process::Command;
 
 use nix::sched::{setns, unshare, CloneFlags};
 use serde_json::Value;
 
-use super::super::tests::{is_root, netns_inode, new_netns, require_root, run_in, Netns};
+use super::super::tests::{is_root, netns_inode, new_netns, pings, require_root, run_in, Netns};
 use super::super::{host_ifname, pod_mac, PodWiring};
 use super::*;
 
@@ -393,16 +392,6 @@ fn ip_json(ns: &str, args: &[&str]) -> Vec<Value> {
     let mut full = vec!["ip", "-j"];
     full.extend_from_slice(args);
     json_in(ns, &full)
-}
-
-fn pings(ns: &str, target: &str) -> bool {
-    let family = if target.contains(':') { "-6" } else { "-4" };
-    Command::new("nsenter")
-        .arg(format!("--net={ns}"))
-        .args(["busybox", "ping", family, "-c1", "-W2", target])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false)
 }
 
 fn strings(v: &Value) -> Vec<String> {

@@ -197,7 +197,7 @@ fn ip_json(ns: &str, args: &[&str]) -> Vec<Value> {
     }
 }
 
-fn pings(ns: &str, target: &str) -> bool {
+pub(super) fn pings(ns: &str, target: &str) -> bool {
     let family = if target.contains(':') { "-6" } else { "-4" };
     Command::new("nsenter")
         .arg(format!("--net={ns}"))

@@ -20,8 +20,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tether_e2e::benchkit::{
-    build_release, first_lines, judge, loadavg, panic_text, poll_until, stdout_of, write_section,
-    Machine,
+    build_release, first_lines, judge, panic_text, poll_until, stdout_of, write_section, Machine,
 };
 use tether_e2e::reference::{bridge_netconf, host_local_leases, ptp_netconf};
 use tether_e2e::{
@@ -672,15 +671,7 @@ fn report(
     let failures: usize = subjects.iter().map(|s| s.failures).sum::<usize>() + setup_failures.len();
     let mut r = String::new();
     let _ = writeln!(r, "## Latest run: {}\n", m.date);
-    let _ = writeln!(
-        r,
-        "- Machine: {} CPUs ({}), kernel {}, load average {} before and {} after.",
-        m.nproc,
-        m.cpu,
-        m.kernel,
-        m.load_before,
-        loadavg()
-    );
+    let _ = writeln!(r, "{}", m.report_line());
     let _ = writeln!(
         r,
         "- Plugins: tether {}; Debian containernetworking-plugins {} (`/usr/lib/cni`).",

@@ -44,8 +44,7 @@ use std::time::{Duration, Instant};
 use ipnet::IpNet;
 use tether_e2e::admin;
 use tether_e2e::benchkit::{
-    build_release, first_lines, judge, loadavg, panic_text, poll_until, stdout_of, write_section,
-    Machine,
+    build_release, first_lines, judge, panic_text, poll_until, stdout_of, write_section, Machine,
 };
 use tether_e2e::cluster::{Cluster, ClusterOpts, NodeOpts, Overlay, CLUSTER_ROUTE_PROTOCOL};
 use tether_e2e::{
@@ -880,15 +879,7 @@ fn report(
 ) -> String {
     let mut r = String::new();
     let _ = writeln!(r, "## Cluster mode: latest run: {}\n", m.date);
-    let _ = writeln!(
-        r,
-        "- Machine: {} CPUs ({}), kernel {}, load average {} before and {} after.",
-        m.nproc,
-        m.cpu,
-        m.kernel,
-        m.load_before,
-        loadavg()
-    );
+    let _ = writeln!(r, "{}", m.report_line());
     let _ = writeln!(
         r,
         "- Software: tether {} (`--release`); Debian etcd-server {}; {}.",
