@@ -1,13 +1,17 @@
-//! The `tether.admin.v1.Admin` gRPC service: read-only views for operators,
-//! meant to be used with grpcurl.
+//! The `tether.admin.v1.Admin` gRPC service for operators, meant to be used
+//! with grpcurl: read-only views of the node, its attachments and the
+//! cluster, and the VM address calls (cutover, release, reservation).
 
+use crate::error::Error;
 use crate::node::Node;
 use crate::pending_del;
 use crate::service::{verb_name, Stats, VERBS};
 use crate::store::Attachment;
+use crate::vm::{now_nanos, Trigger, VmAttachment, VmKey, VmRecord};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Instant;
 use tether_proto::admin::v1 as pb;
 use tether_proto::admin::v1::admin_server;
 use tonic::{Request, Response, Status};
@@ -57,6 +61,65 @@ fn to_pb(a: &Attachment) -> pb::Attachment {
         created: rfc3339(a.created_unix_nanos),
         pod_namespace: a.pod_namespace.clone().unwrap_or_default(),
         pod_name: a.pod_name.clone().unwrap_or_default(),
+    }
+}
+
+fn to_status(e: Error) -> Status {
+    let text = format!("{e} (code {})", e.code());
+    match e {
+        Error::UnknownVm(_) => Status::not_found(text),
+        Error::VmState(_) => Status::failed_precondition(text),
+        Error::AddressInUse(_) => Status::already_exists(text),
+        Error::AddressNotInPool(_) | Error::InvalidConfig(_) => Status::invalid_argument(text),
+        Error::TryAgain(_) | Error::Store(_) => Status::unavailable(text),
+        _ => Status::internal(text),
+    }
+}
+
+fn vm_key(r: Option<pb::VmRef>) -> Result<VmKey, Status> {
+    let r = r.ok_or_else(|| Status::invalid_argument("vm is required"))?;
+    let interface = if r.interface.is_empty() {
+        "eth0"
+    } else {
+        r.interface.as_str()
+    };
+    VmKey::new(&r.namespace, &r.vm, interface).map_err(to_status)
+}
+
+fn pod_pb(a: &VmAttachment) -> pb::VmPod {
+    pb::VmPod {
+        node: a.node.clone(),
+        network: a.network.clone(),
+        container_id: a.container_id.clone(),
+        ifname: a.ifname.clone(),
+        pod_name: a.pod_name.clone().unwrap_or_default(),
+        pod_uid: a.pod_uid.clone().unwrap_or_default(),
+        since: rfc3339(u128::from(a.since_unix_ms) * 1_000_000),
+    }
+}
+
+fn vm_pb(r: &VmRecord) -> pb::Vm {
+    pb::Vm {
+        namespace: r.key.namespace.clone(),
+        vm: r.key.vm.clone(),
+        interface: r.key.interface.clone(),
+        ips: r
+            .ips
+            .iter()
+            .map(|ip| format!("{ip}/{}", if ip.is_ipv4() { 32 } else { 128 }))
+            .collect(),
+        mac: r.mac.clone(),
+        origin: r.origin.name().into(),
+        active: r.active.as_ref().map(pod_pb),
+        alternate: r.alternate.as_ref().map(pod_pb),
+        generation: r.generation,
+        created: rfc3339(u128::from(r.created_unix_ms) * 1_000_000),
+        last_cutover: r.last_cutover.as_ref().map(|c| pb::VmCutover {
+            trigger: c.trigger.name().into(),
+            from_node: c.from_node.clone().unwrap_or_default(),
+            to_node: c.to_node.clone(),
+            seen_unix_nanos: c.seen_unix_nanos,
+        }),
     }
 }
 
@@ -244,7 +307,25 @@ impl admin_server::Admin for AdminService {
                 (n, last.as_secs_f64() * 1000.0)
             })
             .unwrap_or((0, 0.0));
+        let vm = self.node.vm_stats();
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
         Ok(Response::new(pb::StatsResponse {
+            vm_cutovers: vm.cutovers,
+            last_cutover: vm.last_cutover.map(|c| pb::CutoverStats {
+                vm: c.vm.to_string(),
+                trigger: c.trigger.name().into(),
+                generation: c.generation,
+                seen_unix_nanos: c.seen_unix_nanos,
+                local_route_ms: c.local_route.map_or(0.0, ms),
+                committed_ms: ms(c.committed),
+            }),
+            vm_route_updates: vm.route_updates,
+            last_vm_route_update: vm.last_route_update.map(|u| pb::VmRouteStats {
+                vm: u.vm.to_string(),
+                generation: u.generation,
+                done_unix_nanos: u.done_unix_nanos,
+                since_trigger_ms: u.since_trigger.map_or(0.0, ms),
+            }),
             pending_del_queue: pending_del::queue_len(&self.node.config().state_dir),
             verbs,
             uptime_seconds: self.stats.started.elapsed().as_secs(),
@@ -253,6 +334,77 @@ impl admin_server::Admin for AdminService {
             block_claims,
             last_block_claim_ms,
         }))
+    }
+
+    async fn list_vms(
+        &self,
+        _: Request<pb::ListVmsRequest>,
+    ) -> Result<Response<pb::ListVmsResponse>, Status> {
+        let vms = self
+            .node
+            .vms()
+            .view()
+            .records
+            .values()
+            .map(|(r, _)| vm_pb(r))
+            .collect();
+        Ok(Response::new(pb::ListVmsResponse { vms }))
+    }
+
+    async fn get_vm(&self, r: Request<pb::VmRef>) -> Result<Response<pb::Vm>, Status> {
+        let key = vm_key(Some(r.into_inner()))?;
+        match self.node.vms().read(&key).await.map_err(to_status)? {
+            Some((rec, _)) => Ok(Response::new(vm_pb(&rec))),
+            None => Err(to_status(Error::UnknownVm(key.to_string()))),
+        }
+    }
+
+    async fn cutover(&self, r: Request<pb::VmRef>) -> Result<Response<pb::Vm>, Status> {
+        let key = vm_key(Some(r.into_inner()))?;
+        let seen = (Instant::now(), now_nanos());
+        let rec = self
+            .node
+            .cutover(&key, None, Trigger::Admin, seen)
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(vm_pb(&rec)))
+    }
+
+    async fn release_vm(
+        &self,
+        r: Request<pb::ReleaseVmRequest>,
+    ) -> Result<Response<pb::Vm>, Status> {
+        let q = r.into_inner();
+        let key = vm_key(q.vm)?;
+        let rec = self
+            .node
+            .release_vm(&key, q.force)
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(vm_pb(&rec)))
+    }
+
+    async fn reserve_vm_address(
+        &self,
+        r: Request<pb::ReserveVmAddressRequest>,
+    ) -> Result<Response<pb::Vm>, Status> {
+        let q = r.into_inner();
+        let key = vm_key(q.vm)?;
+        let mut ips = Vec::with_capacity(q.ips.len());
+        for s in &q.ips {
+            let ip = s
+                .parse::<std::net::IpAddr>()
+                .or_else(|_| s.parse::<ipnet::IpNet>().map(|n| n.addr()))
+                .map_err(|_| Status::invalid_argument(format!("{s:?} is not an IP address")))?;
+            ips.push(ip);
+        }
+        let mac = (!q.mac.is_empty()).then_some(q.mac);
+        let rec = self
+            .node
+            .reserve_vm(key, ips, mac)
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(vm_pb(&rec)))
     }
 }
 

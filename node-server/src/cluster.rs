@@ -277,8 +277,20 @@ fn parse_mac(s: &str) -> Option<[u8; 6]> {
     parts.next().is_none().then_some(out)
 }
 
-/// Applies one listing or event to a view.
-fn apply(view: &mut ClusterView, keys: &Keys, event: &Event) {
+/// Applies one listing or event to a view. Returns false for keys the view
+/// does not follow (VM records have their own watch), so that their
+/// changes do not wake the route manager.
+fn apply(view: &mut ClusterView, keys: &Keys, event: &Event) -> bool {
+    let key = match event {
+        Event::Put(kv) => &kv.key,
+        Event::Delete { key, .. } => key,
+    };
+    if !matches!(
+        keys.kind(key),
+        Some(KeyKind::Node(_) | KeyKind::Alive(_) | KeyKind::Block)
+    ) {
+        return false;
+    }
     match event {
         Event::Put(kv) => put_kv(view, keys, kv),
         Event::Delete { key, mod_revision } => {
@@ -295,6 +307,7 @@ fn apply(view: &mut ClusterView, keys: &Keys, event: &Event) {
             }
         }
     }
+    true
 }
 
 fn put_kv(view: &mut ClusterView, keys: &Keys, kv: &Kv) {
@@ -500,10 +513,12 @@ impl Cluster {
                         match message {
                             WatchMessage::Events(events) => {
                                 backoff = Duration::from_millis(100);
-                                self.view.send_modify(|v| {
+                                self.view.send_if_modified(|v| {
+                                    let mut changed = false;
                                     for e in &events {
-                                        apply(v, &self.keys, e);
+                                        changed |= apply(v, &self.keys, e);
                                     }
+                                    changed
                                 });
                             }
                             WatchMessage::Broken(why) => {
@@ -833,6 +848,48 @@ impl Cluster {
         }
     }
 
+    /// The node holding the block that contains `ip`, if any.
+    pub fn block_holder<'v>(&self, view: &'v ClusterView, ip: IpAddr) -> Option<&'v str> {
+        view.blocks
+            .values()
+            .find(|(b, _)| b.cidr.contains(&ip))
+            .map(|(b, _)| b.node.as_str())
+    }
+
+    /// How this node reaches addresses of `family` on node `name`: the
+    /// next hop, and the device for an onlink route (vxlan mode). None for
+    /// this node itself, an unknown node, or one without a usable address.
+    pub fn next_hop(
+        &self,
+        view: &ClusterView,
+        name: &str,
+        family: Family,
+    ) -> Option<(IpAddr, Option<String>)> {
+        let me = self.me();
+        if name == me.name {
+            return None;
+        }
+        let (node, _) = view.nodes.get(name)?;
+        match self.config.overlay {
+            Overlay::HostGw => node
+                .node_ips
+                .iter()
+                .copied()
+                .find(|ip| (family == Family::V4) == ip.is_ipv4())
+                .map(|via| (via, None)),
+            Overlay::Vxlan { .. } => {
+                node.vtep_mac.as_deref().and_then(parse_mac)?;
+                vtep_underlay(&node.node_ips, &me.node_ips)?;
+                let (gw4, gw6) = vxlan_gateways(node.id);
+                let via = match family {
+                    Family::V4 => IpAddr::V4(gw4),
+                    Family::V6 => IpAddr::V6(gw6),
+                };
+                Some((via, Some(VXLAN_IFNAME.to_owned())))
+            }
+        }
+    }
+
     /// The routes this node needs to reach every other node's blocks.
     pub fn desired_routes(&self, view: &ClusterView) -> (Vec<ClusterRoute>, Vec<VxlanPeer>) {
         let me = self.me();
@@ -842,44 +899,21 @@ impl Cluster {
             if *name == me.name {
                 continue;
             }
-            let blocks = view.blocks_of(name);
-            match self.config.overlay {
-                Overlay::HostGw => {
-                    for b in blocks {
-                        let via = node.node_ips.iter().copied().find(|ip| {
-                            matches!(
-                                (ip, b),
-                                (IpAddr::V4(_), IpNet::V4(_)) | (IpAddr::V6(_), IpNet::V6(_))
-                            )
-                        });
-                        if let Some(via) = via {
-                            routes.push(ClusterRoute {
-                                dst: b,
-                                via,
-                                onlink_dev: None,
-                            });
-                        }
-                    }
+            for b in view.blocks_of(name) {
+                if let Some((via, onlink_dev)) = self.next_hop(view, name, Family::of(&b)) {
+                    routes.push(ClusterRoute {
+                        dst: b,
+                        via,
+                        onlink_dev,
+                    });
                 }
-                Overlay::Vxlan { .. } => {
-                    let (Some(mac), Some(&underlay)) = (
-                        node.vtep_mac.as_deref().and_then(parse_mac),
-                        vtep_underlay(&node.node_ips, &me.node_ips),
-                    ) else {
-                        continue;
-                    };
+            }
+            if let Overlay::Vxlan { .. } = self.config.overlay {
+                if let (Some(mac), Some(&underlay)) = (
+                    node.vtep_mac.as_deref().and_then(parse_mac),
+                    vtep_underlay(&node.node_ips, &me.node_ips),
+                ) {
                     let (gw4, gw6) = vxlan_gateways(node.id);
-                    for b in blocks {
-                        let via = match b {
-                            IpNet::V4(_) => IpAddr::V4(gw4),
-                            IpNet::V6(_) => IpAddr::V6(gw6),
-                        };
-                        routes.push(ClusterRoute {
-                            dst: b,
-                            via,
-                            onlink_dev: Some(VXLAN_IFNAME.to_owned()),
-                        });
-                    }
                     peers.push(VxlanPeer {
                         node_ip: underlay,
                         mac,

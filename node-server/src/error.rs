@@ -120,6 +120,18 @@ pub enum Error {
     /// The state store failed (104).
     #[error("state store failure: {0}")]
     Store(String),
+    /// A requested address or MAC is held by someone else; names the holder.
+    #[error("address in use: {0}")]
+    AddressInUse(String),
+    /// A requested address lies outside every pool of this node.
+    #[error("address outside the pools: {0}")]
+    AddressNotInPool(String),
+    /// No VM record of that key (admin calls).
+    #[error("no VM record {0}")]
+    UnknownVm(String),
+    /// A VM record is not in the state the call needs (admin calls).
+    #[error("VM record not ready for this: {0}")]
+    VmState(String),
     /// CHECK found a difference (110-116).
     #[error("{kind}: {detail}")]
     Check {
@@ -151,6 +163,10 @@ impl Error {
             Error::InterfaceExists(_) => 102,
             Error::AttachmentConflict(_) => 103,
             Error::Store(_) => 104,
+            Error::AddressInUse(_) => 105,
+            Error::AddressNotInPool(_) => 106,
+            Error::UnknownVm(_) => 107,
+            Error::VmState(_) => 108,
             Error::Check { kind, .. } => kind.code(),
             Error::Internal(_) => 199,
         }
@@ -173,6 +189,10 @@ impl Error {
             Error::InterfaceExists(_) => "interface already exists",
             Error::AttachmentConflict(_) => "attachment conflict",
             Error::Store(_) => "state store failure",
+            Error::AddressInUse(_) => "address in use",
+            Error::AddressNotInPool(_) => "address outside the pools",
+            Error::UnknownVm(_) => "unknown VM",
+            Error::VmState(_) => "VM record not ready",
             Error::Check { .. } => "check failed",
             Error::Internal(_) => "internal error",
         }

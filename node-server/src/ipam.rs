@@ -116,6 +116,17 @@ impl Pool {
     }
 }
 
+/// What [`Pools::take`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Take {
+    /// The address was free and is now in use.
+    Taken,
+    /// It was in use already.
+    InUse,
+    /// No pool holds it (or it is a pool's network or broadcast address).
+    NotInPool,
+}
+
 /// An address family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Family {
@@ -131,6 +142,15 @@ impl Family {
         match net {
             IpNet::V4(_) => Family::V4,
             IpNet::V6(_) => Family::V6,
+        }
+    }
+
+    /// The family of an address.
+    pub fn of_ip(ip: IpAddr) -> Family {
+        if ip.is_ipv4() {
+            Family::V4
+        } else {
+            Family::V6
         }
     }
 
@@ -250,9 +270,19 @@ impl Pools {
     /// family the first pool with room is used, so a node fills its blocks
     /// in the order it claimed them.
     pub fn allocate(&mut self) -> std::result::Result<Vec<IpAddr>, Shortage> {
-        let mut picked = Vec::with_capacity(self.families.len());
+        let families = self.families.clone();
+        self.allocate_families(&families)
+    }
+
+    /// [`Pools::allocate`] for some of the families only (the others were
+    /// requested by address).
+    pub fn allocate_families(
+        &mut self,
+        families: &[Family],
+    ) -> std::result::Result<Vec<IpAddr>, Shortage> {
+        let mut picked = Vec::with_capacity(families.len());
         let mut short = Vec::new();
-        for &family in &self.families {
+        for &family in families {
             let found = self
                 .pools
                 .iter()
@@ -292,6 +322,32 @@ impl Pools {
         } else {
             format!("no free address left in {}", full.join(", "))
         }
+    }
+
+    /// Marks one requested address in use.
+    pub fn take(&mut self, ip: IpAddr) -> Take {
+        match self.pools.iter_mut().find(|p| p.contains(ip)) {
+            None => Take::NotInPool,
+            Some(p) => {
+                if p.claim(ip) {
+                    Take::Taken
+                } else {
+                    Take::InUse
+                }
+            }
+        }
+    }
+
+    /// True when `ip` lies in a pool (whether used or not).
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        self.pools.iter().any(|p| p.contains(ip))
+    }
+
+    /// True when `ip` lies in a pool and is in use.
+    pub fn is_used(&self, ip: IpAddr) -> bool {
+        self.pools
+            .iter()
+            .any(|p| p.contains(ip) && p.used.contains(&to_u128(ip)))
     }
 
     /// Returns addresses to their pools. Unknown addresses are ignored.

@@ -20,3 +20,4 @@ pub mod pending_del;
 pub mod server;
 pub mod service;
 pub mod store;
+pub mod vm;

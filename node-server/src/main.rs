@@ -19,6 +19,7 @@ use tetherd::node::{Node, NodeConfig};
 use tetherd::server::{self, ServeOptions};
 use tetherd::service::{self, Stats};
 use tetherd::store::{Fsync, LocalStore, Store};
+use tetherd::vm::VmRegistry;
 
 /// tether's node daemon: IPAM, pod wiring and routes for the tether CNI plugin.
 ///
@@ -58,9 +59,10 @@ struct Args {
     #[arg(long, default_value_t = 122, value_parser = clap::value_parser!(u8).range(64..=126))]
     block_size_v6: u8,
 
-    /// Where the control plane (node records, blocks) lives: "embedded"
-    /// (alias "local": in the state dir, for one node) or "etcd". Pod
-    /// attachment records always stay in the node's local journal.
+    /// Where the control plane (node records, blocks, VM address records)
+    /// lives: "embedded" (alias "local": in the state dir, for one node) or
+    /// "etcd". Pod attachment records always stay in the node's local
+    /// journal.
     #[arg(long, value_enum, default_value_t = StoreArg::Local)]
     store: StoreArg,
 
@@ -245,17 +247,24 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
             .map_err(|e| tetherd::error::Error::Internal(e.to_string()))??
             .into_arc()
     };
+    let control = open_control_store(&args).await?;
     // Joining can wait a long time for etcd; a signal ends the wait.
-    let cluster = tokio::select! {
-        joined = join_cluster(&args) => joined?,
+    let joined = tokio::select! {
+        joined = async {
+            let cluster = join_cluster(&args, control.clone()).await?;
+            let vms = VmRegistry::open(control.clone(), &args.etcd_prefix).await?;
+            Ok::<_, Error>((cluster, vms))
+        } => joined?,
         () = stopped(&stop) => {
             tracing::info!("stopped before joining the cluster");
             return Ok(());
         }
     };
-    let (node, reconciled) = Node::open(config, store, cluster).await?;
+    let (cluster, vms) = joined;
+    let (node, reconciled) = Node::open(config, store, cluster, vms).await?;
     tracing::info!(?reconciled, "reconciled the kernel against the store");
     let node = Arc::new(node);
+    node.start_vm_tasks()?;
     let stats = Arc::new(Stats::default());
     let replayed = service::drain_pending_dels(&node, &stats).await;
     if replayed > 0 {
@@ -294,18 +303,15 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
     served
 }
 
-/// In cluster mode: opens the control plane and joins the cluster.
-async fn join_cluster(args: &Args) -> tetherd::error::Result<Option<Arc<Cluster>>> {
-    if args.cluster_cidrs.is_empty() {
-        if args.store == StoreArg::Etcd {
-            return Err(Error::InvalidConfig(
-                "--store etcd is for cluster mode: give --cluster-cidr instead of --pod-cidr"
-                    .into(),
-            ));
-        }
-        return Ok(None);
+/// Opens the control plane: node records and blocks in cluster mode, and
+/// the VM address records in both modes.
+async fn open_control_store(args: &Args) -> tetherd::error::Result<Arc<dyn ControlStore>> {
+    if args.cluster_cidrs.is_empty() && args.store == StoreArg::Etcd {
+        return Err(Error::InvalidConfig(
+            "--store etcd is for cluster mode: give --cluster-cidr instead of --pod-cidr".into(),
+        ));
     }
-    let store: Arc<dyn ControlStore> = match args.store {
+    Ok(match args.store {
         StoreArg::Local => {
             let dir = args.state_dir.clone();
             Arc::new(
@@ -323,7 +329,17 @@ async fn join_cluster(args: &Args) -> tetherd::error::Result<Option<Arc<Cluster>
         })
         .await?
         .into(),
-    };
+    })
+}
+
+/// In cluster mode: joins the cluster through the control plane.
+async fn join_cluster(
+    args: &Args,
+    store: Arc<dyn ControlStore>,
+) -> tetherd::error::Result<Option<Arc<Cluster>>> {
+    if args.cluster_cidrs.is_empty() {
+        return Ok(None);
+    }
     let mut node_ips = args.node_ips.clone();
     if node_ips.is_empty() {
         let dataplane = tetherd::dataplane::Dataplane::connect()?;

@@ -13,12 +13,17 @@
 //! - Every kernel object tether makes is recognisable (the `tth` link prefix,
 //!   route protocol 201), so reconciliation can find what is ours.
 
+mod vm;
+
+pub use vm::{CutoverTiming, RouteUpdateTiming, VmStats};
+
 use crate::cluster::Cluster;
-use crate::cni::{self, Invocation};
+use crate::cni::{self, Invocation, VmAddressPolicy};
 use crate::dataplane::{self, Dataplane, PodWiring};
 use crate::error::{Error, Mismatch, Result};
 use crate::ipam::{Family, Pools};
 use crate::store::{Attachment, AttachmentKey, Store};
+use crate::vm::VmRegistry;
 use ipnet::IpNet;
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
@@ -88,6 +93,23 @@ pub struct Node {
     doomed: Arc<Mutex<Vec<String>>>,
     /// Wakes the deletion worker.
     doomed_queued: Arc<Notify>,
+    /// KubeVirt VM address records.
+    vms: Arc<VmRegistry>,
+    /// Addresses of this node's pools that VM records hold, with the store
+    /// revision they were known held at: they stay in use while no local
+    /// pod has them, and are freed once a view at least that recent no
+    /// longer shows them.
+    vm_held: Mutex<HashMap<IpAddr, i64>>,
+    /// Migration targets on this node waiting for their VM's announcement,
+    /// by the VM's MAC.
+    pending_targets: Mutex<HashMap<[u8; 6], Vec<vm::PendingTarget>>>,
+    /// The VM routes as last programmed, per VM; `None` forces the next
+    /// sync to touch the kernel.
+    vm_wants: Mutex<Option<HashMap<crate::vm::VmKey, vm::Want>>>,
+    /// Wakes the VM sync.
+    vm_resync: Notify,
+    /// Cutover counters and timings.
+    vm_stats: Mutex<VmStats>,
 }
 
 /// Holds an attachment's lock; frees the table entry when nobody else waits.
@@ -148,30 +170,6 @@ fn rebooted_since_last_run(state_dir: &Path) -> Result<bool> {
     Ok(rebooted)
 }
 
-/// Requested addresses (CNI_ARGS `IP=`/`MAC=`, runtimeConfig `ips`/`mac`)
-/// are not honoured yet; refusing them is better than silently handing out
-/// another address than the one asked for.
-fn refuse_requested_addresses(inv: &Invocation) -> Result<()> {
-    let unsupported = |key: &str, value: String| Error::UnsupportedField {
-        key: key.to_string(),
-        value,
-    };
-    if let Some(ip) = &inv.args.ip {
-        return Err(unsupported("CNI_ARGS IP", ip.clone()));
-    }
-    if let Some(mac) = &inv.args.mac {
-        return Err(unsupported("CNI_ARGS MAC", mac.clone()));
-    }
-    let rc = &inv.conf.runtime_config;
-    if !rc.ips.is_empty() {
-        return Err(unsupported("runtimeConfig.ips", rc.ips.join(",")));
-    }
-    if let Some(mac) = &rc.mac {
-        return Err(unsupported("runtimeConfig.mac", mac.clone()));
-    }
-    Ok(())
-}
-
 fn key_of(inv: &Invocation) -> AttachmentKey {
     AttachmentKey {
         network: inv.conf.name.clone(),
@@ -191,6 +189,24 @@ fn mac_bytes(mac: &str) -> Result<[u8; 6]> {
             .map_err(|_| Error::Internal(format!("bad stored MAC {mac}")))?;
     }
     Ok(out)
+}
+
+fn wiring<'a>(
+    a: &'a Attachment,
+    netns: &'a std::fs::File,
+    netns_path: &'a Path,
+    announce: bool,
+) -> Result<PodWiring<'a>> {
+    Ok(PodWiring {
+        netns,
+        netns_path,
+        pod_ifname: &a.key.ifname,
+        host_ifname: &a.host_ifname,
+        pod_mac: mac_bytes(&a.mac)?,
+        ips: &a.ips,
+        mtu: a.mtu,
+        announce,
+    })
 }
 
 fn wired(a: &Attachment) -> cni::Wired {
@@ -213,6 +229,7 @@ impl Node {
         config: NodeConfig,
         store: Arc<dyn Store>,
         cluster: Option<Arc<Cluster>>,
+        vms: Arc<VmRegistry>,
     ) -> Result<(Self, Reconciled)> {
         let dataplane = Dataplane::connect()?;
         dataplane.prepare_node()?;
@@ -242,7 +259,26 @@ impl Node {
             blocking(move || s.remove(&keys)).await?;
             loaded.clear();
         }
-        let all_ips: Vec<IpAddr> = loaded.iter().flat_map(|a| a.ips.clone()).collect();
+        // A VM pod's addresses are its record's: counted once (a migration's
+        // two pods may both be here), and only those of our own blocks.
+        let vm_view = vms.view().clone();
+        let mut all_ips: Vec<IpAddr> = Vec::new();
+        for a in &loaded {
+            for &ip in &a.ips {
+                let elsewhere = a.vm.is_some()
+                    && (all_ips.contains(&ip)
+                        || match &cluster {
+                            Some(c) => {
+                                let held = c.my_blocks();
+                                !held.iter().any(|b| b.contains(&ip))
+                            }
+                            None => !pools.contains(ip),
+                        });
+                if !elsewhere {
+                    all_ips.push(ip);
+                }
+            }
+        }
         let mut strays = pools.restore(&all_ips);
         if let (Some(c), false) = (&cluster, strays.is_empty()) {
             // Recorded addresses outside the blocks the control plane says
@@ -279,7 +315,14 @@ impl Node {
             deleting: Arc::new(Mutex::new(HashMap::new())),
             doomed: Arc::new(Mutex::new(Vec::new())),
             doomed_queued: Arc::new(Notify::new()),
+            vms,
+            vm_held: Mutex::new(HashMap::new()),
+            pending_targets: Mutex::new(HashMap::new()),
+            vm_wants: Mutex::new(None),
+            vm_resync: Notify::new(),
+            vm_stats: Mutex::new(VmStats::default()),
         };
+        node.sync_reservations(&vm_view);
         node.spawn_deletion_worker()?;
         let mut reconciled = node.reconcile().await?;
         if let Some(c) = &node.cluster {
@@ -308,6 +351,11 @@ impl Node {
             }
             c.spawn_route_manager(node.dataplane.clone(), first.is_err());
         }
+        // VMs that moved or stopped while the daemon was away: their routes
+        // follow the records before the node serves.
+        if let Err(e) = node.sync_vms(&vm_view).await {
+            tracing::warn!(error = %e, "cannot program the VM routes yet; retrying");
+        }
         Ok((node, reconciled))
     }
 
@@ -321,21 +369,31 @@ impl Node {
     async fn grow(&self, cluster: &Cluster, family: Family) -> Result<()> {
         let held: Vec<IpNet> = lock(&self.pools).pools().iter().map(|p| p.cidr()).collect();
         cluster.claim_block(family, &held).await?;
-        let mut pools = lock(&self.pools);
-        for block in cluster.my_blocks() {
-            pools.add_block(block)?;
+        {
+            let mut pools = lock(&self.pools);
+            for block in cluster.my_blocks() {
+                pools.add_block(block)?;
+            }
         }
+        // A block taken back may hold VM addresses: mark them before any
+        // allocation from it.
+        let view = self.vms.view().clone();
+        self.sync_reservations(&view);
         Ok(())
     }
 
     /// One address of each family. Never waits on the control plane while
     /// the node's blocks have room; when a family's blocks are full (cluster
     /// mode), claims a new block and tries again.
-    async fn allocate(&self) -> Result<Vec<IpAddr>> {
+    async fn allocate(&self, only: Option<&[Family]>) -> Result<Vec<IpAddr>> {
+        let families: Vec<Family> = match only {
+            Some(f) => f.to_vec(),
+            None => lock(&self.pools).families().to_vec(),
+        };
         // Each round either allocates or adds a block; a handful of rounds
         // covers concurrent ADDs filling a new block before we get to it.
         for _round in 0..8 {
-            let shortage = match lock(&self.pools).allocate() {
+            let shortage = match lock(&self.pools).allocate_families(&families) {
                 Ok(ips) => return Ok(ips),
                 Err(s) => s,
             };
@@ -434,8 +492,10 @@ impl Node {
             ..Default::default()
         };
         let links: HashSet<String> = self.dataplane.our_links().await?.into_iter().collect();
+        // A VM pod gets host routes only while its record names it active.
+        let routed: Vec<&Attachment> = snapshot.iter().filter(|a| self.announced(a)).collect();
         let mut owner: HashMap<IpAddr, &str> = HashMap::new();
-        for a in &snapshot {
+        for a in &routed {
             for ip in &a.ips {
                 owner.insert(*ip, &a.host_ifname);
             }
@@ -453,7 +513,7 @@ impl Node {
             .collect();
         self.dataplane.remove_host_routes(&stale).await?;
         done.routes_removed = stale.len();
-        for a in snapshot.iter().filter(|a| links.contains(&a.host_ifname)) {
+        for a in routed.iter().filter(|a| links.contains(&a.host_ifname)) {
             done.routes_added += self
                 .dataplane
                 .ensure_host_routes(&a.host_ifname, &a.ips)
@@ -466,6 +526,8 @@ impl Node {
             .collect();
         self.dataplane.delete_links(&orphans).await?;
         done.links_removed = orphans.len();
+        // The VM routes are checked against the kernel again too.
+        self.force_vm_resync();
         Ok(done)
     }
 
@@ -478,16 +540,19 @@ impl Node {
             var: "CNI_NETNS",
             reason: "required for ADD".into(),
         })?;
+        let vm_pod = vm::vm_pod(inv)?;
+        let requested = vm::requested(inv)?;
         let _sweep = self.sweep.read().await;
         let _key = self.lock_key(&key).await;
         let netns = dataplane::open_netns(&netns_path)?;
 
         let existing = lock(&self.attachments).get(&key).cloned();
         if let Some(a) = existing {
-            return self.add_again(inv, a, &netns, &netns_path).await;
+            return self
+                .add_again(inv, a, vm_pod.as_ref(), &netns, &netns_path)
+                .await;
         }
 
-        refuse_requested_addresses(inv)?;
         let host_ifname = dataplane::host_ifname(&key.network, &key.container_id, &key.ifname);
         if let Some(other) = lock(&self.attachments)
             .values()
@@ -500,8 +565,29 @@ impl Node {
         }
         self.wait_for_deletion(&host_ifname).await;
         let mtu = inv.conf.mtu.unwrap_or(self.config.mtu);
-        let ips = self.allocate().await?;
-        let mac = dataplane::pod_mac(&ips);
+        // A VM pod's addresses come from its VM's record (and a migration
+        // target is wired without being routed to); a plain pod's from the
+        // pools.
+        let (ips, mac, placement) = match &vm_pod {
+            Some(pod) => {
+                let p = self.place_vm(inv, pod, &requested).await?;
+                let mac = vm::parse_mac(&p.rec.mac, "the VM record's MAC")?;
+                (p.rec.ips.clone(), mac, Some(p))
+            }
+            None => {
+                let ips = self.addresses_for(&requested).await?;
+                match self.mac_for(&requested, &ips) {
+                    Ok(mac) => (ips, mac, None),
+                    Err(e) => {
+                        self.free_ips(&ips);
+                        return Err(e);
+                    }
+                }
+            }
+        };
+        let announce = placement
+            .as_ref()
+            .is_none_or(|p| p.role == vm::Role::Active);
         let attachment = Attachment {
             key: key.clone(),
             netns: netns_path.display().to_string(),
@@ -513,16 +599,9 @@ impl Node {
             pod_namespace: inv.args.pod_namespace.clone(),
             pod_name: inv.args.pod_name.clone(),
             pod_uid: inv.args.pod_uid.clone(),
+            vm: vm_pod.as_ref().map(|p| p.key.clone()),
         };
-        let wiring = PodWiring {
-            netns: &netns,
-            netns_path: &netns_path,
-            pod_ifname: &key.ifname,
-            host_ifname: &host_ifname,
-            pod_mac: mac,
-            ips: &ips,
-            mtu,
-        };
+        let wiring = wiring(&attachment, &netns, &netns_path, announce)?;
         let store = self.store.clone();
         let record = attachment.clone();
         // The fsync of the store commit overlaps the netlink work.
@@ -553,12 +632,18 @@ impl Node {
                     }
                     Err(e) => first = first.or(Some(e)),
                 }
-                lock(&self.pools).release(&ips);
+                if let Some(p) = &placement {
+                    self.undo_placement(p).await;
+                }
+                self.free_ips(&ips);
                 return Err(first.unwrap_or_else(|| Error::Internal("rollback".into())));
             }
         }
         let result = cni::render_add_result(&inv.conf, &wired(&attachment));
-        lock(&self.attachments).insert(key, attachment);
+        lock(&self.attachments).insert(key, attachment.clone());
+        if let (Some(pod), Some(p)) = (&vm_pod, &placement) {
+            self.after_vm_add(pod, &attachment, p.role).await;
+        }
         result
     }
 
@@ -569,6 +654,7 @@ impl Node {
         &self,
         inv: &Invocation,
         a: Attachment,
+        vm_pod: Option<&vm::VmPod>,
         netns: &std::fs::File,
         netns_path: &Path,
     ) -> Result<Vec<u8>> {
@@ -580,15 +666,7 @@ impl Node {
                 netns_path.display()
             )));
         }
-        let wiring = PodWiring {
-            netns,
-            netns_path,
-            pod_ifname: &a.key.ifname,
-            host_ifname: &a.host_ifname,
-            pod_mac: mac_bytes(&a.mac)?,
-            ips: &a.ips,
-            mtu: a.mtu,
-        };
+        let wiring = wiring(&a, netns, netns_path, self.announced(&a))?;
         match self.dataplane.check(&wiring).await {
             Ok(()) => {}
             // Only a real difference is repaired; a failure to look (the
@@ -600,6 +678,9 @@ impl Node {
                 self.dataplane.wire(&wiring).await?;
             }
             Err(e) => return Err(e),
+        }
+        if let Some(pod) = vm_pod {
+            self.ready_annotation(pod, &a).await;
         }
         cni::render_add_result(&inv.conf, &wired(&a))
     }
@@ -623,14 +704,29 @@ impl Node {
             tracing::info!(key = %a.key, "queued DEL is older than the attachment; skipped");
             return Ok(cni::empty_result());
         }
-        self.release(&[a]).await?;
+        self.release(&[a], inv.conf.vm_address_policy).await?;
         Ok(cni::empty_result())
     }
 
     /// Withdraws routes, removes records, frees addresses, and schedules the
-    /// links' deletion.
-    async fn release(&self, list: &[Attachment]) -> Result<()> {
-        let ips: Vec<IpAddr> = list.iter().flat_map(|a| a.ips.clone()).collect();
+    /// links' deletion. A VM pod first leaves its VM's record (which keeps
+    /// the VM's addresses); if the control plane cannot take that change,
+    /// nothing is released and the error is returned (the runtime retries
+    /// a DEL).
+    async fn release(&self, list: &[Attachment], policy: VmAddressPolicy) -> Result<()> {
+        let mut ips: Vec<IpAddr> = Vec::new();
+        for a in list {
+            match &a.vm {
+                None => ips.extend(a.ips.iter().copied()),
+                Some(vm) => {
+                    // Its routes follow the record unless the VM now runs
+                    // nowhere.
+                    if self.leave_vm_record(a, vm, policy).await? {
+                        ips.extend(a.ips.iter().copied());
+                    }
+                }
+            }
+        }
         let keys: Vec<AttachmentKey> = list.iter().map(|a| a.key.clone()).collect();
         let store = self.store.clone();
         let (routes, stored) = tokio::join!(
@@ -645,7 +741,11 @@ impl Node {
                 attachments.remove(&a.key);
             }
         }
-        lock(&self.pools).release(&ips);
+        let all: Vec<IpAddr> = list.iter().flat_map(|a| a.ips.clone()).collect();
+        self.free_ips(&all);
+        if list.iter().any(|a| a.vm.is_some()) {
+            self.force_vm_resync();
+        }
         for a in list {
             self.delete_link_later(a.host_ifname.clone());
         }
@@ -729,17 +829,14 @@ impl Node {
             ));
         }
         let netns = dataplane::open_netns(&netns_path)?;
-        let wiring = PodWiring {
-            netns: &netns,
-            netns_path: &netns_path,
-            pod_ifname: &a.key.ifname,
-            host_ifname: &a.host_ifname,
-            pod_mac: mac_bytes(&a.mac)?,
-            ips: &a.ips,
-            mtu: a.mtu,
-        };
+        let wiring = wiring(&a, &netns, &netns_path, self.announced(&a))?;
         self.dataplane.check(&wiring).await?;
         cni::check_prev_result(&inv.conf, &wired(&a))?;
+        // A migration target whose pod is now marked ready: the runtime's
+        // CHECK is one way the annotation reaches the daemon.
+        if let Some(pod) = vm::vm_pod(inv)? {
+            self.ready_annotation(&pod, &a).await;
+        }
         Ok(cni::empty_result())
     }
 
@@ -766,7 +863,19 @@ impl Node {
             .collect();
         if !doomed.is_empty() {
             tracing::info!(network = %inv.conf.name, count = doomed.len(), "GC releases attachments");
-            self.release(&doomed).await?;
+            let (vms, plain): (Vec<Attachment>, Vec<Attachment>) =
+                doomed.into_iter().partition(|a| a.vm.is_some());
+            self.release(&plain, inv.conf.vm_address_policy).await?;
+            // A VM pod whose record cannot be changed now is kept for the
+            // next GC rather than failing the others.
+            for a in vms {
+                if let Err(e) = self
+                    .release(std::slice::from_ref(&a), inv.conf.vm_address_policy)
+                    .await
+                {
+                    tracing::warn!(key = %a.key, error = %e, "GC could not release a VM pod yet");
+                }
+            }
         }
         drop(_sweep);
         let swept = self.reconcile().await?;

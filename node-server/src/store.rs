@@ -60,6 +60,11 @@ pub struct Attachment {
     /// K8S_POD_UID, when the runtime sent it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_uid: Option<String>,
+    /// The KubeVirt VM interface this pod carries, for a VM pod. Its
+    /// addresses belong to the VM's record in the control plane; two pods
+    /// of one VM (a migration's source and target) may hold them at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm: Option<crate::vm::VmKey>,
 }
 
 /// A durable home for attachments. Every method is blocking; call it from a
@@ -221,23 +226,31 @@ impl Journal {
             Record::Put(a) => {
                 let a = *a;
                 if let Some(old) = self.attachments.remove(&a.key) {
-                    for ip in &old.ips {
-                        self.holders.remove(ip);
-                    }
+                    self.release_holders(&old);
                 }
-                for ip in &a.ips {
-                    self.holders.insert(*ip, a.key.clone());
+                // A VM pod's addresses are the VM record's, which the
+                // daemon guards; only plain pods hold addresses here.
+                if a.vm.is_none() {
+                    for ip in &a.ips {
+                        self.holders.insert(*ip, a.key.clone());
+                    }
                 }
                 self.attachments.insert(a.key.clone(), a);
             }
             Record::Remove(keys) => {
                 for key in keys {
                     if let Some(old) = self.attachments.remove(&key) {
-                        for ip in &old.ips {
-                            self.holders.remove(ip);
-                        }
+                        self.release_holders(&old);
                     }
                 }
+            }
+        }
+    }
+
+    fn release_holders(&mut self, old: &Attachment) {
+        for ip in &old.ips {
+            if self.holders.get(ip) == Some(&old.key) {
+                self.holders.remove(ip);
             }
         }
     }
@@ -568,6 +581,7 @@ mod tests {
             pod_namespace: Some("default".into()),
             pod_name: None,
             pod_uid: None,
+            vm: None,
         }
     }
 

@@ -53,6 +53,21 @@ pub struct NetConf {
     /// `cni.dev/valid-attachments` (GC only). `Some(vec![])` when the
     /// runtime listed none (Go marshals a nil slice as `null`).
     pub valid_attachments: Option<Vec<AttachmentId>>,
+    /// `vmAddressPolicy`: when a VM's address is freed.
+    pub vm_address_policy: VmAddressPolicy,
+}
+
+/// `vmAddressPolicy` of a network: when a KubeVirt VM's address record is
+/// freed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum VmAddressPolicy {
+    /// `persistent` (the default): kept after the VM's pods are gone, so a
+    /// VM started again anywhere gets the same IP and MAC; freed only by
+    /// the admin call `ReleaseVm`.
+    #[default]
+    Persistent,
+    /// `ephemeral`: freed when the VM's last pod is deleted.
+    Ephemeral,
 }
 
 /// One entry of GC's `cni.dev/valid-attachments`.
@@ -206,6 +221,16 @@ impl NetConf {
             Some(v) => parse_runtime_config(v)?,
             None => RuntimeConfig::default(),
         };
+        let vm_address_policy = match present(obj, "vmAddressPolicy") {
+            None => VmAddressPolicy::default(),
+            Some(Value::String(p)) if p == "persistent" => VmAddressPolicy::Persistent,
+            Some(Value::String(p)) if p == "ephemeral" => VmAddressPolicy::Ephemeral,
+            Some(other) => {
+                return Err(Error::InvalidConfig(format!(
+                    "vmAddressPolicy {other} must be \"persistent\" or \"ephemeral\""
+                )))
+            }
+        };
         let valid_attachments = match obj.get(VALID_ATTACHMENTS_KEY) {
             Some(v) => Some(parse_attachments(VALID_ATTACHMENTS_KEY, v)?),
             None => match obj.get(LEGACY_ATTACHMENTS_KEY) {
@@ -222,6 +247,7 @@ impl NetConf {
             prev_result,
             runtime_config,
             valid_attachments,
+            vm_address_policy,
         })
     }
 }

@@ -19,7 +19,7 @@ pub mod result;
 pub mod version;
 
 pub use args::CniArgs;
-pub use config::{AttachmentId, NetConf, PrevResult, RuntimeConfig};
+pub use config::{AttachmentId, NetConf, PrevResult, RuntimeConfig, VmAddressPolicy};
 pub use request::{parse_request, Invocation, MAX_STDIN};
 pub use result::{
     check_prev_result, empty_result, error_to_proto, error_version, parse_result,

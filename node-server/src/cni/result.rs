@@ -274,6 +274,7 @@ mod tests {
             prev_result: None,
             runtime_config: Default::default(),
             valid_attachments: None,
+            vm_address_policy: Default::default(),
         }
     }
 

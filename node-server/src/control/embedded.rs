@@ -94,14 +94,14 @@ impl EmbeddedStore {
         write().map_err(|e| io_err("writing", &path, e))
     }
 
-    fn apply(&self, when: Vec<Cmp>, ops: Vec<Op>) -> Result<bool> {
+    fn apply(&self, when: Vec<Cmp>, ops: Vec<Op>) -> Result<Option<i64>> {
         let mut state = lock(&self.state);
         let holds = when.iter().all(|c| match c {
             Cmp::Absent(k) => !state.keys.contains_key(k),
             Cmp::Unchanged(k, r) => state.keys.get(k).is_some_and(|e| e.mod_revision == *r),
         });
         if !holds {
-            return Ok(false);
+            return Ok(None);
         }
         let before = (state.revision, state.keys.clone());
         state.revision += 1;
@@ -164,7 +164,7 @@ impl EmbeddedStore {
                     Err(mpsc::error::TrySendError::Closed(_)) => false,
                 }
         });
-        Ok(true)
+        Ok(Some(revision))
     }
 }
 
@@ -194,7 +194,7 @@ impl ControlStore for EmbeddedStore {
         Box::pin(async move { Ok((kvs, revision)) })
     }
 
-    fn txn(&self, when: Vec<Cmp>, ops: Vec<Op>) -> BoxFut<'_, bool> {
+    fn commit(&self, when: Vec<Cmp>, ops: Vec<Op>) -> BoxFut<'_, Option<i64>> {
         Box::pin(async move { self.apply(when, ops) })
     }
 

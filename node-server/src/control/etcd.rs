@@ -199,7 +199,7 @@ impl ControlStore for EtcdStore {
         })
     }
 
-    fn txn(&self, when: Vec<Cmp>, ops: Vec<Op>) -> BoxFut<'_, bool> {
+    fn commit(&self, when: Vec<Cmp>, ops: Vec<Op>) -> BoxFut<'_, Option<i64>> {
         Box::pin(async move {
             let compares: Vec<Compare> = when
                 .into_iter()
@@ -224,7 +224,9 @@ impl ControlStore for EtcdStore {
                     async move { c.kv_client().txn(txn).await }
                 })
                 .await?;
-            Ok(resp.succeeded())
+            Ok(resp
+                .succeeded()
+                .then(|| resp.header().map_or(0, |h| h.revision())))
         })
     }
 

@@ -89,10 +89,16 @@ pub trait ControlStore: Send + Sync + 'static {
     fn location(&self) -> String;
     /// Every key under `prefix`, and the store revision they were read at.
     fn list(&self, prefix: &str) -> BoxFut<'_, (Vec<Kv>, i64)>;
-    /// Applies `ops` atomically if every condition holds. Returns whether
-    /// it did. An error means the outcome is unknown: the caller reads the
-    /// keys again to find out.
-    fn txn(&self, when: Vec<Cmp>, ops: Vec<Op>) -> BoxFut<'_, bool>;
+    /// Applies `ops` atomically if every condition holds. Returns the store
+    /// revision of the commit when it did, `None` when a condition failed.
+    /// An error means the outcome is unknown: the caller reads the keys
+    /// again to find out. The revision lets a caller tell when a watch has
+    /// caught up with its own change.
+    fn commit(&self, when: Vec<Cmp>, ops: Vec<Op>) -> BoxFut<'_, Option<i64>>;
+    /// [`ControlStore::commit`], when only success matters.
+    fn txn(&self, when: Vec<Cmp>, ops: Vec<Op>) -> BoxFut<'_, bool> {
+        Box::pin(async move { Ok(self.commit(when, ops).await?.is_some()) })
+    }
     /// Changes under `prefix` after revision `after`, in order, until the
     /// receiver is dropped or a [`WatchMessage::Broken`] is sent.
     fn watch(&self, prefix: &str, after: i64) -> BoxFut<'_, mpsc::Receiver<WatchMessage>>;

@@ -47,6 +47,13 @@ mod tests;
 /// be reconciled without touching the other.
 pub const CLUSTER_ROUTE_PROTOCOL: u8 = 202;
 
+/// Route protocol number of the /32 and /128 routes that send a VM's
+/// address to the node it runs on when that is not the node holding the
+/// address's block (a VM that migrated or restarted elsewhere). Its own
+/// number, so that the VM routes and the block routes are each synced to
+/// exactly their wanted set without touching the other.
+pub const VM_ROUTE_PROTOCOL: u8 = 203;
+
 /// Name of the VXLAN device in vxlan mode. Outside the `tth` prefix, so that
 /// the veth reconciliation never takes it for a pod's.
 pub const VXLAN_IFNAME: &str = "tether.vxlan";
@@ -123,7 +130,7 @@ impl Dataplane {
     /// are left out here, and deleted by [`Self::sync_cluster_routes`].
     pub async fn cluster_routes(&self) -> Result<Vec<ClusterRoute>> {
         let mut routes: Vec<ClusterRoute> = self
-            .found_cluster_routes()
+            .found_routes(CLUSTER_ROUTE_PROTOCOL)
             .await?
             .into_iter()
             .filter_map(|f| f.route)
@@ -144,8 +151,33 @@ impl Dataplane {
     /// refused (a gateway not yet reachable must not keep a dead node's
     /// routes in place); the first refusal is then the error.
     pub async fn sync_cluster_routes(&self, desired: &[ClusterRoute]) -> Result<Synced> {
+        self.sync_routes(CLUSTER_ROUTE_PROTOCOL, desired).await
+    }
+
+    /// Makes the proto-203 routes (a VM's address to the node it runs on)
+    /// exactly `desired`, as [`Self::sync_cluster_routes`] does for blocks.
+    /// A wanted route replaces whatever route to that address exists, so a
+    /// migration's source node goes from its pod's host route to the route
+    /// to the target in one kernel change, never unrouted in between.
+    pub async fn sync_vm_routes(&self, desired: &[ClusterRoute]) -> Result<Synced> {
+        self.sync_routes(VM_ROUTE_PROTOCOL, desired).await
+    }
+
+    /// Every proto-203 route, sorted.
+    pub async fn vm_routes(&self) -> Result<Vec<ClusterRoute>> {
+        let mut routes: Vec<ClusterRoute> = self
+            .found_routes(VM_ROUTE_PROTOCOL)
+            .await?
+            .into_iter()
+            .filter_map(|f| f.route)
+            .collect();
+        routes.sort();
+        Ok(routes)
+    }
+
+    async fn sync_routes(&self, protocol: u8, desired: &[ClusterRoute]) -> Result<Synced> {
         let desired = normalized_routes(desired)?;
-        let found = self.found_cluster_routes().await?;
+        let found = self.found_routes(protocol).await?;
         let present: HashSet<&ClusterRoute> =
             found.iter().filter_map(|f| f.route.as_ref()).collect();
         let wanted: HashSet<IpNet> = desired.iter().map(|r| r.dst).collect();
@@ -174,7 +206,7 @@ impl Dataplane {
                 .as_deref()
                 .and_then(|d| indexes.get(d).copied());
             steps.push(Step::new(
-                RouteNetlinkMessage::NewRoute(cluster_route(route, oif)),
+                RouteNetlinkMessage::NewRoute(cluster_route(route, oif, protocol)),
                 REPLACE,
                 format!("adding cluster route {}", route_text(route)),
             ));
@@ -390,12 +422,12 @@ impl Dataplane {
     }
 
     /// Every proto-202 route, with the device names its onlink routes need.
-    async fn found_cluster_routes(&self) -> Result<Vec<FoundRoute>> {
+    async fn found_routes(&self, protocol: u8) -> Result<Vec<FoundRoute>> {
         let mut routes = self
-            .dump_main_routes(AddressFamily::Inet, Some(CLUSTER_ROUTE_PROTOCOL))
+            .dump_main_routes(AddressFamily::Inet, Some(protocol))
             .await?;
         routes.extend(
-            self.dump_main_routes(AddressFamily::Inet6, Some(CLUSTER_ROUTE_PROTOCOL))
+            self.dump_main_routes(AddressFamily::Inet6, Some(protocol))
                 .await?,
         );
         // Only onlink routes name their device; skip the link dump without.
@@ -412,7 +444,7 @@ impl Dataplane {
                 Some(FoundRoute {
                     dst,
                     route: cluster_route_of(r, dst, &names),
-                    selector: cluster_route_selector(r, dst),
+                    selector: cluster_route_selector(r, dst, protocol),
                 })
             })
             .collect())
@@ -698,12 +730,12 @@ fn route_text(route: &ClusterRoute) -> String {
 // ------------------------------------------------------------ messages
 
 /// `dst via <via> [dev <oif> onlink] proto 202` in the main table.
-fn cluster_route(route: &ClusterRoute, onlink_oif: Option<u32>) -> RouteMessage {
+fn cluster_route(route: &ClusterRoute, onlink_oif: Option<u32>, protocol: u8) -> RouteMessage {
     let mut msg = RouteMessage::default();
     msg.header.address_family = family_of(route.dst.addr());
     msg.header.destination_prefix_length = route.dst.prefix_len();
     msg.header.table = RouteHeader::RT_TABLE_MAIN;
-    msg.header.protocol = RouteProtocol::Other(CLUSTER_ROUTE_PROTOCOL);
+    msg.header.protocol = RouteProtocol::Other(protocol);
     msg.header.scope = RouteScope::Universe;
     msg.header.kind = RouteType::Unicast;
     msg.attributes
@@ -721,12 +753,12 @@ fn cluster_route(route: &ClusterRoute, onlink_oif: Option<u32>) -> RouteMessage 
 
 /// Deletes exactly one dumped proto-202 route: its destination, gateway
 /// and device, so that a route the sync just put in its place survives.
-fn cluster_route_selector(found: &RouteMessage, dst: IpNet) -> RouteMessage {
+fn cluster_route_selector(found: &RouteMessage, dst: IpNet, protocol: u8) -> RouteMessage {
     let mut msg = RouteMessage::default();
     msg.header.address_family = found.header.address_family;
     msg.header.destination_prefix_length = dst.prefix_len();
     msg.header.table = RouteHeader::RT_TABLE_MAIN;
-    msg.header.protocol = RouteProtocol::Other(CLUSTER_ROUTE_PROTOCOL);
+    msg.header.protocol = RouteProtocol::Other(protocol);
     // RT_SCOPE_NOWHERE is the kernel's "any scope" for deletions.
     msg.header.scope = RouteScope::NoWhere;
     msg.header.kind = RouteType::Unspec;

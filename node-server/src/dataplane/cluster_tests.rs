@@ -48,7 +48,11 @@ fn synced(added: usize, removed: usize) -> Synced {
 
 #[test]
 fn cluster_route_messages_carry_protocol_gateway_and_onlink() {
-    let plain = cluster_route(&route("10.244.1.0/26", "192.0.2.2", None), None);
+    let plain = cluster_route(
+        &route("10.244.1.0/26", "192.0.2.2", None),
+        None,
+        CLUSTER_ROUTE_PROTOCOL,
+    );
     assert_eq!(
         plain.header.protocol,
         RouteProtocol::Other(CLUSTER_ROUTE_PROTOCOL)
@@ -67,15 +71,24 @@ fn cluster_route_messages_carry_protocol_gateway_and_onlink() {
     let onlink = cluster_route(
         &route("fd00:244::40/122", "fe80::7474:2", Some(VXLAN_IFNAME)),
         Some(7),
+        VM_ROUTE_PROTOCOL,
+    );
+    assert_eq!(
+        onlink.header.protocol,
+        RouteProtocol::Other(VM_ROUTE_PROTOCOL)
     );
     assert_eq!(onlink.header.address_family, AddressFamily::Inet6);
     assert_eq!(messages::route_oif(&onlink), Some(7));
     assert!(is_onlink(&onlink));
 
-    let selector = cluster_route_selector(&onlink, "fd00:244::40/122".parse().unwrap());
+    let selector = cluster_route_selector(
+        &onlink,
+        "fd00:244::40/122".parse().unwrap(),
+        VM_ROUTE_PROTOCOL,
+    );
     assert_eq!(
         selector.header.protocol,
-        RouteProtocol::Other(CLUSTER_ROUTE_PROTOCOL)
+        RouteProtocol::Other(VM_ROUTE_PROTOCOL)
     );
     assert_eq!(selector.header.scope, RouteScope::NoWhere);
     assert_eq!(messages::route_gateway(&selector), Some(ip("fe80::7474:2")));
@@ -363,6 +376,7 @@ impl TestPod {
             pod_mac: pod_mac(&self.ips),
             ips: &self.ips,
             mtu: 1400,
+            announce: true,
         }
     }
 

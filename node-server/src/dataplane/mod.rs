@@ -12,6 +12,7 @@
 //! through a connection opened inside the pod netns by a dedicated thread
 //! (see `netns`). This module is the only place that speaks netlink.
 
+mod announce;
 mod cluster;
 mod messages;
 mod netns;
@@ -33,8 +34,10 @@ use rtnetlink::packet_route::{AddressFamily, RouteNetlinkMessage};
 use rtnetlink::Handle;
 
 use crate::error::{Error, Mismatch, Result};
+pub use announce::{parse_frame, AnnounceKind, AnnounceListener, Announcement};
 pub use cluster::{
-    ClusterRoute, Synced, VxlanConfig, VxlanPeer, CLUSTER_ROUTE_PROTOCOL, VXLAN_IFNAME,
+    ClusterRoute, Synced, VxlanConfig, VxlanPeer, CLUSTER_ROUTE_PROTOCOL, VM_ROUTE_PROTOCOL,
+    VXLAN_IFNAME,
 };
 use messages::{errno, reason, Step, ACKED, CREATE, CREATE_ECHO, REPLACE};
 pub use netns::{open_netns, pod_interface_exists};
@@ -133,6 +136,10 @@ pub struct PodWiring<'a> {
     pub ips: &'a [IpAddr],
     /// MTU of both veth ends.
     pub mtu: u32,
+    /// Whether the node routes the pod's addresses to it (host routes).
+    /// False for a VM migration's target until the cutover: it is wired,
+    /// but the VM's traffic still goes to the source.
+    pub announce: bool,
 }
 
 impl PodWiring<'_> {
@@ -477,11 +484,16 @@ impl Dataplane {
                 .tolerating(libc::EEXIST),
             );
         }
-        steps.extend(
-            w.ips
-                .iter()
-                .map(|&ip| host_route_step(ip, index, w.host_ifname)),
-        );
+        if w.announce {
+            steps.extend(
+                w.ips
+                    .iter()
+                    .map(|&ip| host_route_step(ip, index, w.host_ifname)),
+            );
+        }
+        if steps.is_empty() {
+            return Ok(());
+        }
         messages::batch(&self.handle, steps).await
     }
 
@@ -518,6 +530,9 @@ impl Dataplane {
                 Mismatch::HostInterface,
                 format!("{host} has MTU {}, want {}", facts.mtu.unwrap_or(0), w.mtu),
             ));
+        }
+        if !w.announce {
+            return Ok(());
         }
         let present = self.our_destinations(w.ips, link.header.index).await?;
         for &ip in w.ips {
@@ -566,7 +581,8 @@ impl Dataplane {
         .map_err(|e| Error::setup("reading the node's routes", reason(&e)))
     }
 
-    async fn link_index(&self, name: &str) -> Result<Option<u32>> {
+    /// The index of the node link named `name`, if it exists.
+    pub async fn link_index(&self, name: &str) -> Result<Option<u32>> {
         messages::link_by_name_get(&self.handle, name)
             .await
             .map(|l| l.map(|l| l.header.index))

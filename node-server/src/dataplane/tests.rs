@@ -239,6 +239,7 @@ impl TestPod {
             pod_mac: self.mac,
             ips: &self.ips,
             mtu: self.mtu,
+            announce: true,
         }
     }
 

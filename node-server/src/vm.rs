@@ -1,0 +1,703 @@
+//! KubeVirt VM address records: one per VM interface, in the control plane,
+//! so that a VM keeps its IP and MAC when it live-migrates to another node
+//! and when it is stopped and started again anywhere.
+//!
+//! A pod is a VM pod when its annotations (CNI `runtimeConfig`, capability
+//! `io.kubernetes.cri.pod-annotations`) carry `kubevirt.io/domain`. The VM
+//! key is (pod namespace, domain, interface). `vm.kubevirt.io/name` is
+//! never used: it holds the guest's hostname, which need not be unique.
+//!
+//! Keys, under the configured prefix (default `/tether`):
+//! - `v1/vms/<namespace>/<vm>/<interface>`: the record ([`VmRecord`], JSON).
+//!   Every change is a compare-and-swap on the key's mod revision.
+//! - `v1/vmaddrs/<ip>` and `v1/vmmacs/<mac>`: the VM key holding the
+//!   address. Written in the same transaction that creates a record and
+//!   deleted with it, so that two VMs can never be given one address even
+//!   when two nodes create their records at the same moment.
+//!
+//! A record's addresses never change after it is created; its attachments
+//! (the active pod and, during a migration, the alternate) do.
+
+use crate::control::{Cmp, ControlStore, Event, Kv, Op, WatchMessage};
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::watch;
+
+/// The annotation naming the VM (the libvirt domain) of a virt-launcher pod.
+pub const DOMAIN_ANNOTATION: &str = "kubevirt.io/domain";
+/// The annotation KubeVirt puts on a migration's target pod.
+pub const MIGRATION_JOB_ANNOTATION: &str = "kubevirt.io/migrationJobName";
+/// The annotation KubeVirt puts on a target pod once the VM runs there.
+pub const TARGET_READY_ANNOTATION: &str = "kubevirt.io/migration-target-ready-timestamp";
+
+/// The longest namespace, VM or interface name accepted in a key.
+const MAX_NAME: usize = 253;
+
+/// Identifies one VM interface across its pods: (namespace, VM, interface).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct VmKey {
+    /// The pod namespace (K8S_POD_NAMESPACE).
+    pub namespace: String,
+    /// The VM's name, from the `kubevirt.io/domain` annotation.
+    pub vm: String,
+    /// The pod interface (CNI_IFNAME), e.g. "eth0".
+    pub interface: String,
+}
+
+impl VmKey {
+    /// A checked key: each part non-empty, without '/', at most 253 bytes.
+    pub fn new(namespace: &str, vm: &str, interface: &str) -> Result<VmKey> {
+        for (what, v) in [
+            ("namespace", namespace),
+            ("VM name", vm),
+            ("interface", interface),
+        ] {
+            if v.is_empty() || v.len() > MAX_NAME || v.contains('/') || v.contains('\0') {
+                return Err(Error::InvalidConfig(format!(
+                    "{what} {v:?} cannot name a VM: it must be 1 to {MAX_NAME} bytes without '/'"
+                )));
+            }
+        }
+        Ok(VmKey {
+            namespace: namespace.to_owned(),
+            vm: vm.to_owned(),
+            interface: interface.to_owned(),
+        })
+    }
+}
+
+impl fmt::Display for VmKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}/{}", self.namespace, self.vm, self.interface)
+    }
+}
+
+/// One pod of a VM: where it is wired.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmAttachment {
+    /// The node whose daemon wired it.
+    pub node: String,
+    /// The CNI network name.
+    pub network: String,
+    /// CNI_CONTAINERID.
+    pub container_id: String,
+    /// CNI_IFNAME.
+    pub ifname: String,
+    /// K8S_POD_NAME, when the runtime sent it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_name: Option<String>,
+    /// K8S_POD_UID, when the runtime sent it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<String>,
+    /// When it was recorded, ms since the epoch.
+    pub since_unix_ms: u64,
+}
+
+impl VmAttachment {
+    /// True when this is the attachment (network, container, ifname) on
+    /// `node`.
+    pub fn is(&self, node: &str, network: &str, container_id: &str, ifname: &str) -> bool {
+        self.node == node
+            && self.network == network
+            && self.container_id == container_id
+            && self.ifname == ifname
+    }
+
+    /// "pod ns/name (container c) on node n", for messages.
+    pub fn describe(&self) -> String {
+        let pod = self.pod_name.as_deref().unwrap_or("?");
+        format!(
+            "pod {pod} (container {}) on node {}",
+            self.container_id, self.node
+        )
+    }
+}
+
+/// How a record's addresses were chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Origin {
+    /// From a node's pool at the VM's first ADD.
+    Allocated,
+    /// Asked for at the first ADD (CNI_ARGS or runtimeConfig).
+    Requested,
+    /// Reserved ahead of time by the admin call `ReserveVmAddress`.
+    Reserved,
+}
+
+impl Origin {
+    /// The name shown to operators.
+    pub fn name(self) -> &'static str {
+        match self {
+            Origin::Allocated => "allocated",
+            Origin::Requested => "requested",
+            Origin::Reserved => "reserved",
+        }
+    }
+}
+
+/// What made a node promote a migration's target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Trigger {
+    /// A RARP from the VM's MAC on the target's host interface (QEMU's
+    /// announcement after the VM resumed).
+    Rarp,
+    /// A gratuitous ARP from the VM's MAC on the target's host interface.
+    Garp,
+    /// The target pod's `kubevirt.io/migration-target-ready-timestamp`.
+    Annotation,
+    /// The admin call `Cutover`.
+    Admin,
+}
+
+impl Trigger {
+    /// The name shown to operators.
+    pub fn name(self) -> &'static str {
+        match self {
+            Trigger::Rarp => "rarp",
+            Trigger::Garp => "garp",
+            Trigger::Annotation => "annotation",
+            Trigger::Admin => "admin",
+        }
+    }
+}
+
+/// The last cutover of a VM, as recorded with it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CutoverInfo {
+    /// What triggered it.
+    pub trigger: Trigger,
+    /// The node of the attachment that was active before, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_node: Option<String>,
+    /// The node of the attachment made active.
+    pub to_node: String,
+    /// When the trigger was seen, ns since the epoch (the promoting node's
+    /// clock). Every node times its route change from this.
+    pub seen_unix_nanos: u64,
+}
+
+/// A VM interface's addresses and where its pods are.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmRecord {
+    /// Which VM interface.
+    pub key: VmKey,
+    /// One address per family.
+    pub ips: Vec<IpAddr>,
+    /// The pod interface MAC, "0a:58:..", kept across pods.
+    pub mac: String,
+    /// How the addresses were chosen.
+    pub origin: Origin,
+    /// The pod that receives the VM's traffic, if any pod runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active: Option<VmAttachment>,
+    /// A migration's target (before the cutover) or its source (after it,
+    /// until the source pod is deleted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alternate: Option<VmAttachment>,
+    /// Increases with every change.
+    pub generation: u64,
+    /// When the record was created, ms since the epoch.
+    pub created_unix_ms: u64,
+    /// The last cutover.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_cutover: Option<CutoverInfo>,
+}
+
+impl VmRecord {
+    /// The attachments that exist, active first.
+    pub fn attachments(&self) -> impl Iterator<Item = &VmAttachment> {
+        self.active.iter().chain(self.alternate.iter())
+    }
+}
+
+/// The VM records as the watch last saw them.
+#[derive(Debug, Clone, Default)]
+pub struct VmView {
+    /// Records and their mod revisions.
+    pub records: BTreeMap<VmKey, (VmRecord, i64)>,
+    /// The store revision the view is current at.
+    pub revision: i64,
+    /// False until the first listing, and while the watch is broken.
+    pub synced: bool,
+}
+
+impl VmView {
+    /// The VM holding `ip`, if any.
+    pub fn holder_of_ip(&self, ip: IpAddr) -> Option<&VmRecord> {
+        self.records
+            .values()
+            .map(|(r, _)| r)
+            .find(|r| r.ips.contains(&ip))
+    }
+
+    /// The VM holding `mac` (any case), if any.
+    pub fn holder_of_mac(&self, mac: &str) -> Option<&VmRecord> {
+        self.records
+            .values()
+            .map(|(r, _)| r)
+            .find(|r| r.mac.eq_ignore_ascii_case(mac))
+    }
+}
+
+/// Why creating a record failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CreateRefused {
+    /// A record of that key exists already.
+    Exists,
+    /// Another VM holds one of the addresses or the MAC.
+    Taken {
+        /// The address or MAC.
+        what: String,
+        /// The VM holding it.
+        holder: String,
+    },
+}
+
+/// Key layout of the VM records.
+#[derive(Debug, Clone)]
+struct Keys {
+    root: String,
+}
+
+impl Keys {
+    fn new(prefix: &str) -> Keys {
+        Keys {
+            root: format!("{}/v1/", prefix.trim_end_matches('/')),
+        }
+    }
+    fn records(&self) -> String {
+        format!("{}vms/", self.root)
+    }
+    fn record(&self, key: &VmKey) -> String {
+        format!(
+            "{}{}/{}/{}",
+            self.records(),
+            key.namespace,
+            key.vm,
+            key.interface
+        )
+    }
+    fn addr(&self, ip: IpAddr) -> String {
+        format!("{}vmaddrs/{ip}", self.root)
+    }
+    fn mac(&self, mac: &str) -> String {
+        format!("{}vmmacs/{}", self.root, mac.to_ascii_lowercase())
+    }
+    fn parse(&self, key: &str) -> Option<VmKey> {
+        let rest = key.strip_prefix(&self.records())?;
+        let mut parts = rest.split('/');
+        let (ns, vm, iface) = (parts.next()?, parts.next()?, parts.next()?);
+        if parts.next().is_some() {
+            return None;
+        }
+        VmKey::new(ns, vm, iface).ok()
+    }
+}
+
+/// Milliseconds since the epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Nanoseconds since the epoch.
+pub fn now_nanos() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+fn to_json<T: Serialize>(v: &T) -> Result<Vec<u8>> {
+    serde_json::to_vec(v).map_err(|e| Error::Internal(e.to_string()))
+}
+
+/// The VM records of the control plane, and a view of them kept current by
+/// a watch.
+pub struct VmRegistry {
+    store: Arc<dyn ControlStore>,
+    keys: Keys,
+    view: watch::Sender<VmView>,
+}
+
+impl VmRegistry {
+    /// Lists the records and starts following them. Fails if the control
+    /// plane does not answer the first listing.
+    pub async fn open(store: Arc<dyn ControlStore>, prefix: &str) -> Result<Arc<VmRegistry>> {
+        let (view, _) = watch::channel(VmView::default());
+        let registry = Arc::new(VmRegistry {
+            store,
+            keys: Keys::new(prefix),
+            view,
+        });
+        let revision = registry.relist().await?;
+        tokio::spawn(registry.clone().watch_loop(revision));
+        Ok(registry)
+    }
+
+    /// The latest view.
+    pub fn view(&self) -> watch::Ref<'_, VmView> {
+        self.view.borrow()
+    }
+
+    /// Notified on every change of the view.
+    pub fn subscribe(&self) -> watch::Receiver<VmView> {
+        self.view.subscribe()
+    }
+
+    /// The control plane.
+    pub fn store(&self) -> &Arc<dyn ControlStore> {
+        &self.store
+    }
+
+    async fn relist(&self) -> Result<i64> {
+        let (kvs, revision) = self.store.list(&self.keys.records()).await?;
+        let mut view = VmView {
+            revision,
+            synced: true,
+            ..Default::default()
+        };
+        for kv in &kvs {
+            self.put(&mut view, kv);
+        }
+        view.revision = revision;
+        self.view.send_replace(view);
+        Ok(revision)
+    }
+
+    fn put(&self, view: &mut VmView, kv: &Kv) {
+        view.revision = view.revision.max(kv.mod_revision);
+        let Some(key) = self.keys.parse(&kv.key) else {
+            tracing::warn!(key = %kv.key, "ignoring a VM record under a malformed key");
+            return;
+        };
+        match serde_json::from_slice::<VmRecord>(&kv.value) {
+            Ok(rec) if rec.key == key => {
+                view.records.insert(key, (rec, kv.mod_revision));
+            }
+            Ok(_) | Err(_) => tracing::warn!(key = %kv.key, "ignoring a malformed VM record"),
+        }
+    }
+
+    async fn watch_loop(self: Arc<Self>, mut revision: i64) {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            match self.store.watch(&self.keys.records(), revision).await {
+                Ok(mut rx) => {
+                    while let Some(message) = rx.recv().await {
+                        match message {
+                            WatchMessage::Events(events) => {
+                                backoff = Duration::from_millis(100);
+                                self.view.send_modify(|v| {
+                                    for e in &events {
+                                        match e {
+                                            Event::Put(kv) => self.put(v, kv),
+                                            Event::Delete { key, mod_revision } => {
+                                                v.revision = v.revision.max(*mod_revision);
+                                                if let Some(k) = self.keys.parse(key) {
+                                                    v.records.remove(&k);
+                                                }
+                                            }
+                                        }
+                                    }
+                                });
+                            }
+                            WatchMessage::Broken(why) => {
+                                tracing::warn!(%why, "VM record watch broke; listing again");
+                                break;
+                            }
+                        }
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "cannot watch the VM records"),
+            }
+            self.view.send_modify(|v| v.synced = false);
+            loop {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+                match self.relist().await {
+                    Ok(r) => {
+                        revision = r;
+                        break;
+                    }
+                    Err(e) => tracing::debug!(error = %e, "cannot list the VM records"),
+                }
+            }
+        }
+    }
+
+    /// Reads one record from the control plane (not the view): the base of
+    /// a compare-and-swap.
+    pub async fn read(&self, key: &VmKey) -> Result<Option<(VmRecord, i64)>> {
+        let path = self.keys.record(key);
+        let (kvs, _) = self.store.list(&path).await?;
+        let Some(kv) = kvs.into_iter().find(|kv| kv.key == path) else {
+            return Ok(None);
+        };
+        let rec: VmRecord = serde_json::from_slice(&kv.value)
+            .map_err(|e| Error::Store(format!("malformed VM record {path}: {e}")))?;
+        Ok(Some((rec, kv.mod_revision)))
+    }
+
+    /// The record in the view, with its mod revision.
+    pub fn cached(&self, key: &VmKey) -> Option<(VmRecord, i64)> {
+        self.view.borrow().records.get(key).cloned()
+    }
+
+    /// Creates a record and its address and MAC index keys in one
+    /// transaction. Returns the commit's revision.
+    pub async fn create(&self, rec: &VmRecord) -> Result<std::result::Result<i64, CreateRefused>> {
+        let path = self.keys.record(&rec.key);
+        let holder = rec.key.to_string().into_bytes();
+        let mut index = Vec::with_capacity(rec.ips.len() + 1);
+        for ip in &rec.ips {
+            index.push((ip.to_string(), self.keys.addr(*ip)));
+        }
+        index.push((rec.mac.to_ascii_lowercase(), self.keys.mac(&rec.mac)));
+        let mut when = vec![Cmp::Absent(path.clone())];
+        let mut ops = vec![Op::Put {
+            key: path.clone(),
+            value: to_json(rec)?,
+            lease: None,
+        }];
+        for (_, k) in &index {
+            when.push(Cmp::Absent(k.clone()));
+            ops.push(Op::Put {
+                key: k.clone(),
+                value: holder.clone(),
+                lease: None,
+            });
+        }
+        if let Some(rev) = self.store.commit(when, ops).await? {
+            return Ok(Ok(rev));
+        }
+        // Find out which condition failed, for a message naming the holder.
+        if self.read(&rec.key).await?.is_some() {
+            return Ok(Err(CreateRefused::Exists));
+        }
+        for (what, k) in index {
+            let (kvs, _) = self.store.list(&k).await?;
+            if let Some(kv) = kvs.into_iter().find(|kv| kv.key == k) {
+                return Ok(Err(CreateRefused::Taken {
+                    what,
+                    holder: String::from_utf8_lossy(&kv.value).into_owned(),
+                }));
+            }
+        }
+        // The blocking key went away meanwhile: the caller may try again.
+        Ok(Err(CreateRefused::Taken {
+            what: "an address".into(),
+            holder: "a VM deleted meanwhile".into(),
+        }))
+    }
+
+    /// Replaces a record if it is unchanged since `rev`. Returns the commit's
+    /// revision, `None` if it changed.
+    pub async fn replace(&self, rec: &VmRecord, rev: i64) -> Result<Option<i64>> {
+        let path = self.keys.record(&rec.key);
+        self.store
+            .commit(
+                vec![Cmp::Unchanged(path.clone(), rev)],
+                vec![Op::Put {
+                    key: path,
+                    value: to_json(rec)?,
+                    lease: None,
+                }],
+            )
+            .await
+    }
+
+    /// Deletes a record and its index keys if it is unchanged since `rev`.
+    pub async fn delete(&self, rec: &VmRecord, rev: i64) -> Result<Option<i64>> {
+        let path = self.keys.record(&rec.key);
+        let mut ops = vec![Op::Delete(path.clone())];
+        for ip in &rec.ips {
+            ops.push(Op::Delete(self.keys.addr(*ip)));
+        }
+        ops.push(Op::Delete(self.keys.mac(&rec.mac)));
+        self.store
+            .commit(vec![Cmp::Unchanged(path, rev)], ops)
+            .await
+    }
+
+    /// Changes a record by compare-and-swap: reads it (from the view first,
+    /// then from the store after a lost race), lets `change` edit it, and
+    /// writes it back with the generation increased. `change` returns
+    /// `Ok(false)` to leave the record as it is. Returns the record as
+    /// written (or found) and the commit's revision (None if unchanged).
+    pub async fn update<F>(&self, key: &VmKey, mut change: F) -> Result<(VmRecord, Option<i64>)>
+    where
+        F: FnMut(&mut VmRecord) -> Result<bool>,
+    {
+        let mut base = self.cached(key);
+        for _attempt in 0..16 {
+            let (mut rec, rev, fresh) = match base.take() {
+                Some((r, v)) => (r, v, false),
+                None => {
+                    let (r, v) = self
+                        .read(key)
+                        .await?
+                        .ok_or_else(|| Error::UnknownVm(key.to_string()))?;
+                    (r, v, true)
+                }
+            };
+            // The view may lag behind the store (a change this node just
+            // wrote): only a fresh read may decide that nothing is to do.
+            match change(&mut rec) {
+                Ok(true) => {}
+                Ok(false) if fresh => return Ok((rec, None)),
+                Err(e) if fresh => return Err(e),
+                Ok(false) | Err(_) => continue,
+            }
+            rec.generation += 1;
+            if let Some(committed) = self.replace(&rec, rev).await? {
+                return Ok((rec, Some(committed)));
+            }
+        }
+        Err(Error::TryAgain(format!(
+            "VM record {key} kept changing under 16 attempts to update it"
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::embedded::EmbeddedStore;
+
+    fn record(name: &str, ip: &str, mac: &str) -> VmRecord {
+        VmRecord {
+            key: VmKey::new("ns", name, "eth0").unwrap(),
+            ips: vec![ip.parse().unwrap()],
+            mac: mac.into(),
+            origin: Origin::Allocated,
+            active: None,
+            alternate: None,
+            generation: 1,
+            created_unix_ms: 1,
+            last_cutover: None,
+        }
+    }
+
+    async fn registry() -> (tempfile::TempDir, Arc<VmRegistry>) {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn ControlStore> = Arc::new(EmbeddedStore::open(dir.path()).unwrap());
+        let reg = VmRegistry::open(store, "/tether").await.unwrap();
+        (dir, reg)
+    }
+
+    async fn until(reg: &VmRegistry, f: impl Fn(&VmView) -> bool) {
+        for _ in 0..200 {
+            if f(&reg.view()) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("the view never caught up");
+    }
+
+    #[test]
+    fn keys_are_checked_and_parse_back() {
+        assert!(VmKey::new("", "vm", "eth0").is_err());
+        assert!(VmKey::new("ns", "a/b", "eth0").is_err());
+        assert!(VmKey::new("ns", "vm", &"x".repeat(254)).is_err());
+        let k = VmKey::new("ns", "vm", "eth0").unwrap();
+        let keys = Keys::new("/tether/");
+        assert_eq!(keys.record(&k), "/tether/v1/vms/ns/vm/eth0");
+        assert_eq!(keys.parse(&keys.record(&k)), Some(k));
+        assert_eq!(keys.parse("/tether/v1/vms/ns/vm"), None);
+        assert_eq!(keys.parse("/tether/v1/vms/ns/vm/eth0/x"), None);
+        assert_eq!(
+            keys.mac("0A:58:00:00:00:01"),
+            "/tether/v1/vmmacs/0a:58:00:00:00:01"
+        );
+    }
+
+    #[tokio::test]
+    async fn create_refuses_taken_keys_addresses_and_macs_naming_the_holder() {
+        let (_dir, reg) = registry().await;
+        let a = record("a", "10.0.0.5", "0a:58:0a:00:00:05");
+        assert!(reg.create(&a).await.unwrap().is_ok());
+        assert_eq!(reg.create(&a).await.unwrap(), Err(CreateRefused::Exists));
+        let same_ip = record("b", "10.0.0.5", "0a:58:0a:00:00:99");
+        assert_eq!(
+            reg.create(&same_ip).await.unwrap(),
+            Err(CreateRefused::Taken {
+                what: "10.0.0.5".into(),
+                holder: "ns/a/eth0".into()
+            })
+        );
+        let same_mac = record("c", "10.0.0.6", "0A:58:0A:00:00:05");
+        assert_eq!(
+            reg.create(&same_mac).await.unwrap(),
+            Err(CreateRefused::Taken {
+                what: "0a:58:0a:00:00:05".into(),
+                holder: "ns/a/eth0".into()
+            })
+        );
+        // Deleting frees the key, the address and the MAC.
+        until(&reg, |v| v.records.len() == 1).await;
+        let (rec, rev) = reg.cached(&a.key).unwrap();
+        assert!(reg.delete(&rec, rev).await.unwrap().is_some());
+        assert!(reg.create(&same_ip).await.unwrap().is_ok());
+        assert!(reg.create(&same_mac).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn updates_are_compare_and_swap_and_bump_the_generation() {
+        let (_dir, reg) = registry().await;
+        let a = record("a", "10.0.0.5", "0a:58:0a:00:00:05");
+        reg.create(&a).await.unwrap().unwrap();
+        until(&reg, |v| v.records.contains_key(&a.key)).await;
+        // A write behind the view's back makes the cached revision stale:
+        // the update must lose that race, read again, and still apply.
+        let (mut sneaky, rev) = reg.read(&a.key).await.unwrap().unwrap();
+        sneaky.mac = "0a:58:0a:00:00:05".into();
+        sneaky.generation = 7;
+        assert!(reg.replace(&sneaky, rev).await.unwrap().is_some());
+        assert!(
+            reg.replace(&sneaky, rev).await.unwrap().is_none(),
+            "stale rev"
+        );
+        let (rec, committed) = reg
+            .update(&a.key, |r| {
+                r.active = Some(VmAttachment {
+                    node: "n1".into(),
+                    network: "net".into(),
+                    container_id: "c1".into(),
+                    ifname: "eth0".into(),
+                    pod_name: None,
+                    pod_uid: None,
+                    since_unix_ms: 0,
+                });
+                Ok(true)
+            })
+            .await
+            .unwrap();
+        assert!(committed.is_some());
+        assert_eq!(rec.generation, 8);
+        until(&reg, |v| {
+            v.records
+                .get(&a.key)
+                .is_some_and(|(r, _)| r.generation == 8 && r.active.is_some())
+        })
+        .await;
+        // No change, no write.
+        let (_, none) = reg.update(&a.key, |_| Ok(false)).await.unwrap();
+        assert_eq!(none, None);
+        let missing = VmKey::new("ns", "nope", "eth0").unwrap();
+        assert!(matches!(
+            reg.update(&missing, |_| Ok(true)).await,
+            Err(Error::UnknownVm(_))
+        ));
+    }
+}
