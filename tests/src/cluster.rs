@@ -1043,8 +1043,23 @@ impl ClusterNode {
     }
 
     fn call(&self, command: &str, pod: &Netns, id: &str) -> CniOutput {
-        let stdin = serde_json::to_vec(&self.netconf()).expect("a JSON value serializes");
-        cni(&tether_bin(), &CniEnv::new(command, id, pod), &stdin)
+        self.call_with(command, pod, id, &self.netconf(), None)
+    }
+
+    /// One `command` of `id` in `pod` through the real plugin with this
+    /// netconf and `CNI_ARGS`, the output as it is.
+    pub fn call_with(
+        &self,
+        command: &str,
+        pod: &Netns,
+        id: &str,
+        netconf: &Value,
+        args: Option<&str>,
+    ) -> CniOutput {
+        let stdin = serde_json::to_vec(netconf).expect("a JSON value serializes");
+        let mut env = CniEnv::new(command, id, pod);
+        env.args = args.map(str::to_owned);
+        cni(&tether_bin(), &env, &stdin)
     }
 }
 
@@ -1060,7 +1075,8 @@ pub struct Pod {
 }
 
 impl Pod {
-    fn from_output(netns: Netns, id: String, node: &str, out: &CniOutput) -> Pod {
+    /// A pod from a successful ADD's output.
+    pub fn from_output(netns: Netns, id: String, node: &str, out: &CniOutput) -> Pod {
         let result = out.result().clone();
         let ips = result["ips"]
             .as_array()

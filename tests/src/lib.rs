@@ -32,9 +32,11 @@ pub mod benchkit;
 pub mod cluster;
 mod cni;
 mod daemon;
+pub mod migration;
 mod netns;
 pub mod reference;
 pub mod view;
+pub mod vm;
 
 pub use admin::{admin, pb};
 pub use cni::{add, check, cni, cni_with_timeout, del, ref_plugin, CniEnv, CniOutput};

@@ -1,0 +1,221 @@
+//! KubeVirt VM pods for the migration suites: a virt-launcher pod is a pod
+//! whose ADD carries the annotations KubeVirt puts on it (through
+//! `runtimeConfig`, capability `io.kubernetes.cri.pod-annotations`) and
+//! the Kubernetes CNI_ARGS; a migration's target carries
+//! `kubevirt.io/migrationJobName` too. Plus the admin calls on VM records.
+
+use std::net::IpAddr;
+use std::path::Path;
+
+use serde_json::{json, Value};
+
+use crate::admin::{pb, with_client};
+use crate::cluster::{ClusterNode, Pod};
+use crate::cni::CniOutput;
+use crate::netns::Netns;
+
+/// What a virt-launcher pod's ADD says about itself.
+#[derive(Debug, Clone)]
+pub struct VmPodSpec {
+    /// K8S_POD_NAMESPACE.
+    pub namespace: String,
+    /// The VM (`kubevirt.io/domain`).
+    pub vm: String,
+    /// K8S_POD_NAME (virt-launcher-<vm>-<suffix>).
+    pub pod_name: String,
+    /// A migration's target (`kubevirt.io/migrationJobName` set).
+    pub target: bool,
+    /// `kubevirt.io/migration-target-ready-timestamp` set.
+    pub ready: bool,
+    /// Extra CNI_ARGS pairs (e.g. `IP=...`), `;`-joined after the K8S ones.
+    pub extra_args: Vec<String>,
+    /// Extra netconf keys (e.g. `vmAddressPolicy`).
+    pub extra_conf: Vec<(String, Value)>,
+}
+
+impl VmPodSpec {
+    /// The VM's first (or a restarted) pod.
+    pub fn new(namespace: &str, vm: &str, pod_name: &str) -> VmPodSpec {
+        VmPodSpec {
+            namespace: namespace.into(),
+            vm: vm.into(),
+            pod_name: pod_name.into(),
+            target: false,
+            ready: false,
+            extra_args: Vec::new(),
+            extra_conf: Vec::new(),
+        }
+    }
+
+    /// The same VM's migration target pod.
+    pub fn target(&self, pod_name: &str) -> VmPodSpec {
+        VmPodSpec {
+            pod_name: pod_name.into(),
+            target: true,
+            ..self.clone()
+        }
+    }
+
+    /// The netconf of `node` with this pod's annotations.
+    pub fn netconf(&self, node: &ClusterNode) -> Value {
+        let mut conf = node.netconf();
+        let mut annotations = json!({
+            "kubevirt.io/domain": self.vm,
+            "kubevirt.io/migrationTransportUnix": "true",
+            "vm.kubevirt.io/name": "not-a-key-hostname",
+        });
+        if self.target {
+            annotations["kubevirt.io/migrationJobName"] = json!(format!("{}-migration", self.vm));
+        }
+        if self.ready {
+            annotations["kubevirt.io/migration-target-ready-timestamp"] =
+                json!("2026-11-21T12:00:00Z");
+        }
+        conf["runtimeConfig"] = json!({ "io.kubernetes.cri.pod-annotations": annotations });
+        for (k, v) in &self.extra_conf {
+            conf[k.as_str()] = v.clone();
+        }
+        conf
+    }
+
+    /// CNI_ARGS as containerd sends them, plus the extras.
+    pub fn args(&self, container_id: &str) -> String {
+        let mut args = format!(
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={};K8S_POD_INFRA_CONTAINER_ID={container_id};K8S_POD_UID=uid-{}",
+            self.namespace, self.pod_name, self.pod_name
+        );
+        for extra in &self.extra_args {
+            args.push(';');
+            args.push_str(extra);
+        }
+        args
+    }
+}
+
+/// ADD of a VM pod in a new netns on `node`; the output as it is, and the
+/// netns (deleted on drop) with its container id.
+pub fn try_add_vm_pod(node: &ClusterNode, spec: &VmPodSpec) -> (CniOutput, Netns, String) {
+    let netns = Netns::new("vm");
+    let id = netns.name().to_owned();
+    let out = node.call_with(
+        "ADD",
+        &netns,
+        &id,
+        &spec.netconf(node),
+        Some(&spec.args(&id)),
+    );
+    (out, netns, id)
+}
+
+/// ADD of a VM pod on `node`; panics unless it succeeds.
+pub fn add_vm_pod(node: &ClusterNode, spec: &VmPodSpec) -> Pod {
+    let (out, netns, id) = try_add_vm_pod(node, spec);
+    assert!(
+        out.success(),
+        "ADD of VM pod {} on {} failed: {out}",
+        spec.pod_name,
+        node.name()
+    );
+    Pod::from_output(netns, id, node.name(), &out)
+}
+
+/// DEL of a VM pod on `node` (its netns stays).
+pub fn del_vm_pod(node: &ClusterNode, spec: &VmPodSpec, pod: &Pod) -> CniOutput {
+    node.call_with(
+        "DEL",
+        pod.netns(),
+        pod.id(),
+        &spec.netconf(node),
+        Some(&spec.args(pod.id())),
+    )
+}
+
+/// The MAC of a pod's interface as its ADD result reports it.
+pub fn result_mac(pod: &Pod) -> String {
+    pod.result()["interfaces"]
+        .as_array()
+        .and_then(|ifs| ifs.iter().find(|i| i["sandbox"].is_string()))
+        .and_then(|i| i["mac"].as_str())
+        .unwrap_or_else(|| panic!("no pod interface MAC in {}", pod.result()))
+        .to_owned()
+}
+
+/// "0a:58:..." as bytes.
+pub fn mac_bytes(mac: &str) -> [u8; 6] {
+    let mut out = [0u8; 6];
+    for (b, part) in out.iter_mut().zip(mac.split(':')) {
+        *b = u8::from_str_radix(part, 16).unwrap_or_else(|_| panic!("bad MAC {mac}"));
+    }
+    out
+}
+
+/// A VM interface reference (interface eth0).
+pub fn vm_ref(namespace: &str, vm: &str) -> pb::VmRef {
+    pb::VmRef {
+        namespace: namespace.into(),
+        vm: vm.into(),
+        interface: "eth0".into(),
+    }
+}
+
+/// GetVm on the daemon at `socket`: the record, or the status.
+pub fn get_vm(socket: &Path, namespace: &str, vm: &str) -> Result<pb::Vm, tonic::Status> {
+    let r = vm_ref(namespace, vm);
+    with_client(socket, |mut c| async move {
+        c.get_vm(r).await.map(tonic::Response::into_inner)
+    })
+}
+
+/// Cutover on the daemon at `socket`.
+pub fn cutover(socket: &Path, namespace: &str, vm: &str) -> Result<pb::Vm, tonic::Status> {
+    let r = vm_ref(namespace, vm);
+    with_client(socket, |mut c| async move {
+        c.cutover(r).await.map(tonic::Response::into_inner)
+    })
+}
+
+/// ReleaseVm on the daemon at `socket`.
+pub fn release_vm(
+    socket: &Path,
+    namespace: &str,
+    vm: &str,
+    force: bool,
+) -> Result<pb::Vm, tonic::Status> {
+    let req = pb::ReleaseVmRequest {
+        vm: Some(vm_ref(namespace, vm)),
+        force,
+    };
+    with_client(socket, |mut c| async move {
+        c.release_vm(req).await.map(tonic::Response::into_inner)
+    })
+}
+
+/// ReserveVmAddress on the daemon at `socket`.
+pub fn reserve_vm(
+    socket: &Path,
+    namespace: &str,
+    vm: &str,
+    ips: &[IpAddr],
+    mac: &str,
+) -> Result<pb::Vm, tonic::Status> {
+    let req = pb::ReserveVmAddressRequest {
+        vm: Some(vm_ref(namespace, vm)),
+        ips: ips.iter().map(|ip| ip.to_string()).collect(),
+        mac: mac.into(),
+    };
+    with_client(socket, |mut c| async move {
+        c.reserve_vm_address(req)
+            .await
+            .map(tonic::Response::into_inner)
+    })
+}
+
+/// The node of a record's active pod ("" when none).
+pub fn active_node(vm: &pb::Vm) -> &str {
+    vm.active.as_ref().map_or("", |p| p.node.as_str())
+}
+
+/// The node of a record's alternate pod ("" when none).
+pub fn alternate_node(vm: &pb::Vm) -> &str {
+    vm.alternate.as_ref().map_or("", |p| p.node.as_str())
+}
