@@ -642,7 +642,7 @@ impl Node {
         let result = cni::render_add_result(&inv.conf, &wired(&attachment));
         lock(&self.attachments).insert(key, attachment.clone());
         if let (Some(pod), Some(p)) = (&vm_pod, &placement) {
-            self.after_vm_add(pod, &attachment, p.role).await;
+            self.after_vm_add(pod, &attachment, p).await;
         }
         result
     }

@@ -196,7 +196,14 @@ pub(super) struct PendingTarget {
     pub vm: VmKey,
     pub attachment: AttachmentKey,
     pub ifindex: u32,
+    /// The record's generation that made it the alternate: a view older
+    /// than that must not drop it.
+    pub generation: u64,
 }
+
+/// A migration target found in the records: VM, attachment, host veth, and
+/// the record's generation.
+type FoundTarget = (VmKey, AttachmentKey, String, u64);
 
 /// How this node routes one VM's addresses.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -670,10 +677,11 @@ impl Node {
     /// After a VM pod's ADD: a migration target starts listening for its
     /// VM's announcement, or is promoted at once when its pod says the VM
     /// runs there already.
-    pub(super) async fn after_vm_add(&self, pod: &VmPod, a: &Attachment, role: Role) {
-        if role != Role::Alternate {
+    pub(super) async fn after_vm_add(&self, pod: &VmPod, a: &Attachment, p: &Placement) {
+        if p.role != Role::Alternate {
             return;
         }
+        let generation = p.rec.generation;
         if pod.ready {
             self.ready_annotation(pod, a).await;
             return;
@@ -685,6 +693,7 @@ impl Node {
                     vm: pod.key.clone(),
                     attachment: a.key.clone(),
                     ifindex,
+                    generation,
                 },
             ),
             Ok(None) | Err(_) => {
@@ -774,6 +783,7 @@ impl Node {
                 // The VM runs here, so the local route stays; the next
                 // announcement (QEMU sends several) tries the write again.
                 if let Some(a) = only {
+                    let generation = self.vms.cached(vm).map_or(0, |(r, _)| r.generation);
                     if let Some(ifindex) = self
                         .dataplane
                         .link_index(&a.host_ifname)
@@ -784,6 +794,7 @@ impl Node {
                         self.add_pending(
                             &a.mac,
                             PendingTarget {
+                                generation,
                                 vm: vm.clone(),
                                 attachment: a.key.clone(),
                                 ifindex,
@@ -1024,7 +1035,7 @@ impl Node {
             ifname: x.ifname.clone(),
         };
         let mut wants: HashMap<VmKey, Want> = HashMap::new();
-        let mut pending: HashMap<[u8; 6], Vec<(VmKey, AttachmentKey, String)>> = HashMap::new();
+        let mut pending: HashMap<[u8; 6], Vec<FoundTarget>> = HashMap::new();
         for (rec, _) in view.records.values() {
             let mut want = Want::default();
             match &rec.active {
@@ -1057,12 +1068,13 @@ impl Node {
                         rec.key.clone(),
                         a.key.clone(),
                         a.host_ifname.clone(),
+                        rec.generation,
                     ));
                 }
             }
             wants.insert(rec.key.clone(), want);
         }
-        self.refresh_pending(pending).await;
+        self.refresh_pending(pending, view).await;
 
         let previous = lock(&self.vm_wants).clone();
         if previous.as_ref() == Some(&wants) {
@@ -1121,15 +1133,28 @@ impl Node {
 
     /// Replaces the table of pending migration targets, looking up veth
     /// indexes only for targets not known before.
-    async fn refresh_pending(&self, found: HashMap<[u8; 6], Vec<(VmKey, AttachmentKey, String)>>) {
-        let known: HashMap<AttachmentKey, u32> = lock(&self.pending_targets)
-            .values()
-            .flatten()
-            .map(|p| (p.attachment.clone(), p.ifindex))
+    async fn refresh_pending(&self, found: HashMap<[u8; 6], Vec<FoundTarget>>, view: &VmView) {
+        let old: Vec<([u8; 6], PendingTarget)> = lock(&self.pending_targets)
+            .iter()
+            .flat_map(|(mac, list)| list.iter().map(|p| (*mac, p.clone())))
+            .collect();
+        let known: HashMap<AttachmentKey, u32> = old
+            .iter()
+            .map(|(_, p)| (p.attachment.clone(), p.ifindex))
             .collect();
         let mut table: HashMap<[u8; 6], Vec<PendingTarget>> = HashMap::new();
+        // A target placed after this view was taken stays.
+        for (mac, p) in old {
+            let newer = view
+                .records
+                .get(&p.vm)
+                .is_none_or(|(r, _)| r.generation < p.generation);
+            if newer && lock(&self.attachments).contains_key(&p.attachment) {
+                table.entry(mac).or_default().push(p);
+            }
+        }
         for (mac, list) in found {
-            for (vm, attachment, host) in list {
+            for (vm, attachment, host, generation) in list {
                 let ifindex = match known.get(&attachment) {
                     Some(i) => *i,
                     None => match self.dataplane.link_index(&host).await {
@@ -1137,11 +1162,15 @@ impl Node {
                         _ => continue,
                     },
                 };
-                table.entry(mac).or_default().push(PendingTarget {
-                    vm,
-                    attachment,
-                    ifindex,
-                });
+                let entry = table.entry(mac).or_default();
+                if !entry.iter().any(|p| p.attachment == attachment) {
+                    entry.push(PendingTarget {
+                        vm,
+                        attachment,
+                        ifindex,
+                        generation,
+                    });
+                }
             }
         }
         *lock(&self.pending_targets) = table;
