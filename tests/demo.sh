@@ -97,3 +97,20 @@ echo "host veths left: $(ip -n "$NODE" -o link show | grep -c ' tth' || true)"
 if command -v grpcurl >/dev/null; then
   grpcurl -plaintext -unix "$SOCK" tether.admin.v1.Admin/Stats
 fi
+
+step "a KubeVirt VM keeps its address: its pod is deleted, and a new pod of the VM gets the same IP and MAC"
+VMCONF=$(printf '{"cniVersion":"1.1.0","name":"demo","type":"tether","socket":"%s","stateDir":"%s","runtimeConfig":{"io.kubernetes.cri.pod-annotations":{"kubevirt.io/domain":"vm1"}}}' "$SOCK" "$STATE")
+V1=$(cni ADD "${P}-vm-a" "/run/netns/$POD1" "$VMCONF") || { echo "VM ADD failed: $V1"; exit 1; }
+cni DEL "${P}-vm-a" "/run/netns/$POD1" "$VMCONF" >/dev/null
+V2=$(cni ADD "${P}-vm-b" "/run/netns/$POD2" "$VMCONF") || { echo "VM ADD failed: $V2"; exit 1; }
+addrs() { python3 -c 'import json,sys; r=json.load(sys.stdin); print(" ".join(i["address"] for i in r["ips"]), [i["mac"] for i in r["interfaces"] if "sandbox" in i][0])'; }
+A1=$(addrs <<<"$V1"); A2=$(addrs <<<"$V2")
+echo "first pod:  $A1"; echo "second pod: $A2"
+[ "$A1" = "$A2" ] || { echo "the VM's address changed"; exit 1; }
+if command -v grpcurl >/dev/null; then
+  grpcurl -plaintext -unix "$SOCK" tether.admin.v1.Admin/ListVms
+fi
+cni DEL "${P}-vm-b" "/run/netns/$POD2" "$VMCONF" >/dev/null
+if command -v grpcurl >/dev/null; then
+  grpcurl -plaintext -unix -d '{"vm":{"namespace":"default","vm":"vm1"}}' "$SOCK" tether.admin.v1.Admin/ReleaseVm >/dev/null && echo "ReleaseVm: the VM's address is free again"
+fi
