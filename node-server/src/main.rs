@@ -264,7 +264,7 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
     let (node, reconciled) = Node::open(config, store, cluster, vms).await?;
     tracing::info!(?reconciled, "reconciled the kernel against the store");
     let node = Arc::new(node);
-    node.start_vm_tasks()?;
+    node.start_vm_tasks();
     let stats = Arc::new(Stats::default());
     let replayed = service::drain_pending_dels(&node, &stats).await;
     if replayed > 0 {

@@ -1178,8 +1178,20 @@ impl Node {
 
     /// Starts the VM tasks: the listener for migrated VMs' announcements and
     /// the loop that keeps routes and reservations in step with the records.
-    pub fn start_vm_tasks(self: &Arc<Self>) -> Result<()> {
-        let listener = AnnounceListener::open()?;
+    /// Without the listener (no CAP_NET_RAW), cutovers still happen on the
+    /// target-ready annotation and the admin call; that is logged.
+    pub fn start_vm_tasks(self: &Arc<Self>) {
+        match AnnounceListener::open() {
+            Ok(listener) => self.spawn_announce_loop(listener),
+            Err(e) => tracing::error!(
+                error = %e,
+                "cannot listen for migrated VMs' announcements: cutovers only on the annotation or the admin call"
+            ),
+        }
+        self.spawn_vm_sync_loop();
+    }
+
+    fn spawn_announce_loop(self: &Arc<Self>, listener: AnnounceListener) {
         let node = self.clone();
         tokio::spawn(async move {
             loop {
@@ -1222,6 +1234,9 @@ impl Node {
                 });
             }
         });
+    }
+
+    fn spawn_vm_sync_loop(self: &Arc<Self>) {
         let node = self.clone();
         tokio::spawn(async move {
             let mut rx = node.vms.subscribe();
@@ -1265,7 +1280,6 @@ impl Node {
                 }
             }
         });
-        Ok(())
     }
 }
 
