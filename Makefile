@@ -50,6 +50,7 @@ test: setup lint build shim-size
 bench: setup release
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench -- --write BENCHMARKS.md
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_cluster -- --write BENCHMARKS.md
+	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_migration -- --write BENCHMARKS.md
 
 clean:
 	$(CARGO) clean

@@ -2,11 +2,12 @@
 //! share: the machine's description, building the release binaries, and
 //! writing a generated section of BENCHMARKS.md.
 
-use std::path::Path;
+use std::panic::AssertUnwindSafe;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::{workspace_dir, CniOutput};
+use crate::{target_dir, workspace_dir, CniOutput};
 
 /// What the machine is, for the record.
 pub struct Machine {
@@ -214,4 +215,80 @@ mod tests {
             "# B\n\nintro\n\n<!-- a:begin -->\nthree\n<!-- a:end -->\n\n<!-- b:begin -->\ntwo\n<!-- b:end -->\n"
         );
     }
+}
+
+/// What went wrong in a benchmark run, counted, with the first few kept for
+/// the report.
+#[derive(Debug)]
+pub struct Failures {
+    /// The benchmark's name, for its log lines.
+    pub bench: &'static str,
+    /// How many failures.
+    pub count: usize,
+    /// The first 12 of them.
+    pub problems: Vec<String>,
+}
+
+impl Failures {
+    /// None yet.
+    pub fn new(bench: &'static str) -> Failures {
+        Failures {
+            bench,
+            count: 0,
+            problems: Vec::new(),
+        }
+    }
+
+    /// Counts a failure, logs it, and keeps it if there is room.
+    pub fn fail(&mut self, what: String) {
+        self.count += 1;
+        eprintln!("{}: FAILED: {what}", self.bench);
+        if self.problems.len() < 12 {
+            self.problems.push(what);
+        }
+    }
+}
+
+/// Runs one phase of a benchmark; a panic in it is counted as a failure
+/// (and the other phases still run).
+pub fn guarded<T>(
+    phase: &str,
+    failures: &mut Failures,
+    f: impl FnOnce(&mut Failures) -> T,
+) -> Option<T> {
+    match std::panic::catch_unwind(AssertUnwindSafe(|| f(&mut *failures))) {
+        Ok(v) => Some(v),
+        Err(p) => {
+            let text = panic_text(&p);
+            failures.fail(format!(
+                "{phase} phase aborted: {}",
+                first_lines(&text, 6).replace('\n', " / ")
+            ));
+            None
+        }
+    }
+}
+
+/// The directory of the `tether` and `tetherd` a benchmark runs:
+/// `TETHER_BIN_DIR` if set, else the release build (built first if
+/// `build`). `TETHER_BIN_DIR` is set to it, so that the harness takes the
+/// plugin from there too; call this before starting any thread.
+pub fn release_dir(bench: &str, build: bool) -> Result<PathBuf, String> {
+    let dir = match std::env::var_os("TETHER_BIN_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => {
+            if build {
+                build_release(bench)?;
+            }
+            let dir = target_dir().join("release");
+            std::env::set_var("TETHER_BIN_DIR", &dir);
+            dir
+        }
+    };
+    for bin in ["tether", "tetherd"] {
+        if !dir.join(bin).exists() {
+            return Err(format!("{} does not exist", dir.join(bin).display()));
+        }
+    }
+    Ok(dir)
 }

@@ -36,7 +36,6 @@
 //! BENCHMARKS.md]`.
 
 use std::fmt::Write as _;
-use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -44,12 +43,13 @@ use std::time::{Duration, Instant};
 use ipnet::IpNet;
 use tether_e2e::admin;
 use tether_e2e::benchkit::{
-    build_release, first_lines, judge, panic_text, poll_until, stdout_of, write_section, Machine,
+    first_lines, guarded, judge, poll_until, release_dir, stdout_of, write_section, Failures,
+    Machine,
 };
 use tether_e2e::cluster::{Cluster, ClusterOpts, NodeOpts, Overlay, CLUSTER_ROUTE_PROTOCOL};
 use tether_e2e::{
-    cni, is_tether_link, require_root, run_prefix, target_dir, CniEnv, CniOutput, Daemon,
-    DaemonOpts, Netns, TempDir,
+    cni, is_tether_link, require_root, run_prefix, CniEnv, CniOutput, Daemon, DaemonOpts, Netns,
+    TempDir,
 };
 
 const USAGE: &str = "usage: bench_cluster [--cycles N] [--warmup N] [--batch N] \
@@ -124,23 +124,6 @@ fn parse_args() -> Result<Args, String> {
     Ok(args)
 }
 
-/// What went wrong, counted, with the first few kept for the report.
-#[derive(Default)]
-struct Failures {
-    count: usize,
-    problems: Vec<String>,
-}
-
-impl Failures {
-    fn fail(&mut self, what: String) {
-        self.count += 1;
-        eprintln!("bench_cluster: FAILED: {what}");
-        if self.problems.len() < 12 {
-            self.problems.push(what);
-        }
-    }
-}
-
 /// The release binaries.
 struct Bins {
     shim: PathBuf,
@@ -163,7 +146,7 @@ fn main() -> ExitCode {
         run_prefix(),
         machine.one_line()
     );
-    let mut failures = Failures::default();
+    let mut failures = Failures::new("bench_cluster");
 
     let bins = match bins(&args) {
         Ok(b) => b,
@@ -208,44 +191,12 @@ fn main() -> ExitCode {
     ExitCode::SUCCESS
 }
 
-fn guarded<T>(
-    phase: &str,
-    failures: &mut Failures,
-    f: impl FnOnce(&mut Failures) -> T,
-) -> Option<T> {
-    match std::panic::catch_unwind(AssertUnwindSafe(|| f(&mut *failures))) {
-        Ok(v) => Some(v),
-        Err(p) => {
-            let text = panic_text(&p);
-            failures.fail(format!(
-                "{phase} phase aborted: {}",
-                first_lines(&text, 6).replace('\n', " / ")
-            ));
-            None
-        }
-    }
-}
-
 fn bins(args: &Args) -> Result<Bins, String> {
-    let dir = match std::env::var_os("TETHER_BIN_DIR") {
-        Some(dir) => PathBuf::from(dir),
-        None => {
-            if args.build {
-                build_release("bench_cluster")?;
-            }
-            target_dir().join("release")
-        }
-    };
-    let bins = Bins {
+    let dir = release_dir("bench_cluster", args.build)?;
+    Ok(Bins {
         shim: dir.join("tether"),
         tetherd: dir.join("tetherd"),
-    };
-    for bin in [&bins.shim, &bins.tetherd] {
-        if !bin.exists() {
-            return Err(format!("{} does not exist", bin.display()));
-        }
-    }
-    Ok(bins)
+    })
 }
 
 /// How every cluster node's tetherd runs here: the release binary, `info`
