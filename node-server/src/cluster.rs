@@ -19,7 +19,7 @@
 //! its ID and its blocks in one transaction, and every node withdraws the
 //! routes to those blocks.
 
-use crate::control::{Cmp, ControlStore, Event, Kv, Op, WatchMessage};
+use crate::control::{self, BoxFut, Cmp, ControlStore, Event, Follower, Kv, Op};
 use crate::dataplane::{ClusterRoute, Dataplane, VxlanConfig, VxlanPeer, VXLAN_IFNAME};
 use crate::error::{Error, Result};
 use crate::ipam::Family;
@@ -197,7 +197,7 @@ struct Keys {
 impl Keys {
     fn new(prefix: &str) -> Keys {
         Keys {
-            root: format!("{}/v1/", prefix.trim_end_matches('/')),
+            root: control::v1_root(prefix),
         }
     }
     fn node(&self, name: &str) -> String {
@@ -405,7 +405,12 @@ impl Cluster {
         let revision = cluster.relist().await?;
         let mine = cluster.view().blocks_of(&cluster.me().name);
         lock(&cluster.held).extend(mine);
-        tokio::spawn(cluster.clone().watch_loop(revision));
+        tokio::spawn(control::follow(
+            cluster.store.clone(),
+            cluster.keys.root.clone(),
+            revision,
+            cluster.clone(),
+        ));
         tokio::spawn(cluster.clone().lease_loop());
         tokio::spawn(cluster.clone().reaper_loop());
         Ok(cluster)
@@ -459,15 +464,21 @@ impl Cluster {
                 };
             }
             Err(e) => {
-                if h.healthy {
-                    tracing::warn!(error = %e, "control plane unhealthy");
-                }
-                *h = Health {
-                    healthy: false,
-                    detail: e.to_string(),
-                };
+                drop(h);
+                self.set_unhealthy(e);
             }
         }
+    }
+
+    fn set_unhealthy(&self, e: &Error) {
+        let mut h = lock(&self.health);
+        if h.healthy {
+            tracing::warn!(error = %e, "control plane unhealthy");
+        }
+        *h = Health {
+            healthy: false,
+            detail: e.to_string(),
+        };
     }
 
     /// Probes the control plane now; records and returns the outcome.
@@ -500,46 +511,6 @@ impl Cluster {
         view.revision = revision;
         self.view.send_replace(view);
         Ok(revision)
-    }
-
-    /// Follows the control plane: applies watch events to the view; lists
-    /// again whenever the watch breaks.
-    async fn watch_loop(self: Arc<Self>, mut revision: i64) {
-        let mut backoff = Duration::from_millis(100);
-        loop {
-            match self.store.watch(&self.keys.root, revision).await {
-                Ok(mut rx) => {
-                    while let Some(message) = rx.recv().await {
-                        match message {
-                            WatchMessage::Events(events) => {
-                                backoff = Duration::from_millis(100);
-                                self.view.send_if_modified(|v| {
-                                    let mut changed = false;
-                                    for e in &events {
-                                        changed |= apply(v, &self.keys, e);
-                                    }
-                                    changed
-                                });
-                            }
-                            WatchMessage::Broken(why) => {
-                                tracing::warn!(%why, "control-plane watch broke; listing again");
-                                break;
-                            }
-                        }
-                    }
-                }
-                Err(e) => self.set_health(&Err(e)),
-            }
-            self.view.send_modify(|v| v.synced = false);
-            loop {
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(2));
-                if let Ok(r) = self.relist().await {
-                    revision = r;
-                    break;
-                }
-            }
-        }
     }
 
     /// Keeps this node's alive key attached to a live lease; re-creates
@@ -1020,6 +991,31 @@ impl Cluster {
                 }
             }
         });
+    }
+}
+
+/// The view of nodes, alive keys and blocks follows the whole prefix.
+impl Follower for Cluster {
+    fn apply(&self, events: &[Event]) {
+        self.view.send_if_modified(|v| {
+            let mut changed = false;
+            for e in events {
+                changed |= apply(v, &self.keys, e);
+            }
+            changed
+        });
+    }
+
+    fn mark_stale(&self) {
+        self.view.send_modify(|v| v.synced = false);
+    }
+
+    fn list_again(&self) -> BoxFut<'_, i64> {
+        Box::pin(self.relist())
+    }
+
+    fn watch_failed(&self, e: &Error) {
+        self.set_unhealthy(e);
     }
 }
 

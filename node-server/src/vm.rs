@@ -18,14 +18,14 @@
 //! A record's addresses never change after it is created; its attachments
 //! (the active pod and, during a migration, the alternate) do.
 
-use crate::control::{Cmp, ControlStore, Event, Kv, Op, WatchMessage};
+use crate::control::{self, BoxFut, Cmp, ControlStore, Event, Follower, Kv, Op};
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
 
 /// The annotation naming the VM (the libvirt domain) of a virt-launcher pod.
@@ -269,7 +269,7 @@ struct Keys {
 impl Keys {
     fn new(prefix: &str) -> Keys {
         Keys {
-            root: format!("{}/v1/", prefix.trim_end_matches('/')),
+            root: control::v1_root(prefix),
         }
     }
     fn records(&self) -> String {
@@ -340,7 +340,12 @@ impl VmRegistry {
             view,
         });
         let revision = registry.relist().await?;
-        tokio::spawn(registry.clone().watch_loop(revision));
+        tokio::spawn(control::follow(
+            registry.store.clone(),
+            registry.keys.records(),
+            revision,
+            registry.clone(),
+        ));
         Ok(registry)
     }
 
@@ -352,11 +357,6 @@ impl VmRegistry {
     /// Notified on every change of the view.
     pub fn subscribe(&self) -> watch::Receiver<VmView> {
         self.view.subscribe()
-    }
-
-    /// The control plane.
-    pub fn store(&self) -> &Arc<dyn ControlStore> {
-        &self.store
     }
 
     async fn relist(&self) -> Result<i64> {
@@ -385,53 +385,6 @@ impl VmRegistry {
                 view.records.insert(key, (rec, kv.mod_revision));
             }
             Ok(_) | Err(_) => tracing::warn!(key = %kv.key, "ignoring a malformed VM record"),
-        }
-    }
-
-    async fn watch_loop(self: Arc<Self>, mut revision: i64) {
-        let mut backoff = Duration::from_millis(100);
-        loop {
-            match self.store.watch(&self.keys.records(), revision).await {
-                Ok(mut rx) => {
-                    while let Some(message) = rx.recv().await {
-                        match message {
-                            WatchMessage::Events(events) => {
-                                backoff = Duration::from_millis(100);
-                                self.view.send_modify(|v| {
-                                    for e in &events {
-                                        match e {
-                                            Event::Put(kv) => self.put(v, kv),
-                                            Event::Delete { key, mod_revision } => {
-                                                v.revision = v.revision.max(*mod_revision);
-                                                if let Some(k) = self.keys.parse(key) {
-                                                    v.records.remove(&k);
-                                                }
-                                            }
-                                        }
-                                    }
-                                });
-                            }
-                            WatchMessage::Broken(why) => {
-                                tracing::warn!(%why, "VM record watch broke; listing again");
-                                break;
-                            }
-                        }
-                    }
-                }
-                Err(e) => tracing::debug!(error = %e, "cannot watch the VM records"),
-            }
-            self.view.send_modify(|v| v.synced = false);
-            loop {
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(2));
-                match self.relist().await {
-                    Ok(r) => {
-                        revision = r;
-                        break;
-                    }
-                    Err(e) => tracing::debug!(error = %e, "cannot list the VM records"),
-                }
-            }
         }
     }
 
@@ -569,10 +522,38 @@ impl VmRegistry {
     }
 }
 
+/// The view of VM records follows `v1/vms/`.
+impl Follower for VmRegistry {
+    fn apply(&self, events: &[Event]) {
+        self.view.send_modify(|v| {
+            for e in events {
+                match e {
+                    Event::Put(kv) => self.put(v, kv),
+                    Event::Delete { key, mod_revision } => {
+                        v.revision = v.revision.max(*mod_revision);
+                        if let Some(k) = self.keys.parse(key) {
+                            v.records.remove(&k);
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    fn mark_stale(&self) {
+        self.view.send_modify(|v| v.synced = false);
+    }
+
+    fn list_again(&self) -> BoxFut<'_, i64> {
+        Box::pin(self.relist())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::control::embedded::EmbeddedStore;
+    use std::time::Duration;
 
     fn record(name: &str, ip: &str, mac: &str) -> VmRecord {
         VmRecord {

@@ -16,9 +16,11 @@
 pub mod embedded;
 pub mod etcd;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
 use tokio::sync::mpsc;
 
 /// A boxed future, so that the trait can be used as `dyn ControlStore`.
@@ -110,4 +112,70 @@ pub trait ControlStore: Send + Sync + 'static {
     /// A cheap read that needs the store to be able to commit (for etcd, a
     /// quorum), for health reporting.
     fn probe(&self) -> BoxFut<'_, ()>;
+}
+
+/// The root of tether's version-1 keys under the configured prefix:
+/// "/tether" → "/tether/v1/".
+pub fn v1_root(prefix: &str) -> String {
+    format!("{}/v1/", prefix.trim_end_matches('/'))
+}
+
+/// Keeps a view of a prefix current: [`follow`] feeds it the watch's
+/// changes and has it list again whenever the watch breaks.
+pub trait Follower: Send + Sync + 'static {
+    /// Applies one batch of changes (one store revision) to the view.
+    fn apply(&self, events: &[Event]);
+    /// Marks the view stale: the watch broke, a listing comes next.
+    fn mark_stale(&self);
+    /// Lists the prefix again and replaces the view; returns the revision
+    /// it was read at.
+    fn list_again(&self) -> BoxFut<'_, i64>;
+    /// The watch could not be opened.
+    fn watch_failed(&self, e: &Error) {
+        tracing::debug!(error = %e, "cannot watch the control plane");
+    }
+}
+
+/// Follows `prefix` from `revision` forever: every change goes to
+/// `follower`; when the watch breaks (a member died, history was
+/// compacted), the view is marked stale and listed again, with a backoff
+/// of 100 ms doubling to 2 s while the store does not answer.
+pub async fn follow(
+    store: Arc<dyn ControlStore>,
+    prefix: String,
+    mut revision: i64,
+    follower: Arc<impl Follower>,
+) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        match store.watch(&prefix, revision).await {
+            Ok(mut rx) => {
+                while let Some(message) = rx.recv().await {
+                    match message {
+                        WatchMessage::Events(events) => {
+                            backoff = Duration::from_millis(100);
+                            follower.apply(&events);
+                        }
+                        WatchMessage::Broken(why) => {
+                            tracing::warn!(%prefix, %why, "control-plane watch broke; listing again");
+                            break;
+                        }
+                    }
+                }
+            }
+            Err(e) => follower.watch_failed(&e),
+        }
+        follower.mark_stale();
+        loop {
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+            match follower.list_again().await {
+                Ok(r) => {
+                    revision = r;
+                    break;
+                }
+                Err(e) => tracing::debug!(%prefix, error = %e, "cannot list the control plane"),
+            }
+        }
+    }
 }

@@ -163,18 +163,6 @@ impl Dataplane {
         self.sync_routes(VM_ROUTE_PROTOCOL, desired).await
     }
 
-    /// Every proto-203 route, sorted.
-    pub async fn vm_routes(&self) -> Result<Vec<ClusterRoute>> {
-        let mut routes: Vec<ClusterRoute> = self
-            .found_routes(VM_ROUTE_PROTOCOL)
-            .await?
-            .into_iter()
-            .filter_map(|f| f.route)
-            .collect();
-        routes.sort();
-        Ok(routes)
-    }
-
     async fn sync_routes(&self, protocol: u8, desired: &[ClusterRoute]) -> Result<Synced> {
         let desired = normalized_routes(desired)?;
         let found = self.found_routes(protocol).await?;
