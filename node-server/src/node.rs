@@ -632,17 +632,26 @@ impl Node {
                     }
                     Err(e) => first = first.or(Some(e)),
                 }
-                if let Some(p) = &placement {
-                    self.undo_placement(p).await;
+                match &placement {
+                    Some(p) => {
+                        self.undo_placement(p).await;
+                        self.free_ips(&ips);
+                    }
+                    None => lock(&self.pools).release(&ips),
                 }
-                self.free_ips(&ips);
                 return Err(first.unwrap_or_else(|| Error::Internal("rollback".into())));
             }
         }
         let result = cni::render_add_result(&inv.conf, &wired(&attachment));
-        lock(&self.attachments).insert(key, attachment.clone());
-        if let (Some(pod), Some(p)) = (&vm_pod, &placement) {
-            self.after_vm_add(pod, &attachment, p).await;
+        match (&vm_pod, &placement) {
+            (Some(pod), Some(p)) => {
+                // In the table before the listener can see the VM announce.
+                lock(&self.attachments).insert(key, attachment.clone());
+                self.after_vm_add(pod, &attachment, p).await;
+            }
+            _ => {
+                lock(&self.attachments).insert(key, attachment);
+            }
         }
         result
     }
@@ -741,9 +750,15 @@ impl Node {
                 attachments.remove(&a.key);
             }
         }
-        let all: Vec<IpAddr> = list.iter().flat_map(|a| a.ips.clone()).collect();
-        self.free_ips(&all);
-        if list.iter().any(|a| a.vm.is_some()) {
+        // A plain pod's addresses are its own; a VM pod's may still be held
+        // by its record or by the VM's other pod here.
+        let (vm_pods, plain): (Vec<&Attachment>, Vec<&Attachment>) =
+            list.iter().partition(|a| a.vm.is_some());
+        let plain_ips: Vec<IpAddr> = plain.iter().flat_map(|a| a.ips.clone()).collect();
+        lock(&self.pools).release(&plain_ips);
+        if !vm_pods.is_empty() {
+            let vm_ips: Vec<IpAddr> = vm_pods.iter().flat_map(|a| a.ips.clone()).collect();
+            self.free_ips(&vm_ips);
             self.force_vm_resync();
         }
         for a in list {

@@ -353,8 +353,9 @@ impl Node {
         Ok(())
     }
 
-    /// Returns addresses to the pools unless a VM record or a remaining
-    /// local attachment still holds them.
+    /// Returns VM addresses (or addresses taken for a VM or a request) to
+    /// the pools unless a VM record or another local pod of a VM still
+    /// holds them. A plain pod's DEL frees its addresses directly.
     pub(super) fn free_ips(&self, ips: &[IpAddr]) {
         let attachments = lock(&self.attachments);
         let mut pools = lock(&self.pools);
@@ -363,7 +364,10 @@ impl Node {
             .iter()
             .copied()
             .filter(|ip| {
-                !held.contains_key(ip) && !attachments.values().any(|a| a.ips.contains(ip))
+                !held.contains_key(ip)
+                    && !attachments
+                        .values()
+                        .any(|a| a.vm.is_some() && a.ips.contains(ip))
             })
             .collect();
         pools.release(&free);
