@@ -126,6 +126,13 @@ fn a_vm_keeps_its_address_across_migrations_restarts_and_failures() {
         observer.ping(ip),
         "the VM answers on B after the source's DEL"
     );
+    // A's pool still counts the VM's two addresses as used, though no pod
+    // of the VM runs on A: the DEL did not free them.
+    assert_eq!(
+        tether_e2e::admin::pools_used(socket(a)).values().sum::<u64>(),
+        2,
+        "the source's DEL must not free the VM's addresses"
+    );
     // A plain pod on A never gets the VM's address, though it is in A's block.
     let others: Vec<Pod> = (0..4).map(|_| a.add_pod()).collect();
     assert!(others.iter().all(|p| !p.ips().contains(&ip)));
