@@ -292,15 +292,7 @@ impl EtcdMember {
     }
 
     fn log_tail(&self) -> String {
-        let log = std::fs::read_to_string(&self.log_path).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        let tail = &lines[lines.len().saturating_sub(LOG_TAIL_LINES)..];
-        format!(
-            "--- last {} lines of {} ---\n{}",
-            tail.len(),
-            self.log_path.display(),
-            tail.join("\n")
-        )
+        crate::log_tail(&self.log_path, LOG_TAIL_LINES)
     }
 }
 

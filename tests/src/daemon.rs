@@ -264,15 +264,7 @@ impl Daemon {
     }
 
     fn log_tail(&self) -> String {
-        let log = self.log();
-        let lines: Vec<&str> = log.lines().collect();
-        let tail = &lines[lines.len().saturating_sub(LOG_TAIL_LINES)..];
-        format!(
-            "--- last {} lines of {} ---\n{}",
-            tail.len(),
-            self.log_path.display(),
-            tail.join("\n")
-        )
+        crate::log_tail(&self.log_path, LOG_TAIL_LINES)
     }
 }
 

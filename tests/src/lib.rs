@@ -217,3 +217,17 @@ impl Drop for TempDir {
         }
     }
 }
+
+/// The last `n` lines of a log file, headed by its path, for panic
+/// messages ("" if it cannot be read).
+pub(crate) fn log_tail(path: &Path, n: usize) -> String {
+    let log = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = log.lines().collect();
+    let tail = &lines[lines.len().saturating_sub(n)..];
+    format!(
+        "--- last {} lines of {} ---\n{}",
+        tail.len(),
+        path.display(),
+        tail.join("\n")
+    )
+}

@@ -129,7 +129,9 @@ fn a_vm_keeps_its_address_across_migrations_restarts_and_failures() {
     // A's pool still counts the VM's two addresses as used, though no pod
     // of the VM runs on A: the DEL did not free them.
     assert_eq!(
-        tether_e2e::admin::pools_used(socket(a)).values().sum::<u64>(),
+        tether_e2e::admin::pools_used(socket(a))
+            .values()
+            .sum::<u64>(),
         2,
         "the source's DEL must not free the VM's addresses"
     );
