@@ -44,7 +44,7 @@ for _ in $(seq 100); do [ -S "$SOCK" ] && break; sleep 0.05; done
 [ -S "$SOCK" ] || { cat "$WORK/tetherd.log"; echo "tetherd did not start"; exit 1; }
 echo "tetherd pid $DAEMON_PID, socket $SOCK (mode $(stat -c %a "$SOCK"))"
 
-CONF=$(printf '{"cniVersion":"1.1.0","name":"demo","type":"tether","socket":"%s","stateDir":"%s"}' "$SOCK" "$STATE")
+CONF=$(printf '{"cniVersion":"1.1.0","name":"demo","type":"tether","socket":"%s"}' "$SOCK")
 cni() { # cni COMMAND CONTAINERID NETNS [stdin]
   CNI_COMMAND=$1 CNI_CONTAINERID=$2 CNI_NETNS=$3 CNI_IFNAME=eth0 CNI_PATH=$BIN_DIR \
     CNI_ARGS="K8S_POD_NAMESPACE=default;K8S_POD_NAME=$2" "$TETHER" <<<"${4:-$CONF}"
@@ -99,7 +99,7 @@ if command -v grpcurl >/dev/null; then
 fi
 
 step "a KubeVirt VM keeps its address: its pod is deleted, and a new pod of the VM gets the same IP and MAC"
-VMCONF=$(printf '{"cniVersion":"1.1.0","name":"demo","type":"tether","socket":"%s","stateDir":"%s","runtimeConfig":{"io.kubernetes.cri.pod-annotations":{"kubevirt.io/domain":"vm1"}}}' "$SOCK" "$STATE")
+VMCONF=$(printf '{"cniVersion":"1.1.0","name":"demo","type":"tether","socket":"%s","runtimeConfig":{"io.kubernetes.cri.pod-annotations":{"kubevirt.io/domain":"vm1"}}}' "$SOCK")
 V1=$(cni ADD "${P}-vm-a" "/run/netns/$POD1" "$VMCONF") || { echo "VM ADD failed: $V1"; exit 1; }
 cni DEL "${P}-vm-a" "/run/netns/$POD1" "$VMCONF" >/dev/null
 V2=$(cni ADD "${P}-vm-b" "/run/netns/$POD2" "$VMCONF") || { echo "VM ADD failed: $V2"; exit 1; }

@@ -42,6 +42,13 @@ pub enum ShimError {
     ConfigTooLarge,
     /// stdin is not a JSON object; without it the socket is unknown.
     ConfigNotObject(String),
+    /// A configuration field the shim reads is of the wrong type or value.
+    InvalidField {
+        /// The field, as spelled in the configuration.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The call to tetherd failed below the CNI level.
     Daemon {
         /// The verb being forwarded.
@@ -73,7 +80,7 @@ impl ShimError {
             }
             ShimError::ReadStdin(_) => CODE_IO,
             ShimError::ConfigNotObject(_) => CODE_DECODE,
-            ShimError::ConfigTooLarge => CODE_INVALID_CONFIG,
+            ShimError::ConfigTooLarge | ShimError::InvalidField { .. } => CODE_INVALID_CONFIG,
             // STATUS has its own codes: 50 says "not ready for ADD", which
             // is exactly what an unreachable daemon means.
             ShimError::Daemon {
@@ -95,6 +102,9 @@ impl ShimError {
             ShimError::ConfigTooLarge => "network configuration larger than 1 MiB".to_owned(),
             ShimError::ConfigNotObject(_) => {
                 "network configuration is not a JSON object".to_owned()
+            }
+            ShimError::InvalidField { field, reason } => {
+                format!("invalid network configuration: field {field:?}: {reason}")
             }
             ShimError::Daemon {
                 verb,
@@ -123,9 +133,10 @@ impl ShimError {
             ShimError::DelNotQueued { .. } => {
                 "the runtime will retry the DEL; tetherd drains the queue when it starts".to_owned()
             }
-            ShimError::EnvNotUtf8(_) | ShimError::ReadStdin(_) | ShimError::ConfigTooLarge => {
-                String::new()
-            }
+            ShimError::EnvNotUtf8(_)
+            | ShimError::ReadStdin(_)
+            | ShimError::ConfigTooLarge
+            | ShimError::InvalidField { .. } => String::new(),
         }
     }
 

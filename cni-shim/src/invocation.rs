@@ -1,9 +1,12 @@
 //! What the runtime handed the shim: the verb, the CNI_* environment and the
 //! network configuration on stdin, turned into a `CniRequest`.
 //!
-//! The shim reads only what it needs to reach the daemon (the socket, the
-//! state dir for the DEL queue) and the cniVersion to echo in its own errors.
-//! Everything else travels to the daemon as raw bytes.
+//! The shim reads only what it needs to reach the daemon (the socket, beside
+//! which it also finds the DEL queue) and the cniVersion to echo in its own
+//! errors. Everything else travels to the daemon as raw bytes, and the daemon
+//! judges it. The two fields the shim reads it judges itself, as strictly as
+//! the daemon would: a wrong type is code 7 naming the field, never a quiet
+//! fallback to the default.
 
 use crate::error::ShimError;
 use serde_json::{Map, Value};
@@ -21,9 +24,6 @@ pub const DEFAULT_CNI_VERSION: &str = "1.1.0";
 
 /// Where tetherd listens unless the configuration says otherwise.
 pub const DEFAULT_SOCKET: &str = "/run/tether/tether.sock";
-
-/// The daemon's state dir (home of the DEL queue) unless configured.
-pub const DEFAULT_STATE_DIR: &str = "/var/lib/tether";
 
 /// The CNI_* variables forwarded to the daemon, in `present` order.
 pub use tether_proto::cni::FORWARDED_VARIABLES as CNI_VARS;
@@ -84,25 +84,56 @@ impl Verb {
 pub struct ShimConfig {
     /// The configuration's cniVersion, echoed in errors the shim makes.
     pub cni_version: String,
-    /// tetherd's unix socket.
+    /// tetherd's unix socket; the DEL queue is reached beside it.
     pub socket: PathBuf,
-    /// tetherd's state dir; the DEL queue lives below it.
-    pub state_dir: PathBuf,
 }
 
 impl ShimConfig {
     /// Extracts the shim's fields from the configuration text, which must be
-    /// a JSON object. Fields of the wrong type fall back to the defaults:
-    /// judging them is the daemon's job, which sees the same bytes.
+    /// a JSON object. An absent or `null` field takes its default (as in the
+    /// daemon); one of the wrong type is refused with code 7.
     pub fn parse(stdin: &str) -> Result<ShimConfig, ShimError> {
         let object: Map<String, Value> =
             serde_json::from_str(stdin).map_err(|e| ShimError::ConfigNotObject(e.to_string()))?;
-        let text = |key: &str| object.get(key).and_then(Value::as_str).map(str::to_owned);
+        let text = |field: &'static str| -> Result<Option<&str>, ShimError> {
+            match object.get(field) {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::String(s)) => Ok(Some(s)),
+                Some(other) => Err(ShimError::InvalidField {
+                    field,
+                    reason: format!("expected a string, got {}", json_type(other)),
+                }),
+            }
+        };
+        let cni_version = text("cniVersion")?.unwrap_or(DEFAULT_CNI_VERSION);
+        let socket = match text("socket")? {
+            None => PathBuf::from(DEFAULT_SOCKET),
+            Some(s) if s.starts_with('/') && !s.contains('\0') => PathBuf::from(s),
+            // The runtime's working directory is no one's choice: a relative
+            // socket would be found, or not, by accident.
+            Some(s) => {
+                return Err(ShimError::InvalidField {
+                    field: "socket",
+                    reason: format!("{s:?} is not an absolute path"),
+                })
+            }
+        };
         Ok(ShimConfig {
-            cni_version: text("cniVersion").unwrap_or_else(|| DEFAULT_CNI_VERSION.to_owned()),
-            socket: text("socket").map_or_else(|| DEFAULT_SOCKET.into(), PathBuf::from),
-            state_dir: text("stateDir").map_or_else(|| DEFAULT_STATE_DIR.into(), PathBuf::from),
+            cni_version: cni_version.to_owned(),
+            socket,
         })
+    }
+}
+
+/// The JSON type of `v`, for messages.
+fn json_type(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
     }
 }
 
@@ -269,29 +300,50 @@ mod tests {
 
     #[test]
     fn config_fields_and_defaults() {
-        let full = ShimConfig::parse(
-            r#"{"cniVersion":"0.4.0","socket":"/tmp/t.sock","stateDir":"/tmp/state","ipam":{}}"#,
-        )
-        .unwrap();
+        let full = ShimConfig::parse(r#"{"cniVersion":"0.4.0","socket":"/tmp/t.sock","ipam":{}}"#)
+            .unwrap();
         assert_eq!(
             full,
             ShimConfig {
                 cni_version: "0.4.0".into(),
                 socket: "/tmp/t.sock".into(),
-                state_dir: "/tmp/state".into(),
             }
         );
-
-        // Wrong types are the daemon's to judge; the shim uses its defaults.
-        let odd = ShimConfig::parse(r#"{"cniVersion":1,"socket":null}"#).unwrap();
+        let defaults = ShimConfig {
+            cni_version: DEFAULT_CNI_VERSION.into(),
+            socket: DEFAULT_SOCKET.into(),
+        };
+        assert_eq!(ShimConfig::parse("{}").unwrap(), defaults);
+        // null reads as absent, as in the daemon.
         assert_eq!(
-            odd,
-            ShimConfig {
-                cni_version: DEFAULT_CNI_VERSION.into(),
-                socket: DEFAULT_SOCKET.into(),
-                state_dir: DEFAULT_STATE_DIR.into(),
-            }
+            ShimConfig::parse(r#"{"cniVersion":null,"socket":null}"#).unwrap(),
+            defaults
         );
+        // The shim no longer reads stateDir: the queue follows the socket.
+        assert_eq!(ShimConfig::parse(r#"{"stateDir":42}"#).unwrap(), defaults);
+    }
+
+    #[test]
+    fn a_field_of_the_wrong_type_is_code_7_naming_it() {
+        for (config, field, says) in [
+            (r#"{"socket":123}"#, "socket", "got a number"),
+            (r#"{"socket":true}"#, "socket", "got a boolean"),
+            (r#"{"socket":["/run/a.sock"]}"#, "socket", "got an array"),
+            (r#"{"socket":{"path":"/a"}}"#, "socket", "got an object"),
+            (r#"{"socket":""}"#, "socket", "not an absolute path"),
+            (
+                r#"{"socket":"tether.sock"}"#,
+                "socket",
+                "not an absolute path",
+            ),
+            (r#"{"cniVersion":1}"#, "cniVersion", "got a number"),
+            (r#"{"cniVersion":["1.0.0"]}"#, "cniVersion", "got an array"),
+        ] {
+            let err = ShimConfig::parse(config).unwrap_err();
+            assert_eq!(err.code(), 7, "{config}");
+            let msg = err.msg();
+            assert!(msg.contains(field) && msg.contains(says), "{config}: {msg}");
+        }
     }
 
     #[test]

@@ -21,10 +21,6 @@ use tether_proto::cni::v1::cni_response::Outcome;
 use tether_proto::cni::v1::{CniRequest, CniResponse};
 use transport::TransportFailure;
 
-/// The VERSION answer: the versions the daemon can convert results to.
-const VERSION_REPLY: &str =
-    r#"{"cniVersion":"1.1.0","supportedVersions":["0.3.0","0.3.1","0.4.0","1.0.0","1.1.0"]}"#;
-
 /// What the shim hands back to the runtime.
 #[derive(Debug, PartialEq, Eq)]
 enum Reply {
@@ -65,7 +61,7 @@ fn run(env: &dyn Fn(&str) -> Option<OsString>, stdin: &mut dyn Read) -> Reply {
         Err(e) => return fail(e, DEFAULT_CNI_VERSION),
     };
     if command == "VERSION" {
-        return Reply::Success(format!("{VERSION_REPLY}\n").into_bytes());
+        return Reply::Success(tether_proto::cni::version_reply().into_bytes());
     }
     let Some(verb) = Verb::parse(&command) else {
         return fail(ShimError::UnknownCommand(command), DEFAULT_CNI_VERSION);
@@ -148,7 +144,8 @@ fn queue_del(
     failure: TransportFailure,
 ) -> Reply {
     let entry = queue::PendingDel::new(request, stdin, queue::unix_nanos_now());
-    match queue::enqueue(&config.state_dir, &entry, std::process::id()) {
+    let dir = queue::queue_link(&config.socket);
+    match queue::enqueue(&dir, &entry, std::process::id()) {
         Ok(path) => {
             // stdout must stay empty on a DEL success; stderr reaches the
             // runtime's log, where an operator looks for why.
@@ -163,7 +160,7 @@ fn queue_del(
             ShimError::DelNotQueued {
                 socket: config.socket.clone(),
                 failure,
-                queue_dir: queue::queue_dir(&config.state_dir),
+                queue_dir: dir,
                 error: e.to_string(),
             },
             &config.cni_version,
@@ -202,7 +199,7 @@ mod tests {
         let reply = run(&env, &mut Broken);
         assert_eq!(
             reply,
-            Reply::Success(format!("{VERSION_REPLY}\n").into_bytes())
+            Reply::Success(tether_proto::cni::version_reply().into_bytes())
         );
     }
 

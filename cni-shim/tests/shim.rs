@@ -85,8 +85,8 @@ impl Cni for FakeDaemon {
     }
 }
 
-/// A temporary node: a socket path and a state dir, with or without a
-/// daemon behind the socket.
+/// A temporary node: a socket path, with or without a daemon behind it, and
+/// a state dir for the tests that play the daemon's part in the DEL queue.
 struct Node {
     dir: TempDir,
 }
@@ -106,8 +106,10 @@ impl Node {
         self.dir.path().join("state")
     }
 
+    /// Where the shim queues: beside the socket. No daemon has made it a
+    /// link to its state dir here, so the shim makes it a directory.
     fn queue_dir(&self) -> PathBuf {
-        self.state_dir().join("pending-del")
+        self.dir.path().join("tether.sock.pending-del")
     }
 
     /// Starts the fake daemon. The socket is bound before this returns, so
@@ -136,7 +138,6 @@ impl Node {
             "name": "tether",
             "type": "tether",
             "socket": self.socket(),
-            "stateDir": self.state_dir(),
         });
         for (k, v) in extra.as_object().unwrap() {
             config[k] = v.clone();
@@ -508,8 +509,8 @@ fn absent_daemon_del_is_queued_in_the_documented_format() {
 #[test]
 fn del_that_cannot_be_queued_is_code_11_naming_both_failures() {
     let node = Node::new();
-    // A file where the state dir should be: the queue cannot be created.
-    std::fs::write(node.state_dir(), "").unwrap();
+    // A file where the queue should be: no queue can be created there.
+    std::fs::write(node.queue_dir(), "").unwrap();
     let (output, _) = shim(&cri_env("DEL"), &node.config(json!({})));
     let error = cni_error(&output);
     assert_eq!(error["code"], 11);
@@ -550,4 +551,45 @@ fn connection_closed_at_once_counts_as_unreachable() {
     let (output, _) = shim(&cri_env("DEL"), &node.config(json!({})));
     assert_eq!(success(&output), b"");
     assert_eq!(node.queued().len(), 1);
+}
+
+#[test]
+fn absent_daemon_del_goes_through_the_daemons_link_to_its_state_dir() {
+    let node = Node::new();
+    // What tetherd leaves behind when it stops: the path beside its socket
+    // is a symlink to the queue in its state dir.
+    let queue = node.state_dir().join("pending-del");
+    std::fs::create_dir_all(&queue).unwrap();
+    std::os::unix::fs::symlink(&queue, node.queue_dir()).unwrap();
+
+    let (output, pid) = shim(&cri_env("DEL"), &node.config(json!({})));
+
+    assert_eq!(success(&output), b"");
+    let names: Vec<String> = std::fs::read_dir(&queue)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(names.len(), 1, "{names:?}");
+    assert!(names[0].ends_with(&format!("-{pid}.json")), "{names:?}");
+}
+
+#[test]
+fn a_socket_of_the_wrong_type_is_code_7_for_every_verb_and_no_del_is_queued() {
+    // With a daemon listening at the default socket or not, the shim must
+    // not fall back to it: the configuration is wrong and says so.
+    let node = Node::new().with_daemon();
+    let mut config: Value = serde_json::from_slice(&node.config(json!({}))).unwrap();
+    config["socket"] = json!(123);
+    let stdin = serde_json::to_vec(&config).unwrap();
+    for command in ["ADD", "DEL", "CHECK", "STATUS", "GC"] {
+        let (output, _) = shim(&cri_env(command), &stdin);
+        let error = cni_error(&output);
+        assert_eq!(error["code"], 7, "{command}: {error}");
+        let msg = error["msg"].as_str().unwrap();
+        assert!(
+            msg.contains("\"socket\"") && msg.contains("expected a string, got a number"),
+            "{command}: {msg}"
+        );
+    }
+    assert!(node.queued().is_empty());
 }

@@ -168,6 +168,15 @@ impl admin_server::Admin for AdminService {
             mtu: cfg.mtu,
             ipam_mode: "pod-cidr".into(),
             routing: "none".into(),
+            state_dir: cfg.state_dir.display().to_string(),
+            pending_del_dir: std::path::absolute(pending_del::queue_dir(&cfg.state_dir))
+                .unwrap_or_else(|_| pending_del::queue_dir(&cfg.state_dir))
+                .display()
+                .to_string(),
+            pending_del_link: pending_del::queue_link(&self.socket).display().to_string(),
+            pending_del_link_target: std::fs::read_link(pending_del::queue_link(&self.socket))
+                .map(|t| t.display().to_string())
+                .unwrap_or_default(),
             ..Default::default()
         };
         let started = std::time::Instant::now();

@@ -7,7 +7,7 @@
 use clap::Parser;
 use ipnet::IpNet;
 use std::net::IpAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,6 +16,7 @@ use tetherd::control::etcd::{EtcdOptions, EtcdStore};
 use tetherd::control::{embedded::EmbeddedStore, ControlStore};
 use tetherd::error::Error;
 use tetherd::node::{Node, NodeConfig};
+use tetherd::pending_del;
 use tetherd::server::{self, ServeOptions};
 use tetherd::service::{self, Stats};
 use tetherd::store::{Fsync, LocalStore, Store};
@@ -127,8 +128,9 @@ struct Args {
     #[arg(long, default_value = "/run/tether/tether.sock")]
     socket: PathBuf,
 
-    /// Where durable state lives: the store and the shim's pending-DEL queue.
-    /// The netconf's "stateDir" must name the same directory.
+    /// Where durable state lives: the store and the pending-DEL queue. The
+    /// only knob for it: at start-up the daemon points the path the plugin
+    /// queues through, `<socket>.pending-del`, at `<state-dir>/pending-del`.
     #[arg(long, default_value = "/var/lib/tether")]
     state_dir: PathBuf,
 
@@ -266,6 +268,10 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
     let node = Arc::new(node);
     node.start_vm_tasks();
     let stats = Arc::new(Stats::default());
+    // The plugin queues DELs through a path beside the socket; point it at
+    // this daemon's state dir before the first replay, taking in what a
+    // former state dir or a pre-start shim left there.
+    adopt_pending_dels(&args.socket, &args.state_dir, &node.config().allowed_uids)?;
     let replayed = service::drain_pending_dels(&node, &stats).await;
     if replayed > 0 {
         tracing::info!(replayed, "replayed queued DELs before serving");
@@ -280,11 +286,17 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
     // A DEL queued by a shim that raced our startup is picked up here.
     let drainer = {
         let (node, stats) = (node.clone(), stats.clone());
+        let (socket, state_dir) = (args.socket.clone(), args.state_dir.clone());
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(5));
             tick.tick().await;
             loop {
                 tick.tick().await;
+                // Someone may have removed or replaced the link meanwhile.
+                if let Err(e) = adopt_pending_dels(&socket, &state_dir, &node.config().allowed_uids)
+                {
+                    tracing::error!("{e}");
+                }
                 service::drain_pending_dels(&node, &stats).await;
             }
         })
@@ -301,6 +313,42 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
     }
     tracing::info!("stopped");
     served
+}
+
+/// Runs [`pending_del::adopt`] for this daemon's socket and state dir, and
+/// logs what it took in.
+fn adopt_pending_dels(
+    socket: &Path,
+    state_dir: &Path,
+    allowed_uids: &[u32],
+) -> tetherd::error::Result<()> {
+    let link = pending_del::queue_link(socket);
+    match pending_del::adopt(socket, state_dir, allowed_uids) {
+        Ok(adopted) => {
+            if !adopted.from.is_empty() {
+                let from: Vec<String> = adopted
+                    .from
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect();
+                tracing::warn!(
+                    ?from,
+                    moved = adopted.moved,
+                    link = %link.display(),
+                    "took in DELs queued outside this state dir (a former --state-dir, or queued before tetherd started)"
+                );
+            }
+            for left in &adopted.left {
+                tracing::warn!(path = %left.path.display(), reason = %left.reason, "queued DEL left where it is");
+            }
+            Ok(())
+        }
+        Err(e) => Err(Error::Io(format!(
+            "cannot point {} at the DEL queue in {}: {e}",
+            link.display(),
+            pending_del::queue_dir(state_dir).display()
+        ))),
+    }
 }
 
 /// Opens the control plane: node records and blocks in cluster mode, and

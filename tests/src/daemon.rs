@@ -121,9 +121,22 @@ impl Daemon {
         &self.socket
     }
 
-    /// The daemon's `--state-dir` (also the netconf's `stateDir`).
+    /// The daemon's `--state-dir`.
     pub fn state_dir(&self) -> &Path {
         &self.state_dir
+    }
+
+    /// Gives the daemon another `--state-dir` from its next start on, as an
+    /// operator who moves the state would. The daemon must be stopped.
+    pub fn set_state_dir(&mut self, dir: PathBuf) {
+        assert!(self.child.is_none(), "set_state_dir: stop the daemon first");
+        let at = self
+            .args
+            .iter()
+            .position(|a| a == "--state-dir")
+            .expect("--state-dir is always given");
+        self.args[at + 1] = dir.display().to_string();
+        self.state_dir = dir;
     }
 
     /// The temp dir holding socket, state dir and log.
@@ -150,14 +163,13 @@ impl Daemon {
     }
 
     /// A netconf for this daemon: `cniVersion`, `name`, `type: tether`,
-    /// `socket` and `stateDir`. Add fields (`mtu`, ...) as the test needs.
+    /// and `socket`. Add fields (`mtu`, ...) as the test needs.
     pub fn netconf(&self, cni_version: &str, name: &str) -> Value {
         json!({
             "cniVersion": cni_version,
             "name": name,
             "type": "tether",
             "socket": self.socket.display().to_string(),
-            "stateDir": self.state_dir.display().to_string(),
         })
     }
 

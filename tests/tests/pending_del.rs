@@ -1,13 +1,16 @@
 //! The shim's pending-DEL queue: a DEL that cannot reach `tetherd` is
-//! written to `<stateDir>/pending-del/` and succeeds; the daemon replays the
-//! queue before it serves and every few seconds afterwards.
+//! written through `<socket>.pending-del`, which the daemon points at
+//! `<--state-dir>/pending-del/`, and succeeds; the daemon replays the queue
+//! before it serves and every few seconds afterwards.
 //!
 //! - A DEL with the daemon stopped exits 0, leaves one entry, and is done by
 //!   the time the restarted daemon answers its first call.
 //! - A queued DEL never removes an attachment created after it was queued.
 //! - Unreadable entries go to `pending-del/bad/` and do not block the rest.
-//! - A DEL queued while the daemon runs (the shim had a wrong socket path) is
-//!   picked up by the periodic drain.
+//! - A DEL queued while the daemon runs (the shim found no socket for a
+//!   moment) is picked up by the periodic drain.
+//! - The daemon's `--state-dir` is the one knob: when it changes, DELs queued
+//!   under the former one, or before the daemon ever ran, are still done.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -71,7 +74,7 @@ fn now_nanos() -> u64 {
 }
 
 /// Writes a queue entry by hand, in the shim's format (version 1, see
-/// cni-shim/src/queue.rs), as if a shim had queued a DEL of `id` in `pod`
+/// proto/src/pending_del.rs), as if a shim had queued a DEL of `id` in `pod`
 /// at `queued_at` (ns since the epoch). Returns the file name.
 fn write_entry(daemon: &Daemon, conf: &Value, id: &str, pod: &Netns, queued_at: u64) -> String {
     let entry = json!({
@@ -267,20 +270,24 @@ fn del_queued_while_the_daemon_runs_is_drained_periodically() {
     require_root();
     let daemon = dual_stack_daemon();
     let conf = daemon.netconf("1.0.0", NETWORK);
-    // The daemon's state dir, but a socket nobody listens on.
-    let mut lost = conf.clone();
-    lost["socket"] = json!(daemon.dir().join("nobody.sock").display().to_string());
     let bin = tether_bin();
     let (gone_pod, kept_pod) = (Netns::new("dp"), Netns::new("dp"));
     let (gone_id, kept_id) = (unique_name("dg"), unique_name("dk"));
     add(&bin, &conf, &gone_id, &gone_pod).assert_success();
     add(&bin, &conf, &kept_id, &kept_pod).assert_success();
 
-    let out = del(&bin, &lost, &gone_id, &gone_pod);
-    assert!(out.success(), "DEL that cannot reach the daemon: {out}");
+    // The socket is gone for a moment (the daemon still runs): the shim
+    // cannot connect and queues.
+    let socket = daemon.socket().to_path_buf();
+    let aside = daemon.dir().join("socket-aside");
+    std::fs::rename(&socket, &aside).expect("moving the socket aside");
+    let out = del(&bin, &conf, &gone_id, &gone_pod);
     // Queued for the kept pod too, then deleted and re-added for real before
     // (or after) the drain runs: in every order, the new one must survive.
-    del(&bin, &lost, &kept_id, &kept_pod).assert_success();
+    let kept_out = del(&bin, &conf, &kept_id, &kept_pod);
+    std::fs::rename(&aside, &socket).expect("moving the socket back");
+    assert!(out.success(), "DEL that cannot reach the daemon: {out}");
+    kept_out.assert_success();
     del(&bin, &conf, &kept_id, &kept_pod).assert_success();
     let kept = AddResult::from_output(&add(&bin, &conf, &kept_id, &kept_pod));
 
@@ -296,4 +303,116 @@ fn del_queued_while_the_daemon_runs_is_drained_periodically() {
     assert_node_holds_exactly(&daemon, &BTreeMap::from([(kept_id.as_str(), &kept)]));
     kept.assert_check_passes(&daemon, NETWORK, &kept_id, &kept_pod);
     assert_eth0_goes(&gone_pod);
+}
+
+/// The trap this replaces: the queue was wherever the netconf's `stateDir`
+/// said, and a daemon with another `--state-dir` never read it. Now the shim
+/// writes through the daemon's link beside the socket, and a daemon started
+/// with a new state dir takes in what the former one's queue holds, and what
+/// a shim queued before any daemon ran since boot (the link lives in the
+/// socket's directory, a tmpfs on a real node).
+#[test]
+fn a_new_state_dir_takes_in_dels_queued_under_the_former_one() {
+    require_root();
+    let mut daemon = dual_stack_daemon();
+    let conf = daemon.netconf("1.0.0", NETWORK);
+    let bin = tether_bin();
+    let pods: Vec<Netns> = (0..3).map(|_| Netns::new("sp")).collect();
+    let ids: Vec<String> = (0..3).map(|_| unique_name("sd")).collect();
+    let mut added = Vec::new();
+    for (id, pod) in ids.iter().zip(&pods) {
+        added.push(AddResult::from_output(&add(&bin, &conf, id, pod)));
+    }
+    let old_state = daemon.state_dir().to_path_buf();
+    let link = daemon.socket().with_file_name("tetherd.sock.pending-del");
+    assert_eq!(
+        std::fs::read_link(&link).expect("the daemon links its queue beside the socket"),
+        old_state.join("pending-del")
+    );
+    daemon.stop();
+
+    // The operator copies the state to a new place for the next start; a
+    // DEL arrives meanwhile and lands in the old queue, through the link.
+    let new_state = daemon.dir().join("state-moved");
+    let copied = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(&old_state)
+        .arg(&new_state)
+        .status()
+        .expect("running cp");
+    assert!(copied.success(), "cp -a {}", old_state.display());
+    del(&bin, &conf, &ids[0], &pods[0]).assert_success();
+    assert_eq!(queued(&daemon).len(), 1, "queued under the old state dir");
+    // The node rebooted, say: /run is empty, the link is gone. The shim
+    // queues in a plain directory beside the socket.
+    std::fs::remove_file(&link).expect("removing the link");
+    del(&bin, &conf, &ids[1], &pods[1]).assert_success();
+    assert!(link.is_dir(), "the shim made {}", link.display());
+    daemon.set_state_dir(new_state.clone());
+
+    daemon.restart();
+
+    // Both replayed before the first call; only the third pod is left.
+    assert_eq!(
+        daemon.attachment_ids(),
+        BTreeSet::from([ids[2].clone()]),
+        "attachments at the first call after the restart"
+    );
+    assert_eq!(
+        queued(&daemon),
+        Vec::<String>::new(),
+        "new queue after replay"
+    );
+    let old_left: Vec<_> = std::fs::read_dir(old_state.join("pending-del"))
+        .expect("the old queue dir stays")
+        .collect();
+    assert!(old_left.is_empty(), "left in the old queue: {old_left:?}");
+    assert_eq!(daemon.stats().pending_del_processed, 2);
+    let node = daemon.node_info();
+    assert_eq!(node.state_dir, new_state.display().to_string());
+    assert_eq!(
+        node.pending_del_link_target, node.pending_del_dir,
+        "{node:?}"
+    );
+    assert_eq!(node.pending_del_link, link.display().to_string());
+    assert!(daemon
+        .log()
+        .contains("took in DELs queued outside this state dir"));
+    assert_node_holds_exactly(&daemon, &BTreeMap::from([(ids[2].as_str(), &added[2])]));
+    assert_eth0_goes(&pods[0]);
+    assert_eth0_goes(&pods[1]);
+
+    // And the link now leads a DEL into the new state dir.
+    daemon.stop();
+    del(&bin, &conf, &ids[2], &pods[2]).assert_success();
+    assert_eq!(queued(&daemon).len(), 1, "queued under the new state dir");
+    daemon.restart();
+    assert_eq!(daemon.attachment_ids(), BTreeSet::new());
+    assert_eth0_goes(&pods[2]);
+}
+
+/// The state dir moved as a whole (`mv`) while the daemon was down: its
+/// queue moved with it, the old link dangles, and nothing is lost.
+#[test]
+fn a_moved_state_dir_keeps_its_queue() {
+    require_root();
+    let mut daemon = dual_stack_daemon();
+    let conf = daemon.netconf("1.0.0", NETWORK);
+    let bin = tether_bin();
+    let pod = Netns::new("mp");
+    let id = unique_name("md");
+    add(&bin, &conf, &id, &pod).assert_success();
+    daemon.stop();
+    del(&bin, &conf, &id, &pod).assert_success();
+    assert_eq!(queued(&daemon).len(), 1);
+
+    let new_state = daemon.dir().join("state-mv");
+    std::fs::rename(daemon.state_dir(), &new_state).expect("moving the state dir");
+    daemon.set_state_dir(new_state);
+    daemon.restart();
+
+    assert_eq!(daemon.attachment_ids(), BTreeSet::new());
+    assert_eq!(queued(&daemon), Vec::<String>::new());
+    assert_eq!(daemon.stats().pending_del_processed, 1);
+    assert_eth0_goes(&pod);
 }

@@ -225,9 +225,10 @@ fn allowed_uid_is_served() {
 
 /// A DEL from a non-root caller the daemon would not serve must not end up
 /// in the daemon's pending-DEL queue: the shim falls back to the queue when
-/// it cannot connect, and the queue dir is root's. Whether the dir exists
-/// or not, the DEL fails with 11, nothing is queued, and the attachment
-/// survives a restart (which replays the queue before serving).
+/// it cannot connect, and the queue dir is root's. The DEL fails with 11,
+/// nothing is queued, and the attachment survives a restart (which replays
+/// the queue before serving). A `stateDir` of the caller's choosing in the
+/// netconf changes nothing: the shim no longer reads it.
 #[test]
 fn refused_non_root_del_is_not_queued() {
     require_root();
@@ -239,20 +240,13 @@ fn refused_non_root_del_is_not_queued() {
     let result = as_root(&env, &conf).result().clone();
     let del_env = CniEnv::new("DEL", "sec-del", &pod);
 
-    // The queue dir does not exist yet: the caller cannot create it.
-    assert!(!daemon.state_dir().join("pending-del").exists());
-    let out = nobody.run(&del_env, &conf);
-    assert_eq!(out.error_code(), Some(11), "DEL without a queue dir: {out}");
-    assert!(
-        queue_entries(&daemon).is_empty(),
-        "{:?}",
-        queue_entries(&daemon)
-    );
-
-    // The queue dir exists, root-only, as the shim creates it.
+    // The daemon made the queue root-only and linked it beside the socket.
     let queue = daemon.state_dir().join("pending-del");
-    std::fs::create_dir(&queue).expect("creating the queue dir");
-    std::fs::set_permissions(&queue, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let mode = std::fs::metadata(&queue)
+        .expect("queue dir")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o700, "{}", queue.display());
     let out = nobody.run(&del_env, &conf);
     assert_eq!(
         out.error_code(),
@@ -265,13 +259,16 @@ fn refused_non_root_del_is_not_queued() {
         queue_entries(&daemon)
     );
 
-    // A stateDir of the caller's own choosing takes the entry, but the
-    // daemon never reads it.
     let own = TempDir::new("own");
     std::os::unix::fs::chown(own.path(), Some(NOBODY), Some(NOBODY)).expect("chown");
     let mut elsewhere = conf.clone();
     elsewhere["stateDir"] = own.path().display().to_string().into();
-    let _ = nobody.run(&del_env, &elsewhere);
+    let out = nobody.run(&del_env, &elsewhere);
+    assert_eq!(out.error_code(), Some(11), "DEL naming a stateDir: {out}");
+    let written: Vec<_> = std::fs::read_dir(own.path())
+        .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
+        .unwrap_or_default();
+    assert!(written.is_empty(), "the shim wrote {written:?}");
     assert!(
         queue_entries(&daemon).is_empty(),
         "{:?}",

@@ -9,11 +9,7 @@ use std::fmt;
 
 use crate::error::{Error, Result};
 
-/// Every cniVersion tether accepts, oldest first. VERSION answers with it.
-///
-/// 0.1.0 and 0.2.0 are left out on purpose: their result type has no
-/// interface list, so a routed veth cannot be described in it.
-pub const SUPPORTED_VERSIONS: [&str; 5] = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
+pub use tether_proto::cni::SUPPORTED_VERSIONS;
 
 /// A CNI verb as set in `CNI_COMMAND`. VERSION is answered by the shim and
 /// never reaches the daemon, so it is not one of them.
