@@ -127,15 +127,33 @@ fn oversized() -> Vec<u8> {
     to_vec(&conf)
 }
 
-/// One row: a name, the exact code, and how to build the input.
+/// One row: a name, the exact code, and how to build the input; for a field
+/// of the wrong type or value, also the field its message must name.
 struct Case {
     name: &'static str,
     code: u64,
+    field: Option<&'static str>,
     build: fn(&Fx) -> Input,
 }
 
 const fn case(name: &'static str, code: u64, build: fn(&Fx) -> Input) -> Case {
-    Case { name, code, build }
+    Case {
+        name,
+        code,
+        field: None,
+        build,
+    }
+}
+
+/// A configuration field that decoded but is invalid: code 7, and the error
+/// names `field` (never a quiet fallback to a default).
+const fn field(name: &'static str, field: &'static str, build: fn(&Fx) -> Input) -> Case {
+    Case {
+        name,
+        code: 7,
+        field: Some(field),
+        build,
+    }
 }
 
 #[rustfmt::skip]
@@ -157,36 +175,55 @@ const CASES: &[Case] = &[
     case("unsupported cniVersion 0.2.0", 1, |fx| fx.add(|c| c["cniVersion"] = json!("0.2.0"))),
     case("unsupported cniVersion 1.2.0", 1, |fx| fx.add(|c| c["cniVersion"] = json!("1.2.0"))),
     case("empty cniVersion", 1, |fx| fx.add(|c| c["cniVersion"] = json!(""))),
-    case("cniVersion a number", 6, |fx| fx.add(|c| c["cniVersion"] = json!(1.0))),
-    case("cniVersion an object", 6, |fx| fx.add(|c| c["cniVersion"] = json!({"v": "1.1.0"}))),
+    field("cniVersion a number", "cniVersion", |fx| fx.add(|c| c["cniVersion"] = json!(1.0))),
+    field("cniVersion an object", "cniVersion", |fx| fx.add(|c| c["cniVersion"] = json!({"v": "1.1.0"}))),
     // name and type
     case("missing name", 7, |fx| fx.add(|c| remove(c, "name"))),
     case("name with a space", 7, |fx| fx.add(|c| c["name"] = json!("bad net"))),
     case("name starting with a dash", 7, |fx| fx.add(|c| c["name"] = json!("-badnet"))),
     case("name with a slash", 7, |fx| fx.add(|c| c["name"] = json!("bad/net"))),
     case("empty name", 7, |fx| fx.add(|c| c["name"] = json!(""))),
-    case("name a number", 6, |fx| fx.add(|c| c["name"] = json!(5))),
+    field("name a number", "name", |fx| fx.add(|c| c["name"] = json!(5))),
     case("missing type", 7, |fx| fx.add(|c| remove(c, "type"))),
     case("type with a slash", 7, |fx| fx.add(|c| c["type"] = json!("../tether"))),
     // unsupported and mistyped fields
     case("ipam section", 2, |fx| fx.add(|c| c["ipam"] = json!({"type": "host-local", "subnet": "10.9.0.0/24"}))),
     case("empty ipam section", 2, |fx| fx.add(|c| c["ipam"] = json!({}))),
-    case("mtu a string", 6, |fx| fx.add(|c| c["mtu"] = json!("1500"))),
-    case("mtu fractional", 6, |fx| fx.add(|c| c["mtu"] = json!(1500.5))),
-    case("mtu a boolean", 6, |fx| fx.add(|c| c["mtu"] = json!(true))),
+    field("mtu a string", "mtu", |fx| fx.add(|c| c["mtu"] = json!("1500"))),
+    field("mtu fractional", "mtu", |fx| fx.add(|c| c["mtu"] = json!(1500.5))),
+    field("mtu a boolean", "mtu", |fx| fx.add(|c| c["mtu"] = json!(true))),
     case("mtu below 576", 7, |fx| fx.add(|c| c["mtu"] = json!(575))),
     case("mtu zero", 7, |fx| fx.add(|c| c["mtu"] = json!(0))),
     case("mtu above 65535", 7, |fx| fx.add(|c| c["mtu"] = json!(65536))),
     case("mtu negative", 7, |fx| fx.add(|c| c["mtu"] = json!(-1))),
-    case("dns a string", 6, |fx| fx.add(|c| c["dns"] = json!("10.0.0.10"))),
-    case("dns nameservers not strings", 6, |fx| fx.add(|c| c["dns"] = json!({"nameservers": [1]}))),
-    case("runtimeConfig a string", 6, |fx| fx.add(|c| c["runtimeConfig"] = json!("x"))),
-    case("runtimeConfig a list", 6, |fx| fx.add(|c| c["runtimeConfig"] = json!([]))),
-    case("runtimeConfig ips not a list", 6, |fx| fx.add(|c| c["runtimeConfig"] = json!({"ips": "10.77.0.9/32"}))),
+    field("dns a string", "dns", |fx| fx.add(|c| c["dns"] = json!("10.0.0.10"))),
+    field("dns nameservers not strings", "dns", |fx| fx.add(|c| c["dns"] = json!({"nameservers": [1]}))),
+    field("runtimeConfig a string", "runtimeConfig", |fx| fx.add(|c| c["runtimeConfig"] = json!("x"))),
+    field("runtimeConfig a list", "runtimeConfig", |fx| fx.add(|c| c["runtimeConfig"] = json!([]))),
+    field("runtimeConfig ips not a list", "runtimeConfig", |fx| fx.add(|c| c["runtimeConfig"] = json!({"ips": "10.77.0.9/32"}))),
     case("runtimeConfig ips entry not an IP", 7, |fx| fx.add(|c| c["runtimeConfig"] = json!({"ips": ["not-an-ip"]}))),
     case("runtimeConfig mac malformed", 7, |fx| fx.add(|c| c["runtimeConfig"] = json!({"mac": "zz:zz"}))),
-    case("prevResult a string on ADD", 6, |fx| fx.add(|c| c["prevResult"] = json!("x"))),
-    case("prevResult ips not a list on ADD", 6, |fx| fx.add(|c| c["prevResult"] = json!({"cniVersion": "1.1.0", "ips": "x"}))),
+    field("prevResult a string on ADD", "prevResult", |fx| fx.add(|c| c["prevResult"] = json!("x"))),
+    field("prevResult ips not a list on ADD", "prevResult", |fx| fx.add(|c| c["prevResult"] = json!({"cniVersion": "1.1.0", "ips": "x"}))),
+    // every field read, of the wrong type: the shim's own two first
+    field("socket a number", "socket", |fx| fx.add(|c| c["socket"] = json!(123))),
+    field("socket an object", "socket", |fx| fx.add(|c| c["socket"] = json!({"path": "/run/tether/tether.sock"}))),
+    field("socket a relative path", "socket", |fx| fx.add(|c| c["socket"] = json!("tether.sock"))),
+    field("socket empty", "socket", |fx| fx.add(|c| c["socket"] = json!(""))),
+    field("cniVersion a list", "cniVersion", |fx| fx.add(|c| c["cniVersion"] = json!(["1.1.0"]))),
+    field("cniVersion a boolean", "cniVersion", |fx| fx.add(|c| c["cniVersion"] = json!(true))),
+    field("type a number", "type", |fx| fx.add(|c| c["type"] = json!(1))),
+    field("type a list", "type", |fx| fx.add(|c| c["type"] = json!(["tether"]))),
+    field("name a list", "name", |fx| fx.add(|c| c["name"] = json!([NET]))),
+    field("mtu a list", "mtu", |fx| fx.add(|c| c["mtu"] = json!([1500]))),
+    field("dns domain a number", "dns", |fx| fx.add(|c| c["dns"] = json!({"domain": 3}))),
+    field("dns search a string", "dns", |fx| fx.add(|c| c["dns"] = json!({"search": "svc.cluster.local"}))),
+    field("runtimeConfig mac a number", "runtimeConfig", |fx| fx.add(|c| c["runtimeConfig"] = json!({"mac": 5}))),
+    field("runtimeConfig ips entry a number", "runtimeConfig", |fx| fx.add(|c| c["runtimeConfig"] = json!({"ips": [5]}))),
+    field("runtimeConfig pod annotations a list", "runtimeConfig", |fx| fx.add(|c| c["runtimeConfig"] = json!({"io.kubernetes.cri.pod-annotations": []}))),
+    field("runtimeConfig pod annotation value a number", "runtimeConfig", |fx| fx.add(|c| c["runtimeConfig"] = json!({"io.kubernetes.cri.pod-annotations": {"kubevirt.io/domain": 1}}))),
+    field("vmAddressPolicy a number", "vmAddressPolicy", |fx| fx.add(|c| c["vmAddressPolicy"] = json!(1))),
+    field("prevResult interfaces a map on ADD", "prevResult", |fx| fx.add(|c| c["prevResult"] = json!({"cniVersion": "1.1.0", "interfaces": {}}))),
     // CNI_COMMAND
     case("missing CNI_COMMAND", 4, |fx| fx.add_env(|e| e.command = None)),
     case("empty CNI_COMMAND", 4, |fx| fx.add_env(|e| e.command = Some(String::new()))),
@@ -231,7 +268,7 @@ case("CNI_ARGS IP outside the pod CIDRs", 106, |fx| fx.add_env(|e| e.args = Some
     case("runtimeConfig ips outside the pod CIDRs", 106, |fx| fx.add(|c| c["runtimeConfig"] = json!({"ips": ["10.88.0.5/24"]}))),
     case("runtimeConfig mac all zero", 7, |fx| fx.add(|c| c["runtimeConfig"] = json!({"mac": "00:00:00:00:00:00"}))),
     case("KubeVirt pod without K8S_POD_NAMESPACE", 4, |fx| fx.add(|c| c["runtimeConfig"] = json!({"io.kubernetes.cri.pod-annotations": {"kubevirt.io/domain": "vm1"}}))),
-    case("vmAddressPolicy unknown", 7, |fx| fx.add(|c| c["vmAddressPolicy"] = json!("forever"))),
+    field("vmAddressPolicy unknown", "vmAddressPolicy", |fx| fx.add(|c| c["vmAddressPolicy"] = json!("forever"))),
     case("CNI_ARGS MAC malformed", 4, |fx| fx.add_env(|e| e.args = Some("IgnoreUnknown=1;MAC=0a:58".into()))),
     // version gates
     case("CHECK with cniVersion 0.3.1", 1, |fx| fx.kept("CHECK", "0.3.1", |_| {})),
@@ -241,19 +278,26 @@ case("CNI_ARGS IP outside the pod CIDRs", 106, |fx| fx.add_env(|e| e.args = Some
     case("STATUS with cniVersion 1.0.0", 1, |fx| fx.network("STATUS", "1.0.0", |_| {})),
     // verb-specific configuration
     case("CHECK without prevResult", 7, |fx| fx.kept("CHECK", "1.1.0", |c| remove(c, "prevResult"))),
-    case("CHECK with prevResult a string", 6, |fx| fx.kept("CHECK", "1.1.0", |c| c["prevResult"] = json!("x"))),
-    case("CHECK with prevResult interfaces malformed", 6, |fx| fx.kept("CHECK", "1.1.0", |c| c["prevResult"]["interfaces"] = json!([{"name": 5}]))),
-    case("CHECK with prevResult ips address malformed", 6, |fx| fx.kept("CHECK", "1.1.0", |c| c["prevResult"]["ips"] = json!([{"address": "not-a-cidr"}]))),
-    case("CHECK with runtimeConfig a string", 6, |fx| fx.kept("CHECK", "1.1.0", |c| c["runtimeConfig"] = json!("x"))),
+    field("CHECK with prevResult a string", "prevResult", |fx| fx.kept("CHECK", "1.1.0", |c| c["prevResult"] = json!("x"))),
+    field("CHECK with prevResult interfaces malformed", "prevResult", |fx| fx.kept("CHECK", "1.1.0", |c| c["prevResult"]["interfaces"] = json!([{"name": 5}]))),
+    field("CHECK with prevResult ips address malformed", "prevResult", |fx| fx.kept("CHECK", "1.1.0", |c| c["prevResult"]["ips"] = json!([{"address": "not-a-cidr"}]))),
+    field("CHECK with runtimeConfig a string", "runtimeConfig", |fx| fx.kept("CHECK", "1.1.0", |c| c["runtimeConfig"] = json!("x"))),
     case("GC without valid-attachments", 7, |fx| fx.network("GC", "1.1.0", |c| remove(c, "cni.dev/valid-attachments"))),
-    case("GC valid-attachments a string", 6, |fx| fx.network("GC", "1.1.0", |c| c["cni.dev/valid-attachments"] = json!("keeper"))),
+    field("GC valid-attachments a string", "cni.dev/valid-attachments", |fx| fx.network("GC", "1.1.0", |c| c["cni.dev/valid-attachments"] = json!("keeper"))),
     case("GC valid-attachments entry without ifname", 7, |fx| fx.network("GC", "1.1.0", |c| c["cni.dev/valid-attachments"] = json!([{"containerID": KEPT}]))),
-    case("GC with runtimeConfig a number", 6, |fx| fx.network("GC", "1.1.0", |c| c["runtimeConfig"] = json!(3))),
+    field("GC with runtimeConfig a number", "runtimeConfig", |fx| fx.network("GC", "1.1.0", |c| c["runtimeConfig"] = json!(3))),
     // DEL validates its environment too (and must not release the kept one)
     case("DEL with CNI_CONTAINERID malformed", 4, |fx| { let mut i = fx.kept("DEL", "1.1.0", |_| {}); i.env.container_id = Some("keeper/..".into()); i }),
     case("DEL with relative CNI_NETNS", 4, |fx| { let mut i = fx.kept("DEL", "1.1.0", |_| {}); i.env.netns = Some("kept".into()); i }),
     case("DEL with unknown CNI_ARGS key", 2, |fx| { let mut i = fx.kept("DEL", "1.1.0", |_| {}); i.env.args = Some("FOO=bar".into()); i }),
     case("DEL with an ipam section", 2, |fx| fx.kept("DEL", "1.1.0", |c| c["ipam"] = json!({"type": "host-local"}))),
+    // a DEL with a socket of the wrong type neither reaches the daemon nor
+    // queues (the state dir snapshot would show it)
+    field("DEL with socket a number", "socket", |fx| fx.kept("DEL", "1.1.0", |c| c["socket"] = json!(123))),
+    field("DEL with socket a boolean", "socket", |fx| fx.kept("DEL", "1.1.0", |c| c["socket"] = json!(false))),
+    field("STATUS with socket a number", "socket", |fx| fx.network("STATUS", "1.1.0", |c| c["socket"] = json!(123))),
+    field("CHECK with cniVersion a number", "cniVersion", |fx| fx.kept("CHECK", "1.1.0", |c| c["cniVersion"] = json!(1.1))),
+    field("GC legacy attachments a string", "cni.dev/attachments", |fx| fx.network("GC", "1.1.0", |c| { remove(c, "cni.dev/valid-attachments"); c["cni.dev/attachments"] = json!("keeper") })),
 ];
 
 // ---------------------------------------------------------------------------
@@ -429,6 +473,12 @@ fn bad_input_is_refused_with_the_exact_code_and_changes_nothing() {
         let mut problems = Vec::new();
         match (out.error_code(), &out.json) {
             (Some(code), Some(err)) if code == case.code => {
+                if let Some(field) = case.field {
+                    let text = format!("{} {}", err["msg"], err["details"]);
+                    if !text.contains(field) {
+                        problems.push(format!("the error does not name {field:?}: {text}"));
+                    }
+                }
                 if out.status != 1 {
                     problems.push(format!("exit status {} instead of 1", out.status));
                 }

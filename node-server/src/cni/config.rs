@@ -264,11 +264,12 @@ pub(crate) fn is_cni_name(s: &str) -> bool {
     }
 }
 
-fn decode(what: &'static str, reason: impl Into<String>) -> Error {
-    Error::Decode {
-        what,
-        reason: reason.into(),
-    }
+/// A field of the wrong type or shape: code 7, naming the field. The stdin
+/// as a whole did decode (that failure is code 6, in `request`); a field
+/// that holds the wrong thing is an invalid configuration, and is never
+/// replaced by a default.
+fn decode(field: &'static str, reason: impl Into<String>) -> Error {
+    Error::InvalidConfig(format!("field {field:?}: {}", reason.into()))
 }
 
 /// The value of `key` unless it is absent or `null`.
@@ -289,7 +290,7 @@ fn required_string(obj: &Map<String, Value>, key: &'static str) -> Result<String
     }
 }
 
-fn json_type(v: &Value) -> &'static str {
+pub(crate) fn json_type(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -622,7 +623,7 @@ mod tests {
         assert_eq!(conf(with("name", json!("-net"))).unwrap_err().code(), 7);
         assert_eq!(conf(with("name", json!("my net"))).unwrap_err().code(), 7);
         assert_eq!(conf(with("name", json!("net/1"))).unwrap_err().code(), 7);
-        assert_eq!(conf(with("name", json!(12))).unwrap_err().code(), 6);
+        assert_eq!(conf(with("name", json!(12))).unwrap_err().code(), 7);
         assert_eq!(conf(with("name", json!(null))).unwrap_err().code(), 7);
         assert!(conf(with("name", json!("k8s-pod_network.v1"))).is_ok());
     }
@@ -637,7 +638,7 @@ mod tests {
             conf(with("type", json!("../tether"))).unwrap_err().code(),
             7
         );
-        assert_eq!(conf(with("type", json!(["tether"]))).unwrap_err().code(), 6);
+        assert_eq!(conf(with("type", json!(["tether"]))).unwrap_err().code(), 7);
     }
 
     #[test]
@@ -678,7 +679,7 @@ mod tests {
         for bad in [json!("1500"), json!(1500.5), json!(true), json!([1500])] {
             assert_eq!(
                 conf(with("mtu", bad.clone())).unwrap_err().code(),
-                6,
+                7,
                 "{bad}"
             );
         }
@@ -689,16 +690,16 @@ mod tests {
         let dns = json!({"nameservers": ["10.96.0.10"], "search": ["svc.cluster.local"], "options": ["ndots:5"], "domain": "cluster.local"});
         assert_eq!(conf(with("dns", dns.clone())).unwrap().dns, Some(dns));
         assert_eq!(conf(with("dns", json!(null))).unwrap().dns, None);
-        assert_eq!(conf(with("dns", json!("10.0.0.1"))).unwrap_err().code(), 6);
+        assert_eq!(conf(with("dns", json!("10.0.0.1"))).unwrap_err().code(), 7);
         assert_eq!(
             conf(with("dns", json!({"nameservers": "10.0.0.1"})))
                 .unwrap_err()
                 .code(),
-            6
+            7
         );
         assert_eq!(
             conf(with("dns", json!({"domain": 1}))).unwrap_err().code(),
-            6
+            7
         );
     }
 
@@ -725,7 +726,7 @@ mod tests {
     }
 
     #[test]
-    fn runtime_config_wrong_types_are_code_6() {
+    fn runtime_config_wrong_types_are_code_7() {
         for rc in [
             json!([]),
             json!({"ips": "10.0.0.1"}),
@@ -736,7 +737,7 @@ mod tests {
         ] {
             assert_eq!(
                 conf(with("runtimeConfig", rc.clone())).unwrap_err().code(),
-                6,
+                7,
                 "{rc}"
             );
         }
@@ -786,7 +787,7 @@ mod tests {
                 conf(with(VALID_ATTACHMENTS_KEY, bad.clone()))
                     .unwrap_err()
                     .code(),
-                6,
+                7,
                 "{bad}"
             );
         }
@@ -843,7 +844,7 @@ mod tests {
             PrevResult::parse(&v, CniVersion::V0_4_0)
                 .unwrap_err()
                 .code(),
-            6
+            7
         );
         // 1.x ignores a stray "version", as Go's decoder does.
         assert!(PrevResult::parse(&v, CniVersion::V1_0_0).is_ok());
@@ -852,7 +853,7 @@ mod tests {
     type Mutation = Box<dyn Fn(&mut Value)>;
 
     #[test]
-    fn malformed_prev_results_are_code_6() {
+    fn malformed_prev_results_are_code_7() {
         let cases: Vec<Mutation> = vec![
             Box::new(|v| *v = json!([])),
             Box::new(|v| v["cniVersion"] = json!(1)),
@@ -873,7 +874,11 @@ mod tests {
             let mut v = prev_100();
             mutate(&mut v);
             let err = PrevResult::parse(&v, CniVersion::V1_1_0).unwrap_err();
-            assert_eq!(err.code(), 6, "case {i}: {v}");
+            assert_eq!(err.code(), 7, "case {i}: {v}");
+            assert!(
+                err.to_string().contains("field \"prevResult\""),
+                "case {i}: {err}"
+            );
         }
     }
 
@@ -883,7 +888,7 @@ mod tests {
         assert_eq!(c.prev_result.map(|p| p.interfaces.len()), Some(2));
         let c = conf(with("prevResult", json!(null))).unwrap();
         assert_eq!(c.prev_result, None);
-        assert_eq!(conf(with("prevResult", json!("x"))).unwrap_err().code(), 6);
+        assert_eq!(conf(with("prevResult", json!("x"))).unwrap_err().code(), 7);
     }
 
     #[test]
@@ -893,6 +898,33 @@ mod tests {
         }
         for bad in ["", "-a", "_a", ".a", "a b", "a/b", "a:b", "é"] {
             assert!(!is_cni_name(bad), "{bad}");
+        }
+    }
+
+    /// Every field the daemon reads, given a value of the wrong type: code
+    /// 7, and the message names the field (never a silent default).
+    #[test]
+    fn a_field_of_the_wrong_type_is_code_7_naming_it() {
+        for (field, value) in [
+            ("name", json!(12)),
+            ("type", json!(["tether"])),
+            ("mtu", json!("1500")),
+            ("mtu", json!(true)),
+            ("dns", json!("10.0.0.1")),
+            ("dns", json!({"nameservers": "10.0.0.1"})),
+            ("dns", json!({"domain": 3})),
+            ("prevResult", json!("x")),
+            ("runtimeConfig", json!([])),
+            ("runtimeConfig", json!({"ips": "10.0.0.1"})),
+            ("runtimeConfig", json!({"mac": 5})),
+            ("runtimeConfig", json!({POD_ANNOTATIONS_KEY: []})),
+            ("vmAddressPolicy", json!(1)),
+            (VALID_ATTACHMENTS_KEY, json!("c1")),
+            (LEGACY_ATTACHMENTS_KEY, json!({})),
+        ] {
+            let err = conf(with(field, value.clone())).unwrap_err();
+            assert_eq!(err.code(), 7, "{field}={value}: {err}");
+            assert!(err.to_string().contains(field), "{field}={value}: {err}");
         }
     }
 }

@@ -26,26 +26,34 @@
 //! | 16 | all             | stdin                         | not JSON                                                 | 6    |
 //! | 17 | all             | stdin                         | JSON, but not an object                                  | 6    |
 //! | 18 | all             | cniVersion                    | missing (or null)                                        | 7    |
-//! | 19 | all             | cniVersion                    | not a string                                             | 6    |
+//! | 19 | all             | cniVersion                    | not a string                                             | 7    |
 //! | 20 | all             | cniVersion                    | not one of [`SUPPORTED_VERSIONS`](super::SUPPORTED_VERSIONS) ("", 0.2.0, 1.2.0…) | 1    |
 //! | 21 | CHECK           | cniVersion                    | below 0.4.0                                              | 1    |
 //! | 22 | STATUS, GC      | cniVersion                    | below 1.1.0                                              | 1    |
 //! | 23 | all             | name                          | missing (or null)                                        | 7    |
-//! | 24 | all             | name                          | not a string                                             | 6    |
+//! | 24 | all             | name                          | not a string                                             | 7    |
 //! | 25 | all             | name                          | not `^[a-zA-Z0-9][a-zA-Z0-9_.\-]*$`                      | 7    |
-//! | 26 | all             | type                          | missing (or null) / not a string                         | 7 / 6 |
+//! | 26 | all             | type                          | missing (or null), or not a string                       | 7    |
 //! | 27 | all             | type                          | empty, or contains '/', '\\' or NUL                      | 7    |
 //! | 28 | all             | ipam                          | present, whatever its value                              | 2    |
-//! | 29 | all             | mtu                           | not an integer                                           | 6    |
+//! | 29 | all             | mtu                           | not an integer                                           | 7    |
 //! | 30 | all             | mtu                           | integer outside 576..=65535                              | 7    |
-//! | 31 | all             | dns                           | not an object; nameservers/search/options not string lists; domain not a string | 6 |
-//! | 32 | all             | prevResult                    | not an object, or any field malformed for the cniVersion | 6    |
-//! | 33 | all             | runtimeConfig                 | not an object; ips/mac/pod-annotations of wrong type     | 6    |
+//! | 31 | all             | dns                           | not an object; nameservers/search/options not string lists; domain not a string | 7 |
+//! | 32 | all             | prevResult                    | not an object, or any field malformed for the cniVersion | 7    |
+//! | 33 | all             | runtimeConfig                 | not an object; ips/mac/pod-annotations of wrong type     | 7    |
 //! | 34 | all             | runtimeConfig                 | ips entry not an IP/CIDR; mac not six hex octets         | 7    |
-//! | 35 | all             | cni.dev/valid-attachments     | not an array (null = empty list), entry not an object, field not a string | 6 |
+//! | 35 | all             | cni.dev/valid-attachments     | not an array (null = empty list), entry not an object, field not a string | 7 |
 //! | 36 | all             | cni.dev/valid-attachments     | entry without (or with empty) containerID or ifname      | 7    |
 //! | 37 | CHECK           | prevResult                    | missing (the spec says the runtime must pass it)         | 7    |
 //! | 38 | GC              | cni.dev/valid-attachments     | missing (also under the legacy `cni.dev/attachments`)    | 7    |
+//! | 39 | all             | vmAddressPolicy               | not "persistent" or "ephemeral" (any other type too)     | 7    |
+//!
+//! Code 6 is for a stdin that does not decode as a whole (rows 14-17); a
+//! field that decoded but holds the wrong type or shape is code 7, and the
+//! message names the field (`field "mtu": expected an integer, got "1500"`).
+//! No field of the wrong type is ever replaced by its default. The shim
+//! judges the two fields it reads itself (`socket`, `cniVersion`) the same
+//! way, before the daemon sees them.
 //!
 //! STATUS and GC act on the network, not on an attachment: their
 //! CNI_CONTAINERID, CNI_NETNS, CNI_IFNAME and CNI_ARGS are ignored, whatever
@@ -137,11 +145,11 @@ pub fn parse_request(req: &CniRequest) -> Result<Invocation> {
             ))
         }
         Some(Value::String(s)) => CniVersion::parse(s)?,
-        Some(_) => {
-            return Err(Error::Decode {
-                what: "cniVersion",
-                reason: "expected a string".into(),
-            })
+        Some(other) => {
+            return Err(Error::InvalidConfig(format!(
+                "field \"cniVersion\": expected a string, got {}",
+                super::config::json_type(other)
+            )))
         }
     };
     if version < command.min_version() {
@@ -527,7 +535,9 @@ mod tests {
         c["cniVersion"] = json!(null);
         assert_eq!(code(&req("ADD", c.clone())), 7);
         c["cniVersion"] = json!(1.0);
-        assert_eq!(code(&req("ADD", c.clone())), 6);
+        let r = req("ADD", c.clone());
+        assert_eq!(code(&r), 7);
+        assert!(err_text(&r).contains("\"cniVersion\""), "{}", err_text(&r));
         for v in ["", "0.1.0", "0.2.0", "1.2.0", "1.0"] {
             let r = req("ADD", conf_json(v));
             assert_eq!(code(&r), 1, "{v:?}");
@@ -575,13 +585,13 @@ mod tests {
         assert_eq!(code(&req("ADD", c)), 7);
         let mut c = conf_json("1.1.0");
         c["mtu"] = json!("1500");
-        assert_eq!(code(&req("ADD", c)), 6);
+        assert_eq!(code(&req("ADD", c)), 7);
         let mut c = conf_json("1.1.0");
         c["prevResult"] = json!({"ips": [{"address": "nope"}]});
-        assert_eq!(code(&req("DEL", c)), 6);
+        assert_eq!(code(&req("DEL", c)), 7);
         let mut c = conf_json("1.1.0");
         c["runtimeConfig"] = json!({"ips": "10.0.0.1"});
-        assert_eq!(code(&req("ADD", c)), 6);
+        assert_eq!(code(&req("ADD", c)), 7);
     }
 
     #[test]
