@@ -1041,7 +1041,8 @@ fn report(
         let _ = writeln!(
             r,
             "- Floor: `floor_add` ADD p50 {}, p99 {} (of which spawning `/bin/true` is p50 {}; \
-             tether's VERSION p50 {}). tether ADD p50 {} = {} the floor, p99 {} = {} the floor.",
+             tether's VERSION p50 {}). tether ADD p50 {} = {} the floor, p99 {} = {} the floor. What tetherd does beyond \
+             the floor's kernel work: see Method.",
             ms(add(Kind::Floor, 0.5)),
             ms(add(Kind::Floor, 0.99)),
             ms(Some(baseline.in_node)),
