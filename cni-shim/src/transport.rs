@@ -3,20 +3,25 @@
 //!
 //! The call is made by a small blocking gRPC-over-HTTP/2 client written for
 //! this one job: a std `UnixStream` with read and write timeouts, prost for
-//! the messages and loona-hpack to decode the daemon's header blocks. A
-//! general-purpose client (tonic on tokio, hyper and tower) made the plugin
-//! binary larger than 1 MiB and spent about a millisecond and a half per
-//! call on setting itself up, and the runtime starts this binary for every
-//! CNI call. Only what one unary call on a fresh connection needs is here:
-//! one stream (id 1), flow control for the request, no push, no compression.
+//! the messages and loona-hpack to decode the daemon's header blocks. The
+//! general-purpose client it replaces (tonic on tokio, hyper-util and tower)
+//! kept the plugin binary above 1 MiB and cost start-up time on every call,
+//! and the runtime starts this binary once per CNI call. Only what one unary
+//! call on a fresh connection needs is here: one stream (id 1), flow control
+//! for the request, no push, no compression.
 //!
-//! Connecting is separate from calling so that ADD can retry the former: a
-//! daemon that is restarting comes back within seconds, and ADD is the verb a
-//! user waits on. Connecting includes the HTTP/2 handshake, up to the
-//! daemon's SETTINGS, as it did with tonic: a daemon that accepts and closes
-//! at once (how it drops peers by SO_PEERCRED) is unreachable, not a failed
-//! call. The call itself is never retried here; the runtime retries a failed
-//! ADD, and the daemon may already have acted on the first try.
+//! The request is written right behind the connection preface, without
+//! waiting for the daemon's SETTINGS (RFC 9113 3.4 allows it), which saves a
+//! round trip. The handshake still ends only when those SETTINGS arrive: an
+//! h2 server writes them before it reads anything, so a connection that dies
+//! earlier (a daemon that accepts and closes at once, which is how it drops
+//! peers by SO_PEERCRED) cannot have delivered the call. It counts as
+//! unreachable, as it did with tonic, and ADD may retry it.
+//!
+//! Only connecting is retried, and only by ADD: a daemon that is restarting
+//! comes back within seconds, and ADD is the verb a user waits on. A call
+//! that got past the handshake is never retried here; the runtime retries a
+//! failed ADD, and the daemon may already have acted on the first try.
 
 use crate::invocation::Verb;
 use loona_hpack::Decoder;
@@ -115,17 +120,49 @@ impl TransportFailure {
 }
 
 /// Forwards `request` to tetherd on `socket` as `verb`, within the verb's
-/// deadline (connecting included).
+/// deadline (connecting included). ADD retries a failed connection every
+/// 100 ms until [`CONNECT_BUDGET`] is spent.
 pub fn call(
     verb: Verb,
     socket: &Path,
     request: &CniRequest,
 ) -> Result<CniResponse, TransportFailure> {
-    let deadline = Instant::now() + verb.deadline();
-    let mut connection = connect(socket, verb == Verb::Add)?;
-    connection
-        .unary(rpc_path(verb), request, deadline)
-        .map_err(CallError::into_failure)
+    let started = Instant::now();
+    let deadline = started + verb.deadline();
+    let give_up = started + CONNECT_BUDGET;
+    let retry = verb == Verb::Add;
+    let message = grpc_message(request).map_err(CallError::into_failure)?;
+    loop {
+        let outcome = match UnixStream::connect(socket) {
+            Ok(stream) => {
+                Connection::new(stream, give_up, deadline).unary(rpc_path(verb), &message)
+            }
+            Err(e) => Err(CallError::Handshake {
+                timed_out: is_timeout(&e),
+                cause: e.to_string(),
+            }),
+        };
+        let (cause, out_of_time) = match outcome {
+            Err(CallError::Handshake {
+                timed_out: true, ..
+            }) => (
+                format!(
+                    "connecting timed out after {} s",
+                    CONNECT_BUDGET.as_secs_f32()
+                ),
+                true,
+            ),
+            Err(CallError::Handshake { cause, .. }) => (cause, false),
+            other => return other.map_err(CallError::into_failure),
+        };
+        if !retry || out_of_time || Instant::now() + RETRY_EVERY >= give_up {
+            return Err(TransportFailure::Unreachable {
+                cause,
+                waited: retry.then(|| started.elapsed()),
+            });
+        }
+        std::thread::sleep(RETRY_EVERY);
+    }
 }
 
 /// The gRPC method path of `verb`'s RPC.
@@ -139,43 +176,18 @@ fn rpc_path(verb: Verb) -> &'static str {
     }
 }
 
-/// Connects to `socket`; with `retry`, keeps trying every 100 ms until
-/// [`CONNECT_BUDGET`] is spent.
-fn connect(socket: &Path, retry: bool) -> Result<Connection, TransportFailure> {
-    let started = Instant::now();
-    let give_up = started + CONNECT_BUDGET;
-    loop {
-        let (cause, out_of_time) = match connect_once(socket, give_up) {
-            Ok(connection) => return Ok(connection),
-            Err(e) if is_timeout(&e) => (
-                format!(
-                    "connecting timed out after {} s",
-                    CONNECT_BUDGET.as_secs_f32()
-                ),
-                true,
-            ),
-            Err(e) => (e.to_string(), false),
-        };
-        if !retry || out_of_time || Instant::now() + RETRY_EVERY >= give_up {
-            return Err(TransportFailure::Unreachable {
-                cause,
-                waited: retry.then(|| started.elapsed()),
-            });
-        }
-        std::thread::sleep(RETRY_EVERY);
-    }
-}
-
-/// One connection attempt: a unix stream and the HTTP/2 handshake on it.
-fn connect_once(socket: &Path, until: Instant) -> io::Result<Connection> {
-    let stream = UnixStream::connect(socket)?;
-    Connection::handshake(stream, until).map_err(|e| {
-        if is_timeout(&e) {
-            e
-        } else {
-            io::Error::new(e.kind(), format!("HTTP/2 handshake failed: {e}"))
-        }
-    })
+/// `request` as a length-prefixed, uncompressed gRPC message.
+fn grpc_message(request: &CniRequest) -> Result<Vec<u8>, CallError> {
+    let len = request.encoded_len();
+    let prefix = u32::try_from(len)
+        .map_err(|_| CallError::Failed("Internal: the request exceeds 4 GiB".to_owned()))?;
+    let mut message = Vec::with_capacity(5 + len);
+    message.push(0);
+    message.extend_from_slice(&prefix.to_be_bytes());
+    request
+        .encode(&mut message)
+        .map_err(|e| CallError::Failed(format!("Internal: encoding the request: {e}")))?;
+    Ok(message)
 }
 
 /// Whether `error` is a read or write timeout (std reports EAGAIN for those).
@@ -186,9 +198,17 @@ fn is_timeout(error: &io::Error) -> bool {
     )
 }
 
-/// Why a connected call produced no response.
+/// Why a call produced no response.
 #[derive(Debug, PartialEq, Eq)]
 enum CallError {
+    /// The connection failed before the daemon's SETTINGS arrived: it
+    /// cannot have read the request, so it is unreachable, not failed.
+    Handshake {
+        /// The underlying error.
+        cause: String,
+        /// The connect budget ran out.
+        timed_out: bool,
+    },
     /// The daemon answered with this gRPC status code and message.
     Status(u32, String),
     /// The connection or the protocol failed; the cause is final.
@@ -209,6 +229,10 @@ impl CallError {
                 }
             }
             CallError::Failed(cause) => TransportFailure::CallFailed { cause },
+            CallError::Handshake { cause, .. } => TransportFailure::Unreachable {
+                cause,
+                waited: None,
+            },
         }
     }
 
@@ -503,8 +527,14 @@ struct Connection {
     out: Vec<u8>,
     /// HPACK state for the daemon's header blocks.
     hpack: Decoder<'static>,
-    /// When the current phase (handshake, call) must be over.
+    /// When the handshake must be over: the connect budget.
+    handshake_until: Instant,
+    /// When the call must be over.
     until: Instant,
+    /// The daemon's SETTINGS arrived: the handshake is over.
+    settings_seen: bool,
+    /// A write failed; nothing more is sent.
+    write_failed: bool,
     /// The daemon's MAX_FRAME_SIZE: the largest frame we may send.
     max_frame: usize,
     /// The daemon's INITIAL_WINDOW_SIZE, to apply later changes as deltas.
@@ -519,25 +549,15 @@ struct Connection {
 }
 
 impl Connection {
-    /// Writes the client preface and SETTINGS and waits for the daemon's
-    /// SETTINGS, all before `until`.
-    fn handshake(stream: UnixStream, until: Instant) -> io::Result<Connection> {
-        let mut connection = Connection {
-            stream: BufReader::with_capacity(DEFAULT_MAX_FRAME + FRAME_HEAD_LEN, stream),
-            out: Vec::with_capacity(1024),
-            hpack: Decoder::new(),
-            until,
-            max_frame: DEFAULT_MAX_FRAME,
-            initial_window: i64::from(DEFAULT_WINDOW),
-            connection_window: i64::from(DEFAULT_WINDOW),
-            stream_window: i64::from(DEFAULT_WINDOW),
-            goaway: None,
-        };
-        let out = &mut connection.out;
+    /// A connection on `stream` with the client preface and SETTINGS
+    /// queued. Nothing is awaited here: the request follows the preface at
+    /// once (RFC 9113 3.4 allows it), which saves a round trip per call.
+    fn new(stream: UnixStream, handshake_until: Instant, until: Instant) -> Connection {
+        let mut out = Vec::with_capacity(1024);
         out.extend_from_slice(PREFACE);
         // No push; and windows so large that the daemon never waits for a
         // WINDOW_UPDATE from us, which this client never sends.
-        frame_head(out, 12, SETTINGS, 0, 0);
+        frame_head(&mut out, 12, SETTINGS, 0, 0);
         for (id, value) in [
             (SETTINGS_ENABLE_PUSH, 0),
             (SETTINGS_INITIAL_WINDOW_SIZE, MAX_WINDOW),
@@ -545,38 +565,28 @@ impl Connection {
             out.extend_from_slice(&id.to_be_bytes());
             out.extend_from_slice(&value.to_be_bytes());
         }
-        frame_head(out, 4, WINDOW_UPDATE, 0, 0);
+        frame_head(&mut out, 4, WINDOW_UPDATE, 0, 0);
         out.extend_from_slice(&(MAX_WINDOW - DEFAULT_WINDOW).to_be_bytes());
-
-        let first = connection.read_frame().map_err(|e| match e.kind() {
-            io::ErrorKind::UnexpectedEof => io::Error::new(
-                e.kind(),
-                "the connection was closed before tetherd's SETTINGS",
-            ),
-            _ => e,
-        })?;
-        if first.kind != SETTINGS || first.flags & ACK != 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "tetherd's first frame is not SETTINGS",
-            ));
+        Connection {
+            stream: BufReader::with_capacity(DEFAULT_MAX_FRAME + FRAME_HEAD_LEN, stream),
+            out,
+            hpack: Decoder::new(),
+            handshake_until,
+            until,
+            settings_seen: false,
+            write_failed: false,
+            max_frame: DEFAULT_MAX_FRAME,
+            initial_window: i64::from(DEFAULT_WINDOW),
+            connection_window: i64::from(DEFAULT_WINDOW),
+            stream_window: i64::from(DEFAULT_WINDOW),
+            goaway: None,
         }
-        connection
-            .apply_settings(&first)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-        Ok(connection)
     }
 
-    /// Sends `request` to `path` on stream 1 and reads the answer, all
-    /// before `until`.
-    fn unary(
-        &mut self,
-        path: &str,
-        request: &CniRequest,
-        until: Instant,
-    ) -> Result<CniResponse, CallError> {
-        self.until = until;
-        let left = until.saturating_duration_since(Instant::now());
+    /// Sends `message` (a length-prefixed gRPC message) to `path` on stream
+    /// 1 and reads the answer.
+    fn unary(&mut self, path: &str, message: &[u8]) -> Result<CniResponse, CallError> {
+        let left = self.until.saturating_duration_since(Instant::now());
         // The daemon bounds its own work by this; whole milliseconds, at
         // least one, and at most 8 digits as gRPC requires.
         let timeout = format!("{}m", left.as_millis().clamp(1, 99_999_999));
@@ -591,17 +601,9 @@ impl Connection {
         ]);
         self.queue_headers(&block);
 
-        let len = request.encoded_len();
-        let mut body = Vec::with_capacity(5 + len);
-        body.push(0);
-        body.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
-        request
-            .encode(&mut body)
-            .map_err(|e| CallError::Failed(format!("Internal: encoding the request: {e}")))?;
-
         let mut answer = Answer::default();
         let mut sent = 0;
-        while sent < body.len() {
+        while sent < message.len() {
             let allowed = self
                 .connection_window
                 .min(self.stream_window)
@@ -616,14 +618,14 @@ impl Connection {
                 }
                 continue;
             }
-            let chunk = (body.len() - sent).min(allowed as usize);
-            let flags = if sent + chunk == body.len() {
+            let chunk = (message.len() - sent).min(allowed as usize);
+            let flags = if sent + chunk == message.len() {
                 END_STREAM
             } else {
                 0
             };
             frame_head(&mut self.out, chunk, DATA, flags, 1);
-            self.out.extend_from_slice(&body[sent..sent + chunk]);
+            self.out.extend_from_slice(&message[sent..sent + chunk]);
             sent += chunk;
             self.connection_window -= chunk as i64;
             self.stream_window -= chunk as i64;
@@ -636,16 +638,41 @@ impl Connection {
         }
     }
 
-    /// The next frame of the call; a lost connection names the GOAWAY that
-    /// announced it, if any.
+    /// The next frame. Until the daemon's SETTINGS, which must come first,
+    /// any failure is a handshake failure; after, a lost connection names
+    /// the GOAWAY that announced it, if any.
     fn next(&mut self) -> Result<Frame, CallError> {
-        self.read_frame().map_err(|e| {
-            let mut failure = CallError::from(e);
-            if let (CallError::Failed(cause), Some(code)) = (&mut failure, self.goaway) {
-                cause.push_str(&format!(" (after GOAWAY {})", h2_error_name(code)));
+        if self.settings_seen {
+            return self.read_frame().map_err(|e| {
+                let mut failure = CallError::from(e);
+                if let (CallError::Failed(cause), Some(code)) = (&mut failure, self.goaway) {
+                    cause.push_str(&format!(" (after GOAWAY {})", h2_error_name(code)));
+                }
+                failure
+            });
+        }
+        let handshake = |e: io::Error| {
+            let timed_out = is_timeout(&e);
+            let cause = match e.kind() {
+                io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset => {
+                    "the connection was closed before tetherd's SETTINGS".to_owned()
+                }
+                _ => e.to_string(),
+            };
+            CallError::Handshake {
+                cause: format!("HTTP/2 handshake failed: {cause}"),
+                timed_out,
             }
-            failure
-        })
+        };
+        let frame = self.read_frame().map_err(handshake)?;
+        if frame.kind != SETTINGS || frame.flags & ACK != 0 {
+            return Err(handshake(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "tetherd's first frame is not SETTINGS",
+            )));
+        }
+        self.settings_seen = true;
+        Ok(frame)
     }
 
     /// Queues HEADERS for stream 1, split into CONTINUATION frames when the
@@ -832,14 +859,22 @@ impl Connection {
         Ok(())
     }
 
-    /// Writes what is queued, then reads the next frame, both before
-    /// `until`.
+    /// Writes what is queued, then reads the next frame, both within
+    /// [`Connection::time_left`].
     fn read_frame(&mut self) -> io::Result<Frame> {
         if !self.out.is_empty() {
-            let left = self.time_left()?;
-            let stream = self.stream.get_mut();
-            stream.set_write_timeout(Some(left))?;
-            stream.write_all(&self.out)?;
+            // A failed write is not reported by itself: the daemon may have
+            // answered and closed already, and its answer is still to be
+            // read; if not, the read fails too and says why. Nothing more
+            // is written then, as a frame may have been cut short.
+            if !self.write_failed {
+                let left = self.time_left()?;
+                let stream = self.stream.get_mut();
+                self.write_failed = stream
+                    .set_write_timeout(Some(left))
+                    .and_then(|()| stream.write_all(&self.out))
+                    .is_err();
+            }
             self.out.clear();
         }
         // Buffered bytes need no wait; only a read that blocks is bounded.
@@ -847,8 +882,10 @@ impl Connection {
             let left = self.time_left()?;
             self.stream.get_ref().set_read_timeout(Some(left))?;
         }
+        // A reset means the same on a unix socket: the daemon closed it
+        // with our bytes (an ACK, say) still unread.
         let closed = |e: io::Error| match e.kind() {
-            io::ErrorKind::UnexpectedEof => {
+            io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset => {
                 io::Error::new(e.kind(), "tetherd closed the connection")
             }
             _ => e,
@@ -879,7 +916,12 @@ impl Connection {
     /// The time until `until`, or a timeout error once it has passed (std
     /// rejects a zero timeout).
     fn time_left(&self) -> io::Result<Duration> {
-        let left = self.until.saturating_duration_since(Instant::now());
+        let until = if self.settings_seen {
+            self.until
+        } else {
+            self.until.min(self.handshake_until)
+        };
+        let left = until.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"));
         }
@@ -1023,12 +1065,12 @@ mod tests {
                 0,
                 &[(":status", "200"), ("content-type", "application/grpc")],
             );
-            self.frame(DATA, 0, 1, &grpc_message(response));
+            self.frame(DATA, 0, 1, &response_message(response));
             self.headers(END_STREAM, &[("grpc-status", "0")]);
         }
     }
 
-    fn grpc_message(response: &CniResponse) -> Vec<u8> {
+    fn response_message(response: &CniResponse) -> Vec<u8> {
         let message = response.encode_to_vec();
         let mut out = vec![0];
         out.extend_from_slice(&(message.len() as u32).to_be_bytes());
@@ -1055,9 +1097,9 @@ mod tests {
             };
             script(&mut peer);
         });
-        let outcome = Connection::handshake(client, soon())
-            .map_err(CallError::from)
-            .and_then(|mut c| c.unary("/tether.cni.v1.Cni/Add", &request, soon()));
+        let message = grpc_message(&request).unwrap();
+        let outcome =
+            Connection::new(client, soon(), soon()).unary("/tether.cni.v1.Cni/Add", &message);
         daemon.join().unwrap();
         outcome
     }
@@ -1171,7 +1213,7 @@ mod tests {
             payload.extend_from_slice(&[0, 0, 0]);
             peer.frame(HEADERS, PADDED | PRIORITY, 1, &payload);
             peer.frame(CONTINUATION, END_HEADERS, 1, rest);
-            let message = grpc_message(&ok_response());
+            let message = response_message(&ok_response());
             let (a, b) = message.split_at(4);
             let mut padded = vec![2];
             padded.extend_from_slice(a);
@@ -1180,7 +1222,12 @@ mod tests {
             peer.frame(DATA, 0, 1, b);
             peer.frame(0xfa, 0, 0, b"unknown frame types are ignored");
             peer.headers(END_STREAM, &[("grpc-status", "0")]);
-            let pong = peer.read();
+            let pong = loop {
+                let frame = peer.read();
+                if frame.kind != SETTINGS {
+                    break frame;
+                }
+            };
             assert_eq!(
                 (pong.kind, pong.flags, pong.payload.as_slice()),
                 (PING, ACK, &b"abcdefgh"[..])
@@ -1199,41 +1246,54 @@ mod tests {
             ..Default::default()
         };
         let response = exchange(request, move |peer| {
-            // A small stream window, the default connection window.
+            // A small stream window, the default connection window. The
+            // client may use the default stream window until it has seen
+            // (and acknowledged) these SETTINGS, so the window is modelled
+            // that way: the delta applies at the ACK.
             peer.accept(&[(SETTINGS_INITIAL_WINDOW_SIZE, 1000)]);
-            let (mut connection_window, mut stream_window) = (65_535i64, 1000i64);
+            let (mut connection_window, mut stream_window) = (65_535i64, 65_535i64);
             let mut body = Vec::new();
             let mut sizes = Vec::new();
             loop {
                 let frame = peer.read();
                 match frame.kind {
-                    SETTINGS | HEADERS => continue,
-                    DATA => {}
+                    HEADERS => {}
+                    SETTINGS => {
+                        assert_eq!(frame.flags, ACK);
+                        stream_window += 1000 - 65_535;
+                    }
+                    DATA => {
+                        let len = frame.payload.len() as i64;
+                        assert!(len <= connection_window && len <= stream_window, "{len}");
+                        assert!(frame.payload.len() <= DEFAULT_MAX_FRAME);
+                        connection_window -= len;
+                        stream_window -= len;
+                        sizes.push(len);
+                        body.extend_from_slice(&frame.payload);
+                        if frame.flags & END_STREAM != 0 {
+                            break;
+                        }
+                    }
                     other => panic!("unexpected frame type {other}"),
                 }
-                let len = frame.payload.len() as i64;
-                assert!(len <= connection_window && len <= stream_window, "{len}");
-                assert!(frame.payload.len() <= DEFAULT_MAX_FRAME);
-                connection_window -= len;
-                stream_window -= len;
-                sizes.push(len);
-                body.extend_from_slice(&frame.payload);
-                if frame.flags & END_STREAM != 0 {
-                    break;
+                // Open the stream window in uneven steps and the
+                // connection's only when it is spent: both must be honoured.
+                if stream_window <= 0 {
+                    let increment = 40_000 - stream_window;
+                    peer.frame(WINDOW_UPDATE, 0, 1, &(increment as u32).to_be_bytes());
+                    stream_window += increment;
                 }
-                // Open the stream window in big steps, the connection's
-                // only when it is spent: both must be honoured.
-                if stream_window == 0 {
-                    peer.frame(WINDOW_UPDATE, 0, 1, &40_000u32.to_be_bytes());
-                    stream_window += 40_000;
-                }
-                if connection_window == 0 {
-                    peer.frame(WINDOW_UPDATE, 0, 0, &70_000u32.to_be_bytes());
-                    connection_window += 70_000;
+                if connection_window <= 0 {
+                    let increment = 70_000 - connection_window;
+                    peer.frame(WINDOW_UPDATE, 0, 0, &(increment as u32).to_be_bytes());
+                    connection_window += increment;
                 }
             }
-            assert_eq!(sizes[0], 1000, "the first frame fills the stream window");
-            assert!(sizes.contains(&(DEFAULT_MAX_FRAME as i64)), "{sizes:?}");
+            let last = sizes.len() - 1;
+            assert!(
+                sizes[..last].iter().any(|&s| s < DEFAULT_MAX_FRAME as i64),
+                "some frame was cut short by a window: {sizes:?}"
+            );
             assert_eq!(CniRequest::decode(&body[5..]).unwrap().stdin, stdin);
             peer.answer(&ok_response());
         });
@@ -1408,16 +1468,66 @@ mod tests {
 
     #[test]
     fn a_close_before_settings_is_a_handshake_failure() {
+        let message = grpc_message(&CniRequest::default()).unwrap();
         let (client, server) = UnixStream::pair().unwrap();
         drop(server);
-        let error = Connection::handshake(client, soon()).err().unwrap();
-        assert!(!is_timeout(&error), "{error}");
+        let error = Connection::new(client, soon(), soon())
+            .unary("/tether.cni.v1.Cni/Check", &message)
+            .unwrap_err();
+        assert!(
+            matches!(
+                &error,
+                CallError::Handshake {
+                    timed_out: false,
+                    ..
+                }
+            ),
+            "{error:?}"
+        );
+        assert!(matches!(
+            error.into_failure(),
+            TransportFailure::Unreachable { .. }
+        ));
 
-        // A daemon that stays silent runs into the connect deadline.
+        // The peer reads the whole request and closes without SETTINGS,
+        // like tetherd refusing a peer by SO_PEERCRED.
+        let (client, mut server) = UnixStream::pair().unwrap();
+        let slam = std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            let _ = server.read(&mut buf);
+        });
+        let error = Connection::new(client, soon(), soon())
+            .unary("/tether.cni.v1.Cni/Check", &message)
+            .unwrap_err();
+        slam.join().unwrap();
+        assert!(
+            matches!(
+                &error,
+                CallError::Handshake {
+                    timed_out: false,
+                    ..
+                }
+            ),
+            "{error:?}"
+        );
+
+        // A daemon that stays silent runs into the connect budget, not the
+        // (longer) call deadline.
         let (client, _server) = UnixStream::pair().unwrap();
-        let until = Instant::now() + Duration::from_millis(50);
-        let error = Connection::handshake(client, until).err().unwrap();
-        assert!(is_timeout(&error), "{error}");
+        let budget = Instant::now() + Duration::from_millis(50);
+        let error = Connection::new(client, budget, soon())
+            .unary("/tether.cni.v1.Cni/Check", &message)
+            .unwrap_err();
+        assert!(
+            matches!(
+                &error,
+                CallError::Handshake {
+                    timed_out: true,
+                    ..
+                }
+            ),
+            "{error:?}"
+        );
     }
 
     #[test]
