@@ -23,11 +23,11 @@ release:
 	$(CARGO) build --release -p tether-cni-shim
 	$(CARGO) build --release -p tether-node-server
 
-## shim-size: the release plugin binary must stay at or below 1.5 MiB.
+## shim-size: the release plugin binary must stay at or below 1 MiB.
 shim-size: release
 	@size=$$(stat -c %s $(RELEASE_DIR)/tether); \
 	  echo "tether (release, stripped): $$size bytes"; \
-	  test $$size -le 1572864 || { echo "FAIL: tether is larger than 1.5 MiB"; exit 1; }
+	  test $$size -le 1048576 || { echo "FAIL: tether is larger than 1 MiB"; exit 1; }
 
 ## demo: a node daemon in a node netns plus two pods wired through the real
 ## plugin binary; ping, CHECK, admin state, DEL, cleanup.

@@ -1,7 +1,7 @@
 //! `tether`, the CNI plugin binary.
 //!
 //! It answers VERSION itself and forwards every other verb, unparsed, to
-//! tetherd over gRPC on a unix socket. It is dumb transport: it ships the
+//! tetherd over gRPC on a unix socket (see [`transport`] for the client). It is dumb transport: it ships the
 //! environment and stdin as they came, prints what the daemon answers, and
 //! turns only its own transport failures into CNI error codes. When the
 //! daemon is unreachable, a DEL is queued on disk and succeeds (see
@@ -84,26 +84,12 @@ fn run(env: &dyn Fn(&str) -> Option<OsString>, stdin: &mut dyn Read) -> Reply {
 
 /// Sends the request to tetherd and turns the outcome into the reply.
 fn forward(verb: Verb, config: &ShimConfig, request: CniRequest, stdin: &str) -> Reply {
-    // Only DEL needs the request after the call, to queue it.
-    let for_queue = (verb == Verb::Del).then(|| request.clone());
-    let outcome = match tokio::runtime::Builder::new_current_thread()
-        .enable_io()
-        .enable_time()
-        .build()
-    {
-        Ok(runtime) => runtime.block_on(transport::call(verb, &config.socket, request)),
-        // Without a runtime there is no daemon to talk to; a DEL still queues.
-        Err(e) => Err(TransportFailure::Unreachable {
-            cause: format!("cannot start the I/O runtime: {e}"),
-            waited: None,
-        }),
-    };
-    match (outcome, for_queue) {
-        (Ok(response), _) => from_response(response, &config.cni_version),
-        (Err(failure), Some(request)) if failure.queues_del() => {
+    match transport::call(verb, &config.socket, &request) {
+        Ok(response) => from_response(response, &config.cni_version),
+        Err(failure) if verb == Verb::Del && failure.queues_del() => {
             queue_del(config, &request, stdin, failure)
         }
-        (Err(failure), _) => fail(
+        Err(failure) => fail(
             ShimError::Daemon {
                 verb,
                 socket: config.socket.clone(),

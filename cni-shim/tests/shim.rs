@@ -370,6 +370,24 @@ fn each_verb_reaches_its_rpc() {
 }
 
 #[test]
+fn a_config_of_almost_1_mib_crosses_the_flow_control_windows() {
+    let node = Node::new().with_daemon();
+    // Just under the 1 MiB stdin cap: far beyond the 64 KiB windows that
+    // HTTP/2 starts with, so the request only gets through if the client
+    // waits for the real (tonic/h2) server's WINDOW_UPDATEs.
+    let mut stdin = node.config(json!({ "pad": "" }));
+    let pad = (1 << 20) - 64 - stdin.len();
+    stdin = node.config(json!({ "pad": "p".repeat(pad) }));
+    assert!(stdin.len() < 1 << 20 && stdin.len() > 1_000_000);
+
+    let (output, _) = shim(&cri_env("ADD"), &stdin);
+
+    let echoed: Value = serde_json::from_slice(success(&output)).unwrap();
+    assert_eq!(echoed["rpc"], "add");
+    assert_eq!(echoed["stdin"].as_str().unwrap().as_bytes(), stdin);
+}
+
+#[test]
 fn result_bytes_are_printed_exactly() {
     let node = Node::new().with_daemon();
     let (output, _) = shim(&cri_env("ADD"), &node.config(json!({"fake": "raw"})));

@@ -1,8 +1,9 @@
 //! tether's gRPC contract, generated at build time from `proto/`.
 //!
-//! Features choose what is generated: `client` for the shim and tests,
-//! `server` for the daemon. The shim builds with `client` only, so that no
-//! server code ends up in the plugin binary.
+//! Features choose what is generated besides the messages: `client` stubs
+//! for the test suites, `server` stubs for the daemon.
+//! The shim builds with neither: it needs only the messages, and without
+//! either feature tonic is not even a dependency.
 //!
 //! It also holds what both sides of the contract must agree on besides the
 //! messages: the cniVersions tether speaks ([`cni::SUPPORTED_VERSIONS`]) and
@@ -49,7 +50,7 @@ pub mod cni {
     /// Version 1 of the CNI service.
     pub mod v1 {
         #![allow(missing_docs, clippy::all)]
-        tonic::include_proto!("tether.cni.v1");
+        include!(concat!(env!("OUT_DIR"), "/tether.cni.v1.rs"));
     }
 }
 
@@ -58,7 +59,7 @@ pub mod admin {
     /// Version 1 of the admin service.
     pub mod v1 {
         #![allow(missing_docs, clippy::all)]
-        tonic::include_proto!("tether.admin.v1");
+        include!(concat!(env!("OUT_DIR"), "/tether.admin.v1.rs"));
     }
 }
 
