@@ -13,10 +13,22 @@ use std::path::{Path, PathBuf};
 pub use tether_proto::pending_del::{queue_link, unix_nanos_now, PendingDel};
 
 /// Writes `entry` into the queue directory `dir` (the daemon's symlink, or a
-/// directory made here, mode 0700 like its missing parents, when the daemon
-/// has not run yet), crash-safely, and returns the path of the new file.
+/// directory made here, mode 0700, when the daemon has not run yet),
+/// crash-safely, and returns the path of the new file.
+///
+/// Missing parents (the socket's directory) are made with the default mode,
+/// as the daemon makes them: uids allowed on the socket must be able to
+/// reach it, and the socket itself is 0600.
 pub fn enqueue(dir: &Path, entry: &PendingDel, pid: u32) -> io::Result<PathBuf> {
-    DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+    if let Some(parent) = dir.parent() {
+        fs::create_dir_all(parent)?;
+    }
+    match DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        // The daemon's link, or a directory an earlier shim made.
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists && dir.is_dir() => {}
+        Err(e) => return Err(e),
+    }
 
     let name = entry.file_name(pid);
     let tmp = dir.join(format!(".{name}.tmp"));
@@ -90,10 +102,10 @@ mod tests {
 
         let file_mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(file_mode, 0o600);
-        for d in [&dir, &run.path().join("run/tether")] {
-            let mode = fs::metadata(d).unwrap().permissions().mode() & 0o777;
-            assert_eq!(mode, 0o700, "{}", d.display());
-        }
+        let mode = |d: &Path| fs::metadata(d).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&dir), 0o700);
+        // The socket's directory must stay reachable for allowed uids.
+        assert_eq!(mode(&run.path().join("run/tether")) & 0o011, 0o011);
 
         // Atomic write: only the final file is left, no temporary.
         let names: Vec<String> = fs::read_dir(&dir)

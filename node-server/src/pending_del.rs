@@ -186,11 +186,10 @@ pub fn adopt(socket: &Path, state_dir: &Path, allowed_uids: &[u32]) -> io::Resul
             ))
         }
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            // The socket's directory, made as `server::bind` makes it: uids
+            // allowed on the socket must be able to reach it.
             if let Some(parent) = link.parent() {
-                fs::DirBuilder::new()
-                    .recursive(true)
-                    .mode(0o700)
-                    .create(parent)?;
+                fs::create_dir_all(parent)?;
             }
             replace_link(&link, &own)?;
         }
