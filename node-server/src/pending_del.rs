@@ -155,7 +155,10 @@ pub fn adopt(socket: &Path, state_dir: &Path, allowed_uids: &[u32]) -> io::Resul
         }
     }
     let link = queue_link(socket);
-    let mut aside = None;
+    // Directories renamed aside by an earlier run that stopped before it
+    // had moved their entries (a crash at the wrong moment).
+    let mut aside = leftovers_aside(&link)?;
+    sources.extend(aside.iter().cloned());
     match fs::symlink_metadata(&link) {
         Ok(m) if m.file_type().is_symlink() => {
             let mut target = fs::read_link(&link)?;
@@ -174,7 +177,7 @@ pub fn adopt(socket: &Path, state_dir: &Path, allowed_uids: &[u32]) -> io::Resul
             fs::rename(&link, &dir)?;
             replace_link(&link, &own)?;
             sources.push(dir.clone());
-            aside = Some(dir);
+            aside.push(dir);
         }
         Ok(_) => {
             return Err(io::Error::new(
@@ -209,8 +212,8 @@ pub fn adopt(socket: &Path, state_dir: &Path, allowed_uids: &[u32]) -> io::Resul
     // now that the path is gone (the runtime retries those DELs). Entries we
     // may not take keep it for an operator. A former state dir's queue stays
     // (empty now, and the operator's to delete).
-    if let Some(dir) = aside {
-        if adopted.left.is_empty() {
+    if adopted.left.is_empty() {
+        for dir in aside {
             fs::remove_dir_all(&dir)?;
         }
     }
@@ -218,6 +221,27 @@ pub fn adopt(socket: &Path, state_dir: &Path, allowed_uids: &[u32]) -> io::Resul
         write_location(&location, &state_dir)?;
     }
     Ok(adopted)
+}
+
+/// The directories `.<link name>.adopting.<pid>` beside `link`.
+fn leftovers_aside(link: &Path) -> io::Result<Vec<PathBuf>> {
+    let (Some(parent), Some(name)) = (link.parent(), link.file_name()) else {
+        return Ok(Vec::new());
+    };
+    let prefix = format!(".{}.adopting.", name.to_string_lossy());
+    let entries = match fs::read_dir(parent) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    let mut found = Vec::new();
+    for entry in entries {
+        let entry = entry?;
+        if entry.file_name().to_string_lossy().starts_with(&prefix) && entry.file_type()?.is_dir() {
+            found.push(entry.path());
+        }
+    }
+    Ok(found)
 }
 
 /// Records `state_dir` in `location`, atomically.
@@ -598,5 +622,23 @@ mod tests {
         // Once recorded, the old place is no longer looked at.
         write_entry(&queue_dir(&old_state), "200-1.json", "stray");
         assert_eq!(adopt(&socket, &new_state, &[]).unwrap(), Adopted::default());
+    }
+
+    #[test]
+    fn adopt_finishes_what_a_crashed_run_renamed_aside() {
+        let root = tempfile::tempdir().unwrap();
+        let socket = root.path().join("tether.sock");
+        let state = root.path().join("state");
+        // A run renamed the shim's directory aside and made the link, then
+        // died before moving the entries.
+        let aside = root.path().join(".tether.sock.pending-del.adopting.4242");
+        write_entry(&aside, "100-1.json", "orphan");
+
+        let adopted = adopt(&socket, &state, &[]).unwrap();
+
+        assert_eq!(adopted.moved, 1);
+        assert_eq!(adopted.from, [aside.clone()]);
+        assert_eq!(ids(&state), ["orphan"]);
+        assert!(!aside.exists());
     }
 }
