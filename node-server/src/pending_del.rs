@@ -113,7 +113,7 @@ pub struct Adopted {
 /// moving into that queue whatever a former queue still holds. Call it
 /// before the first replay and before serving.
 ///
-/// Former queues are found two ways, so that changing `--state-dir` loses
+/// Former queues are found three ways, so that changing `--state-dir` loses
 /// nothing even when the link did not survive (a reboot empties /run):
 ///
 /// - The state dir records where it was last used ([`LOCATION_FILE`]). A
@@ -131,6 +131,7 @@ pub struct Adopted {
 ///   - nothing: the link is made;
 ///   - anything else (a regular file, say) is an error: the shim could never
 ///     queue there, and DELs would fail while the daemon is down.
+/// - A directory an earlier run renamed aside and did not finish with.
 ///
 /// Entries written by a uid that may not use the daemon are not moved: a
 /// copy across file systems would make them root's.
