@@ -296,6 +296,29 @@ mod tests {
     }
 
     #[test]
+    fn a_requested_mac_is_parsed_once_and_judged_for_a_pod_on_add() {
+        let colon = RequestedMac::parse("0A:58:0a:58:00:05").unwrap();
+        assert_eq!(
+            colon.for_pod("CNI_ARGS MAC").unwrap().to_string(),
+            "0a:58:0a:58:00:05"
+        );
+        // The dash form passes parsing (DEL and CHECK go on) but a pod
+        // interface is not given it, as before there was a type for it.
+        let dash = RequestedMac::parse("0A-58-0A-58-00-05").unwrap();
+        assert_eq!(dash.text(), "0A-58-0A-58-00-05");
+        let err = dash.for_pod("CNI_ARGS MAC").unwrap_err();
+        assert_eq!(err.code(), 7);
+        assert!(err.to_string().contains("is not a MAC address"), "{err}");
+        let multicast = RequestedMac::parse("01:00:5e:00:00:05").unwrap();
+        let err = multicast.for_pod("CNI_ARGS MAC").unwrap_err();
+        assert_eq!(err.code(), 7);
+        assert!(err.to_string().contains("multicast or zero"), "{err}");
+        for bad in ["0a:58", "0a-58:0a:58:00:05", "+a:58:0a:58:00:05", ""] {
+            assert_eq!(RequestedMac::parse(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
     fn too_long_is_code_4() {
         let raw = format!("IgnoreUnknown=1;X={}", "a".repeat(MAX_ARGS));
         let err = CniArgs::parse(&raw).unwrap_err();
