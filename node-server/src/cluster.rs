@@ -23,6 +23,7 @@ use crate::control::{self, BoxFut, Cmp, ControlStore, Event, Follower, Kv, Op};
 use crate::dataplane::{ClusterRoute, Dataplane, VxlanConfig, VxlanPeer, VXLAN_IFNAME};
 use crate::error::{Error, Result};
 use crate::ipam::Family;
+use crate::mac::Mac;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -140,6 +141,18 @@ pub struct NodeRecord {
     /// The VXLAN device's MAC, in vxlan mode.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vtep_mac: Option<String>,
+}
+
+impl NodeRecord {
+    /// The VXLAN device's MAC, if recorded and well formed; a node with a
+    /// bad one is not peered with rather than failing the whole view.
+    fn vtep_mac_octets(&self) -> Option<[u8; 6]> {
+        self.vtep_mac
+            .as_deref()?
+            .parse::<Mac>()
+            .ok()
+            .map(Mac::octets)
+    }
 }
 
 /// A block's holder.
@@ -266,15 +279,6 @@ pub fn vxlan_gateways(id: u32) -> (Ipv4Addr, Ipv6Addr) {
     let v4 = Ipv4Addr::from(u32::from(Ipv4Addr::new(169, 254, 128, 0)) + id);
     let v6 = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0x7474, id as u16);
     (v4, v6)
-}
-
-fn parse_mac(s: &str) -> Option<[u8; 6]> {
-    let mut out = [0u8; 6];
-    let mut parts = s.split(':');
-    for b in &mut out {
-        *b = u8::from_str_radix(parts.next()?, 16).ok()?;
-    }
-    parts.next().is_none().then_some(out)
 }
 
 /// Applies one listing or event to a view. Returns false for keys the view
@@ -849,7 +853,7 @@ impl Cluster {
                 .find(|ip| (family == Family::V4) == ip.is_ipv4())
                 .map(|via| (via, None)),
             Overlay::Vxlan { .. } => {
-                node.vtep_mac.as_deref().and_then(parse_mac)?;
+                node.vtep_mac_octets()?;
                 vtep_underlay(&node.node_ips, &me.node_ips)?;
                 let (gw4, gw6) = vxlan_gateways(node.id);
                 let via = match family {
@@ -881,7 +885,7 @@ impl Cluster {
             }
             if let Overlay::Vxlan { .. } = self.config.overlay {
                 if let (Some(mac), Some(&underlay)) = (
-                    node.vtep_mac.as_deref().and_then(parse_mac),
+                    node.vtep_mac_octets(),
                     vtep_underlay(&node.node_ips, &me.node_ips),
                 ) {
                     let (gw4, gw6) = vxlan_gateways(node.id);
@@ -1059,7 +1063,7 @@ async fn register(
             }
         }
         let vtep = |id: u32| match config.overlay {
-            Overlay::Vxlan { .. } => Some(crate::dataplane::format_mac(&vtep_mac(id))),
+            Overlay::Vxlan { .. } => Some(Mac::from(vtep_mac(id)).to_string()),
             Overlay::HostGw => None,
         };
         if let Some((rec, rev)) = existing {

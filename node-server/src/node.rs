@@ -22,6 +22,7 @@ use crate::cni::{self, Invocation, VmAddressPolicy};
 use crate::dataplane::{self, Dataplane, PodWiring};
 use crate::error::{Error, Mismatch, Result};
 use crate::ipam::{Family, Pools};
+use crate::mac::Mac;
 use crate::store::{Attachment, AttachmentKey, Store};
 use crate::vm::VmRegistry;
 use ipnet::IpNet;
@@ -102,7 +103,7 @@ pub struct Node {
     vm_held: Mutex<HashMap<IpAddr, i64>>,
     /// Migration targets on this node waiting for their VM's announcement,
     /// by the VM's MAC.
-    pending_targets: Mutex<HashMap<[u8; 6], Vec<vm::PendingTarget>>>,
+    pending_targets: Mutex<HashMap<Mac, Vec<vm::PendingTarget>>>,
     /// The VM routes as last programmed, per VM; `None` forces the next
     /// sync to touch the kernel.
     vm_wants: Mutex<Option<HashMap<crate::vm::VmKey, vm::Want>>>,
@@ -178,19 +179,6 @@ fn key_of(inv: &Invocation) -> AttachmentKey {
     }
 }
 
-fn mac_bytes(mac: &str) -> Result<[u8; 6]> {
-    let mut out = [0u8; 6];
-    let mut parts = mac.split(':');
-    for b in &mut out {
-        let part = parts
-            .next()
-            .ok_or_else(|| Error::Internal(format!("bad stored MAC {mac}")))?;
-        *b = u8::from_str_radix(part, 16)
-            .map_err(|_| Error::Internal(format!("bad stored MAC {mac}")))?;
-    }
-    Ok(out)
-}
-
 fn wiring<'a>(
     a: &'a Attachment,
     netns: &'a std::fs::File,
@@ -202,7 +190,10 @@ fn wiring<'a>(
         netns_path,
         pod_ifname: &a.key.ifname,
         host_ifname: &a.host_ifname,
-        pod_mac: mac_bytes(&a.mac)?,
+        pod_mac: a
+            .mac
+            .parse::<Mac>()
+            .map_err(|_| Error::Internal(format!("bad stored MAC {}", a.mac)))?,
         ips: &a.ips,
         mtu: a.mtu,
         announce,
@@ -212,7 +203,7 @@ fn wiring<'a>(
 fn wired(a: &Attachment) -> cni::Wired {
     cni::Wired {
         host_ifname: a.host_ifname.clone(),
-        host_mac: dataplane::format_mac(&dataplane::GATEWAY_MAC),
+        host_mac: dataplane::GATEWAY_MAC.to_string(),
         pod_ifname: a.key.ifname.clone(),
         pod_mac: a.mac.clone(),
         sandbox: a.netns.clone(),
@@ -571,7 +562,7 @@ impl Node {
         let (ips, mac, placement) = match &vm_pod {
             Some(pod) => {
                 let p = self.place_vm(inv, pod, &requested).await?;
-                let mac = vm::parse_mac(&p.rec.mac, "the VM record's MAC")?;
+                let mac = Mac::parse_pod(&p.rec.mac, "the VM record's MAC")?;
                 (p.rec.ips.clone(), mac, Some(p))
             }
             None => {
@@ -592,7 +583,7 @@ impl Node {
             key: key.clone(),
             netns: netns_path.display().to_string(),
             ips: ips.clone(),
-            mac: dataplane::format_mac(&mac),
+            mac: mac.to_string(),
             host_ifname: host_ifname.clone(),
             mtu,
             created_unix_nanos: started,

@@ -638,7 +638,7 @@ mod tests {
         let adopted = adopt(&socket, &state, &[]).unwrap();
 
         assert_eq!(adopted.moved, 1);
-        assert_eq!(adopted.from, [aside.clone()]);
+        assert_eq!(adopted.from, std::slice::from_ref(&aside));
         assert_eq!(ids(&state), ["orphan"]);
         assert!(!aside.exists());
     }

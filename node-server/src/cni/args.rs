@@ -10,6 +10,7 @@
 use std::net::IpAddr;
 
 use crate::error::{Error, Result};
+use crate::mac::{self, Mac, Separator};
 
 /// The longest `CNI_ARGS` accepted (64 KiB): far above what any runtime
 /// sends, low enough that a runaway caller cannot make the daemon work hard.
@@ -31,8 +32,8 @@ pub struct CniArgs {
     /// `IP`: requested address(es), comma-separated as host-local accepts
     /// them; each part is checked to be an IP address.
     pub ip: Option<String>,
-    /// `MAC`: requested pod MAC, checked to be six hex octets.
-    pub mac: Option<String>,
+    /// `MAC`: requested pod MAC, parsed once here.
+    pub mac: Option<RequestedMac>,
 }
 
 impl CniArgs {
@@ -75,10 +76,13 @@ impl CniArgs {
                     &mut args.ip
                 }
                 "MAC" => {
-                    if !value.is_empty() && !is_mac(value) {
-                        return Err(invalid(format!("MAC {value:?} is not a MAC address")));
-                    }
-                    &mut args.mac
+                    args.mac = match value {
+                        "" => None,
+                        _ => Some(RequestedMac::parse(value).ok_or_else(|| {
+                            invalid(format!("MAC {value:?} is not a MAC address"))
+                        })?),
+                    };
+                    continue;
                 }
                 _ => {
                     first_unknown.get_or_insert((key, value));
@@ -128,15 +132,43 @@ fn check_ip_list(value: &str) -> Result<()> {
     Ok(())
 }
 
-/// Six two-digit hex octets separated by ':' or '-', the forms runtimes
-/// (podman `--mac-address`, kubelet annotations) actually send.
-pub(crate) fn is_mac(s: &str) -> bool {
-    let sep = if s.contains('-') { '-' } else { ':' };
-    let octets: Vec<&str> = s.split(sep).collect();
-    octets.len() == 6
-        && octets
-            .iter()
-            .all(|o| o.len() == 2 && o.bytes().all(|b| b.is_ascii_hexdigit()))
+/// A MAC a runtime asked for (CNI_ARGS `MAC` or runtimeConfig `mac`),
+/// parsed once when the request is. The text is kept as given because the
+/// errors name it that way.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestedMac {
+    mac: Mac,
+    separator: Separator,
+    text: String,
+}
+
+impl RequestedMac {
+    /// Six two-digit hex octets separated by ':' or '-', the forms runtimes
+    /// (podman `--mac-address`, kubelet annotations) actually send; `None`
+    /// for anything else.
+    pub fn parse(s: &str) -> Option<Self> {
+        Mac::parse_either(s).map(|(mac, separator)| RequestedMac {
+            mac,
+            separator,
+            text: s.to_string(),
+        })
+    }
+
+    /// The text as the runtime sent it.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// The MAC a new pod interface gets from this request (`what` names the
+    /// source in errors): only the colon form, unicast and not zero, else
+    /// `InvalidConfig`. The dash form passes parsing (and so DEL and CHECK)
+    /// but not ADD, as before this type existed.
+    pub fn for_pod(&self, what: &str) -> Result<Mac> {
+        match self.separator {
+            Separator::Colon => self.mac.for_pod(&self.text, what),
+            Separator::Dash => Err(mac::not_a_mac(&self.text, what)),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -156,7 +188,10 @@ mod tests {
         assert!(a.ignore_unknown);
         assert_eq!(a.pod_name.as_deref(), Some("foo"));
         assert_eq!(a.ip.as_deref(), Some("10.88.0.5"));
-        assert_eq!(a.mac.as_deref(), Some("0a:58:0a:58:00:05"));
+        assert_eq!(
+            a.mac.as_ref().map(RequestedMac::text),
+            Some("0a:58:0a:58:00:05")
+        );
         assert_eq!(a.pod_namespace, None);
     }
 
@@ -258,6 +293,29 @@ mod tests {
             assert_eq!(err.code(), 4, "{raw:?}");
         }
         assert!(CniArgs::parse("MAC=0A-58-0A-58-00-05").is_ok());
+    }
+
+    #[test]
+    fn a_requested_mac_is_parsed_once_and_judged_for_a_pod_on_add() {
+        let colon = RequestedMac::parse("0A:58:0a:58:00:05").unwrap();
+        assert_eq!(
+            colon.for_pod("CNI_ARGS MAC").unwrap().to_string(),
+            "0a:58:0a:58:00:05"
+        );
+        // The dash form passes parsing (DEL and CHECK go on) but a pod
+        // interface is not given it, as before there was a type for it.
+        let dash = RequestedMac::parse("0A-58-0A-58-00-05").unwrap();
+        assert_eq!(dash.text(), "0A-58-0A-58-00-05");
+        let err = dash.for_pod("CNI_ARGS MAC").unwrap_err();
+        assert_eq!(err.code(), 7);
+        assert!(err.to_string().contains("is not a MAC address"), "{err}");
+        let multicast = RequestedMac::parse("01:00:5e:00:00:05").unwrap();
+        let err = multicast.for_pod("CNI_ARGS MAC").unwrap_err();
+        assert_eq!(err.code(), 7);
+        assert!(err.to_string().contains("multicast or zero"), "{err}");
+        for bad in ["0a:58", "0a-58:0a:58:00:05", "+a:58:0a:58:00:05", ""] {
+            assert_eq!(RequestedMac::parse(bad), None, "{bad:?}");
+        }
     }
 
     #[test]

@@ -13,7 +13,7 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 use serde_json::{Map, Value};
 
-use super::args::is_mac;
+use super::args::RequestedMac;
 use super::version::CniVersion;
 use crate::error::{Error, Result};
 
@@ -87,8 +87,8 @@ pub struct AttachmentId {
 pub struct RuntimeConfig {
     /// `ips`: requested addresses, each an IP or an IP/prefix.
     pub ips: Vec<String>,
-    /// `mac`: the requested pod MAC.
-    pub mac: Option<String>,
+    /// `mac`: the requested pod MAC, parsed once here.
+    pub mac: Option<RequestedMac>,
     /// `io.kubernetes.cri.pod-annotations`: the pod's annotations.
     pub pod_annotations: BTreeMap<String, String>,
 }
@@ -382,12 +382,9 @@ fn parse_runtime_config(v: &Value) -> Result<RuntimeConfig> {
             .as_str()
             .ok_or_else(|| decode(WHAT, "mac: expected a string"))?;
         if !s.is_empty() {
-            if !is_mac(s) {
-                return Err(Error::InvalidConfig(format!(
-                    "runtimeConfig.mac: {s:?} is not a MAC address"
-                )));
-            }
-            rc.mac = Some(s.to_string());
+            rc.mac = Some(RequestedMac::parse(s).ok_or_else(|| {
+                Error::InvalidConfig(format!("runtimeConfig.mac: {s:?} is not a MAC address"))
+            })?);
         }
     }
     if let Some(ann) = present(obj, POD_ANNOTATIONS_KEY) {
@@ -715,7 +712,10 @@ mod tests {
         });
         let c = conf(with("runtimeConfig", rc)).unwrap();
         assert_eq!(c.runtime_config.ips, vec!["10.244.1.7", "fd00::7/64"]);
-        assert_eq!(c.runtime_config.mac.as_deref(), Some("0a:58:0a:f4:01:07"));
+        assert_eq!(
+            c.runtime_config.mac.as_ref().map(RequestedMac::text),
+            Some("0a:58:0a:f4:01:07")
+        );
         assert_eq!(
             c.runtime_config
                 .pod_annotations

@@ -18,7 +18,7 @@ pub mod request;
 pub mod result;
 pub mod version;
 
-pub use args::CniArgs;
+pub use args::{CniArgs, RequestedMac};
 pub use config::{AttachmentId, NetConf, PrevResult, RuntimeConfig, VmAddressPolicy};
 pub use request::{parse_request, Invocation, MAX_STDIN};
 pub use result::{

@@ -35,8 +35,9 @@ use rtnetlink::packet_route::{AddressFamily, RouteNetlinkMessage};
 use rtnetlink::{LinkMessageBuilder, LinkUnspec, LinkVxlan};
 
 use super::messages::{self, errno, reason, Step, ACKED, CREATE, REPLACE};
-use super::{format_mac, write_sysctl, Dataplane};
+use super::{write_sysctl, Dataplane};
 use crate::error::{Error, Result};
+use crate::mac::Mac;
 
 #[cfg(test)]
 #[path = "cluster_tests.rs"]
@@ -288,7 +289,7 @@ impl Dataplane {
             steps.push(Step::new(
                 RouteNetlinkMessage::NewNeighbour(fdb_entry(index, mac, Some(dst))),
                 REPLACE,
-                format!("adding FDB entry {} dst {dst}", format_mac(mac)),
+                format!("adding FDB entry {} dst {dst}", Mac::from(*mac)),
             ));
             synced.added += 1;
         }
@@ -299,7 +300,7 @@ impl Dataplane {
             steps.push(Step::new(
                 RouteNetlinkMessage::NewNeighbour(vxlan_neighbour(index, gateway, Some(mac))),
                 REPLACE,
-                format!("adding neighbour {gateway} lladdr {}", format_mac(mac)),
+                format!("adding neighbour {gateway} lladdr {}", Mac::from(*mac)),
             ));
             synced.added += 1;
         }
@@ -641,7 +642,7 @@ fn peer_tables(
                 return Err(Error::Internal(format!(
                     "vxlan peers {other} and {} share MAC {}",
                     peer.node_ip,
-                    format_mac(&peer.mac)
+                    Mac::from(peer.mac)
                 )));
             }
         }
@@ -650,8 +651,8 @@ fn peer_tables(
                 if other != peer.mac {
                     return Err(Error::Internal(format!(
                         "vxlan gateway {gateway} claimed by MACs {} and {}",
-                        format_mac(&other),
-                        format_mac(&peer.mac)
+                        Mac::from(other),
+                        Mac::from(peer.mac)
                     )));
                 }
             }
@@ -693,7 +694,7 @@ fn vxlan_difference(link: &LinkMessage, cfg: &VxlanConfig) -> Option<String> {
         return Some("learning is on".into());
     }
     if mac.as_deref() != Some(&cfg.mac[..]) {
-        return Some(format!("MAC {mac:02x?}, want {}", format_mac(&cfg.mac)));
+        return Some(format!("MAC {mac:02x?}, want {}", Mac::from(cfg.mac)));
     }
     None
 }
@@ -889,7 +890,7 @@ fn fdb_delete_step(index: u32, mac: &[u8; 6]) -> Step {
     Step::new(
         RouteNetlinkMessage::DelNeighbour(fdb_entry(index, mac, None)),
         ACKED,
-        format!("deleting FDB entry {}", format_mac(mac)),
+        format!("deleting FDB entry {}", Mac::from(*mac)),
     )
     .tolerating(libc::ENOENT)
 }

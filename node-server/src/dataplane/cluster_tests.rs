@@ -19,6 +19,7 @@ use serde_json::Value;
 use super::super::tests::{is_root, netns_inode, new_netns, pings, require_root, run_in, Netns};
 use super::super::{host_ifname, pod_mac, PodWiring};
 use super::*;
+use crate::mac::Mac;
 
 const MAC_A: [u8; 6] = [0x0a, 0x58, 0x74, 0x76, 0x00, 0x01];
 const MAC_B: [u8; 6] = [0x0a, 0x58, 0x74, 0x76, 0x00, 0x02];
@@ -733,7 +734,7 @@ fn vxlan_carries_pod_traffic_between_nodes() {
         assert_eq!(info["info_data"]["port"], 4789, "{link}");
         assert_eq!(info["info_data"]["local"], "192.0.2.1", "{link}");
         assert_eq!(info["info_data"]["learning"], false, "{link}");
-        assert_eq!(link["address"], format_mac(&MAC_A), "{link}");
+        assert_eq!(link["address"], Mac::from(MAC_A).to_string(), "{link}");
         assert_eq!(link["mtu"], 1450, "{link}");
         assert!(
             strings(&link["flags"]).contains(&"UP".to_string()),
@@ -746,7 +747,7 @@ fn vxlan_carries_pod_traffic_between_nodes() {
         assert_eq!(
             fdb_rows(a.path(), VXLAN_IFNAME),
             vec![(
-                format_mac(&MAC_B),
+                Mac::from(MAC_B).to_string(),
                 "192.0.2.2".to_string(),
                 vec!["self".to_string()],
                 "permanent".to_string()
@@ -755,8 +756,8 @@ fn vxlan_carries_pod_traffic_between_nodes() {
         assert_eq!(
             permanent_neighbours(a.path(), VXLAN_IFNAME),
             vec![
-                ("169.254.128.2".to_string(), format_mac(&MAC_B)),
-                ("fe80::7474:2".to_string(), format_mac(&MAC_B)),
+                ("169.254.128.2".to_string(), Mac::from(MAC_B).to_string()),
+                ("fe80::7474:2".to_string(), Mac::from(MAC_B).to_string()),
             ]
         );
         assert_eq!(
@@ -867,7 +868,7 @@ fn vxlan_device_is_kept_fixed_or_recreated() {
             full.extend_from_slice(&["dev", VXLAN_IFNAME]);
             run_in(a.path(), &full);
         };
-        let mac_b = format_mac(&MAC_B);
+        let mac_b = Mac::from(MAC_B).to_string();
         bridge(&["append", &mac_b, "dst", "192.0.2.3"]);
         bridge(&["append", "00:00:00:00:00:00", "dst", "192.0.2.99"]);
         run_in(
@@ -977,7 +978,11 @@ fn vxlan_device_is_kept_fixed_or_recreated() {
                 "local6"
             };
             assert_eq!(data[local], changed.local.to_string(), "{link}");
-            assert_eq!(link["address"], format_mac(&changed.mac), "{link}");
+            assert_eq!(
+                link["address"],
+                Mac::from(changed.mac).to_string(),
+                "{link}"
+            );
         }
 
         // Its name taken by something that is not a vxlan device.

@@ -94,7 +94,7 @@ pub(super) fn veth(
         .build();
     LinkMessageBuilder::<LinkVeth>::new_with_info_kind(InfoKind::Veth)
         .name(host_ifname)
-        .address(GATEWAY_MAC.to_vec())
+        .address(GATEWAY_MAC.octets().to_vec())
         .mtu(mtu)
         .up()
         .set_info_data(InfoData::Veth(InfoVeth::Peer(peer)))
@@ -346,8 +346,9 @@ pub(super) fn gateway_neighbour(gateway: IpAddr, index: u32) -> NeighbourMessage
             IpAddr::V4(v4) => NeighbourAddress::Inet(v4),
             IpAddr::V6(v6) => NeighbourAddress::Inet6(v6),
         }));
-    msg.attributes
-        .push(NeighbourAttribute::LinkLayerAddress(GATEWAY_MAC.to_vec()));
+    msg.attributes.push(NeighbourAttribute::LinkLayerAddress(
+        GATEWAY_MAC.octets().to_vec(),
+    ));
     msg
 }
 
@@ -462,7 +463,7 @@ mod tests {
             .contains(&LinkAttribute::IfName("tth0123456789ab".into())));
         assert!(msg
             .attributes
-            .contains(&LinkAttribute::Address(GATEWAY_MAC.to_vec())));
+            .contains(&LinkAttribute::Address(GATEWAY_MAC.octets().to_vec())));
         assert!(msg.attributes.contains(&LinkAttribute::Mtu(1450)));
         let infos = msg
             .attributes

@@ -34,6 +34,7 @@ use rtnetlink::packet_route::{AddressFamily, RouteNetlinkMessage};
 use rtnetlink::Handle;
 
 use crate::error::{Error, Mismatch, Result};
+use crate::mac::Mac;
 pub use announce::{parse_frame, AnnounceKind, AnnounceListener, Announcement};
 pub use cluster::{
     ClusterRoute, Synced, VxlanConfig, VxlanPeer, CLUSTER_ROUTE_PROTOCOL, VM_ROUTE_PROTOCOL,
@@ -48,7 +49,7 @@ pub const GATEWAY_V4: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
 pub const GATEWAY_V6: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1);
 /// The MAC of every node-side veth, so that a guest's gateway MAC stays valid
 /// when it moves to another node.
-pub const GATEWAY_MAC: [u8; 6] = [0x0a, 0x58, 0xa9, 0xfe, 0x01, 0x01];
+pub const GATEWAY_MAC: Mac = Mac::new([0x0a, 0x58, 0xa9, 0xfe, 0x01, 0x01]);
 /// Route protocol number that marks tether's routes (so they can be found
 /// and reconciled). Not one of the RTPROT_* numbers iproute2 or the kernel
 /// reserve; netlink-packet-route carries it as `RouteProtocol::Other(201)`.
@@ -84,7 +85,7 @@ pub fn host_ifname(network: &str, container_id: &str, ifname: &str) -> String {
 /// Locally administered unicast MAC for a pod: 0a:58 followed by the 4 bytes
 /// of its IPv4 address if it has one, else the last 4 bytes of its first IPv6
 /// address (0a:58:00:00:00:00 for no address at all).
-pub fn pod_mac(ips: &[IpAddr]) -> [u8; 6] {
+pub fn pod_mac(ips: &[IpAddr]) -> Mac {
     let v4 = ips.iter().find_map(|ip| match ip {
         IpAddr::V4(v4) => Some(v4.octets()),
         IpAddr::V6(_) => None,
@@ -100,19 +101,15 @@ pub fn pod_mac(ips: &[IpAddr]) -> [u8; 6] {
             })
         })
         .unwrap_or([0; 4]);
-    [0x0a, 0x58, tail[0], tail[1], tail[2], tail[3]]
+    Mac::new([0x0a, 0x58, tail[0], tail[1], tail[2], tail[3]])
 }
 
-/// Formats a MAC the way `ip link` does: "0a:58:0a:01:00:05".
-pub fn format_mac(mac: &[u8; 6]) -> String {
-    let [a, b, c, d, e, f] = mac;
-    format!("{a:02x}:{b:02x}:{c:02x}:{d:02x}:{e:02x}:{f:02x}")
-}
-
+/// A link-layer address as the kernel reported it, for CHECK's messages:
+/// a MAC in the usual form, anything else as raw bytes.
 fn mac_text(mac: Option<&[u8]>) -> String {
     match mac {
         Some(bytes) => match <[u8; 6]>::try_from(bytes) {
-            Ok(m) => format_mac(&m),
+            Ok(m) => Mac::from(m).to_string(),
             Err(_) => format!("{bytes:02x?}"),
         },
         None => "none".into(),
@@ -131,7 +128,7 @@ pub struct PodWiring<'a> {
     /// The node-side veth name, from [`host_ifname`].
     pub host_ifname: &'a str,
     /// The pod interface's MAC, from [`pod_mac`] or kept across migrations.
-    pub pod_mac: [u8; 6],
+    pub pod_mac: Mac,
     /// The pod's addresses; each becomes a /32 or /128.
     pub ips: &'a [IpAddr],
     /// MTU of both veth ends.
@@ -426,7 +423,7 @@ impl Dataplane {
         let message = messages::veth(
             w.host_ifname,
             w.pod_ifname,
-            w.pod_mac,
+            w.pod_mac.octets(),
             w.mtu,
             w.netns.as_raw_fd(),
         );
@@ -515,13 +512,13 @@ impl Dataplane {
                 format!("{host} is down"),
             ));
         }
-        if facts.mac.as_deref() != Some(&GATEWAY_MAC[..]) {
+        if facts.mac.as_deref() != Some(&GATEWAY_MAC.octets()[..]) {
             return Err(Error::check(
                 Mismatch::HostInterface,
                 format!(
                     "{host} has MAC {}, want {}",
                     mac_text(facts.mac.as_deref()),
-                    format_mac(&GATEWAY_MAC)
+                    GATEWAY_MAC
                 ),
             ));
         }

@@ -10,15 +10,16 @@ use rtnetlink::packet_route::{AddressFamily, RouteNetlinkMessage};
 use rtnetlink::Handle;
 
 use super::messages::{self, reason, Step, ACKED, CREATE, REPLACE};
-use super::{format_mac, mac_text, GATEWAY_MAC};
+use super::{mac_text, GATEWAY_MAC};
 use crate::error::{Error, Mismatch, Result};
+use crate::mac::Mac;
 
 /// What the pod side must look like; owned so that it can cross to the netns
 /// thread.
 pub(super) struct PodSide {
     pub ifname: String,
     pub netns: String,
-    pub mac: [u8; 6],
+    pub mac: Mac,
     pub ips: Vec<IpAddr>,
     pub mtu: u32,
 }
@@ -101,14 +102,14 @@ pub(super) async fn check(handle: Handle, pod: PodSide) -> Result<()> {
             format!("{} is down", pod.ifname),
         ));
     }
-    if facts.mac.as_deref() != Some(&pod.mac[..]) {
+    if facts.mac.as_deref() != Some(&pod.mac.octets()[..]) {
         return Err(Error::check(
             Mismatch::PodInterface,
             format!(
                 "{} has MAC {}, want {}",
                 pod.ifname,
                 mac_text(facts.mac.as_deref()),
-                format_mac(&pod.mac)
+                pod.mac
             ),
         ));
     }
@@ -184,7 +185,9 @@ pub(super) async fn check(handle: Handle, pod: PodSide) -> Result<()> {
             NeighbourAttribute::LinkLayerAddress(l) => Some(l.as_slice()),
             _ => None,
         });
-        if entry.header.state != NeighbourState::Permanent || lladdr != Some(&GATEWAY_MAC[..]) {
+        if entry.header.state != NeighbourState::Permanent
+            || lladdr != Some(&GATEWAY_MAC.octets()[..])
+        {
             return Err(Error::check(
                 Mismatch::PodRoute,
                 format!(
@@ -192,7 +195,7 @@ pub(super) async fn check(handle: Handle, pod: PodSide) -> Result<()> {
                     pod.ifname,
                     entry.header.state,
                     mac_text(lladdr),
-                    format_mac(&GATEWAY_MAC)
+                    GATEWAY_MAC
                 ),
             ));
         }

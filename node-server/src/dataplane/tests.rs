@@ -55,14 +55,17 @@ fn host_ifname_is_short_stable_and_distinct() {
 fn pod_mac_embeds_the_address() {
     let v4: IpAddr = "10.1.0.5".parse().unwrap();
     let v6: IpAddr = "2001:db8::a:b0c:d0e".parse().unwrap();
-    assert_eq!(pod_mac(&[v4]), [0x0a, 0x58, 10, 1, 0, 5]);
-    assert_eq!(pod_mac(&[v6, v4]), [0x0a, 0x58, 10, 1, 0, 5]);
-    assert_eq!(pod_mac(&[v6]), [0x0a, 0x58, 0x0b, 0x0c, 0x0d, 0x0e]);
-    assert_eq!(pod_mac(&[]), [0x0a, 0x58, 0, 0, 0, 0]);
+    assert_eq!(pod_mac(&[v4]).octets(), [0x0a, 0x58, 10, 1, 0, 5]);
+    assert_eq!(pod_mac(&[v6, v4]).octets(), [0x0a, 0x58, 10, 1, 0, 5]);
+    assert_eq!(
+        pod_mac(&[v6]).octets(),
+        [0x0a, 0x58, 0x0b, 0x0c, 0x0d, 0x0e]
+    );
+    assert_eq!(pod_mac(&[]).octets(), [0x0a, 0x58, 0, 0, 0, 0]);
     // Locally administered, unicast.
-    assert_eq!(pod_mac(&[v4])[0] & 0b11, 0b10);
-    assert_eq!(format_mac(&pod_mac(&[v4])), "0a:58:0a:01:00:05");
-    assert_eq!(format_mac(&GATEWAY_MAC), "0a:58:a9:fe:01:01");
+    assert_eq!(pod_mac(&[v4]).octets()[0] & 0b11, 0b10);
+    assert_eq!(pod_mac(&[v4]).to_string(), "0a:58:0a:01:00:05");
+    assert_eq!(GATEWAY_MAC.to_string(), "0a:58:a9:fe:01:01");
 }
 
 #[test]
@@ -213,7 +216,7 @@ struct TestPod {
     ifname: String,
     host: String,
     ips: Vec<IpAddr>,
-    mac: [u8; 6],
+    mac: Mac,
     mtu: u32,
 }
 
@@ -306,7 +309,7 @@ fn wired_pods_have_their_addresses_routes_and_reach_each_other() {
             "{link}"
         );
         assert_eq!(link["operstate"], "UP", "{link}");
-        assert_eq!(link["address"], format_mac(&a.mac));
+        assert_eq!(link["address"], a.mac.to_string());
         assert_eq!(link["mtu"], 1450);
         let addrs: Vec<(String, u64)> = link["addr_info"]
             .as_array()
@@ -430,7 +433,7 @@ fn veth_creation_answers_both_indexes() {
         );
         let pod = &ip_json(p.path(), &["link", "show", "eth0"])[0];
         assert_eq!(created.peer_index.map(u64::from), pod["ifindex"].as_u64());
-        assert_eq!(pod["address"], format_mac(&p.mac));
+        assert_eq!(pod["address"], p.mac.to_string());
     });
 }
 

@@ -18,6 +18,7 @@ use crate::cni::{Invocation, VmAddressPolicy};
 use crate::dataplane::{self, AnnounceKind, AnnounceListener, ClusterRoute};
 use crate::error::{Error, Result};
 use crate::ipam::{Family, Take};
+use crate::mac::Mac;
 use crate::store::{Attachment, AttachmentKey};
 use crate::vm::{
     now_ms, now_nanos, CreateRefused, CutoverInfo, Origin, Trigger, VmAttachment, VmKey, VmRecord,
@@ -73,7 +74,7 @@ pub(super) struct Requested {
     /// At most one per family.
     pub ips: Vec<IpAddr>,
     /// The pod interface MAC.
-    pub mac: Option<[u8; 6]>,
+    pub mac: Option<Mac>,
 }
 
 /// Parses "10.1.2.3" or "10.1.2.3/24" (the prefix is the pod's business:
@@ -83,29 +84,6 @@ fn parse_ip(s: &str, what: &str) -> Result<IpAddr> {
     s.parse::<IpAddr>()
         .or_else(|_| s.parse::<IpNet>().map(|n| n.addr()))
         .map_err(|_| Error::InvalidConfig(format!("{what}: {s:?} is not an IP address")))
-}
-
-/// Parses a MAC for a pod interface: six hex octets, unicast, not zero.
-pub(crate) fn parse_mac(s: &str, what: &str) -> Result<[u8; 6]> {
-    let bad = || Error::InvalidConfig(format!("{what}: {s:?} is not a MAC address"));
-    let mut out = [0u8; 6];
-    let mut parts = s.split(':');
-    for b in &mut out {
-        let part = parts.next().ok_or_else(bad)?;
-        if part.len() != 2 {
-            return Err(bad());
-        }
-        *b = u8::from_str_radix(part, 16).map_err(|_| bad())?;
-    }
-    if parts.next().is_some() {
-        return Err(bad());
-    }
-    if out[0] & 1 == 1 || out == [0; 6] {
-        return Err(Error::InvalidConfig(format!(
-            "{what}: {s} is a multicast or zero MAC; a pod interface needs a unicast one"
-        )));
-    }
-    Ok(out)
 }
 
 /// The addresses and MAC of CNI_ARGS `IP=`/`MAC=` and `runtimeConfig`
@@ -147,12 +125,9 @@ pub(super) fn requested(inv: &Invocation) -> Result<Requested> {
             )));
         }
     }
-    let macs: Vec<[u8; 6]> = [
-        inv.args
-            .mac
-            .as_deref()
-            .map(|m| parse_mac(m, "CNI_ARGS MAC")),
-        rc.mac.as_deref().map(|m| parse_mac(m, "runtimeConfig.mac")),
+    let macs: Vec<Mac> = [
+        inv.args.mac.as_ref().map(|m| m.for_pod("CNI_ARGS MAC")),
+        rc.mac.as_ref().map(|m| m.for_pod("runtimeConfig.mac")),
     ]
     .into_iter()
     .flatten()
@@ -513,10 +488,10 @@ impl Node {
 
     /// The MAC of a new plain pod: the requested one (checked to be free)
     /// or one derived from its addresses.
-    pub(super) fn mac_for(&self, req: &Requested, ips: &[IpAddr]) -> Result<[u8; 6]> {
+    pub(super) fn mac_for(&self, req: &Requested, ips: &[IpAddr]) -> Result<Mac> {
         match req.mac {
             Some(m) => {
-                self.check_mac_free(&dataplane::format_mac(&m), None)?;
+                self.check_mac_free(&m.to_string(), None)?;
                 Ok(m)
             }
             None => Ok(dataplane::pod_mac(ips)),
@@ -589,7 +564,10 @@ impl Node {
         this: &VmAttachment,
     ) -> Result<Option<Placement>> {
         let ips = self.addresses_for(req).await?;
-        let mac = dataplane::format_mac(&req.mac.unwrap_or_else(|| dataplane::pod_mac(&ips)));
+        let mac = req
+            .mac
+            .unwrap_or_else(|| dataplane::pod_mac(&ips))
+            .to_string();
         if let Err(e) = self.check_mac_free(&mac, Some(&pod.key)) {
             self.free_ips(&ips);
             return Err(e);
@@ -722,7 +700,7 @@ impl Node {
     }
 
     fn add_pending(&self, mac: &str, p: PendingTarget) {
-        let Ok(mac) = parse_mac(mac, "pod MAC") else {
+        let Ok(mac) = Mac::parse_pod(mac, "pod MAC") else {
             return;
         };
         let mut pending = lock(&self.pending_targets);
@@ -931,10 +909,10 @@ impl Node {
             }
         }
         let mac = match mac.as_deref().filter(|m| !m.is_empty()) {
-            Some(m) => parse_mac(m, "mac")?,
+            Some(m) => Mac::parse_pod(m, "mac")?,
             None => dataplane::pod_mac(&ips),
-        };
-        let mac = dataplane::format_mac(&mac);
+        }
+        .to_string();
         if let Some((rec, _)) = self.vms.read(&key).await? {
             let (mut want, mut have) = (ips.clone(), rec.ips.clone());
             want.sort();
@@ -1039,7 +1017,7 @@ impl Node {
             ifname: x.ifname.clone(),
         };
         let mut wants: HashMap<VmKey, Want> = HashMap::new();
-        let mut pending: HashMap<[u8; 6], Vec<FoundTarget>> = HashMap::new();
+        let mut pending: HashMap<Mac, Vec<FoundTarget>> = HashMap::new();
         for (rec, _) in view.records.values() {
             let mut want = Want::default();
             match &rec.active {
@@ -1067,7 +1045,9 @@ impl Node {
                 None => {}
             }
             if let Some(alt) = rec.alternate.as_ref().filter(|x| x.node == me) {
-                if let (Some(a), Ok(mac)) = (local.get(&key_of(alt)), parse_mac(&rec.mac, "mac")) {
+                if let (Some(a), Ok(mac)) =
+                    (local.get(&key_of(alt)), Mac::parse_pod(&rec.mac, "mac"))
+                {
                     pending.entry(mac).or_default().push((
                         rec.key.clone(),
                         a.key.clone(),
@@ -1137,8 +1117,8 @@ impl Node {
 
     /// Replaces the table of pending migration targets, looking up veth
     /// indexes only for targets not known before.
-    async fn refresh_pending(&self, found: HashMap<[u8; 6], Vec<FoundTarget>>, view: &VmView) {
-        let old: Vec<([u8; 6], PendingTarget)> = lock(&self.pending_targets)
+    async fn refresh_pending(&self, found: HashMap<Mac, Vec<FoundTarget>>, view: &VmView) {
+        let old: Vec<(Mac, PendingTarget)> = lock(&self.pending_targets)
             .iter()
             .flat_map(|(mac, list)| list.iter().map(|p| (*mac, p.clone())))
             .collect();
@@ -1146,7 +1126,7 @@ impl Node {
             .iter()
             .map(|(_, p)| (p.attachment.clone(), p.ifindex))
             .collect();
-        let mut table: HashMap<[u8; 6], Vec<PendingTarget>> = HashMap::new();
+        let mut table: HashMap<Mac, Vec<PendingTarget>> = HashMap::new();
         // A target placed after this view was taken stays.
         for (mac, p) in old {
             let newer = view
@@ -1210,7 +1190,7 @@ impl Node {
                 let seen_unix = now_nanos().saturating_sub(ann.seen.elapsed().as_nanos() as u64);
                 let target = {
                     let mut table = lock(&node.pending_targets);
-                    let hit = table.get_mut(&ann.mac).and_then(|list| {
+                    let hit = table.get_mut(&Mac::from(ann.mac)).and_then(|list| {
                         let i = list.iter().position(|p| p.ifindex == ann.ifindex)?;
                         Some(list.remove(i))
                     });
@@ -1320,7 +1300,7 @@ fn check_request_matches(rec: &VmRecord, req: &Requested) -> Result<()> {
         }
     }
     if let Some(mac) = req.mac {
-        let mac = dataplane::format_mac(&mac);
+        let mac = mac.to_string();
         if !rec.mac.eq_ignore_ascii_case(&mac) {
             return Err(Error::AddressInUse(format!(
                 "VM {} holds MAC {}; it cannot be given {mac} (release it first with ReleaseVm)",
@@ -1334,24 +1314,6 @@ fn check_request_matches(rec: &VmRecord, req: &Requested) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn macs_must_be_unicast_six_octets() {
-        assert_eq!(
-            parse_mac("0a:58:0a:f4:00:05", "m").unwrap(),
-            [0x0a, 0x58, 0x0a, 0xf4, 0, 5]
-        );
-        for bad in [
-            "0a:58:0a:f4:00",
-            "0a:58:0a:f4:00:05:06",
-            "0a:58:0a:f4:0:5",
-            "zz:58:0a:f4:00:05",
-            "01:00:5e:00:00:01",
-            "00:00:00:00:00:00",
-        ] {
-            assert!(parse_mac(bad, "m").is_err(), "{bad}");
-        }
-    }
 
     #[test]
     fn addresses_parse_with_or_without_a_prefix() {
