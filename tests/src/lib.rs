@@ -35,6 +35,7 @@ mod daemon;
 pub mod migration;
 mod netns;
 pub mod reference;
+pub mod runtime;
 pub mod view;
 pub mod vm;
 

@@ -2,15 +2,12 @@
 //! by Go's libcni (the library inside containerd, CRI-O and podman) through
 //! `tests/runtimes/cnitool`, built here offline from Debian's packages.
 //!
-//! Both plugins are recording wrappers (see `support.rs`), so the test sees
+//! Both plugins are recording wrappers (see `tether_e2e::runtime`), so the test sees
 //! exactly what libcni handed each of them. portmap changes the host side
 //! (iptables), so its wrapper runs it inside the daemon's node netns; the
 //! tether shim may run anywhere.
 //!
 //! Run as root, after `tests/setup.sh`.
-
-#[path = "../runtimes/support.rs"]
-mod support;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -23,7 +20,7 @@ use tether_e2e::{
     TempDir, REF_PLUGIN_DIR,
 };
 
-use support::{
+use tether_e2e::runtime::{
     attachments, install_recording_plugin, libcni_cache_files, node_leftovers, print_calls,
     recorded_calls, result_ip, run_bounded, run_ok, wait_for, Call,
 };

@@ -10,9 +10,6 @@
 //!
 //! Run as root, after `tests/setup.sh`.
 
-#[path = "../runtimes/support.rs"]
-mod support;
-
 use std::fs::File;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
@@ -24,7 +21,7 @@ use tether_e2e::{
     add, del, require_root, tether_bin, unique_name, Daemon, DaemonOpts, Netns, TempDir,
 };
 
-use support::{
+use tether_e2e::runtime::{
     attachments, busybox_rootfs, install_recording_plugin, libcni_cache_files, node_leftovers,
     ping_argv, print_calls, recorded_calls, result_host_ifname, result_ip, run_bounded, run_ok,
     wait_for, Call, MachinePaths,

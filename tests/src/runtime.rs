@@ -1,10 +1,6 @@
 //! What the runtime suites (`runtimes.rs`, `chaining.rs`) share on top of the
-//! `tether_e2e` harness: plugins that record how a runtime called them, a
+//! rest of the harness: plugins that record how a runtime called them, a
 //! busybox rootfs, bounded commands, and the "nothing left behind" checks.
-//!
-//! Included with `#[path]` by each suite, so every item is used by at least
-//! one of them but not necessarily by both.
-#![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -13,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::{wait_until, Daemon, Netns, ROUTE_PROTOCOL};
 use serde_json::Value;
-use tether_e2e::{wait_until, Daemon, Netns, ROUTE_PROTOCOL};
 
 /// Where `tests/setup.sh` links the static grpcurl.
 pub const GRPCURL: &str = "/usr/local/bin/grpcurl";
