@@ -1,5 +1,7 @@
-//! What the benchmarks (`src/bin/bench.rs`, `src/bin/bench_cluster.rs`)
-//! share: the machine's description, building the release binaries, and
+//! What the benchmarks (`src/bin/bench.rs`, `bench_cluster.rs`,
+//! `bench_migration.rs`) share: the command line's common flags and the
+//! end of `main` ([`parse_command_line`], [`finish`]), the machine's
+//! description, building the release binaries, counting failures, and
 //! writing a generated section of BENCHMARKS.md.
 
 use std::panic::AssertUnwindSafe;
@@ -291,4 +293,175 @@ pub fn release_dir(bench: &str, build: bool) -> Result<PathBuf, String> {
         }
     }
     Ok(dir)
+}
+
+/// The flags every benchmark takes besides its own. The default is what no
+/// flag says: build, write nothing.
+#[derive(Debug, Clone)]
+pub struct CommonArgs {
+    /// Build the release binaries first (`--no-build` clears it).
+    pub build: bool,
+    /// The file to write the report's section into (`--write FILE`).
+    pub write: Option<PathBuf>,
+    /// The arguments as given, for the report.
+    pub command_line: String,
+}
+
+impl Default for CommonArgs {
+    fn default() -> Self {
+        CommonArgs {
+            build: true,
+            write: None,
+            command_line: String::new(),
+        }
+    }
+}
+
+/// One flag's value, taken from the command line when the flag asks for it.
+pub struct FlagValue<'a> {
+    flag: &'a str,
+    rest: &'a mut dyn Iterator<Item = String>,
+}
+
+impl FlagValue<'_> {
+    /// The next argument, which the flag needs.
+    pub fn text(&mut self) -> Result<String, String> {
+        self.rest
+            .next()
+            .ok_or_else(|| format!("{} needs a value", self.flag))
+    }
+
+    /// The next argument as a count.
+    pub fn number(&mut self) -> Result<usize, String> {
+        let text = self.text()?;
+        number(self.flag, &text)
+    }
+}
+
+/// `text` as a count, or an error naming `flag`.
+pub fn number(flag: &str, text: &str) -> Result<usize, String> {
+    text.parse::<usize>().map_err(|e| format!("{flag}: {e}"))
+}
+
+/// Reads the command line `args` (without the program name): `--no-build`,
+/// `--write FILE` and `-h`/`--help` here, every other flag through `own`,
+/// which answers `Ok(false)` for a flag it does not know. `--help` and
+/// errors come back as `Err` with `usage` appended.
+pub fn parse_command_line(
+    args: impl IntoIterator<Item = String>,
+    usage: &str,
+    mut own: impl FnMut(&str, &mut FlagValue<'_>) -> Result<bool, String>,
+) -> Result<CommonArgs, String> {
+    let args: Vec<String> = args.into_iter().collect();
+    let mut common = CommonArgs {
+        command_line: args.join(" "),
+        ..CommonArgs::default()
+    };
+    let mut rest = args.into_iter();
+    while let Some(flag) = rest.next() {
+        let mut value = FlagValue {
+            flag: &flag,
+            rest: &mut rest,
+        };
+        match flag.as_str() {
+            "--no-build" => common.build = false,
+            "--write" => common.write = Some(PathBuf::from(value.text()?)),
+            "-h" | "--help" => return Err(usage.to_owned()),
+            _ => {
+                if !own(&flag, &mut value)? {
+                    return Err(format!("unknown argument {flag:?}\n{usage}"));
+                }
+            }
+        }
+    }
+    Ok(common)
+}
+
+/// The end of every benchmark: prints `report`, writes it between `begin`
+/// and `end` in the `--write` file, logs the run's length, and gives the
+/// exit code, a failure when writing failed or `failures` is not zero.
+pub fn finish(
+    bench: &str,
+    common: &CommonArgs,
+    (begin, end): (&str, &str),
+    report: &str,
+    failures: usize,
+    runtime: Duration,
+) -> std::process::ExitCode {
+    println!("{report}");
+    if let Some(path) = &common.write {
+        match write_section(path, begin, end, report) {
+            Ok(()) => eprintln!("{bench}: wrote {}", path.display()),
+            Err(e) => {
+                eprintln!("{bench}: cannot write {}: {e}", path.display());
+                return std::process::ExitCode::FAILURE;
+            }
+        }
+    }
+    eprintln!(
+        "{bench}: done in {:.1} s, {failures} failure(s)",
+        runtime.as_secs_f64()
+    );
+    if failures > 0 {
+        std::process::ExitCode::FAILURE
+    } else {
+        std::process::ExitCode::SUCCESS
+    }
+}
+
+#[cfg(test)]
+mod command_line_tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<(CommonArgs, usize, Vec<String>), String> {
+        let mut cycles = 7;
+        let mut list = Vec::new();
+        let common =
+            parse_command_line(args.iter().map(|s| s.to_string()), "usage: x", |flag, v| {
+                match flag {
+                    "--cycles" => cycles = v.number()?,
+                    "--list" => list = v.text()?.split(',').map(str::to_owned).collect(),
+                    _ => return Ok(false),
+                }
+                Ok(true)
+            })?;
+        Ok((common, cycles, list))
+    }
+
+    #[test]
+    fn common_and_own_flags() {
+        let (common, cycles, list) = parse(&[
+            "--cycles",
+            "20",
+            "--no-build",
+            "--write",
+            "B.md",
+            "--list",
+            "a,b",
+        ])
+        .unwrap();
+        assert!(!common.build);
+        assert_eq!(common.write, Some(PathBuf::from("B.md")));
+        assert_eq!(
+            common.command_line,
+            "--cycles 20 --no-build --write B.md --list a,b"
+        );
+        assert_eq!((cycles, list), (20, vec!["a".to_owned(), "b".to_owned()]));
+
+        let (common, cycles, _) = parse(&[]).unwrap();
+        assert!(common.build && common.write.is_none());
+        assert_eq!(cycles, 7);
+    }
+
+    #[test]
+    fn errors_name_the_flag() {
+        assert_eq!(parse(&["--help"]).unwrap_err(), "usage: x");
+        assert!(parse(&["--frob"])
+            .unwrap_err()
+            .starts_with("unknown argument \"--frob\""));
+        assert_eq!(parse(&["--write"]).unwrap_err(), "--write needs a value");
+        assert!(parse(&["--cycles", "x"])
+            .unwrap_err()
+            .starts_with("--cycles: "));
+    }
 }

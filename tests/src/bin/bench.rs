@@ -26,7 +26,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tether_e2e::benchkit::{
-    build_release, first_lines, judge, panic_text, poll_until, stdout_of, write_section, Machine,
+    build_release, finish, first_lines, judge, number, panic_text, parse_command_line, poll_until,
+    stdout_of, CommonArgs, Machine,
 };
 use tether_e2e::reference::{bridge_netconf, host_local_leases, ptp_netconf};
 use tether_e2e::{
@@ -57,9 +58,7 @@ struct Args {
     pods: Vec<usize>,
     pods_cycles: usize,
     pods_plugins: Vec<Kind>,
-    build: bool,
-    write: Option<PathBuf>,
-    command_line: String,
+    common: CommonArgs,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -112,39 +111,33 @@ fn parse_args() -> Result<Args, String> {
         pods: vec![0, 50, 500],
         pods_cycles: 30,
         pods_plugins: vec![Kind::Tether, Kind::Floor, Kind::Ptp],
-        build: true,
-        write: None,
-        command_line: std::env::args().skip(1).collect::<Vec<_>>().join(" "),
+        common: CommonArgs::default(),
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
-        let number = |v: String| v.parse::<usize>().map_err(|e| format!("{flag}: {e}"));
-        match flag.as_str() {
-            "--cycles" => args.cycles = number(value()?)?,
-            "--concurrency" => args.concurrency = number(value()?)?,
-            "--rounds" => args.rounds = number(value()?)?,
-            "--warmup" => args.warmup = number(value()?)?,
-            "--batch" => args.batch = number(value()?)?.max(1),
-            "--plugins" => args.plugins = kinds(&value()?)?,
-            "--pods-plugins" => args.pods_plugins = kinds(&value()?)?,
+    let common = parse_command_line(std::env::args().skip(1), USAGE, |flag, v| {
+        match flag {
+            "--cycles" => args.cycles = v.number()?,
+            "--concurrency" => args.concurrency = v.number()?,
+            "--rounds" => args.rounds = v.number()?,
+            "--warmup" => args.warmup = v.number()?,
+            "--batch" => args.batch = v.number()?.max(1),
+            "--plugins" => args.plugins = kinds(&v.text()?)?,
+            "--pods-plugins" => args.pods_plugins = kinds(&v.text()?)?,
             "--pods" => {
-                let v = value()?;
+                let v = v.text()?;
                 args.pods = if v.is_empty() || v == "none" {
                     Vec::new()
                 } else {
                     v.split(',')
-                        .map(|n| number(n.to_owned()))
+                        .map(|n| number("--pods", n))
                         .collect::<Result<_, _>>()?
                 };
             }
-            "--pods-cycles" => args.pods_cycles = number(value()?)?.max(1),
-            "--no-build" => args.build = false,
-            "--write" => args.write = Some(PathBuf::from(value()?)),
-            "-h" | "--help" => return Err(USAGE.to_owned()),
-            _ => return Err(format!("unknown argument {flag:?}\n{USAGE}")),
+            "--pods-cycles" => args.pods_cycles = v.number()?.max(1),
+            _ => return Ok(false),
         }
-    }
+        Ok(true)
+    })?;
+    args.common = common;
     if args.cycles == 0 || args.concurrency == 0 || args.rounds == 0 {
         return Err("--cycles, --concurrency and --rounds must be at least 1".to_owned());
     }
@@ -328,6 +321,7 @@ fn main() -> ExitCode {
         }
     };
     require_root();
+    let started = Instant::now();
     let machine = Machine::probe();
     let prefix = run_prefix();
     eprintln!("bench: run prefix {prefix}; {}", machine.one_line());
@@ -380,8 +374,6 @@ fn main() -> ExitCode {
 
     let table = table(&subjects, &args);
     let pods_table = pods_table(&subjects, &args);
-    println!("{table}");
-    println!("{pods_table}");
     let failures: usize = subjects.iter().map(|s| s.failures).sum::<usize>() + setup_failures.len();
     let report = report(
         &machine,
@@ -392,22 +384,14 @@ fn main() -> ExitCode {
         &table,
         &pods_table,
     );
-    if let Some(path) = &args.write {
-        match write_section(path, BEGIN, END, &report) {
-            Ok(()) => eprintln!("bench: wrote {}", path.display()),
-            Err(e) => {
-                eprintln!("bench: cannot write {}: {e}", path.display());
-                return ExitCode::FAILURE;
-            }
-        }
-    } else {
-        eprintln!("{report}");
-    }
-    if failures > 0 {
-        eprintln!("bench: {failures} failure(s)");
-        return ExitCode::FAILURE;
-    }
-    ExitCode::SUCCESS
+    finish(
+        "bench",
+        &args.common,
+        (BEGIN, END),
+        &report,
+        failures,
+        started.elapsed(),
+    )
 }
 
 fn setup(kind: Kind, subnet: &str, args: &Args) -> Result<Subject, String> {
@@ -433,7 +417,7 @@ fn setup(kind: Kind, subnet: &str, args: &Args) -> Result<Subject, String> {
             let bin = std::env::current_exe()
                 .map_err(|e| format!("locating the bench binary: {e}"))?
                 .with_file_name("floor_add");
-            if args.build {
+            if args.common.build {
                 build_floor()?;
             }
             if !bin.exists() {
@@ -453,7 +437,7 @@ fn setup(kind: Kind, subnet: &str, args: &Args) -> Result<Subject, String> {
                 Some(dir) => PathBuf::from(dir),
                 None => target_dir().join("release"),
             };
-            if args.build && std::env::var_os("TETHER_BIN_DIR").is_none() {
+            if args.common.build && std::env::var_os("TETHER_BIN_DIR").is_none() {
                 build_release("bench")?;
             }
             let opts = DaemonOpts {
@@ -1012,7 +996,7 @@ fn report(
         "- Command: `cargo run --release -p tether-e2e --bin bench -- {}`: {} timed cycles \
          after {} warm-up cycles; {} concurrent calls, median of {} rounds; pods on the \
          node {:?}, {} cycles per level.",
-        args.command_line,
+        args.common.command_line,
         args.cycles,
         args.warmup,
         args.concurrency,

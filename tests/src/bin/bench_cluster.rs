@@ -43,8 +43,8 @@ use std::time::{Duration, Instant};
 use ipnet::IpNet;
 use tether_e2e::admin;
 use tether_e2e::benchkit::{
-    first_lines, guarded, judge, poll_until, release_dir, stdout_of, write_section, Failures,
-    Machine,
+    finish, first_lines, guarded, judge, parse_command_line, poll_until, release_dir, stdout_of,
+    CommonArgs, Failures, Machine,
 };
 use tether_e2e::cluster::{Cluster, ClusterOpts, NodeOpts, Overlay, CLUSTER_ROUTE_PROTOCOL};
 use tether_e2e::{
@@ -84,9 +84,7 @@ struct Args {
     claim_adds: usize,
     min_claims: usize,
     min_routes: usize,
-    build: bool,
-    write: Option<PathBuf>,
-    command_line: String,
+    common: CommonArgs,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -97,27 +95,21 @@ fn parse_args() -> Result<Args, String> {
         claim_adds: 80,
         min_claims: 50,
         min_routes: 20,
-        build: true,
-        write: None,
-        command_line: std::env::args().skip(1).collect::<Vec<_>>().join(" "),
+        common: CommonArgs::default(),
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
-        let number = |v: String| v.parse::<usize>().map_err(|e| format!("{flag}: {e}"));
-        match flag.as_str() {
-            "--cycles" => args.cycles = number(value()?)?,
-            "--warmup" => args.warmup = number(value()?)?,
-            "--batch" => args.batch = number(value()?)?.max(1),
-            "--claim-adds" => args.claim_adds = number(value()?)?,
-            "--min-claims" => args.min_claims = number(value()?)?,
-            "--min-routes" => args.min_routes = number(value()?)?,
-            "--no-build" => args.build = false,
-            "--write" => args.write = Some(PathBuf::from(value()?)),
-            "-h" | "--help" => return Err(USAGE.to_owned()),
-            _ => return Err(format!("unknown argument {flag:?}\n{USAGE}")),
+    let common = parse_command_line(std::env::args().skip(1), USAGE, |flag, v| {
+        match flag {
+            "--cycles" => args.cycles = v.number()?,
+            "--warmup" => args.warmup = v.number()?,
+            "--batch" => args.batch = v.number()?.max(1),
+            "--claim-adds" => args.claim_adds = v.number()?,
+            "--min-claims" => args.min_claims = v.number()?,
+            "--min-routes" => args.min_routes = v.number()?,
+            _ => return Ok(false),
         }
-    }
+        Ok(true)
+    })?;
+    args.common = common;
     if args.cycles == 0 || args.claim_adds == 0 {
         return Err("--cycles and --claim-adds must be at least 1".to_owned());
     }
@@ -170,29 +162,18 @@ fn main() -> ExitCode {
         &failures,
         runtime,
     );
-    println!("{report}");
-    if let Some(path) = &args.write {
-        match write_section(path, BEGIN, END, &report) {
-            Ok(()) => eprintln!("bench_cluster: wrote {}", path.display()),
-            Err(e) => {
-                eprintln!("bench_cluster: cannot write {}: {e}", path.display());
-                return ExitCode::FAILURE;
-            }
-        }
-    }
-    eprintln!(
-        "bench_cluster: done in {:.1} s, {} failure(s)",
-        runtime.as_secs_f64(),
-        failures.count
-    );
-    if failures.count > 0 {
-        return ExitCode::FAILURE;
-    }
-    ExitCode::SUCCESS
+    finish(
+        "bench_cluster",
+        &args.common,
+        (BEGIN, END),
+        &report,
+        failures.count,
+        runtime,
+    )
 }
 
 fn bins(args: &Args) -> Result<Bins, String> {
-    let dir = release_dir("bench_cluster", args.build)?;
+    let dir = release_dir("bench_cluster", args.common.build)?;
     Ok(Bins {
         shim: dir.join("tether"),
         tetherd: dir.join("tetherd"),
@@ -841,7 +822,7 @@ fn report(
     let _ = writeln!(
         r,
         "- Command: `cargo run --release -p tether-e2e --bin bench_cluster -- {}`; ran {:.0} s.",
-        args.command_line,
+        args.common.command_line,
         runtime.as_secs_f64()
     );
     let _ = writeln!(r, "- Failures: {}.", failures.count);

@@ -38,8 +38,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tether_e2e::admin;
 use tether_e2e::benchkit::{
-    first_lines, guarded, judge, poll_until, release_dir, stdout_of, write_section, Failures,
-    Machine,
+    finish, first_lines, guarded, judge, parse_command_line, poll_until, release_dir, stdout_of,
+    CommonArgs, Failures, Machine,
 };
 use tether_e2e::cluster::{assert_ping_within, Cluster, ClusterNode, ClusterOpts, NodeOpts, Pod};
 use tether_e2e::migration::{pause_icmp, send_rarp, Prober};
@@ -90,32 +90,24 @@ const PUBLISHED_MS: f64 = 500.0;
 struct Args {
     migrations: usize,
     warmup: usize,
-    build: bool,
-    write: Option<PathBuf>,
-    command_line: String,
+    common: CommonArgs,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         migrations: 30,
         warmup: 2,
-        build: true,
-        write: None,
-        command_line: std::env::args().skip(1).collect::<Vec<_>>().join(" "),
+        common: CommonArgs::default(),
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
-        let number = |v: String| v.parse::<usize>().map_err(|e| format!("{flag}: {e}"));
-        match flag.as_str() {
-            "--migrations" => args.migrations = number(value()?)?,
-            "--warmup" => args.warmup = number(value()?)?,
-            "--no-build" => args.build = false,
-            "--write" => args.write = Some(PathBuf::from(value()?)),
-            "-h" | "--help" => return Err(USAGE.to_owned()),
-            _ => return Err(format!("unknown argument {flag:?}\n{USAGE}")),
+    let common = parse_command_line(std::env::args().skip(1), USAGE, |flag, v| {
+        match flag {
+            "--migrations" => args.migrations = v.number()?,
+            "--warmup" => args.warmup = v.number()?,
+            _ => return Ok(false),
         }
-    }
+        Ok(true)
+    })?;
+    args.common = common;
     if args.migrations == 0 {
         return Err("--migrations must be at least 1".to_owned());
     }
@@ -164,29 +156,18 @@ fn main() -> ExitCode {
 
     let runtime = started.elapsed();
     let report = report(&machine, &args, &bins.dir, &run, &failures, runtime);
-    println!("{report}");
-    if let Some(path) = &args.write {
-        match write_section(path, BEGIN, END, &report) {
-            Ok(()) => eprintln!("bench_migration: wrote {}", path.display()),
-            Err(e) => {
-                eprintln!("bench_migration: cannot write {}: {e}", path.display());
-                return ExitCode::FAILURE;
-            }
-        }
-    }
-    eprintln!(
-        "bench_migration: done in {:.1} s, {} failure(s)",
-        runtime.as_secs_f64(),
-        failures.count
-    );
-    if failures.count > 0 {
-        return ExitCode::FAILURE;
-    }
-    ExitCode::SUCCESS
+    finish(
+        "bench_migration",
+        &args.common,
+        (BEGIN, END),
+        &report,
+        failures.count,
+        runtime,
+    )
 }
 
 fn bins(args: &Args) -> Result<Bins, String> {
-    let dir = release_dir("bench_migration", args.build)?;
+    let dir = release_dir("bench_migration", args.common.build)?;
     Ok(Bins {
         tetherd: dir.join("tetherd"),
         dir,
@@ -703,7 +684,7 @@ fn report(
     let _ = writeln!(
         r,
         "- Command: `cargo run --release -p tether-e2e --bin bench_migration -- {}`; ran {:.0} s.",
-        args.command_line,
+        args.common.command_line,
         runtime.as_secs_f64()
     );
     let _ = writeln!(r, "- Failures: {}.\n", failures.count);
