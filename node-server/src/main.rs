@@ -11,14 +11,14 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
+use tetherd::api::cni::{self as cni_api, Stats};
+use tetherd::api::pending_del;
+use tetherd::api::server::{self, ServeOptions};
 use tetherd::cluster::{Cluster, ClusterConfig, Overlay};
 use tetherd::control::etcd::{EtcdOptions, EtcdStore};
 use tetherd::control::{embedded::EmbeddedStore, ControlStore};
 use tetherd::error::Error;
 use tetherd::node::{Node, NodeConfig};
-use tetherd::pending_del;
-use tetherd::server::{self, ServeOptions};
-use tetherd::service::{self, Stats};
 use tetherd::store::{Fsync, LocalStore, Store};
 use tetherd::vm::VmRegistry;
 
@@ -272,7 +272,7 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
     // this daemon's state dir before the first replay, taking in what a
     // former state dir or a pre-start shim left there.
     adopt_pending_dels(&args.socket, &args.state_dir, &node.config().allowed_uids)?;
-    let replayed = service::drain_pending_dels(&node, &stats).await;
+    let replayed = cni_api::drain_pending_dels(&node, &stats).await;
     if replayed > 0 {
         tracing::info!(replayed, "replayed queued DELs before serving");
     }
@@ -297,7 +297,7 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
                 {
                     tracing::error!("{e}");
                 }
-                service::drain_pending_dels(&node, &stats).await;
+                cni_api::drain_pending_dels(&node, &stats).await;
             }
         })
     };

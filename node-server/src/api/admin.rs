@@ -2,10 +2,10 @@
 //! with grpcurl: read-only views of the node, its attachments and the
 //! cluster, and the VM address calls (cutover, release, reservation).
 
+use crate::api::cni::{verb_name, Stats, VERBS};
+use crate::api::pending_del;
 use crate::error::Error;
 use crate::node::Node;
-use crate::pending_del;
-use crate::service::{verb_name, Stats, VERBS};
 use crate::store::Attachment;
 use crate::vm::{now_nanos, Trigger, VmAttachment, VmKey, VmRecord};
 use std::path::PathBuf;

@@ -6,10 +6,10 @@
 //! are never used for CNI failures, so the shim can tell "the daemon said no"
 //! from "the daemon is unreachable".
 
+use crate::api::pending_del;
 use crate::cni::{self, Command, Invocation};
 use crate::error::{Error, Result};
 use crate::node::Node;
-use crate::pending_del;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;

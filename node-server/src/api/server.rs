@@ -2,11 +2,11 @@
 //! on every connection, serving the CNI service, the admin service, gRPC
 //! health, and server reflection (v1 and v1alpha, for grpcurl).
 
-use crate::admin::AdminService;
-use crate::authority::AuthorityFix;
+use crate::api::admin::AdminService;
+use crate::api::cni::{CniService, Stats};
+use crate::api::h2_authority_fix::AuthorityFix;
 use crate::error::{Error, Result};
 use crate::node::Node;
-use crate::service::{CniService, Stats};
 use futures::Stream;
 use std::collections::HashSet;
 use std::future::Future;

@@ -1,0 +1,9 @@
+//! What faces a caller of tetherd: the gRPC services on the unix socket, the
+//! socket itself, and the shim's on-disk queue of DELs it could not hand
+//! over (a second way in, authorised like the socket).
+
+pub mod admin;
+pub mod cni;
+pub mod h2_authority_fix;
+pub mod pending_del;
+pub mod server;
