@@ -183,7 +183,7 @@ fn wiring<'a>(
     a: &'a Attachment,
     netns: &'a std::fs::File,
     netns_path: &'a Path,
-    announce: bool,
+    routed: bool,
 ) -> Result<PodWiring<'a>> {
     Ok(PodWiring {
         netns,
@@ -196,7 +196,7 @@ fn wiring<'a>(
             .map_err(|_| Error::Internal(format!("bad stored MAC {}", a.mac)))?,
         ips: &a.ips,
         mtu: a.mtu,
-        announce,
+        routed,
     })
 }
 
@@ -484,7 +484,7 @@ impl Node {
         };
         let links: HashSet<String> = self.dataplane.our_links().await?.into_iter().collect();
         // A VM pod gets host routes only while its record names it active.
-        let routed: Vec<&Attachment> = snapshot.iter().filter(|a| self.announced(a)).collect();
+        let routed: Vec<&Attachment> = snapshot.iter().filter(|a| self.routed_here(a)).collect();
         let mut owner: HashMap<IpAddr, &str> = HashMap::new();
         for a in &routed {
             for ip in &a.ips {
@@ -576,7 +576,7 @@ impl Node {
                 }
             }
         };
-        let announce = placement
+        let routed = placement
             .as_ref()
             .is_none_or(|p| p.role == vm::Role::Active);
         let attachment = Attachment {
@@ -592,7 +592,7 @@ impl Node {
             pod_uid: inv.args.pod_uid.clone(),
             vm: vm_pod.as_ref().map(|p| p.key.clone()),
         };
-        let wiring = wiring(&attachment, &netns, &netns_path, announce)?;
+        let wiring = wiring(&attachment, &netns, &netns_path, routed)?;
         let store = self.store.clone();
         let record = attachment.clone();
         // The fsync of the store commit overlaps the netlink work.
@@ -666,7 +666,7 @@ impl Node {
                 netns_path.display()
             )));
         }
-        let wiring = wiring(&a, netns, netns_path, self.announced(&a))?;
+        let wiring = wiring(&a, netns, netns_path, self.routed_here(&a))?;
         match self.dataplane.check(&wiring).await {
             Ok(()) => {}
             // Only a real difference is repaired; a failure to look (the
@@ -835,7 +835,7 @@ impl Node {
             ));
         }
         let netns = dataplane::open_netns(&netns_path)?;
-        let wiring = wiring(&a, &netns, &netns_path, self.announced(&a))?;
+        let wiring = wiring(&a, &netns, &netns_path, self.routed_here(&a))?;
         self.dataplane.check(&wiring).await?;
         cni::check_prev_result(&inv.conf, &wired(&a))?;
         // A migration target whose pod is now marked ready: the runtime's

@@ -377,7 +377,7 @@ impl TestPod {
             pod_mac: pod_mac(&self.ips),
             ips: &self.ips,
             mtu: 1400,
-            announce: true,
+            routed: true,
         }
     }
 

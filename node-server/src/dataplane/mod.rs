@@ -136,7 +136,7 @@ pub struct PodWiring<'a> {
     /// Whether the node routes the pod's addresses to it (host routes).
     /// False for a VM migration's target until the cutover: it is wired,
     /// but the VM's traffic still goes to the source.
-    pub announce: bool,
+    pub routed: bool,
 }
 
 impl PodWiring<'_> {
@@ -481,7 +481,7 @@ impl Dataplane {
                 .tolerating(libc::EEXIST),
             );
         }
-        if w.announce {
+        if w.routed {
             steps.extend(
                 w.ips
                     .iter()
@@ -528,7 +528,7 @@ impl Dataplane {
                 format!("{host} has MTU {}, want {}", facts.mtu.unwrap_or(0), w.mtu),
             ));
         }
-        if !w.announce {
+        if !w.routed {
             return Ok(());
         }
         let present = self.our_destinations(w.ips, link.header.index).await?;

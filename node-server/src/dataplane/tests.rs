@@ -243,7 +243,7 @@ impl TestPod {
             pod_mac: self.mac,
             ips: &self.ips,
             mtu: self.mtu,
-            announce: true,
+            routed: true,
         }
     }
 

@@ -255,7 +255,7 @@ impl Node {
 
     /// True when the node should route the attachment's addresses to it:
     /// every plain pod, and a VM pod that its record names active.
-    pub(super) fn announced(&self, a: &Attachment) -> bool {
+    pub(super) fn routed_here(&self, a: &Attachment) -> bool {
         let Some(key) = &a.vm else {
             return true;
         };
