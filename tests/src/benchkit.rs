@@ -126,19 +126,25 @@ pub fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
 /// release` does: built together, the shim would pick up the daemon's
 /// features through feature unification. `who` prefixes the progress log.
 pub fn build_release(who: &str) -> Result<(), String> {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     for package in ["tether-cni-shim", "tether-node-server"] {
-        eprintln!("{who}: cargo build --release -p {package}");
-        let status = Command::new(&cargo)
-            .args(["build", "--release", "-p", package])
-            .current_dir(workspace_dir())
-            .status()
-            .map_err(|e| format!("running cargo: {e}"))?;
-        if !status.success() {
-            return Err(format!(
-                "cargo build --release -p {package} failed ({status})"
-            ));
-        }
+        cargo_build_release(who, &["-p", package])?;
+    }
+    Ok(())
+}
+
+/// `cargo build --release` with `args`, in the workspace, logged as `who`.
+pub fn cargo_build_release(who: &str, args: &[&str]) -> Result<(), String> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let line = format!("cargo build --release {}", args.join(" "));
+    eprintln!("{who}: {line}");
+    let status = Command::new(&cargo)
+        .args(["build", "--release"])
+        .args(args)
+        .current_dir(workspace_dir())
+        .status()
+        .map_err(|e| format!("running cargo: {e}"))?;
+    if !status.success() {
+        return Err(format!("{line} failed ({status})"));
     }
     Ok(())
 }

@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tether_e2e::benchkit::{
-    build_release, finish, first_lines, judge, number, panic_text, parse_command_line, poll_until,
-    stdout_of, CommonArgs, Machine,
+    build_release, cargo_build_release, finish, first_lines, judge, number, panic_text,
+    parse_command_line, poll_until, stdout_of, CommonArgs, Machine,
 };
 use tether_e2e::reference::{bridge_netconf, host_local_leases, ptp_netconf};
 use tether_e2e::{
@@ -418,7 +418,7 @@ fn setup(kind: Kind, subnet: &str, args: &Args) -> Result<Subject, String> {
                 .map_err(|e| format!("locating the bench binary: {e}"))?
                 .with_file_name("floor_add");
             if args.common.build {
-                build_floor()?;
+                cargo_build_release("bench", &["-p", "tether-e2e", "--bin", "floor_add"])?;
             }
             if !bin.exists() {
                 return Err(format!(
@@ -464,27 +464,6 @@ fn setup(kind: Kind, subnet: &str, args: &Args) -> Result<Subject, String> {
 
 /// `cargo build --release -p tether-e2e --bin floor_add`: `cargo run
 /// --bin bench` builds only the bench.
-fn build_floor() -> Result<(), String> {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    eprintln!("bench: cargo build --release -p tether-e2e --bin floor_add");
-    let status = Command::new(cargo)
-        .args([
-            "build",
-            "--release",
-            "-p",
-            "tether-e2e",
-            "--bin",
-            "floor_add",
-        ])
-        .current_dir(tether_e2e::workspace_dir())
-        .status()
-        .map_err(|e| format!("running cargo: {e}"))?;
-    if !status.success() {
-        return Err(format!("building floor_add failed ({status})"));
-    }
-    Ok(())
-}
-
 /// Sequential ADD then DEL, each cycle into a fresh pod netns, plugins
 /// interleaved (and their order rotated) so that background noise falls on
 /// all of them alike. After each DEL the pod's links must be gone before
