@@ -252,7 +252,14 @@ impl From<io::Error> for CallError {
     }
 }
 
+// The gRPC status codes this client produces or tells apart.
+const CODE_CANCELLED: u32 = 1;
+const CODE_UNKNOWN: u32 = 2;
 const CODE_PERMISSION_DENIED: u32 = 7;
+const CODE_RESOURCE_EXHAUSTED: u32 = 8;
+const CODE_UNIMPLEMENTED: u32 = 12;
+const CODE_INTERNAL: u32 = 13;
+const CODE_UNAVAILABLE: u32 = 14;
 const CODE_UNAUTHENTICATED: u32 = 16;
 
 /// The gRPC name of a status code, as the old tonic-based client printed it.
@@ -286,12 +293,12 @@ fn code_name(code: u32) -> String {
 /// gRPC HTTP/2 protocol specification maps it.
 fn code_for_http_status(status: u16) -> u32 {
     match status {
-        400 => 13,
+        400 => CODE_INTERNAL,
         401 => CODE_UNAUTHENTICATED,
         403 => CODE_PERMISSION_DENIED,
-        404 => 12,
-        429 | 502 | 503 | 504 => 14,
-        _ => 2,
+        404 => CODE_UNIMPLEMENTED,
+        429 | 502 | 503 | 504 => CODE_UNAVAILABLE,
+        _ => CODE_UNKNOWN,
     }
 }
 
@@ -445,7 +452,7 @@ impl Answer {
             let code = std::str::from_utf8(v)
                 .ok()
                 .and_then(|s| s.parse().ok())
-                .unwrap_or(2);
+                .unwrap_or(CODE_UNKNOWN);
             (
                 code,
                 field(b"grpc-message")
@@ -473,7 +480,7 @@ impl Answer {
                     field(b"content-type").is_some_and(|v| v.starts_with(b"application/grpc"));
                 if !grpc {
                     return Err(CallError::Status(
-                        2,
+                        CODE_UNKNOWN,
                         "tetherd's response is not gRPC (content-type)".to_owned(),
                     ));
                 }
@@ -491,7 +498,7 @@ impl Answer {
     fn finish(self) -> Result<CniResponse, CallError> {
         match self.status {
             None => Err(CallError::Status(
-                13,
+                CODE_INTERNAL,
                 "tetherd's response ended without a grpc-status".to_owned(),
             )),
             Some((0, _)) => decode_message(&self.body),
@@ -502,7 +509,7 @@ impl Answer {
 
 /// The one length-prefixed gRPC message a unary response carries.
 fn decode_message(body: &[u8]) -> Result<CniResponse, CallError> {
-    let internal = |what: &str| CallError::Status(13, what.to_owned());
+    let internal = |what: &str| CallError::Status(CODE_INTERNAL, what.to_owned());
     let Some((prefix, message)) = body.split_first_chunk::<5>() else {
         return Err(internal("tetherd's response carried no message"));
     };
@@ -702,7 +709,7 @@ impl Connection {
                 let data = unpad(&frame)?;
                 if answer.body.len() + data.len() > MAX_RESPONSE {
                     return Err(CallError::Status(
-                        8,
+                        CODE_RESOURCE_EXHAUSTED,
                         "tetherd's response is larger than 4 MiB".to_owned(),
                     ));
                 }
@@ -733,9 +740,9 @@ impl Connection {
                 Err(CallError::Failed(format!(
                     "{}: tetherd reset the stream ({})",
                     code_name(match code {
-                        0x7 => 14,
-                        0x8 => 1,
-                        _ => 13,
+                        0x7 => CODE_UNAVAILABLE,
+                        0x8 => CODE_CANCELLED,
+                        _ => CODE_INTERNAL,
                     }),
                     h2_error_name(code)
                 )))
