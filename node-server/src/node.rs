@@ -179,25 +179,32 @@ fn key_of(inv: &Invocation) -> AttachmentKey {
     }
 }
 
+/// What the dataplane needs to wire `a`, whose MAC is `pod_mac`: ADD
+/// passes the one it chose, the other callers [`stored_mac`].
 fn wiring<'a>(
     a: &'a Attachment,
+    pod_mac: Mac,
     netns: &'a std::fs::File,
     netns_path: &'a Path,
     routed: bool,
-) -> Result<PodWiring<'a>> {
-    Ok(PodWiring {
+) -> PodWiring<'a> {
+    PodWiring {
         netns,
         netns_path,
         pod_ifname: &a.key.ifname,
         host_ifname: &a.host_ifname,
-        pod_mac: a
-            .mac
-            .parse::<Mac>()
-            .map_err(|_| Error::Internal(format!("bad stored MAC {}", a.mac)))?,
+        pod_mac,
         ips: &a.ips,
         mtu: a.mtu,
         routed,
-    })
+    }
+}
+
+/// The MAC a stored attachment was wired with.
+fn stored_mac(a: &Attachment) -> Result<Mac> {
+    a.mac
+        .parse::<Mac>()
+        .map_err(|_| Error::Internal(format!("bad stored MAC {}", a.mac)))
 }
 
 fn wired(a: &Attachment) -> cni::Wired {
@@ -592,7 +599,7 @@ impl Node {
             pod_uid: inv.args.pod_uid.clone(),
             vm: vm_pod.as_ref().map(|p| p.key.clone()),
         };
-        let wiring = wiring(&attachment, &netns, &netns_path, routed)?;
+        let wiring = wiring(&attachment, mac, &netns, &netns_path, routed);
         let store = self.store.clone();
         let record = attachment.clone();
         // The fsync of the store commit overlaps the netlink work.
@@ -666,7 +673,7 @@ impl Node {
                 netns_path.display()
             )));
         }
-        let wiring = wiring(&a, netns, netns_path, self.routed_here(&a))?;
+        let wiring = wiring(&a, stored_mac(&a)?, netns, netns_path, self.routed_here(&a));
         match self.dataplane.check(&wiring).await {
             Ok(()) => {}
             // Only a real difference is repaired; a failure to look (the
@@ -835,7 +842,13 @@ impl Node {
             ));
         }
         let netns = dataplane::open_netns(&netns_path)?;
-        let wiring = wiring(&a, &netns, &netns_path, self.routed_here(&a))?;
+        let wiring = wiring(
+            &a,
+            stored_mac(&a)?,
+            &netns,
+            &netns_path,
+            self.routed_here(&a),
+        );
         self.dataplane.check(&wiring).await?;
         cni::check_prev_result(&inv.conf, &wired(&a))?;
         // A migration target whose pod is now marked ready: the runtime's
