@@ -20,9 +20,9 @@
 //! routes to those blocks.
 
 use crate::control::{self, BoxFut, Cmp, ControlStore, Event, Follower, Kv, Op};
-use crate::dataplane::{ClusterRoute, Dataplane, VxlanConfig, VxlanPeer, VXLAN_IFNAME};
 use crate::error::{Error, Result};
 use crate::ipam::Family;
+use crate::kernel::{ClusterRoute, Kernel, NodeRoutes, VxlanConfig, VxlanPeer, VXLAN_IFNAME};
 use crate::mac::Mac;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
@@ -906,28 +906,28 @@ impl Cluster {
     /// removed) routes.
     pub async fn program(
         &self,
-        dataplane: &Dataplane,
+        kernel: &dyn NodeRoutes,
         view: &ClusterView,
     ) -> Result<(usize, usize)> {
         let (routes, peers) = self.desired_routes(view);
         if let Overlay::Vxlan { .. } = self.config.overlay {
-            dataplane.sync_vxlan_peers(&peers).await?;
+            kernel.sync_vxlan_peers(&peers).await?;
         }
-        let synced = dataplane.sync_cluster_routes(&routes).await?;
+        let synced = kernel.sync_cluster_routes(&routes).await?;
         Ok((synced.added, synced.removed))
     }
 
     /// Creates (or checks) the VXLAN device in vxlan mode, and removes a
     /// leftover one in host-gw mode.
-    pub async fn prepare_dataplane(&self, dataplane: &Dataplane, pod_mtu: u32) -> Result<()> {
+    pub async fn prepare_overlay(&self, kernel: &dyn NodeRoutes, pod_mtu: u32) -> Result<()> {
         match self.config.overlay {
-            Overlay::HostGw => dataplane.delete_vxlan().await,
+            Overlay::HostGw => kernel.delete_vxlan().await,
             Overlay::Vxlan { vni, port } => {
                 let me = self.me();
                 let local = vtep_underlay(&me.node_ips, &me.node_ips)
                     .copied()
                     .ok_or_else(|| Error::InvalidConfig("vxlan needs a node IP".into()))?;
-                let underlay = dataplane.underlay_mtu(local).await?.unwrap_or(1500);
+                let underlay = kernel.underlay_mtu(local).await?.unwrap_or(1500);
                 let overhead = if local.is_ipv4() { 50 } else { 70 };
                 let mtu = underlay.saturating_sub(overhead);
                 if pod_mtu > mtu {
@@ -937,7 +937,7 @@ impl Cluster {
                         "the pod MTU is larger than the VXLAN device's; set --mtu {mtu}"
                     );
                 }
-                dataplane
+                kernel
                     .ensure_vxlan(&VxlanConfig {
                         vni,
                         port,
@@ -952,7 +952,7 @@ impl Cluster {
 
     /// Keeps the routes in step with the view, for as long as the daemon
     /// runs. The first pass ran at startup; `retry` says it failed.
-    pub fn spawn_route_manager(self: &Arc<Self>, dataplane: Dataplane, mut retry: bool) {
+    pub fn spawn_route_manager(self: &Arc<Self>, kernel: Arc<dyn Kernel>, mut retry: bool) {
         let cluster = self.clone();
         let mut rx = self.subscribe();
         tokio::spawn(async move {
@@ -971,7 +971,7 @@ impl Cluster {
                     retry = false;
                     continue;
                 }
-                match cluster.program(&dataplane, &view).await {
+                match cluster.program(kernel.as_ref(), &view).await {
                     Ok((added, removed)) => {
                         if added + removed > 0 {
                             tracing::info!(

@@ -1,8 +1,8 @@
 //! tetherd: tether's node daemon.
 //!
 //! One module per concern: `cni` (the CNI wire format and validation),
-//! `ipam` (address pools), `mac` (the MAC type), `dataplane` (all
-//! netlink), `store` (durable state), `node` (the attachment lifecycle that
+//! `ipam` (address pools), `mac` (the MAC type), `kernel` (the
+//! kernel seam: traits, netlink, a fake), `store` (durable state), `node` (the attachment lifecycle that
 //! ties them together),
 //! and `api`, everything that faces a caller: the CNI and admin gRPC
 //! services, the socket, the HTTP/2 `:authority` fix for grpcurl 1.8.6, and
@@ -12,9 +12,9 @@ pub mod api;
 pub mod cluster;
 pub mod cni;
 pub mod control;
-pub mod dataplane;
 pub mod error;
 pub mod ipam;
+pub mod kernel;
 pub mod mac;
 pub mod node;
 pub mod store;

@@ -263,7 +263,9 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
         }
     };
     let (cluster, vms) = joined;
-    let (node, reconciled) = Node::open(config, store, cluster, vms).await?;
+    let kernel = Arc::new(tetherd::kernel::netlink::Netlink::connect()?);
+    let host = Arc::new(tetherd::kernel::LinuxHost);
+    let (node, reconciled) = Node::open(config, store, cluster, vms, kernel, host).await?;
     tracing::info!(?reconciled, "reconciled the kernel against the store");
     let node = Arc::new(node);
     node.start_vm_tasks();
@@ -390,8 +392,8 @@ async fn join_cluster(
     }
     let mut node_ips = args.node_ips.clone();
     if node_ips.is_empty() {
-        let dataplane = tetherd::dataplane::Dataplane::connect()?;
-        node_ips = dataplane.default_route_addresses().await?;
+        let netlink = tetherd::kernel::netlink::Netlink::connect()?;
+        node_ips = netlink.default_route_addresses().await?;
         if node_ips.is_empty() {
             return Err(Error::InvalidConfig(
                 "no default route to find the node's address by: give --node-ip".into(),

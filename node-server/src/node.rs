@@ -19,9 +19,9 @@ pub use vm::{CutoverTiming, RouteUpdateTiming, VmStats};
 
 use crate::cluster::Cluster;
 use crate::cni::{self, Invocation, VmAddressPolicy};
-use crate::dataplane::{self, Dataplane, PodWiring};
 use crate::error::{Error, Mismatch, Result};
 use crate::ipam::{Family, Pools};
+use crate::kernel::{self, Host, Kernel, PodNetns, PodWiring};
 use crate::mac::Mac;
 use crate::store::{Attachment, AttachmentKey, Store};
 use crate::vm::VmRegistry;
@@ -76,7 +76,8 @@ pub struct Node {
     store: Arc<dyn Store>,
     /// Cluster mode: membership, blocks and routes to other nodes.
     cluster: Option<Arc<Cluster>>,
-    dataplane: Dataplane,
+    kernel: Arc<dyn Kernel>,
+    host: Arc<dyn Host>,
     pools: Mutex<Pools>,
     attachments: Mutex<HashMap<AttachmentKey, Attachment>>,
     /// One async lock per attachment key, present while someone holds or
@@ -153,12 +154,9 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
         .map_err(|e| Error::Internal(format!("store task failed: {e}")))?
 }
 
-/// Compares the kernel's boot id with the one recorded in the state dir at
+/// Compares the kernel's boot id, `current`, with the one recorded in the state dir at
 /// the last start, and records the current one. True when they differ.
-fn rebooted_since_last_run(state_dir: &Path) -> Result<bool> {
-    let current = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map_err(|e| Error::Io(format!("reading the boot id: {e}")))?;
-    let current = current.trim();
+fn rebooted_since_last_run(state_dir: &Path, current: &str) -> Result<bool> {
     let path = state_dir.join("boot_id");
     let recorded = std::fs::read_to_string(&path).ok();
     let rebooted = recorded.as_deref().is_some_and(|r| r.trim() != current);
@@ -181,16 +179,9 @@ fn key_of(inv: &Invocation) -> AttachmentKey {
 
 /// What the dataplane needs to wire `a`, whose MAC is `pod_mac`: ADD
 /// passes the one it chose, the other callers [`stored_mac`].
-fn wiring<'a>(
-    a: &'a Attachment,
-    pod_mac: Mac,
-    netns: &'a std::fs::File,
-    netns_path: &'a Path,
-    routed: bool,
-) -> PodWiring<'a> {
+fn wiring<'a>(a: &'a Attachment, pod_mac: Mac, netns: &'a PodNetns, routed: bool) -> PodWiring<'a> {
     PodWiring {
         netns,
-        netns_path,
         pod_ifname: &a.key.ifname,
         host_ifname: &a.host_ifname,
         pod_mac,
@@ -210,7 +201,7 @@ fn stored_mac(a: &Attachment) -> Result<Mac> {
 fn wired(a: &Attachment) -> cni::Wired {
     cni::Wired {
         host_ifname: a.host_ifname.clone(),
-        host_mac: dataplane::GATEWAY_MAC.to_string(),
+        host_mac: kernel::GATEWAY_MAC.to_string(),
         pod_ifname: a.key.ifname.clone(),
         pod_mac: a.mac.clone(),
         sandbox: a.netns.clone(),
@@ -228,9 +219,10 @@ impl Node {
         store: Arc<dyn Store>,
         cluster: Option<Arc<Cluster>>,
         vms: Arc<VmRegistry>,
+        kernel: Arc<dyn Kernel>,
+        host: Arc<dyn Host>,
     ) -> Result<(Self, Reconciled)> {
-        let dataplane = Dataplane::connect()?;
-        dataplane.prepare_node()?;
+        host.enable_forwarding()?;
         let mut pools = match &cluster {
             None => Pools::new(&config.pod_cidrs)?,
             Some(c) => {
@@ -245,7 +237,7 @@ impl Node {
             let store = store.clone();
             blocking(move || store.load()).await?
         };
-        if rebooted_since_last_run(&config.state_dir)? && !loaded.is_empty() {
+        if rebooted_since_last_run(&config.state_dir, &host.boot_id()?)? && !loaded.is_empty() {
             // Network namespaces die with the kernel: every attachment of an
             // earlier boot is gone, whether or not the runtime will DEL it.
             tracing::warn!(
@@ -305,7 +297,8 @@ impl Node {
             config,
             store,
             cluster,
-            dataplane,
+            kernel,
+            host,
             pools: Mutex::new(pools),
             attachments: Mutex::new(attachments),
             key_locks: Mutex::new(HashMap::new()),
@@ -332,12 +325,12 @@ impl Node {
                     tracing::warn!(family = family.name(), error = %e, "cannot claim a first block yet");
                 }
             }
-            c.prepare_dataplane(&node.dataplane, node.config.mtu)
+            c.prepare_overlay(node.kernel.as_ref(), node.config.mtu)
                 .await?;
             // A route the kernel refuses now (the underlay not up yet, say)
             // must not stop the node from serving its own pods: the route
             // manager keeps trying.
-            let first = c.program(&node.dataplane, &c.view()).await;
+            let first = c.program(node.kernel.as_ref(), &c.view()).await;
             match &first {
                 Ok((added, removed)) => {
                     reconciled.cluster_routes_added = *added;
@@ -347,7 +340,7 @@ impl Node {
                     tracing::warn!(error = %e, "cannot program the cluster routes yet; retrying")
                 }
             }
-            c.spawn_route_manager(node.dataplane.clone(), first.is_err());
+            c.spawn_route_manager(node.kernel.clone(), first.is_err());
         }
         // VMs that moved or stopped while the daemon was away: their routes
         // follow the records before the node serves.
@@ -489,7 +482,7 @@ impl Node {
             attachments: snapshot.len(),
             ..Default::default()
         };
-        let links: HashSet<String> = self.dataplane.our_links().await?.into_iter().collect();
+        let links: HashSet<String> = self.kernel.our_links().await?.into_iter().collect();
         // A VM pod gets host routes only while its record names it active.
         let routed: Vec<&Attachment> = snapshot.iter().filter(|a| self.routed_here(a)).collect();
         let mut owner: HashMap<IpAddr, &str> = HashMap::new();
@@ -502,18 +495,18 @@ impl Node {
         // ours that is unowned or points at the wrong link is removed first
         // and the right one re-added below.
         let stale: Vec<IpAddr> = self
-            .dataplane
+            .kernel
             .our_routes()
             .await?
             .into_iter()
             .filter(|r| owner.get(&r.dst).copied() != r.oif.as_deref())
             .map(|r| r.dst)
             .collect();
-        self.dataplane.remove_host_routes(&stale).await?;
+        self.kernel.remove_host_routes(&stale).await?;
         done.routes_removed = stale.len();
         for a in routed.iter().filter(|a| links.contains(&a.host_ifname)) {
             done.routes_added += self
-                .dataplane
+                .kernel
                 .ensure_host_routes(&a.host_ifname, &a.ips)
                 .await?;
         }
@@ -522,7 +515,7 @@ impl Node {
             .into_iter()
             .filter(|l| !owned_links.contains(l.as_str()))
             .collect();
-        self.dataplane.delete_links(&orphans).await?;
+        self.kernel.delete_links(&orphans).await?;
         done.links_removed = orphans.len();
         // The VM routes are checked against the kernel again too.
         self.force_vm_resync();
@@ -542,16 +535,14 @@ impl Node {
         let requested = vm::requested(inv)?;
         let _sweep = self.sweep.read().await;
         let _key = self.lock_key(&key).await;
-        let netns = dataplane::open_netns(&netns_path)?;
+        let netns = self.kernel.open_netns(&netns_path)?;
 
         let existing = lock(&self.attachments).get(&key).cloned();
         if let Some(a) = existing {
-            return self
-                .add_again(inv, a, vm_pod.as_ref(), &netns, &netns_path)
-                .await;
+            return self.add_again(inv, a, vm_pod.as_ref(), &netns).await;
         }
 
-        let host_ifname = dataplane::host_ifname(&key.network, &key.container_id, &key.ifname);
+        let host_ifname = kernel::host_ifname(&key.network, &key.container_id, &key.ifname);
         if let Some(other) = lock(&self.attachments)
             .values()
             .find(|a| a.host_ifname == host_ifname)
@@ -599,13 +590,13 @@ impl Node {
             pod_uid: inv.args.pod_uid.clone(),
             vm: vm_pod.as_ref().map(|p| p.key.clone()),
         };
-        let wiring = wiring(&attachment, mac, &netns, &netns_path, routed);
+        let wiring = wiring(&attachment, mac, &netns, routed);
         let store = self.store.clone();
         let record = attachment.clone();
         // The fsync of the store commit overlaps the netlink work.
         let (stored, wired_ok) = tokio::join!(
             blocking(move || store.insert(&record)),
-            self.dataplane.wire(&wiring)
+            self.kernel.wire(&wiring)
         );
         match (stored, wired_ok) {
             (Ok(()), Ok(())) => {}
@@ -624,7 +615,7 @@ impl Node {
                 }
                 match wired_ok {
                     Ok(()) => {
-                        if let Err(e) = self.dataplane.delete_link(&host_ifname).await {
+                        if let Err(e) = self.kernel.delete_link(&host_ifname).await {
                             tracing::error!(%key, error = %e, "rollback of the veth failed");
                         }
                     }
@@ -662,9 +653,9 @@ impl Node {
         inv: &Invocation,
         a: Attachment,
         vm_pod: Option<&vm::VmPod>,
-        netns: &std::fs::File,
-        netns_path: &Path,
+        netns: &PodNetns,
     ) -> Result<Vec<u8>> {
+        let netns_path = netns.path();
         if Path::new(&a.netns) != netns_path {
             return Err(Error::AttachmentConflict(format!(
                 "{} is already attached in {}, not {}",
@@ -673,16 +664,16 @@ impl Node {
                 netns_path.display()
             )));
         }
-        let wiring = wiring(&a, stored_mac(&a)?, netns, netns_path, self.routed_here(&a));
-        match self.dataplane.check(&wiring).await {
+        let wiring = wiring(&a, stored_mac(&a)?, netns, self.routed_here(&a));
+        match self.kernel.check(&wiring).await {
             Ok(()) => {}
             // Only a real difference is repaired; a failure to look (the
             // kernel busy, a netlink error) must not tear down a healthy pod.
             Err(e @ Error::Check { .. }) => {
                 tracing::info!(key = %a.key, reason = %e, "repeated ADD found broken wiring; rewiring");
                 self.wait_for_deletion(&a.host_ifname).await;
-                self.dataplane.delete_link(&a.host_ifname).await?;
-                self.dataplane.wire(&wiring).await?;
+                self.kernel.delete_link(&a.host_ifname).await?;
+                self.kernel.wire(&wiring).await?;
             }
             Err(e) => return Err(e),
         }
@@ -703,7 +694,7 @@ impl Node {
         let Some(a) = existing else {
             // Nothing recorded. A link of that name can only be a leftover of
             // a failed rollback: remove it in the background.
-            let host = dataplane::host_ifname(&key.network, &key.container_id, &key.ifname);
+            let host = kernel::host_ifname(&key.network, &key.container_id, &key.ifname);
             self.delete_link_later(host);
             return Ok(cni::empty_result());
         };
@@ -737,7 +728,7 @@ impl Node {
         let keys: Vec<AttachmentKey> = list.iter().map(|a| a.key.clone()).collect();
         let store = self.store.clone();
         let (routes, stored) = tokio::join!(
-            self.dataplane.remove_host_routes(&ips),
+            self.kernel.remove_host_routes(&ips),
             blocking(move || store.remove(&keys))
         );
         routes?;
@@ -788,7 +779,7 @@ impl Node {
     /// behind the deletion waited for it: an ADD right after a DEL took
     /// 26 ms instead of 14 ms (debug build, measured here).
     fn spawn_deletion_worker(&self) -> Result<()> {
-        let dataplane = Dataplane::connect()?;
+        let kernel = self.kernel.second_socket()?;
         let deleting = self.deleting.clone();
         let doomed = self.doomed.clone();
         let queued = self.doomed_queued.clone();
@@ -803,7 +794,7 @@ impl Node {
                 if batch.is_empty() {
                     continue;
                 }
-                if let Err(e) = dataplane.delete_links(&batch).await {
+                if let Err(e) = kernel.delete_links(&batch).await {
                     tracing::warn!(count = batch.len(), error = %e, "background link deletion failed");
                 }
                 let done: Vec<Arc<Notify>> = {
@@ -841,15 +832,9 @@ impl Node {
                 format!("{key} lives in {}, not {}", a.netns, netns_path.display()),
             ));
         }
-        let netns = dataplane::open_netns(&netns_path)?;
-        let wiring = wiring(
-            &a,
-            stored_mac(&a)?,
-            &netns,
-            &netns_path,
-            self.routed_here(&a),
-        );
-        self.dataplane.check(&wiring).await?;
+        let netns = self.kernel.open_netns(&netns_path)?;
+        let wiring = wiring(&a, stored_mac(&a)?, &netns, self.routed_here(&a));
+        self.kernel.check(&wiring).await?;
         cni::check_prev_result(&inv.conf, &wired(&a))?;
         // A migration target whose pod is now marked ready: the runtime's
         // CHECK is one way the annotation reaches the daemon.

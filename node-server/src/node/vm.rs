@@ -15,9 +15,9 @@
 
 use super::{lock, Node};
 use crate::cni::{Invocation, VmAddressPolicy};
-use crate::dataplane::{self, AnnounceKind, AnnounceListener, ClusterRoute};
 use crate::error::{Error, Result};
 use crate::ipam::{Family, Take};
+use crate::kernel::{self, AnnounceKind, Announcements, ClusterRoute};
 use crate::mac::Mac;
 use crate::store::{Attachment, AttachmentKey};
 use crate::vm::{
@@ -494,7 +494,7 @@ impl Node {
                 self.check_mac_free(&m.to_string(), None)?;
                 Ok(m)
             }
-            None => Ok(dataplane::pod_mac(ips)),
+            None => Ok(kernel::pod_mac(ips)),
         }
     }
 
@@ -564,10 +564,7 @@ impl Node {
         this: &VmAttachment,
     ) -> Result<Option<Placement>> {
         let ips = self.addresses_for(req).await?;
-        let mac = req
-            .mac
-            .unwrap_or_else(|| dataplane::pod_mac(&ips))
-            .to_string();
+        let mac = req.mac.unwrap_or_else(|| kernel::pod_mac(&ips)).to_string();
         if let Err(e) = self.check_mac_free(&mac, Some(&pod.key)) {
             self.free_ips(&ips);
             return Err(e);
@@ -668,7 +665,7 @@ impl Node {
             self.ready_annotation(pod, a).await;
             return;
         }
-        match self.dataplane.link_index(&a.host_ifname).await {
+        match self.kernel.link_index(&a.host_ifname).await {
             Ok(Some(ifindex)) => self.add_pending(
                 &a.mac,
                 PendingTarget {
@@ -725,7 +722,7 @@ impl Node {
         let me = self.config.name.clone();
         let mut local_route = None;
         if let Some(a) = only {
-            self.dataplane
+            self.kernel
                 .ensure_host_routes(&a.host_ifname, &a.ips)
                 .await?;
             local_route = Some(seen.0.elapsed());
@@ -766,12 +763,8 @@ impl Node {
                 // announcement (QEMU sends several) tries the write again.
                 if let Some(a) = only {
                     let generation = self.vms.cached(vm).map_or(0, |(r, _)| r.generation);
-                    if let Some(ifindex) = self
-                        .dataplane
-                        .link_index(&a.host_ifname)
-                        .await
-                        .ok()
-                        .flatten()
+                    if let Some(ifindex) =
+                        self.kernel.link_index(&a.host_ifname).await.ok().flatten()
                     {
                         self.add_pending(
                             &a.mac,
@@ -810,7 +803,7 @@ impl Node {
                 };
                 let local = lock(&self.attachments).get(&key).cloned();
                 if let Some(a) = local {
-                    self.dataplane
+                    self.kernel
                         .ensure_host_routes(&a.host_ifname, &a.ips)
                         .await?;
                     local_route = Some(seen.0.elapsed());
@@ -910,7 +903,7 @@ impl Node {
         }
         let mac = match mac.as_deref().filter(|m| !m.is_empty()) {
             Some(m) => Mac::parse_pod(m, "mac")?,
-            None => dataplane::pod_mac(&ips),
+            None => kernel::pod_mac(&ips),
         }
         .to_string();
         if let Some((rec, _)) = self.vms.read(&key).await? {
@@ -1068,11 +1061,11 @@ impl Node {
         via.sort();
         // First the routes to other nodes: on a migration's source they
         // replace the pod's host route in one change.
-        self.dataplane.sync_vm_routes(&via).await?;
+        self.kernel.sync_vm_routes(&via).await?;
         let mut here_ips = HashSet::new();
         for rec in view.records.values().map(|(r, _)| r) {
             if let Some(host) = wants.get(&rec.key).and_then(|w| w.here.as_ref()) {
-                self.dataplane.ensure_host_routes(host, &rec.ips).await?;
+                self.kernel.ensure_host_routes(host, &rec.ips).await?;
                 here_ips.extend(rec.ips.iter().copied());
             }
         }
@@ -1087,7 +1080,7 @@ impl Node {
             .collect::<HashSet<_>>()
             .into_iter()
             .collect();
-        self.dataplane.remove_host_routes(&withdraw).await?;
+        self.kernel.remove_host_routes(&withdraw).await?;
 
         // Timings, for the records whose routes changed here.
         let done = now_nanos();
@@ -1141,7 +1134,7 @@ impl Node {
             for (vm, attachment, host, generation) in list {
                 let ifindex = match known.get(&attachment) {
                     Some(i) => *i,
-                    None => match self.dataplane.link_index(&host).await {
+                    None => match self.kernel.link_index(&host).await {
                         Ok(Some(i)) => i,
                         _ => continue,
                     },
@@ -1165,7 +1158,7 @@ impl Node {
     /// Without the listener (no CAP_NET_RAW), cutovers still happen on the
     /// target-ready annotation and the admin call; that is logged.
     pub fn start_vm_tasks(self: &Arc<Self>) {
-        match AnnounceListener::open() {
+        match self.host.announcements() {
             Ok(listener) => self.spawn_announce_loop(listener),
             Err(e) => tracing::error!(
                 error = %e,
@@ -1175,7 +1168,7 @@ impl Node {
         self.spawn_vm_sync_loop();
     }
 
-    fn spawn_announce_loop(self: &Arc<Self>, listener: AnnounceListener) {
+    fn spawn_announce_loop(self: &Arc<Self>, listener: Box<dyn Announcements>) {
         let node = self.clone();
         tokio::spawn(async move {
             loop {

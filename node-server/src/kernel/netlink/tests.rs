@@ -1,4 +1,4 @@
-//! Dataplane tests. The pure ones run anywhere; the kernel ones need root
+//! Netlink tests. The pure ones run anywhere; the kernel ones need root
 //! and run on a thread that first unshares its own "node" netns, with pod
 //! netns made the same way and held only by an fd. When a test ends, even by
 //! panic, the thread exits, the fds close, and the kernel destroys the
@@ -18,6 +18,7 @@ use nix::sched::{unshare, CloneFlags};
 use serde_json::Value;
 
 use super::*;
+use crate::kernel::{host_ifname, pod_mac, Host, LinuxHost, PodNetns};
 
 // ---------------------------------------------------------------- pure
 
@@ -155,6 +156,8 @@ fn node_ns_path() -> String {
 pub(super) struct Netns {
     pub(super) file: File,
     pub(super) path: PathBuf,
+    /// The same namespace as the kernel seam holds it.
+    pub(super) pod: PodNetns,
 }
 
 pub(super) fn new_netns() -> Netns {
@@ -169,7 +172,8 @@ pub(super) fn new_netns() -> Netns {
         std::process::id(),
         file.as_raw_fd()
     ));
-    Netns { file, path }
+    let pod = PodNetns::opened(&path, file.try_clone().expect("dup netns fd"));
+    Netns { file, path, pod }
 }
 
 /// Runs a command inside a netns given by path; panics with its stderr if it
@@ -236,8 +240,7 @@ impl TestPod {
 
     fn wiring(&self) -> PodWiring<'_> {
         PodWiring {
-            netns: &self.ns.file,
-            netns_path: &self.ns.path,
+            netns: &self.ns.pod,
             pod_ifname: &self.ifname,
             host_ifname: &self.host,
             pod_mac: self.mac,
@@ -252,13 +255,13 @@ impl TestPod {
     }
 }
 
-fn connect() -> Dataplane {
-    let dp = Dataplane::connect().expect("connect");
-    dp.prepare_node().expect("prepare_node");
+fn connect() -> Netlink {
+    let dp = Netlink::connect().expect("connect");
+    LinuxHost.enable_forwarding().expect("enable forwarding");
     dp
 }
 
-async fn rewire(dp: &Dataplane, w: &PodWiring<'_>) {
+async fn rewire(dp: &Netlink, w: &PodWiring<'_>) {
     dp.delete_link(w.host_ifname).await.expect("delete");
     dp.wire(w).await.expect("wire again");
     dp.check(w).await.expect("check after wiring again");
@@ -425,7 +428,10 @@ fn veth_creation_answers_both_indexes() {
     in_node_netns(|| async {
         let dp = connect();
         let p = TestPod::new("echo", &["10.1.0.5"]);
-        let created = dp.try_create_veth(&p.wiring()).await.expect("create");
+        let created = dp
+            .try_create_veth(&p.wiring(), &p.ns.file)
+            .await
+            .expect("create");
         // The echo saves a lookup on each side.
         let host = &ip_json(&node_ns_path(), &["link", "show", &p.host])[0];
         assert_eq!(

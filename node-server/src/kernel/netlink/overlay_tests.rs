@@ -17,8 +17,8 @@ use nix::sched::{setns, unshare, CloneFlags};
 use serde_json::Value;
 
 use super::super::tests::{is_root, netns_inode, new_netns, pings, require_root, run_in, Netns};
-use super::super::{host_ifname, pod_mac, PodWiring};
 use super::*;
+use crate::kernel::{host_ifname, pod_mac, Host, PodWiring, Veths};
 use crate::mac::Mac;
 
 const MAC_A: [u8; 6] = [0x0a, 0x58, 0x74, 0x76, 0x00, 0x01];
@@ -292,7 +292,7 @@ impl Node {
     fn run<T, F, Fut>(&self, body: F) -> T
     where
         T: Send,
-        F: FnOnce(Dataplane) -> Fut + Send,
+        F: FnOnce(Netlink) -> Fut + Send,
         Fut: Future<Output = T>,
     {
         std::thread::scope(|s| {
@@ -303,8 +303,10 @@ impl Node {
                     .build()
                     .expect("runtime");
                 runtime.block_on(async {
-                    let dp = Dataplane::connect().expect("connect");
-                    dp.prepare_node().expect("prepare_node");
+                    let dp = Netlink::connect().expect("connect");
+                    crate::kernel::LinuxHost
+                        .enable_forwarding()
+                        .expect("enable forwarding");
                     body(dp).await
                 })
             })
@@ -370,8 +372,7 @@ impl TestPod {
 
     fn wiring(&self) -> PodWiring<'_> {
         PodWiring {
-            netns: &self.ns.file,
-            netns_path: &self.ns.path,
+            netns: &self.ns.pod,
             pod_ifname: "eth0",
             host_ifname: &self.host,
             pod_mac: pod_mac(&self.ips),

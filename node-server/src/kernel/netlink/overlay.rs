@@ -35,86 +35,21 @@ use rtnetlink::packet_route::{AddressFamily, RouteNetlinkMessage};
 use rtnetlink::{LinkMessageBuilder, LinkUnspec, LinkVxlan};
 
 use super::messages::{self, errno, reason, Step, ACKED, CREATE, REPLACE};
-use super::{write_sysctl, Dataplane};
+use super::{write_sysctl, Netlink};
 use crate::error::{Error, Result};
+use crate::kernel::{
+    ClusterRoute, NodeRoutes, Synced, Veths, VxlanConfig, VxlanPeer, CLUSTER_ROUTE_PROTOCOL,
+    VM_ROUTE_PROTOCOL, VXLAN_IFNAME,
+};
 use crate::mac::Mac;
+use async_trait::async_trait;
 
 #[cfg(test)]
-#[path = "cluster_tests.rs"]
+#[path = "overlay_tests.rs"]
 mod tests;
-
-/// Route protocol number that marks routes to other nodes' blocks, distinct
-/// from the pod host routes' [`super::ROUTE_PROTOCOL`] so that each set can
-/// be reconciled without touching the other.
-pub const CLUSTER_ROUTE_PROTOCOL: u8 = 202;
-
-/// Route protocol number of the /32 and /128 routes that send a VM's
-/// address to the node it runs on when that is not the node holding the
-/// address's block (a VM that migrated or restarted elsewhere). Its own
-/// number, so that the VM routes and the block routes are each synced to
-/// exactly their wanted set without touching the other.
-pub const VM_ROUTE_PROTOCOL: u8 = 203;
-
-/// Name of the VXLAN device in vxlan mode. Outside the `tth` prefix, so that
-/// the veth reconciliation never takes it for a pod's.
-pub const VXLAN_IFNAME: &str = "tether.vxlan";
 
 /// Header flags of a dump request.
 const DUMP: u16 = NLM_F_REQUEST | NLM_F_DUMP;
-
-/// One route to a block another node owns.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ClusterRoute {
-    /// The remote block. Host bits are ignored (the kernel keeps only the
-    /// network).
-    pub dst: IpNet,
-    /// The next hop: the remote node's address (host-gw) or its overlay
-    /// gateway (vxlan). Same family as `dst`.
-    pub via: IpAddr,
-    /// None: `dst via <via>`, the kernel finds the device through the route
-    /// to `via` (host-gw: the node address is on a connected subnet).
-    /// Some(dev): `dst via <via> dev <dev> onlink`, for gateways no subnet
-    /// covers (the vxlan gateways).
-    pub onlink_dev: Option<String>,
-}
-
-/// The VXLAN device's identity. Any difference in VNI, port, local address
-/// or MAC is fixed by recreating the device; the MTU is changed in place.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct VxlanConfig {
-    /// The VXLAN network identifier, the same on every node.
-    pub vni: u32,
-    /// UDP destination port, the same on every node.
-    pub port: u16,
-    /// This node's underlay address, the source of encapsulated packets.
-    pub local: IpAddr,
-    /// The device's MAC, which other nodes put in their neighbour and FDB
-    /// entries for this node.
-    pub mac: [u8; 6],
-    /// The device's MTU: the underlay's minus the encapsulation.
-    pub mtu: u32,
-}
-
-/// Another node as seen by this node's VXLAN device.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct VxlanPeer {
-    /// The peer's underlay address: the FDB destination for its MAC.
-    pub node_ip: IpAddr,
-    /// The peer's VXLAN device MAC.
-    pub mac: [u8; 6],
-    /// The overlay gateways that stand for the peer (one per family), each
-    /// given a permanent neighbour entry with the peer's MAC.
-    pub gateways: Vec<IpAddr>,
-}
-
-/// What a sync changed: entries added or replaced, and entries deleted.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Synced {
-    /// Entries added, or replaced because they differed.
-    pub added: usize,
-    /// Entries deleted because they were no longer wanted.
-    pub removed: usize,
-}
 
 /// One proto-202 route as dumped: the selector that deletes it, and the
 /// route itself when it has a shape tether makes (a multipath or
@@ -125,7 +60,7 @@ struct FoundRoute {
     selector: RouteMessage,
 }
 
-impl Dataplane {
+impl Netlink {
     /// Every proto-202 route in the main table, v4 and v6, sorted. Routes of
     /// that protocol that tether would never make (no gateway, multipath)
     /// are left out here, and deleted by [`Self::sync_cluster_routes`].
@@ -138,30 +73,6 @@ impl Dataplane {
             .collect();
         routes.sort();
         Ok(routes)
-    }
-
-    /// Makes the proto-202 routes exactly `desired`: adds or replaces the
-    /// missing or different ones, then deletes those to blocks no longer
-    /// wanted. Replacing in place, rather than deleting first, means a block
-    /// that changes next hop is never unrouted. Idempotent; when nothing
-    /// differs it costs only the dumps. A route of another protocol to one
-    /// of the blocks is replaced too: the control plane is the authority on
-    /// who owns a block. Routes are keyed by block: a second proto-202
-    /// route to a wanted block with another metric (tether sets none) is
-    /// not looked for. Every change is attempted even when one is
-    /// refused (a gateway not yet reachable must not keep a dead node's
-    /// routes in place); the first refusal is then the error.
-    pub async fn sync_cluster_routes(&self, desired: &[ClusterRoute]) -> Result<Synced> {
-        self.sync_routes(CLUSTER_ROUTE_PROTOCOL, desired).await
-    }
-
-    /// Makes the proto-203 routes (a VM's address to the node it runs on)
-    /// exactly `desired`, as [`Self::sync_cluster_routes`] does for blocks.
-    /// A wanted route replaces whatever route to that address exists, so a
-    /// migration's source node goes from its pod's host route to the route
-    /// to the target in one kernel change, never unrouted in between.
-    pub async fn sync_vm_routes(&self, desired: &[ClusterRoute]) -> Result<Synced> {
-        self.sync_routes(VM_ROUTE_PROTOCOL, desired).await
     }
 
     async fn sync_routes(&self, protocol: u8, desired: &[ClusterRoute]) -> Result<Synced> {
@@ -218,126 +129,6 @@ impl Dataplane {
         })
     }
 
-    /// Creates tether.vxlan, or fixes it: a VNI, port, local address, MAC or
-    /// learning setting that differs means deleting and recreating it
-    /// (which drops its FDB, neighbours and routes: callers sync peers and
-    /// routes after this), an MTU or admin state that differs is changed in
-    /// place. Learning is off because every peer is programmed. IPv6 is
-    /// enabled on it even where the node's default disables it, because the
-    /// IPv6 gateways' neighbour entries and forwarded IPv6 packets need it.
-    pub async fn ensure_vxlan(&self, cfg: &VxlanConfig) -> Result<()> {
-        let existing = messages::link_by_name_get(&self.handle, VXLAN_IFNAME)
-            .await
-            .map_err(|e| Error::setup(format!("looking up {VXLAN_IFNAME}"), reason(&e)))?;
-        match existing {
-            Some(link) => match vxlan_difference(&link, cfg) {
-                None => self.fix_vxlan_in_place(&link, cfg).await?,
-                Some(why) => {
-                    tracing::info!(device = VXLAN_IFNAME, %why, "recreating the vxlan device");
-                    self.delete_index(link.header.index).await?;
-                    self.create_vxlan(cfg).await?;
-                }
-            },
-            None => self.create_vxlan(cfg).await?,
-        }
-        let path = format!("net/ipv6/conf/{VXLAN_IFNAME}/disable_ipv6");
-        match write_sysctl(&path, "0") {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                tracing::warn!("IPv6 is disabled on this node: no IPv6 over {VXLAN_IFNAME}");
-                Ok(())
-            }
-            Err(e) => Err(Error::setup(format!("writing /proc/sys/{path}"), e)),
-        }
-    }
-
-    /// Makes the permanent FDB entries (peer MAC -> peer node ip) and the
-    /// permanent neighbour entries (each gateway -> peer MAC) on
-    /// tether.vxlan exactly `peers`: adds or replaces what is missing or
-    /// different, deletes entries of peers no longer listed. Non-permanent
-    /// neighbour entries are the kernel's and are left alone unless they
-    /// stand in the way of a gateway. Counts are of entries (one FDB entry
-    /// and one neighbour per gateway for each peer). As with routes, every
-    /// change is attempted and the first refusal returned. Without the
-    /// device, an empty list is success and anything else an error.
-    pub async fn sync_vxlan_peers(&self, peers: &[VxlanPeer]) -> Result<Synced> {
-        let (fdb_want, neigh_want) = peer_tables(peers)?;
-        let Some(index) = self.link_index(VXLAN_IFNAME).await? else {
-            if peers.is_empty() {
-                return Ok(Synced::default());
-            }
-            return Err(Error::setup(
-                "programming vxlan peers",
-                format!("{VXLAN_IFNAME} does not exist"),
-            ));
-        };
-        let fdb_have = self.vxlan_fdb(index).await?;
-        let neigh_have = self.vxlan_neighbours(index).await?;
-
-        let mut steps = Vec::new();
-        let mut synced = Synced::default();
-        for (mac, &dst) in &fdb_want {
-            let have = fdb_have.get(mac).map(Vec::as_slice).unwrap_or_default();
-            if have == [Some(dst)] {
-                continue;
-            }
-            // REPLACE only rewrites a MAC's first destination: one with
-            // several goes first.
-            if have.len() > 1 {
-                steps.push(fdb_delete_step(index, mac));
-            }
-            steps.push(Step::new(
-                RouteNetlinkMessage::NewNeighbour(fdb_entry(index, mac, Some(dst))),
-                REPLACE,
-                format!("adding FDB entry {} dst {dst}", Mac::from(*mac)),
-            ));
-            synced.added += 1;
-        }
-        for (&gateway, mac) in &neigh_want {
-            if neigh_have.get(&gateway) == Some(&Some(*mac)) {
-                continue;
-            }
-            steps.push(Step::new(
-                RouteNetlinkMessage::NewNeighbour(vxlan_neighbour(index, gateway, Some(mac))),
-                REPLACE,
-                format!("adding neighbour {gateway} lladdr {}", Mac::from(*mac)),
-            ));
-            synced.added += 1;
-        }
-        for (&gateway, mac) in &neigh_have {
-            if mac.is_some() && !neigh_want.contains_key(&gateway) {
-                steps.push(
-                    Step::new(
-                        RouteNetlinkMessage::DelNeighbour(vxlan_neighbour(index, gateway, None)),
-                        ACKED,
-                        format!("deleting neighbour {gateway} on {VXLAN_IFNAME}"),
-                    )
-                    .tolerating(libc::ENOENT),
-                );
-                synced.removed += 1;
-            }
-        }
-        for mac in fdb_have.keys() {
-            if !fdb_want.contains_key(mac) {
-                steps.push(fdb_delete_step(index, mac));
-                synced.removed += 1;
-            }
-        }
-        messages::batch(&self.handle, steps).await?;
-        Ok(synced)
-    }
-
-    /// Deletes tether.vxlan if present, with its FDB, neighbours and the
-    /// routes through it (switching back to host-gw). Idempotent.
-    pub async fn delete_vxlan(&self) -> Result<()> {
-        let message = RouteNetlinkMessage::DelLink(messages::link_by_name(VXLAN_IFNAME));
-        match messages::request(&self.handle, message, ACKED).await {
-            Ok(_) => Ok(()),
-            Err(e) if errno(&e) == Some(libc::ENODEV) => Ok(()),
-            Err(e) => Err(Error::setup(format!("deleting {VXLAN_IFNAME}"), reason(&e))),
-        }
-    }
-
     /// The address the node would use toward its default route, the
     /// natural underlay address when none is configured: the default
     /// route's preferred source if it has one, else the first global
@@ -348,7 +139,7 @@ impl Dataplane {
         Ok(self.default_route_addresses().await?.into_iter().next())
     }
 
-    /// Like [`Dataplane::default_route_address`], once per family: the
+    /// Like [`Netlink::default_route_address`], once per family: the
     /// IPv4 address (if IPv4 has a default route), then the IPv6 one.
     pub async fn default_route_addresses(&self) -> Result<Vec<IpAddr>> {
         let mut found = Vec::new();
@@ -369,45 +160,6 @@ impl Dataplane {
             }
         }
         Ok(found)
-    }
-
-    /// The MTU packets to `ip` get: the MTU of the device the kernel's route
-    /// to it uses, or the route's own MTU when that is lower (a route or a
-    /// learned path MTU can be). Sizes the vxlan device, whose packets go
-    /// to the peers over this path. None when there is no route.
-    pub async fn underlay_mtu(&self, ip: IpAddr) -> Result<Option<u32>> {
-        let context = || format!("looking up the route to {ip}");
-        let answers = match messages::request(
-            &self.handle,
-            RouteNetlinkMessage::GetRoute(route_get(ip)),
-            ACKED,
-        )
-        .await
-        {
-            Ok(answers) => answers,
-            Err(e) if matches!(errno(&e), Some(libc::ENETUNREACH | libc::EHOSTUNREACH)) => {
-                return Ok(None)
-            }
-            Err(e) => return Err(Error::setup(context(), reason(&e))),
-        };
-        let Some(route) = answers.iter().find_map(|m| match m {
-            RouteNetlinkMessage::NewRoute(r) => Some(r),
-            _ => None,
-        }) else {
-            return Ok(None);
-        };
-        let Some(oif) = messages::route_oif(route) else {
-            return Ok(None);
-        };
-        let link = self
-            .link_by_index(oif)
-            .await?
-            .ok_or_else(|| Error::setup(context(), format!("device #{oif} vanished")))?;
-        let device = messages::link_facts(&link).mtu;
-        Ok(match (device, route_mtu(route)) {
-            (Some(d), Some(r)) => Some(d.min(r)),
-            (d, r) => d.or(r),
-        })
     }
 
     /// Every proto-202 route, with the device names its onlink routes need.
@@ -590,6 +342,192 @@ impl Dataplane {
                 reason(&e),
             )),
         }
+    }
+}
+
+#[async_trait]
+impl NodeRoutes for Netlink {
+    /// Makes the proto-202 routes exactly `desired`: adds or replaces the
+    /// missing or different ones, then deletes those to blocks no longer
+    /// wanted. Replacing in place, rather than deleting first, means a block
+    /// that changes next hop is never unrouted. Idempotent; when nothing
+    /// differs it costs only the dumps. A route of another protocol to one
+    /// of the blocks is replaced too: the control plane is the authority on
+    /// who owns a block. Routes are keyed by block: a second proto-202
+    /// route to a wanted block with another metric (tether sets none) is
+    /// not looked for. Every change is attempted even when one is
+    /// refused (a gateway not yet reachable must not keep a dead node's
+    /// routes in place); the first refusal is then the error.
+    async fn sync_cluster_routes(&self, desired: &[ClusterRoute]) -> Result<Synced> {
+        self.sync_routes(CLUSTER_ROUTE_PROTOCOL, desired).await
+    }
+
+    /// Makes the proto-203 routes (a VM's address to the node it runs on)
+    /// exactly `desired`, as [`Self::sync_cluster_routes`] does for blocks.
+    /// A wanted route replaces whatever route to that address exists, so a
+    /// migration's source node goes from its pod's host route to the route
+    /// to the target in one kernel change, never unrouted in between.
+    async fn sync_vm_routes(&self, desired: &[ClusterRoute]) -> Result<Synced> {
+        self.sync_routes(VM_ROUTE_PROTOCOL, desired).await
+    }
+
+    /// Creates tether.vxlan, or fixes it: a VNI, port, local address, MAC or
+    /// learning setting that differs means deleting and recreating it
+    /// (which drops its FDB, neighbours and routes: callers sync peers and
+    /// routes after this), an MTU or admin state that differs is changed in
+    /// place. Learning is off because every peer is programmed. IPv6 is
+    /// enabled on it even where the node's default disables it, because the
+    /// IPv6 gateways' neighbour entries and forwarded IPv6 packets need it.
+    async fn ensure_vxlan(&self, cfg: &VxlanConfig) -> Result<()> {
+        let existing = messages::link_by_name_get(&self.handle, VXLAN_IFNAME)
+            .await
+            .map_err(|e| Error::setup(format!("looking up {VXLAN_IFNAME}"), reason(&e)))?;
+        match existing {
+            Some(link) => match vxlan_difference(&link, cfg) {
+                None => self.fix_vxlan_in_place(&link, cfg).await?,
+                Some(why) => {
+                    tracing::info!(device = VXLAN_IFNAME, %why, "recreating the vxlan device");
+                    self.delete_index(link.header.index).await?;
+                    self.create_vxlan(cfg).await?;
+                }
+            },
+            None => self.create_vxlan(cfg).await?,
+        }
+        let path = format!("net/ipv6/conf/{VXLAN_IFNAME}/disable_ipv6");
+        match write_sysctl(&path, "0") {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                tracing::warn!("IPv6 is disabled on this node: no IPv6 over {VXLAN_IFNAME}");
+                Ok(())
+            }
+            Err(e) => Err(Error::setup(format!("writing /proc/sys/{path}"), e)),
+        }
+    }
+
+    /// Makes the permanent FDB entries (peer MAC -> peer node ip) and the
+    /// permanent neighbour entries (each gateway -> peer MAC) on
+    /// tether.vxlan exactly `peers`: adds or replaces what is missing or
+    /// different, deletes entries of peers no longer listed. Non-permanent
+    /// neighbour entries are the kernel's and are left alone unless they
+    /// stand in the way of a gateway. Counts are of entries (one FDB entry
+    /// and one neighbour per gateway for each peer). As with routes, every
+    /// change is attempted and the first refusal returned. Without the
+    /// device, an empty list is success and anything else an error.
+    async fn sync_vxlan_peers(&self, peers: &[VxlanPeer]) -> Result<Synced> {
+        let (fdb_want, neigh_want) = peer_tables(peers)?;
+        let Some(index) = self.link_index(VXLAN_IFNAME).await? else {
+            if peers.is_empty() {
+                return Ok(Synced::default());
+            }
+            return Err(Error::setup(
+                "programming vxlan peers",
+                format!("{VXLAN_IFNAME} does not exist"),
+            ));
+        };
+        let fdb_have = self.vxlan_fdb(index).await?;
+        let neigh_have = self.vxlan_neighbours(index).await?;
+
+        let mut steps = Vec::new();
+        let mut synced = Synced::default();
+        for (mac, &dst) in &fdb_want {
+            let have = fdb_have.get(mac).map(Vec::as_slice).unwrap_or_default();
+            if have == [Some(dst)] {
+                continue;
+            }
+            // REPLACE only rewrites a MAC's first destination: one with
+            // several goes first.
+            if have.len() > 1 {
+                steps.push(fdb_delete_step(index, mac));
+            }
+            steps.push(Step::new(
+                RouteNetlinkMessage::NewNeighbour(fdb_entry(index, mac, Some(dst))),
+                REPLACE,
+                format!("adding FDB entry {} dst {dst}", Mac::from(*mac)),
+            ));
+            synced.added += 1;
+        }
+        for (&gateway, mac) in &neigh_want {
+            if neigh_have.get(&gateway) == Some(&Some(*mac)) {
+                continue;
+            }
+            steps.push(Step::new(
+                RouteNetlinkMessage::NewNeighbour(vxlan_neighbour(index, gateway, Some(mac))),
+                REPLACE,
+                format!("adding neighbour {gateway} lladdr {}", Mac::from(*mac)),
+            ));
+            synced.added += 1;
+        }
+        for (&gateway, mac) in &neigh_have {
+            if mac.is_some() && !neigh_want.contains_key(&gateway) {
+                steps.push(
+                    Step::new(
+                        RouteNetlinkMessage::DelNeighbour(vxlan_neighbour(index, gateway, None)),
+                        ACKED,
+                        format!("deleting neighbour {gateway} on {VXLAN_IFNAME}"),
+                    )
+                    .tolerating(libc::ENOENT),
+                );
+                synced.removed += 1;
+            }
+        }
+        for mac in fdb_have.keys() {
+            if !fdb_want.contains_key(mac) {
+                steps.push(fdb_delete_step(index, mac));
+                synced.removed += 1;
+            }
+        }
+        messages::batch(&self.handle, steps).await?;
+        Ok(synced)
+    }
+
+    /// Deletes tether.vxlan if present, with its FDB, neighbours and the
+    /// routes through it (switching back to host-gw). Idempotent.
+    async fn delete_vxlan(&self) -> Result<()> {
+        let message = RouteNetlinkMessage::DelLink(messages::link_by_name(VXLAN_IFNAME));
+        match messages::request(&self.handle, message, ACKED).await {
+            Ok(_) => Ok(()),
+            Err(e) if errno(&e) == Some(libc::ENODEV) => Ok(()),
+            Err(e) => Err(Error::setup(format!("deleting {VXLAN_IFNAME}"), reason(&e))),
+        }
+    }
+
+    /// The MTU packets to `ip` get: the MTU of the device the kernel's route
+    /// to it uses, or the route's own MTU when that is lower (a route or a
+    /// learned path MTU can be). Sizes the vxlan device, whose packets go
+    /// to the peers over this path. None when there is no route.
+    async fn underlay_mtu(&self, ip: IpAddr) -> Result<Option<u32>> {
+        let context = || format!("looking up the route to {ip}");
+        let answers = match messages::request(
+            &self.handle,
+            RouteNetlinkMessage::GetRoute(route_get(ip)),
+            ACKED,
+        )
+        .await
+        {
+            Ok(answers) => answers,
+            Err(e) if matches!(errno(&e), Some(libc::ENETUNREACH | libc::EHOSTUNREACH)) => {
+                return Ok(None)
+            }
+            Err(e) => return Err(Error::setup(context(), reason(&e))),
+        };
+        let Some(route) = answers.iter().find_map(|m| match m {
+            RouteNetlinkMessage::NewRoute(r) => Some(r),
+            _ => None,
+        }) else {
+            return Ok(None);
+        };
+        let Some(oif) = messages::route_oif(route) else {
+            return Ok(None);
+        };
+        let link = self
+            .link_by_index(oif)
+            .await?
+            .ok_or_else(|| Error::setup(context(), format!("device #{oif} vanished")))?;
+        let device = messages::link_facts(&link).mtu;
+        Ok(match (device, route_mtu(route)) {
+            (Some(d), Some(r)) => Some(d.min(r)),
+            (d, r) => d.or(r),
+        })
     }
 }
 

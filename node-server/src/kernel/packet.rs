@@ -15,7 +15,9 @@ use std::time::Instant;
 
 use tokio::io::unix::AsyncFd;
 
+use super::Announcements;
 use crate::error::{Error, Result};
+use async_trait::async_trait;
 
 /// Ethertype of RARP.
 const ETH_P_RARP: u16 = 0x8035;
@@ -94,9 +96,11 @@ impl AnnounceListener {
             arp: watched(packet_socket(ETH_P_ARP)?)?,
         })
     }
+}
 
-    /// The next announcement on any interface.
-    pub async fn next(&self) -> Result<Announcement> {
+#[async_trait]
+impl Announcements for AnnounceListener {
+    async fn next(&self) -> Result<Announcement> {
         loop {
             let got = tokio::select! {
                 r = read_one(&self.rarp) => r,

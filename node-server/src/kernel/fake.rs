@@ -1,0 +1,618 @@
+//! An in-memory kernel and host, for unit tests of everything above the
+//! kernel seam. A test double: it keeps the objects tether makes (veths,
+//! one main route table, the VXLAN device and its peers), records every
+//! call, and can be told to fail any call. It cannot prove that the real
+//! kernel accepts the requests: the netlink suites (root) do that.
+//!
+//! The route table is one map keyed by destination, like the kernel's main
+//! table for tether's routes: a route of another protocol to the same
+//! destination replaces the one there (a VM route taking over a pod's host
+//! route), and a deleted veth takes its routes with it.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use async_trait::async_trait;
+use ipnet::IpNet;
+use tokio::sync::mpsc;
+
+use super::{
+    Announcement, Announcements, ClusterRoute, Host, HostRoute, Kernel, NodeRoutes, PodNetns,
+    PodWiring, Synced, Veths, VxlanConfig, VxlanPeer, CLUSTER_ROUTE_PROTOCOL, HOST_IFNAME_PREFIX,
+    ROUTE_PROTOCOL, VM_ROUTE_PROTOCOL,
+};
+use crate::error::{Error, Mismatch, Result};
+use crate::mac::Mac;
+
+/// Every call of the kernel traits, for failure injection and the log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Call {
+    OpenNetns,
+    Wire,
+    Check,
+    DeleteLink,
+    DeleteLinks,
+    RemoveHostRoutes,
+    EnsureHostRoutes,
+    OurRoutes,
+    OurLinks,
+    LinkIndex,
+    SyncClusterRoutes,
+    SyncVmRoutes,
+    EnsureVxlan,
+    SyncVxlanPeers,
+    DeleteVxlan,
+    UnderlayMtu,
+}
+
+/// One node-side veth and its pod end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FakeLink {
+    /// The node-side interface index.
+    pub index: u32,
+    /// The pod netns path.
+    pub netns: PathBuf,
+    /// The pod-side name.
+    pub pod_ifname: String,
+    /// The pod-side MAC.
+    pub pod_mac: Mac,
+    /// The pod-side addresses.
+    pub ips: Vec<IpAddr>,
+    /// Both ends' MTU.
+    pub mtu: u32,
+}
+
+/// One route of the main table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FakeRoute {
+    /// tether's protocol number of it (201, 202 or 203).
+    pub protocol: u8,
+    /// Output device, for host routes and onlink routes.
+    pub dev: Option<String>,
+    /// Next hop, for routes to other nodes.
+    pub via: Option<IpAddr>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    netns: BTreeSet<PathBuf>,
+    links: BTreeMap<String, FakeLink>,
+    routes: BTreeMap<IpNet, FakeRoute>,
+    vxlan: Option<VxlanConfig>,
+    peers: Vec<VxlanPeer>,
+    mtus: HashMap<IpAddr, u32>,
+    next_index: u32,
+    log: Vec<(Call, String)>,
+    /// Per call: how many more calls succeed before the next failure, and
+    /// whether every later call fails too.
+    failures: HashMap<Call, (usize, bool)>,
+}
+
+/// The fake kernel. Clones share one state, like two sockets on one kernel.
+#[derive(Debug, Clone, Default)]
+pub struct FakeKernel {
+    state: Arc<Mutex<State>>,
+}
+
+fn host_net(ip: IpAddr) -> IpNet {
+    IpNet::from(ip)
+}
+
+impl FakeKernel {
+    /// An empty kernel with no namespaces.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Makes a pod netns exist at `path`.
+    pub fn add_netns(&self, path: &Path) {
+        self.state().netns.insert(path.to_owned());
+    }
+
+    /// Makes the netns at `path` disappear (its links stay until deleted,
+    /// as a veth outlives nothing in a real kernel only because the netns
+    /// takes the pod end; tests use this for "the pod is gone").
+    pub fn remove_netns(&self, path: &Path) {
+        self.state().netns.remove(path);
+    }
+
+    /// The `n`-th next call of `call` (0 = the very next) fails, once.
+    pub fn fail_nth(&self, call: Call, n: usize) {
+        self.state().failures.insert(call, (n, false));
+    }
+
+    /// Every call of `call` fails from now on.
+    pub fn fail_always(&self, call: Call) {
+        self.state().failures.insert(call, (0, true));
+    }
+
+    /// No more injected failures.
+    pub fn heal(&self) {
+        self.state().failures.clear();
+    }
+
+    /// The MTU `underlay_mtu` reports for `ip`.
+    pub fn set_underlay_mtu(&self, ip: IpAddr, mtu: u32) {
+        self.state().mtus.insert(ip, mtu);
+    }
+
+    /// The node-side veths.
+    pub fn links(&self) -> BTreeMap<String, FakeLink> {
+        self.state().links.clone()
+    }
+
+    /// The main table's routes of tether's protocols.
+    pub fn routes(&self) -> BTreeMap<IpNet, FakeRoute> {
+        self.state().routes.clone()
+    }
+
+    /// The route to one address, if any.
+    pub fn route_to(&self, ip: IpAddr) -> Option<FakeRoute> {
+        self.state().routes.get(&host_net(ip)).cloned()
+    }
+
+    /// The VXLAN device, if it exists.
+    pub fn vxlan(&self) -> Option<VxlanConfig> {
+        self.state().vxlan.clone()
+    }
+
+    /// The VXLAN peers.
+    pub fn peers(&self) -> Vec<VxlanPeer> {
+        self.state().peers.clone()
+    }
+
+    /// Every call so far, with a short description, in order.
+    pub fn log(&self) -> Vec<(Call, String)> {
+        self.state().log.clone()
+    }
+
+    /// Forgets the log.
+    pub fn clear_log(&self) {
+        self.state().log.clear();
+    }
+
+    /// Creates a veth directly, as a crash between the kernel change and
+    /// the store commit would leave it.
+    pub fn plant_link(&self, host_ifname: &str, link: FakeLink) {
+        self.state().links.insert(host_ifname.to_owned(), link);
+    }
+
+    /// Adds a host route directly (a stale route of an earlier life).
+    pub fn plant_host_route(&self, ip: IpAddr, dev: &str) {
+        self.state().routes.insert(
+            host_net(ip),
+            FakeRoute {
+                protocol: ROUTE_PROTOCOL,
+                dev: Some(dev.to_owned()),
+                via: None,
+            },
+        );
+    }
+
+    /// Removes a route directly (an operator's `ip route del`).
+    pub fn drop_route(&self, ip: IpAddr) {
+        self.state().routes.remove(&host_net(ip));
+    }
+
+    /// Logs the call and answers whether it must fail.
+    fn enter(&self, call: Call, what: String) -> Result<()> {
+        let mut s = self.state();
+        s.log.push((call, what.clone()));
+        let fail = match s.failures.get_mut(&call) {
+            Some((0, always)) => {
+                let always = *always;
+                if !always {
+                    s.failures.remove(&call);
+                }
+                true
+            }
+            Some((n, _)) => {
+                *n -= 1;
+                false
+            }
+            None => false,
+        };
+        if fail {
+            return Err(Error::setup(what, "injected failure"));
+        }
+        Ok(())
+    }
+}
+
+impl State {
+    fn remove_link(&mut self, name: &str) {
+        if self.links.remove(name).is_some() {
+            self.routes
+                .retain(|_, r| r.dev.as_deref() != Some(name) || r.via.is_some());
+        }
+    }
+
+    fn sync_protocol(&mut self, protocol: u8, desired: &[ClusterRoute]) -> Synced {
+        let wanted: BTreeMap<IpNet, FakeRoute> = desired
+            .iter()
+            .map(|r| {
+                (
+                    r.dst.trunc(),
+                    FakeRoute {
+                        protocol,
+                        dev: r.onlink_dev.clone(),
+                        via: Some(r.via),
+                    },
+                )
+            })
+            .collect();
+        let stale: Vec<IpNet> = self
+            .routes
+            .iter()
+            .filter(|(dst, r)| r.protocol == protocol && !wanted.contains_key(dst))
+            .map(|(dst, _)| *dst)
+            .collect();
+        let mut done = Synced {
+            removed: stale.len(),
+            ..Synced::default()
+        };
+        for dst in stale {
+            self.routes.remove(&dst);
+        }
+        for (dst, route) in wanted {
+            if self.routes.get(&dst) != Some(&route) {
+                self.routes.insert(dst, route);
+                done.added += 1;
+            }
+        }
+        done
+    }
+}
+
+fn join<T: std::fmt::Display>(items: &[T]) -> String {
+    items
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+#[async_trait]
+impl Veths for FakeKernel {
+    fn open_netns(&self, path: &Path) -> Result<PodNetns> {
+        self.enter(Call::OpenNetns, path.display().to_string())?;
+        if !path.is_absolute() || !self.state().netns.contains(path) {
+            return Err(Error::InvalidEnv {
+                var: "CNI_NETNS",
+                reason: format!("{} does not exist", path.display()),
+            });
+        }
+        Ok(PodNetns::by_path(path))
+    }
+
+    async fn wire(&self, w: &PodWiring<'_>) -> Result<()> {
+        self.enter(Call::Wire, w.host_ifname.to_owned())?;
+        let mut s = self.state();
+        let netns = w.netns.path().to_owned();
+        if !s.netns.contains(&netns) {
+            return Err(Error::setup(
+                format!("creating veth {}", w.host_ifname),
+                "the pod netns is gone",
+            ));
+        }
+        let taken = s.links.iter().any(|(name, l)| {
+            name != w.host_ifname && l.netns == netns && l.pod_ifname == w.pod_ifname
+        });
+        if taken {
+            return Err(Error::InterfaceExists(w.pod_ifname.to_owned()));
+        }
+        // A stale veth of the same name is replaced, as the real kernel's
+        // wiring does.
+        s.remove_link(w.host_ifname);
+        s.next_index += 1;
+        let index = s.next_index + 100;
+        s.links.insert(
+            w.host_ifname.to_owned(),
+            FakeLink {
+                index,
+                netns,
+                pod_ifname: w.pod_ifname.to_owned(),
+                pod_mac: w.pod_mac,
+                ips: w.ips.to_vec(),
+                mtu: w.mtu,
+            },
+        );
+        if w.routed {
+            for &ip in w.ips {
+                s.routes.insert(
+                    host_net(ip),
+                    FakeRoute {
+                        protocol: ROUTE_PROTOCOL,
+                        dev: Some(w.host_ifname.to_owned()),
+                        via: None,
+                    },
+                );
+            }
+        }
+        Ok(())
+    }
+
+    async fn check(&self, w: &PodWiring<'_>) -> Result<()> {
+        self.enter(Call::Check, w.host_ifname.to_owned())?;
+        let s = self.state();
+        let link = s.links.get(w.host_ifname).ok_or_else(|| {
+            Error::check(
+                Mismatch::HostInterface,
+                format!("{} not found on the node", w.host_ifname),
+            )
+        })?;
+        if link.netns != w.netns.path() || link.pod_ifname != w.pod_ifname {
+            return Err(Error::check(
+                Mismatch::PodInterface,
+                format!("{} not found in the pod", w.pod_ifname),
+            ));
+        }
+        if link.pod_mac != w.pod_mac || link.mtu != w.mtu {
+            return Err(Error::check(
+                Mismatch::PodInterface,
+                format!("{} has MAC {} MTU {}", w.pod_ifname, link.pod_mac, link.mtu),
+            ));
+        }
+        if link.ips != w.ips {
+            return Err(Error::check(
+                Mismatch::PodAddress,
+                format!("{} has {}", w.pod_ifname, join(&link.ips)),
+            ));
+        }
+        if w.routed {
+            for &ip in w.ips {
+                let ours = s.routes.get(&host_net(ip)).is_some_and(|r| {
+                    r.protocol == ROUTE_PROTOCOL && r.dev.as_deref() == Some(w.host_ifname)
+                });
+                if !ours {
+                    return Err(Error::check(
+                        Mismatch::HostRoute,
+                        format!("no route {ip} dev {}", w.host_ifname),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn delete_link(&self, host_ifname: &str) -> Result<()> {
+        self.enter(Call::DeleteLink, host_ifname.to_owned())?;
+        if !host_ifname.starts_with(HOST_IFNAME_PREFIX) {
+            return Err(Error::Internal(format!(
+                "refusing to delete {host_ifname}: not a tether veth"
+            )));
+        }
+        self.state().remove_link(host_ifname);
+        Ok(())
+    }
+
+    async fn delete_links(&self, host_ifnames: &[String]) -> Result<()> {
+        self.enter(Call::DeleteLinks, host_ifnames.join(","))?;
+        let mut s = self.state();
+        for name in host_ifnames
+            .iter()
+            .filter(|n| n.starts_with(HOST_IFNAME_PREFIX))
+        {
+            s.remove_link(name);
+        }
+        Ok(())
+    }
+
+    async fn remove_host_routes(&self, ips: &[IpAddr]) -> Result<()> {
+        self.enter(Call::RemoveHostRoutes, join(ips))?;
+        let mut s = self.state();
+        for &ip in ips {
+            let dst = host_net(ip);
+            if s.routes
+                .get(&dst)
+                .is_some_and(|r| r.protocol == ROUTE_PROTOCOL)
+            {
+                s.routes.remove(&dst);
+            }
+        }
+        Ok(())
+    }
+
+    async fn ensure_host_routes(&self, host_ifname: &str, ips: &[IpAddr]) -> Result<usize> {
+        self.enter(
+            Call::EnsureHostRoutes,
+            format!("{host_ifname} {}", join(ips)),
+        )?;
+        let mut s = self.state();
+        if !s.links.contains_key(host_ifname) {
+            return Err(Error::setup(
+                format!("restoring host routes via {host_ifname}"),
+                "no such device",
+            ));
+        }
+        let want = FakeRoute {
+            protocol: ROUTE_PROTOCOL,
+            dev: Some(host_ifname.to_owned()),
+            via: None,
+        };
+        let mut added = 0;
+        for &ip in ips {
+            if s.routes.get(&host_net(ip)) != Some(&want) {
+                s.routes.insert(host_net(ip), want.clone());
+                added += 1;
+            }
+        }
+        Ok(added)
+    }
+
+    async fn our_routes(&self) -> Result<Vec<HostRoute>> {
+        self.enter(Call::OurRoutes, String::new())?;
+        let s = self.state();
+        Ok(s.routes
+            .iter()
+            .filter(|(_, r)| r.protocol == ROUTE_PROTOCOL)
+            .map(|(dst, r)| HostRoute {
+                dst: dst.addr(),
+                prefix_len: dst.prefix_len(),
+                oif: r.dev.clone().filter(|d| s.links.contains_key(d)),
+            })
+            .collect())
+    }
+
+    async fn our_links(&self) -> Result<Vec<String>> {
+        self.enter(Call::OurLinks, String::new())?;
+        Ok(self.state().links.keys().cloned().collect())
+    }
+
+    async fn link_index(&self, name: &str) -> Result<Option<u32>> {
+        self.enter(Call::LinkIndex, name.to_owned())?;
+        Ok(self.state().links.get(name).map(|l| l.index))
+    }
+}
+
+#[async_trait]
+impl NodeRoutes for FakeKernel {
+    async fn sync_cluster_routes(&self, desired: &[ClusterRoute]) -> Result<Synced> {
+        self.enter(Call::SyncClusterRoutes, format!("{} routes", desired.len()))?;
+        Ok(self.state().sync_protocol(CLUSTER_ROUTE_PROTOCOL, desired))
+    }
+
+    async fn sync_vm_routes(&self, desired: &[ClusterRoute]) -> Result<Synced> {
+        let dsts: Vec<IpNet> = desired.iter().map(|r| r.dst).collect();
+        self.enter(Call::SyncVmRoutes, join(&dsts))?;
+        Ok(self.state().sync_protocol(VM_ROUTE_PROTOCOL, desired))
+    }
+
+    async fn ensure_vxlan(&self, cfg: &VxlanConfig) -> Result<()> {
+        self.enter(Call::EnsureVxlan, format!("vni {}", cfg.vni))?;
+        self.state().vxlan = Some(cfg.clone());
+        Ok(())
+    }
+
+    async fn sync_vxlan_peers(&self, peers: &[VxlanPeer]) -> Result<Synced> {
+        self.enter(Call::SyncVxlanPeers, format!("{} peers", peers.len()))?;
+        let mut s = self.state();
+        let mut wanted = peers.to_vec();
+        wanted.sort();
+        let added = wanted.iter().filter(|p| !s.peers.contains(p)).count();
+        let removed = s.peers.iter().filter(|p| !wanted.contains(p)).count();
+        s.peers = wanted;
+        Ok(Synced { added, removed })
+    }
+
+    async fn delete_vxlan(&self) -> Result<()> {
+        self.enter(Call::DeleteVxlan, String::new())?;
+        let mut s = self.state();
+        s.vxlan = None;
+        s.peers.clear();
+        Ok(())
+    }
+
+    async fn underlay_mtu(&self, ip: IpAddr) -> Result<Option<u32>> {
+        self.enter(Call::UnderlayMtu, ip.to_string())?;
+        Ok(self.state().mtus.get(&ip).copied())
+    }
+}
+
+impl Kernel for FakeKernel {
+    fn second_socket(&self) -> Result<Arc<dyn Kernel>> {
+        Ok(Arc::new(self.clone()))
+    }
+}
+
+/// The fake node: a boot id the test sets, forwarding as a flag, and
+/// announcements the test sends.
+#[derive(Debug)]
+pub struct FakeHost {
+    boot_id: Mutex<String>,
+    forwarding: Mutex<bool>,
+    tx: mpsc::UnboundedSender<Announcement>,
+    rx: Mutex<Option<mpsc::UnboundedReceiver<Announcement>>>,
+    /// Whether opening the packet sockets fails (no CAP_NET_RAW).
+    no_packet_sockets: Mutex<bool>,
+}
+
+impl Default for FakeHost {
+    fn default() -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        Self {
+            boot_id: Mutex::new("boot-1".into()),
+            forwarding: Mutex::new(false),
+            tx,
+            rx: Mutex::new(Some(rx)),
+            no_packet_sockets: Mutex::new(false),
+        }
+    }
+}
+
+fn guard<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl FakeHost {
+    /// A host on boot "boot-1".
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Reboots the fake node: a new boot id.
+    pub fn reboot(&self, boot_id: &str) {
+        *guard(&self.boot_id) = boot_id.to_owned();
+    }
+
+    /// Whether forwarding was turned on.
+    pub fn forwarding(&self) -> bool {
+        *guard(&self.forwarding)
+    }
+
+    /// Makes opening the packet sockets fail.
+    pub fn refuse_packet_sockets(&self) {
+        *guard(&self.no_packet_sockets) = true;
+    }
+
+    /// Delivers an announcement to the daemon's listener.
+    pub fn announce(&self, a: Announcement) {
+        // The receiver is gone only when no listener runs any more.
+        let _ = self.tx.send(a);
+    }
+}
+
+impl Host for FakeHost {
+    fn enable_forwarding(&self) -> Result<()> {
+        *guard(&self.forwarding) = true;
+        Ok(())
+    }
+
+    fn boot_id(&self) -> Result<String> {
+        Ok(guard(&self.boot_id).clone())
+    }
+
+    fn announcements(&self) -> Result<Box<dyn Announcements>> {
+        if *guard(&self.no_packet_sockets) {
+            return Err(Error::setup("opening a packet socket", "injected failure"));
+        }
+        let rx = guard(&self.rx)
+            .take()
+            .ok_or_else(|| Error::Internal("the fake host's listener is taken".into()))?;
+        Ok(Box::new(FakeAnnouncements {
+            rx: tokio::sync::Mutex::new(rx),
+        }))
+    }
+}
+
+struct FakeAnnouncements {
+    rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<Announcement>>,
+}
+
+#[async_trait]
+impl Announcements for FakeAnnouncements {
+    async fn next(&self) -> Result<Announcement> {
+        match self.rx.lock().await.recv().await {
+            Some(a) => Ok(a),
+            // Nobody can announce any more: wait forever, as a quiet
+            // network would.
+            None => std::future::pending().await,
+        }
+    }
+}
