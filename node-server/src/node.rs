@@ -13,6 +13,8 @@
 //! - Every kernel object tether makes is recognisable (the `tth` link prefix,
 //!   route protocol 201), so reconciliation can find what is ours.
 
+#[cfg(test)]
+mod tests;
 mod vm;
 
 pub use vm::{CutoverTiming, RouteUpdateTiming, VmStats};

@@ -1,0 +1,311 @@
+//! Unit tests of the node on the fake kernel ([`crate::kernel::fake`]), a
+//! real local store and a real embedded control store in a temporary
+//! directory. No root, no netlink: what these prove is the order and the
+//! bookkeeping of the lifecycle; the root suites prove the kernel side.
+
+// Parts of the harness serve only some of the test modules.
+#![allow(dead_code)]
+
+mod attach;
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ipnet::IpNet;
+use serde_json::{json, Value};
+use tether_proto::cni::v1::CniRequest;
+
+use super::{Node, NodeConfig, Reconciled};
+use crate::cni::{parse_request, Invocation};
+use crate::control::embedded::EmbeddedStore;
+use crate::control::ControlStore;
+use crate::error::Result;
+use crate::kernel::fake::{FakeHost, FakeKernel};
+use crate::store::{Fsync, LocalStore, Store};
+use crate::vm::{VmRegistry, DOMAIN_ANNOTATION, MIGRATION_JOB_ANNOTATION};
+
+/// Every CNI_* variable, as set by a well-behaved runtime.
+const VARS: [&str; 6] = [
+    "CNI_COMMAND",
+    "CNI_CONTAINERID",
+    "CNI_NETNS",
+    "CNI_IFNAME",
+    "CNI_ARGS",
+    "CNI_PATH",
+];
+
+/// One node on the fake kernel. The control store may be shared with
+/// other nodes (a migration's two nodes).
+pub(super) struct TestNode {
+    pub name: String,
+    pub kernel: FakeKernel,
+    pub host: Arc<FakeHost>,
+    pub dir: tempfile::TempDir,
+    pub control: Arc<dyn ControlStore>,
+    pub store: Arc<dyn Store>,
+    pub node: Arc<Node>,
+    pub cidrs: Vec<IpNet>,
+}
+
+/// What a test may vary about a node.
+#[derive(Clone)]
+pub(super) struct Options {
+    pub name: String,
+    pub cidrs: Vec<IpNet>,
+    /// Shared with another node; a fresh embedded store if `None`.
+    pub control: Option<Arc<dyn ControlStore>>,
+    /// Whether the VM tasks (announcement listener, route sync) run.
+    pub vm_tasks: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            name: "node-a".into(),
+            cidrs: vec![net("10.1.0.0/24"), net("fd00:1::/120")],
+            control: None,
+            vm_tasks: true,
+        }
+    }
+}
+
+pub(super) fn net(s: &str) -> IpNet {
+    s.parse().expect("test CIDR")
+}
+
+pub(super) fn ip(s: &str) -> IpAddr {
+    s.parse().expect("test address")
+}
+
+impl TestNode {
+    /// A node with the default options.
+    pub async fn new() -> TestNode {
+        Self::with(Options::default()).await
+    }
+
+    /// A node with `opts`.
+    pub async fn with(opts: Options) -> TestNode {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let control: Arc<dyn ControlStore> = match opts.control.clone() {
+            Some(c) => c,
+            None => Arc::new(EmbeddedStore::open(&dir.path().join("control")).expect("control")),
+        };
+        let kernel = FakeKernel::new();
+        let host = Arc::new(FakeHost::new());
+        let store = LocalStore::open(&dir.path().join("state"), Fsync::Always)
+            .expect("store")
+            .into_arc();
+        let (node, _) = open(&opts, &dir, &kernel, &host, &control, store.clone())
+            .await
+            .expect("open the node");
+        TestNode {
+            name: opts.name.clone(),
+            kernel,
+            host,
+            dir,
+            control,
+            store,
+            node,
+            cidrs: opts.cidrs,
+        }
+    }
+
+    /// Stops this node and opens it again on the same kernel, host, state
+    /// dir and control store, as after a daemon crash; `before` runs while
+    /// no daemon is up (to change the kernel or the store under it).
+    pub async fn restart(self, before: impl FnOnce(&TestNode)) -> Result<(TestNode, Reconciled)> {
+        let opts = Options {
+            name: self.name.clone(),
+            cidrs: self.cidrs.clone(),
+            control: Some(self.control.clone()),
+            vm_tasks: true,
+        };
+        before(&self);
+        let TestNode {
+            kernel,
+            host,
+            dir,
+            control,
+            node,
+            store,
+            ..
+        } = self;
+        drop(node);
+        drop(store);
+        let store = LocalStore::open(&dir.path().join("state"), Fsync::Always)
+            .expect("store")
+            .into_arc();
+        let (node, reconciled) = open(&opts, &dir, &kernel, &host, &control, store.clone()).await?;
+        Ok((
+            TestNode {
+                name: opts.name,
+                kernel,
+                host,
+                dir,
+                control,
+                store,
+                node,
+                cidrs: opts.cidrs,
+            },
+            reconciled,
+        ))
+    }
+
+    /// A pod netns that exists in the fake kernel.
+    pub fn netns(&self, pod: &str) -> PathBuf {
+        let path = PathBuf::from(format!("/run/netns/{}-{pod}", self.name));
+        self.kernel.add_netns(&path);
+        path
+    }
+
+    /// ADD of container `cid` (ifname eth0) in netns `pod`.
+    pub async fn add(&self, cid: &str, pod: &str) -> Result<Value> {
+        let inv = self.inv(Call::new("ADD", cid).netns(&self.netns(pod)));
+        self.node.add(&inv).await.map(|b| parse_json(&b))
+    }
+
+    /// DEL of container `cid` (ifname eth0).
+    pub async fn del(&self, cid: &str) -> Result<()> {
+        let inv = self.inv(Call::new("DEL", cid));
+        self.node.del(&inv, None).await.map(|_| ())
+    }
+
+    /// Parses a call into an invocation, as the CNI service does.
+    pub fn inv(&self, call: Call) -> Invocation {
+        parse_request(&call.request()).expect("a valid test request")
+    }
+
+    /// Waits until `cond` holds (background work: link deletion, the VM
+    /// sync), for at most 5 s.
+    pub async fn eventually(&self, what: &str, cond: impl Fn(&TestNode) -> bool) {
+        for _ in 0..500 {
+            if cond(self) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("timed out waiting for: {what}");
+    }
+}
+
+async fn open(
+    opts: &Options,
+    dir: &tempfile::TempDir,
+    kernel: &FakeKernel,
+    host: &Arc<FakeHost>,
+    control: &Arc<dyn ControlStore>,
+    store: Arc<dyn Store>,
+) -> Result<(Arc<Node>, Reconciled)> {
+    let config = NodeConfig {
+        name: opts.name.clone(),
+        pod_cidrs: opts.cidrs.clone(),
+        mtu: 1500,
+        state_dir: dir.path().join("state"),
+        allowed_uids: Vec::new(),
+        test_delete_delay: Duration::ZERO,
+    };
+    let vms = VmRegistry::open(control.clone(), "/tether").await?;
+    let (node, reconciled) = Node::open(
+        config,
+        store,
+        None,
+        vms,
+        Arc::new(kernel.clone()),
+        host.clone(),
+    )
+    .await?;
+    let node = Arc::new(node);
+    if opts.vm_tasks {
+        node.start_vm_tasks();
+    }
+    Ok((node, reconciled))
+}
+
+fn parse_json(bytes: &[u8]) -> Value {
+    serde_json::from_slice(bytes).expect("the daemon's result is JSON")
+}
+
+/// One CNI call, built up by a test.
+#[derive(Clone)]
+pub(super) struct Call {
+    command: String,
+    cid: String,
+    netns: String,
+    ifname: String,
+    args: String,
+    conf: Value,
+}
+
+impl Call {
+    /// `command` for container `cid` on network "tether", eth0, pod
+    /// default/web-`cid`.
+    pub fn new(command: &str, cid: &str) -> Call {
+        Call {
+            command: command.into(),
+            cid: cid.into(),
+            netns: String::new(),
+            ifname: "eth0".into(),
+            args: format!(
+                "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-{cid};K8S_POD_UID=uid-{cid}"
+            ),
+            conf: json!({"cniVersion": "1.1.0", "name": "tether", "type": "tether"}),
+        }
+    }
+
+    pub fn netns(mut self, path: &std::path::Path) -> Call {
+        self.netns = path.display().to_string();
+        self
+    }
+
+    pub fn ifname(mut self, ifname: &str) -> Call {
+        self.ifname = ifname.into();
+        self
+    }
+
+    /// Appends `;key=value` to CNI_ARGS.
+    pub fn arg(mut self, key: &str, value: &str) -> Call {
+        self.args.push_str(&format!(";{key}={value}"));
+        self
+    }
+
+    /// Sets a top-level netconf field.
+    pub fn conf(mut self, key: &str, value: Value) -> Call {
+        self.conf[key] = value;
+        self
+    }
+
+    /// Sets a pod annotation (runtimeConfig).
+    pub fn annotation(mut self, key: &str, value: &str) -> Call {
+        self.conf["runtimeConfig"][crate::cni::config::POD_ANNOTATIONS_KEY][key] = json!(value);
+        self
+    }
+
+    /// The pod of KubeVirt VM `vm` in namespace default.
+    pub fn vm(self, vm: &str) -> Call {
+        self.annotation(DOMAIN_ANNOTATION, vm)
+    }
+
+    /// A migration's target pod.
+    pub fn target(self) -> Call {
+        self.annotation(MIGRATION_JOB_ANNOTATION, "job-1")
+    }
+
+    fn request(&self) -> CniRequest {
+        CniRequest {
+            command: self.command.clone(),
+            container_id: self.cid.clone(),
+            netns: self.netns.clone(),
+            ifname: self.ifname.clone(),
+            args: self.args.clone(),
+            path: "/opt/cni/bin".into(),
+            stdin: self.conf.to_string().into_bytes(),
+            present: VARS
+                .iter()
+                .filter(|v| **v != "CNI_NETNS" || !self.netns.is_empty())
+                .map(|s| s.to_string())
+                .collect(),
+        }
+    }
+}
