@@ -9,6 +9,7 @@
 //! the shim's pending-DEL queue.
 
 pub mod api;
+pub mod attach;
 pub mod cluster;
 pub mod cni;
 pub mod control;
@@ -16,6 +17,6 @@ pub mod error;
 pub mod ipam;
 pub mod kernel;
 pub mod mac;
-pub mod node;
+pub mod routing;
 pub mod store;
 pub mod vm;

@@ -14,11 +14,11 @@ use std::time::Duration;
 use tetherd::api::cni::{self as cni_api, Stats};
 use tetherd::api::pending_del;
 use tetherd::api::server::{self, ServeOptions};
+use tetherd::attach::{Node, NodeConfig};
 use tetherd::cluster::{Cluster, ClusterConfig, Overlay};
 use tetherd::control::etcd::{EtcdOptions, EtcdStore};
 use tetherd::control::{embedded::EmbeddedStore, ControlStore};
 use tetherd::error::Error;
-use tetherd::node::{Node, NodeConfig};
 use tetherd::store::{Fsync, LocalStore, Store};
 use tetherd::vm::VmRegistry;
 

@@ -4,8 +4,8 @@
 
 use crate::api::cni::{verb_name, Stats, VERBS};
 use crate::api::pending_del;
+use crate::attach::Node;
 use crate::error::Error;
-use crate::node::Node;
 use crate::store::Attachment;
 use crate::vm::{now_nanos, Trigger, VmAttachment, VmKey, VmRecord};
 use std::path::PathBuf;

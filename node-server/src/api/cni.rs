@@ -7,9 +7,9 @@
 //! from "the daemon is unreachable".
 
 use crate::api::pending_del;
+use crate::attach::Node;
 use crate::cni::{self, Command, Invocation};
 use crate::error::{Error, Result};
-use crate::node::Node;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;

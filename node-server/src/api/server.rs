@@ -5,8 +5,8 @@
 use crate::api::admin::AdminService;
 use crate::api::cni::{CniService, Stats};
 use crate::api::h2_authority_fix::AuthorityFix;
+use crate::attach::Node;
 use crate::error::{Error, Result};
-use crate::node::Node;
 use futures::Stream;
 use std::collections::HashSet;
 use std::future::Future;

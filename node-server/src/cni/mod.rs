@@ -14,12 +14,14 @@
 
 pub mod args;
 pub mod config;
+pub mod pod;
 pub mod request;
 pub mod result;
 pub mod version;
 
 pub use args::{CniArgs, RequestedMac};
 pub use config::{AttachmentId, NetConf, PrevResult, RuntimeConfig, VmAddressPolicy};
+pub use pod::{requested, vm_pod, Requested, VmPod};
 pub use request::{parse_request, Invocation, MAX_STDIN};
 pub use result::{
     check_prev_result, empty_result, error_to_proto, error_version, parse_result,

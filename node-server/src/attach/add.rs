@@ -1,0 +1,167 @@
+//! ADD: wiring a new attachment (store commit and kernel work side by
+//! side, rolled back together), and a repeated ADD.
+
+use super::*;
+
+impl Node {
+    /// ADD: wires the attachment, or returns the recorded result when the
+    /// same attachment is added again and its kernel state is intact.
+    pub async fn add(&self, inv: &Invocation) -> Result<Vec<u8>> {
+        let started = now_nanos();
+        let key = key_of(inv);
+        let netns_path = inv.netns.clone().ok_or_else(|| Error::InvalidEnv {
+            var: "CNI_NETNS",
+            reason: "required for ADD".into(),
+        })?;
+        let vm_pod = cni::vm_pod(inv)?;
+        let requested = cni::requested(inv)?;
+        let _sweep = self.sweep.read().await;
+        let _key = self.lock_key(&key).await;
+        let netns = self.kernel.open_netns(&netns_path)?;
+
+        let existing = lock(&self.attachments).get(&key).cloned();
+        if let Some(a) = existing {
+            return self.add_again(inv, a, vm_pod.as_ref(), &netns).await;
+        }
+
+        let host_ifname = kernel::host_ifname(&key.network, &key.container_id, &key.ifname);
+        if let Some(other) = lock(&self.attachments)
+            .values()
+            .find(|a| a.host_ifname == host_ifname)
+        {
+            return Err(Error::Internal(format!(
+                "host interface name {host_ifname} of {key} collides with {}",
+                other.key
+            )));
+        }
+        self.wait_for_deletion(&host_ifname).await;
+        let mtu = inv.conf.mtu.unwrap_or(self.config.mtu);
+        // A VM pod's addresses come from its VM's record (and a migration
+        // target is wired without being routed to); a plain pod's from the
+        // pools.
+        let (ips, mac, placement) = match &vm_pod {
+            Some(pod) => {
+                let p = self.place_vm(inv, pod, &requested).await?;
+                let mac = Mac::parse_pod(&p.rec.mac, "the VM record's MAC")?;
+                (p.rec.ips.clone(), mac, Some(p))
+            }
+            None => {
+                let ips = self.addresses_for(&requested).await?;
+                match self.mac_for(&requested, &ips) {
+                    Ok(mac) => (ips, mac, None),
+                    Err(e) => {
+                        self.free_ips(&ips);
+                        return Err(e);
+                    }
+                }
+            }
+        };
+        let routed = placement
+            .as_ref()
+            .is_none_or(|p| p.role == vm::Role::Active);
+        let attachment = Attachment {
+            key: key.clone(),
+            netns: netns_path.display().to_string(),
+            ips: ips.clone(),
+            mac: mac.to_string(),
+            host_ifname: host_ifname.clone(),
+            mtu,
+            created_unix_nanos: started,
+            pod_namespace: inv.args.pod_namespace.clone(),
+            pod_name: inv.args.pod_name.clone(),
+            pod_uid: inv.args.pod_uid.clone(),
+            vm: vm_pod.as_ref().map(|p| p.key.clone()),
+        };
+        let wiring = wiring(&attachment, mac, &netns, routed);
+        let store = self.store.clone();
+        let record = attachment.clone();
+        // The fsync of the store commit overlaps the netlink work.
+        let (stored, wired_ok) = tokio::join!(
+            blocking(move || store.insert(&record)),
+            self.kernel.wire(&wiring)
+        );
+        match (stored, wired_ok) {
+            (Ok(()), Ok(())) => {}
+            (stored, wired_ok) => {
+                // Roll back whichever half succeeded; report the first error.
+                let mut first = None;
+                match stored {
+                    Ok(()) => {
+                        let store = self.store.clone();
+                        let k = key.clone();
+                        if let Err(e) = blocking(move || store.remove(&[k])).await {
+                            tracing::error!(%key, error = %e, "rollback of the store record failed");
+                        }
+                    }
+                    Err(e) => first = Some(e),
+                }
+                match wired_ok {
+                    Ok(()) => {
+                        if let Err(e) = self.kernel.delete_link(&host_ifname).await {
+                            tracing::error!(%key, error = %e, "rollback of the veth failed");
+                        }
+                    }
+                    Err(e) => first = first.or(Some(e)),
+                }
+                match &placement {
+                    Some(p) => {
+                        self.undo_placement(p).await;
+                        self.free_ips(&ips);
+                    }
+                    None => lock(&self.pools).release(&ips),
+                }
+                return Err(first.unwrap_or_else(|| Error::Internal("rollback".into())));
+            }
+        }
+        let result = cni::render_add_result(&inv.conf, &wired(&attachment));
+        match (&vm_pod, &placement) {
+            (Some(pod), Some(p)) => {
+                // In the table before the listener can see the VM announce.
+                lock(&self.attachments).insert(key, attachment.clone());
+                self.after_vm_add(pod, &attachment, p).await;
+            }
+            _ => {
+                lock(&self.attachments).insert(key, attachment);
+            }
+        }
+        result
+    }
+
+    /// A repeated ADD: the same result if the wiring is intact; rewired with
+    /// the same addresses if not (e.g. the daemon died in the middle of the
+    /// first ADD). A different netns is a conflict.
+    async fn add_again(
+        &self,
+        inv: &Invocation,
+        a: Attachment,
+        vm_pod: Option<&cni::VmPod>,
+        netns: &PodNetns,
+    ) -> Result<Vec<u8>> {
+        let netns_path = netns.path();
+        if Path::new(&a.netns) != netns_path {
+            return Err(Error::AttachmentConflict(format!(
+                "{} is already attached in {}, not {}",
+                a.key,
+                a.netns,
+                netns_path.display()
+            )));
+        }
+        let wiring = wiring(&a, stored_mac(&a)?, netns, self.routed_here(&a));
+        match self.kernel.check(&wiring).await {
+            Ok(()) => {}
+            // Only a real difference is repaired; a failure to look (the
+            // kernel busy, a netlink error) must not tear down a healthy pod.
+            Err(e @ Error::Check { .. }) => {
+                tracing::info!(key = %a.key, reason = %e, "repeated ADD found broken wiring; rewiring");
+                self.wait_for_deletion(&a.host_ifname).await;
+                self.kernel.delete_link(&a.host_ifname).await?;
+                self.kernel.wire(&wiring).await?;
+            }
+            Err(e) => return Err(e),
+        }
+        if let Some(pod) = vm_pod {
+            self.ready_annotation(pod, &a).await;
+        }
+        cni::render_add_result(&inv.conf, &wired(&a))
+    }
+}

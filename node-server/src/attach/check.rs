@@ -1,0 +1,32 @@
+//! CHECK: the kernel and the prevResult against the record.
+
+use super::*;
+
+impl Node {
+    /// CHECK: compares the kernel and the prevResult with the record.
+    pub async fn check(&self, inv: &Invocation) -> Result<Vec<u8>> {
+        let key = key_of(inv);
+        let _sweep = self.sweep.read().await;
+        let _key = self.lock_key(&key).await;
+        let a = lock(&self.attachments).get(&key).cloned().ok_or_else(|| {
+            Error::check(Mismatch::UnknownAttachment, format!("no attachment {key}"))
+        })?;
+        let netns_path = inv.netns.clone().unwrap_or_default();
+        if Path::new(&a.netns) != netns_path {
+            return Err(Error::check(
+                Mismatch::PodInterface,
+                format!("{key} lives in {}, not {}", a.netns, netns_path.display()),
+            ));
+        }
+        let netns = self.kernel.open_netns(&netns_path)?;
+        let wiring = wiring(&a, stored_mac(&a)?, &netns, self.routed_here(&a));
+        self.kernel.check(&wiring).await?;
+        cni::check_prev_result(&inv.conf, &wired(&a))?;
+        // A migration target whose pod is now marked ready: the runtime's
+        // CHECK is one way the annotation reaches the daemon.
+        if let Some(pod) = cni::vm_pod(inv)? {
+            self.ready_annotation(&pod, &a).await;
+        }
+        Ok(cni::empty_result())
+    }
+}

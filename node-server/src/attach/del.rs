@@ -1,0 +1,79 @@
+//! DEL: the route and the record go before the address is freed; the
+//! veth goes after the reply (see `link_reaper`).
+
+use super::*;
+
+impl Node {
+    /// DEL: idempotent. `queued_at` is set for DELs replayed from the shim's
+    /// queue: such a DEL must not remove an attachment created after it was
+    /// queued.
+    pub async fn del(&self, inv: &Invocation, queued_at: Option<u128>) -> Result<Vec<u8>> {
+        let key = key_of(inv);
+        let _sweep = self.sweep.read().await;
+        let _key = self.lock_key(&key).await;
+        let existing = lock(&self.attachments).get(&key).cloned();
+        let Some(a) = existing else {
+            // Nothing recorded. A link of that name can only be a leftover of
+            // a failed rollback: remove it in the background.
+            let host = kernel::host_ifname(&key.network, &key.container_id, &key.ifname);
+            self.delete_link_later(host);
+            return Ok(cni::empty_result());
+        };
+        if queued_at.is_some_and(|q| a.created_unix_nanos > q) {
+            tracing::info!(key = %a.key, "queued DEL is older than the attachment; skipped");
+            return Ok(cni::empty_result());
+        }
+        self.release(&[a], inv.conf.vm_address_policy).await?;
+        Ok(cni::empty_result())
+    }
+
+    /// Withdraws routes, removes records, frees addresses, and schedules the
+    /// links' deletion. A VM pod first leaves its VM's record (which keeps
+    /// the VM's addresses); if the control plane cannot take that change,
+    /// nothing is released and the error is returned (the runtime retries
+    /// a DEL).
+    pub(crate) async fn release(&self, list: &[Attachment], policy: VmAddressPolicy) -> Result<()> {
+        let mut ips: Vec<IpAddr> = Vec::new();
+        for a in list {
+            match &a.vm {
+                None => ips.extend(a.ips.iter().copied()),
+                Some(vm) => {
+                    // Its routes follow the record unless the VM now runs
+                    // nowhere.
+                    if self.leave_vm_record(a, vm, policy).await? {
+                        ips.extend(a.ips.iter().copied());
+                    }
+                }
+            }
+        }
+        let keys: Vec<AttachmentKey> = list.iter().map(|a| a.key.clone()).collect();
+        let store = self.store.clone();
+        let (routes, stored) = tokio::join!(
+            self.kernel.remove_host_routes(&ips),
+            blocking(move || store.remove(&keys))
+        );
+        routes?;
+        stored?;
+        {
+            let mut attachments = lock(&self.attachments);
+            for a in list {
+                attachments.remove(&a.key);
+            }
+        }
+        // A plain pod's addresses are its own; a VM pod's may still be held
+        // by its record or by the VM's other pod here.
+        let (vm_pods, plain): (Vec<&Attachment>, Vec<&Attachment>) =
+            list.iter().partition(|a| a.vm.is_some());
+        let plain_ips: Vec<IpAddr> = plain.iter().flat_map(|a| a.ips.clone()).collect();
+        lock(&self.pools).release(&plain_ips);
+        if !vm_pods.is_empty() {
+            let vm_ips: Vec<IpAddr> = vm_pods.iter().flat_map(|a| a.ips.clone()).collect();
+            self.free_ips(&vm_ips);
+            self.force_vm_resync();
+        }
+        for a in list {
+            self.delete_link_later(a.host_ifname.clone());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,393 @@
+//! The attachment lifecycle on this node: ADD, DEL, CHECK, GC and STATUS,
+//! tying the store, the address pools and the dataplane together.
+//!
+//! Ordering rules that keep state from being lost:
+//! - ADD reserves addresses in memory, then records the attachment in the
+//!   store and wires the kernel concurrently; the ADD succeeds only when both
+//!   did. If the daemon dies between the two, startup reconciliation removes
+//!   kernel objects that have no record, and a record without kernel objects
+//!   is released by the runtime's DEL or by GC.
+//! - DEL removes the node's route to the pod and the record before it frees
+//!   the address in memory, so a reused address never meets a stale route;
+//!   the kernel's slow veth teardown runs after the reply.
+//! - Every kernel object tether makes is recognisable (the `tth` link prefix,
+//!   route protocol 201), so reconciliation can find what is ours.
+
+mod add;
+mod addresses;
+mod check;
+mod del;
+mod gc;
+mod link_reaper;
+mod reconcile;
+mod status;
+#[cfg(test)]
+mod tests;
+
+use crate::vm;
+use reconcile::rebooted_since_last_run;
+
+pub use crate::vm::{CutoverTiming, RouteUpdateTiming, VmStats};
+
+use crate::cluster::Cluster;
+use crate::cni::{self, Invocation, VmAddressPolicy};
+use crate::error::{Error, Mismatch, Result};
+use crate::ipam::{Family, Pools};
+use crate::kernel::{self, Host, Kernel, PodNetns, PodWiring};
+use crate::mac::Mac;
+use crate::store::{Attachment, AttachmentKey, Store};
+use crate::vm::VmRegistry;
+use ipnet::IpNet;
+use std::collections::{HashMap, HashSet};
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::{Notify, OwnedMutexGuard, RwLock};
+
+/// The node's static settings.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// This node's name.
+    pub name: String,
+    /// Fixed pod CIDRs, at most one per family (`--pod-cidr` mode); empty
+    /// in cluster mode, where addresses come from claimed blocks.
+    pub pod_cidrs: Vec<IpNet>,
+    /// MTU of pod interfaces unless the netconf overrides it.
+    pub mtu: u32,
+    /// The daemon's state directory.
+    pub state_dir: PathBuf,
+    /// Non-root uids allowed to use the daemon (on the socket, and as
+    /// authors of queued DELs).
+    pub allowed_uids: Vec<u32>,
+    /// Test hook: holds background link deletions back this long, so tests
+    /// can prove that nothing depends on their timing. Zero in production.
+    pub test_delete_delay: Duration,
+}
+
+/// What startup reconciliation did, for the log and for tests.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Reconciled {
+    /// Attachments loaded from the store.
+    pub attachments: usize,
+    /// Host routes re-added for recorded attachments.
+    pub routes_added: usize,
+    /// Routes to other nodes' blocks added (cluster mode).
+    pub cluster_routes_added: usize,
+    /// Stale routes to other nodes' blocks removed (cluster mode).
+    pub cluster_routes_removed: usize,
+    /// Our routes removed because no attachment owns them.
+    pub routes_removed: usize,
+    /// Our links removed because no attachment owns them.
+    pub links_removed: usize,
+}
+
+/// This node's pod networking.
+pub struct Node {
+    pub(crate) config: NodeConfig,
+    pub(crate) store: Arc<dyn Store>,
+    /// Cluster mode: membership, blocks and routes to other nodes.
+    pub(crate) cluster: Option<Arc<Cluster>>,
+    pub(crate) kernel: Arc<dyn Kernel>,
+    pub(crate) host: Arc<dyn Host>,
+    pub(crate) pools: Mutex<Pools>,
+    pub(crate) attachments: Mutex<HashMap<AttachmentKey, Attachment>>,
+    /// One async lock per attachment key, present while someone holds or
+    /// waits for it, so that different pods proceed in parallel.
+    pub(crate) key_locks: Mutex<HashMap<AttachmentKey, Arc<tokio::sync::Mutex<()>>>>,
+    /// Held shared by per-attachment verbs and exclusively by GC, whose
+    /// orphan sweep must not see an ADD half done.
+    pub(crate) sweep: RwLock<()>,
+    /// Background link deletions by host interface name. An ADD that needs
+    /// the same name waits for the deletion, or the late deletion would
+    /// remove the new pod's veth.
+    pub(crate) deleting: Arc<Mutex<HashMap<String, Arc<Notify>>>>,
+    /// Veths waiting for the deletion worker, which deletes everything
+    /// queued in one kernel batch.
+    pub(crate) doomed: Arc<Mutex<Vec<String>>>,
+    /// Wakes the deletion worker.
+    pub(crate) doomed_queued: Arc<Notify>,
+    /// KubeVirt VM address records.
+    pub(crate) vms: Arc<VmRegistry>,
+    /// Addresses of this node's pools that VM records hold, with the store
+    /// revision they were known held at: they stay in use while no local
+    /// pod has them, and are freed once a view at least that recent no
+    /// longer shows them.
+    pub(crate) vm_held: Mutex<HashMap<IpAddr, i64>>,
+    /// Migration targets on this node waiting for their VM's announcement,
+    /// by the VM's MAC.
+    pub(crate) pending_targets: Mutex<HashMap<Mac, Vec<vm::PendingTarget>>>,
+    /// The VM routes as last programmed, per VM; `None` forces the next
+    /// sync to touch the kernel.
+    pub(crate) vm_wants: Mutex<Option<HashMap<crate::vm::VmKey, vm::Want>>>,
+    /// Wakes the VM sync.
+    pub(crate) vm_resync: Notify,
+    /// Cutover counters and timings.
+    pub(crate) vm_stats: Mutex<VmStats>,
+}
+
+/// Holds an attachment's lock; frees the table entry when nobody else waits.
+struct KeyGuard<'a> {
+    guard: Option<OwnedMutexGuard<()>>,
+    key: AttachmentKey,
+    table: &'a Mutex<HashMap<AttachmentKey, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl Drop for KeyGuard<'_> {
+    fn drop(&mut self) {
+        self.guard.take();
+        let mut table = lock(self.table);
+        if table
+            .get(&self.key)
+            .is_some_and(|m| Arc::strong_count(m) == 1)
+        {
+            table.remove(&self.key);
+        }
+    }
+}
+
+/// Locks a std mutex, recovering from poisoning: every critical section in
+/// this module leaves the data consistent before anything can panic.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn now_nanos() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0)
+}
+
+/// Runs a blocking store call off the async workers.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Internal(format!("store task failed: {e}")))?
+}
+
+fn key_of(inv: &Invocation) -> AttachmentKey {
+    AttachmentKey {
+        network: inv.conf.name.clone(),
+        container_id: inv.container_id.clone(),
+        ifname: inv.ifname.clone(),
+    }
+}
+
+/// What the dataplane needs to wire `a`, whose MAC is `pod_mac`: ADD
+/// passes the one it chose, the other callers [`stored_mac`].
+fn wiring<'a>(a: &'a Attachment, pod_mac: Mac, netns: &'a PodNetns, routed: bool) -> PodWiring<'a> {
+    PodWiring {
+        netns,
+        pod_ifname: &a.key.ifname,
+        host_ifname: &a.host_ifname,
+        pod_mac,
+        ips: &a.ips,
+        mtu: a.mtu,
+        routed,
+    }
+}
+
+/// The MAC a stored attachment was wired with.
+fn stored_mac(a: &Attachment) -> Result<Mac> {
+    a.mac
+        .parse::<Mac>()
+        .map_err(|_| Error::Internal(format!("bad stored MAC {}", a.mac)))
+}
+
+fn wired(a: &Attachment) -> cni::Wired {
+    cni::Wired {
+        host_ifname: a.host_ifname.clone(),
+        host_mac: kernel::GATEWAY_MAC.to_string(),
+        pod_ifname: a.key.ifname.clone(),
+        pod_mac: a.mac.clone(),
+        sandbox: a.netns.clone(),
+        mtu: a.mtu,
+        ips: a.ips.clone(),
+    }
+}
+
+impl Node {
+    /// Opens the node: loads the store, rebuilds the pools, and reconciles
+    /// the kernel against the store. Call [`Node::drain_pending_dels`] next,
+    /// then serve.
+    pub async fn open(
+        config: NodeConfig,
+        store: Arc<dyn Store>,
+        cluster: Option<Arc<Cluster>>,
+        vms: Arc<VmRegistry>,
+        kernel: Arc<dyn Kernel>,
+        host: Arc<dyn Host>,
+    ) -> Result<(Self, Reconciled)> {
+        host.enable_forwarding()?;
+        let mut pools = match &cluster {
+            None => Pools::new(&config.pod_cidrs)?,
+            Some(c) => {
+                let mut pools = Pools::for_blocks(&c.config().families());
+                for block in c.my_blocks() {
+                    pools.add_block(block)?;
+                }
+                pools
+            }
+        };
+        let mut loaded = {
+            let store = store.clone();
+            blocking(move || store.load()).await?
+        };
+        if rebooted_since_last_run(&config.state_dir, &host.boot_id()?)? && !loaded.is_empty() {
+            // Network namespaces die with the kernel: every attachment of an
+            // earlier boot is gone, whether or not the runtime will DEL it.
+            tracing::warn!(
+                count = loaded.len(),
+                "the node rebooted since the last run: releasing the previous boot's attachments"
+            );
+            let keys: Vec<AttachmentKey> = loaded.iter().map(|a| a.key.clone()).collect();
+            let s = store.clone();
+            blocking(move || s.remove(&keys)).await?;
+            loaded.clear();
+        }
+        // A VM pod's addresses are its record's: counted once (a migration's
+        // two pods may both be here), and only those of our own blocks.
+        let vm_view = vms.view().clone();
+        let mut all_ips: Vec<IpAddr> = Vec::new();
+        for a in &loaded {
+            for &ip in &a.ips {
+                let elsewhere = a.vm.is_some()
+                    && (all_ips.contains(&ip)
+                        || match &cluster {
+                            Some(c) => {
+                                let held = c.my_blocks();
+                                !held.iter().any(|b| b.contains(&ip))
+                            }
+                            None => !pools.contains(ip),
+                        });
+                if !elsewhere {
+                    all_ips.push(ip);
+                }
+            }
+        }
+        let mut strays = pools.restore(&all_ips);
+        if let (Some(c), false) = (&cluster, strays.is_empty()) {
+            // Recorded addresses outside the blocks the control plane says
+            // we hold: our record was reaped while we were away. Take the
+            // blocks back unless another node holds them now.
+            for &ip in &strays {
+                match c.reclaim_block_of(ip).await {
+                    Ok(block) => pools.add_block(block)?,
+                    Err(e) => {
+                        tracing::error!(%ip, error = %e, "cannot reclaim the block of a local pod address")
+                    }
+                }
+            }
+            strays = pools.restore(&strays);
+        }
+        if !strays.is_empty() {
+            // Kept in the store (and so never handed out twice), but outside
+            // the configured pools or claimed twice: an operator must look.
+            tracing::warn!(
+                ?strays,
+                "stored addresses outside the pod CIDRs or held twice"
+            );
+        }
+        let attachments = loaded.into_iter().map(|a| (a.key.clone(), a)).collect();
+        let node = Node {
+            config,
+            store,
+            cluster,
+            kernel,
+            host,
+            pools: Mutex::new(pools),
+            attachments: Mutex::new(attachments),
+            key_locks: Mutex::new(HashMap::new()),
+            sweep: RwLock::new(()),
+            deleting: Arc::new(Mutex::new(HashMap::new())),
+            doomed: Arc::new(Mutex::new(Vec::new())),
+            doomed_queued: Arc::new(Notify::new()),
+            vms,
+            vm_held: Mutex::new(HashMap::new()),
+            pending_targets: Mutex::new(HashMap::new()),
+            vm_wants: Mutex::new(None),
+            vm_resync: Notify::new(),
+            vm_stats: Mutex::new(VmStats::default()),
+        };
+        node.sync_reservations(&vm_view);
+        node.spawn_deletion_worker()?;
+        let mut reconciled = node.reconcile().await?;
+        if let Some(c) = &node.cluster {
+            // The first block of each family is claimed before serving, so
+            // that the first ADDs do not wait on the control plane.
+            let full = lock(&node.pools).full_families();
+            for family in full {
+                if let Err(e) = node.grow(c, family).await {
+                    tracing::warn!(family = family.name(), error = %e, "cannot claim a first block yet");
+                }
+            }
+            c.prepare_overlay(node.kernel.as_ref(), node.config.mtu)
+                .await?;
+            // A route the kernel refuses now (the underlay not up yet, say)
+            // must not stop the node from serving its own pods: the route
+            // manager keeps trying.
+            let first = c.program(node.kernel.as_ref(), &c.view()).await;
+            match &first {
+                Ok((added, removed)) => {
+                    reconciled.cluster_routes_added = *added;
+                    reconciled.cluster_routes_removed = *removed;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot program the cluster routes yet; retrying")
+                }
+            }
+            c.spawn_route_manager(node.kernel.clone(), first.is_err());
+        }
+        // VMs that moved or stopped while the daemon was away: their routes
+        // follow the records before the node serves.
+        if let Err(e) = node.sync_vms(&vm_view).await {
+            tracing::warn!(error = %e, "cannot program the VM routes yet; retrying");
+        }
+        Ok((node, reconciled))
+    }
+
+    /// The cluster membership, in cluster mode.
+    pub fn cluster(&self) -> Option<&Arc<Cluster>> {
+        self.cluster.as_ref()
+    }
+
+    /// The node's settings.
+    pub fn config(&self) -> &NodeConfig {
+        &self.config
+    }
+
+    /// The store in use.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    /// A snapshot of every attachment.
+    pub fn attachments(&self) -> Vec<Attachment> {
+        let mut v: Vec<_> = lock(&self.attachments).values().cloned().collect();
+        v.sort_by(|a, b| a.key.cmp(&b.key));
+        v
+    }
+
+    /// Pool usage: (cidr, used, free).
+    pub fn pool_usage(&self) -> Vec<(IpNet, u128, u128)> {
+        lock(&self.pools)
+            .pools()
+            .iter()
+            .map(|p| (p.cidr(), p.used(), p.free()))
+            .collect()
+    }
+
+    async fn lock_key(&self, key: &AttachmentKey) -> KeyGuard<'_> {
+        let m = lock(&self.key_locks)
+            .entry(key.clone())
+            .or_default()
+            .clone();
+        let guard = m.lock_owned().await;
+        KeyGuard {
+            guard: Some(guard),
+            key: key.clone(),
+            table: &self.key_locks,
+        }
+    }
+}

@@ -1,0 +1,28 @@
+//! STATUS: whether the node can serve an ADD now.
+
+use super::*;
+
+impl Node {
+    /// STATUS: ready for ADD when the store answers and every pool has room.
+    pub async fn status(&self) -> Result<Vec<u8>> {
+        let store = self.store.clone();
+        blocking(move || store.probe())
+            .await
+            .map_err(|e| Error::NotReady(format!("the state store does not answer: {e}")))?;
+        let Some(shortage) = lock(&self.pools).shortage() else {
+            return Ok(cni::empty_result());
+        };
+        let (detail, family) = (shortage.detail, shortage.families[0]);
+        match &self.cluster {
+            // A full block is fine while a new one can be claimed.
+            Some(c) => match c.probe().await {
+                Ok(()) => Ok(cni::empty_result()),
+                Err(e) => Err(Error::NotReady(format!(
+                    "{detail}, and no new {} block can be claimed: {e}",
+                    family.name()
+                ))),
+            },
+            None => Err(Error::NotReady(format!("pool exhausted: {detail}"))),
+        }
+    }
+}

@@ -1,0 +1,294 @@
+//! The cutover of a live migration: the migration targets waiting on this
+//! node, the listener that sees a migrated VM announce itself, and the
+//! compare-and-swap that makes the target active.
+
+use super::*;
+
+impl Node {
+    /// After a VM pod's ADD: a migration target starts listening for its
+    /// VM's announcement, or is promoted at once when its pod says the VM
+    /// runs there already.
+    pub(crate) async fn after_vm_add(&self, pod: &VmPod, a: &Attachment, p: &Placement) {
+        if p.role != Role::Alternate {
+            return;
+        }
+        let generation = p.rec.generation;
+        if pod.ready {
+            self.ready_annotation(pod, a).await;
+            return;
+        }
+        match self.kernel.link_index(&a.host_ifname).await {
+            Ok(Some(ifindex)) => self.add_pending(
+                &a.mac,
+                PendingTarget {
+                    vm: pod.key.clone(),
+                    attachment: a.key.clone(),
+                    ifindex,
+                    generation,
+                },
+            ),
+            Ok(None) | Err(_) => {
+                tracing::warn!(veth = %a.host_ifname, "cannot find a migration target's veth to listen on")
+            }
+        }
+    }
+
+    /// The target pod carries `kubevirt.io/migration-target-ready-timestamp`
+    /// (on ADD or CHECK): cut over if it is still the alternate.
+    pub(crate) async fn ready_annotation(&self, pod: &VmPod, a: &Attachment) {
+        if !pod.ready || !pod.target {
+            return;
+        }
+        let seen = (Instant::now(), now_nanos());
+        if let Err(e) = self
+            .cutover(&pod.key, Some(a), Trigger::Annotation, seen)
+            .await
+        {
+            tracing::warn!(vm = %pod.key, error = %e, "cutover on the target-ready annotation failed");
+        }
+    }
+
+    pub(crate) fn add_pending(&self, mac: &str, p: PendingTarget) {
+        let Ok(mac) = Mac::parse_pod(mac, "pod MAC") else {
+            return;
+        };
+        let mut pending = lock(&self.pending_targets);
+        let list = pending.entry(mac).or_default();
+        if !list.contains(&p) {
+            list.push(p);
+        }
+    }
+
+    /// Promotes the alternate of `vm` to active by compare-and-swap. With
+    /// `only` (a local trigger), only if that local attachment is the
+    /// alternate, and its route is installed first, before the write: the
+    /// VM runs here now. `seen` is when the trigger was seen (Instant and
+    /// ns since the epoch).
+    pub async fn cutover(
+        &self,
+        vm: &VmKey,
+        only: Option<&Attachment>,
+        trigger: Trigger,
+        seen: (Instant, u64),
+    ) -> Result<VmRecord> {
+        let me = self.config.name.clone();
+        let mut local_route = None;
+        if let Some(a) = only {
+            self.kernel
+                .ensure_host_routes(&a.host_ifname, &a.ips)
+                .await?;
+            local_route = Some(seen.0.elapsed());
+        }
+        let want = only.map(|a| (a.key.clone(), me.clone()));
+        let outcome = self
+            .vms
+            .update(vm, |r| {
+                let Some(alt) = &r.alternate else {
+                    return match &want {
+                        Some(_) => Ok(false),
+                        None => Err(Error::VmState(format!(
+                            "VM {vm} has no alternate pod to cut over to"
+                        ))),
+                    };
+                };
+                if let Some((k, node)) = &want {
+                    if !alt.is(node, &k.network, &k.container_id, &k.ifname) {
+                        return Ok(false);
+                    }
+                }
+                let to_node = alt.node.clone();
+                let from_node = r.active.as_ref().map(|a| a.node.clone());
+                std::mem::swap(&mut r.active, &mut r.alternate);
+                r.last_cutover = Some(CutoverInfo {
+                    trigger,
+                    from_node,
+                    to_node,
+                    seen_unix_nanos: seen.1,
+                });
+                Ok(true)
+            })
+            .await;
+        let (rec, committed) = match outcome {
+            Ok(done) => done,
+            Err(e) => {
+                // The VM runs here, so the local route stays; the next
+                // announcement (QEMU sends several) tries the write again.
+                if let Some(a) = only {
+                    let generation = self.vms.cached(vm).map_or(0, |(r, _)| r.generation);
+                    if let Some(ifindex) =
+                        self.kernel.link_index(&a.host_ifname).await.ok().flatten()
+                    {
+                        self.add_pending(
+                            &a.mac,
+                            PendingTarget {
+                                generation,
+                                vm: vm.clone(),
+                                attachment: a.key.clone(),
+                                ifindex,
+                            },
+                        );
+                    }
+                }
+                return Err(e);
+            }
+        };
+        if committed.is_none() {
+            // Not the alternate (any more): an earlier announcement won, or
+            // the record moved on. Let the routes follow the record.
+            let active_here = rec.active.as_ref().is_some_and(|x| {
+                only.is_some_and(|a| x.is(&me, &a.key.network, &a.key.container_id, &a.key.ifname))
+            });
+            if !active_here && only.is_some() {
+                self.force_vm_resync();
+            }
+            return Ok(rec);
+        }
+        let committed_after = seen.0.elapsed();
+        // An admin cutover to a pod of this node: route it now rather than
+        // when the watch reports the change.
+        if only.is_none() {
+            if let Some(act) = rec.active.as_ref().filter(|x| x.node == me) {
+                let key = AttachmentKey {
+                    network: act.network.clone(),
+                    container_id: act.container_id.clone(),
+                    ifname: act.ifname.clone(),
+                };
+                let local = lock(&self.attachments).get(&key).cloned();
+                if let Some(a) = local {
+                    self.kernel
+                        .ensure_host_routes(&a.host_ifname, &a.ips)
+                        .await?;
+                    local_route = Some(seen.0.elapsed());
+                }
+            }
+        }
+        tracing::info!(
+            vm = %vm,
+            trigger = trigger.name(),
+            generation = rec.generation,
+            local_route_ms = local_route.map(|d| d.as_secs_f64() * 1e3),
+            committed_ms = committed_after.as_secs_f64() * 1e3,
+            "VM cut over"
+        );
+        let mut stats = lock(&self.vm_stats);
+        stats.cutovers += 1;
+        stats.last_cutover = Some(CutoverTiming {
+            vm: vm.clone(),
+            trigger,
+            generation: rec.generation,
+            seen_unix_nanos: seen.1,
+            local_route,
+            committed: committed_after,
+        });
+        Ok(rec)
+    }
+
+    /// Replaces the table of pending migration targets, looking up veth
+    /// indexes only for targets not known before.
+    pub(crate) async fn refresh_pending(
+        &self,
+        found: HashMap<Mac, Vec<FoundTarget>>,
+        view: &VmView,
+    ) {
+        let old: Vec<(Mac, PendingTarget)> = lock(&self.pending_targets)
+            .iter()
+            .flat_map(|(mac, list)| list.iter().map(|p| (*mac, p.clone())))
+            .collect();
+        let known: HashMap<AttachmentKey, u32> = old
+            .iter()
+            .map(|(_, p)| (p.attachment.clone(), p.ifindex))
+            .collect();
+        let mut table: HashMap<Mac, Vec<PendingTarget>> = HashMap::new();
+        // A target placed after this view was taken stays.
+        for (mac, p) in old {
+            let newer = view
+                .records
+                .get(&p.vm)
+                .is_none_or(|(r, _)| r.generation < p.generation);
+            if newer && lock(&self.attachments).contains_key(&p.attachment) {
+                table.entry(mac).or_default().push(p);
+            }
+        }
+        for (mac, list) in found {
+            for (vm, attachment, host, generation) in list {
+                let ifindex = match known.get(&attachment) {
+                    Some(i) => *i,
+                    None => match self.kernel.link_index(&host).await {
+                        Ok(Some(i)) => i,
+                        _ => continue,
+                    },
+                };
+                let entry = table.entry(mac).or_default();
+                if !entry.iter().any(|p| p.attachment == attachment) {
+                    entry.push(PendingTarget {
+                        vm,
+                        attachment,
+                        ifindex,
+                        generation,
+                    });
+                }
+            }
+        }
+        *lock(&self.pending_targets) = table;
+    }
+
+    /// Starts the VM tasks: the listener for migrated VMs' announcements and
+    /// the loop that keeps routes and reservations in step with the records.
+    /// Without the listener (no CAP_NET_RAW), cutovers still happen on the
+    /// target-ready annotation and the admin call; that is logged.
+    pub fn start_vm_tasks(self: &Arc<Self>) {
+        match self.host.announcements() {
+            Ok(listener) => self.spawn_announce_loop(listener),
+            Err(e) => tracing::error!(
+                error = %e,
+                "cannot listen for migrated VMs' announcements: cutovers only on the annotation or the admin call"
+            ),
+        }
+        self.spawn_vm_sync_loop();
+    }
+
+    pub(crate) fn spawn_announce_loop(self: &Arc<Self>, listener: Box<dyn Announcements>) {
+        let node = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let ann = match listener.next().await {
+                    Ok(a) => a,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "reading VM announcements failed");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        continue;
+                    }
+                };
+                let seen_unix = now_nanos().saturating_sub(ann.seen.elapsed().as_nanos() as u64);
+                let target = {
+                    let mut table = lock(&node.pending_targets);
+                    let hit = table.get_mut(&Mac::from(ann.mac)).and_then(|list| {
+                        let i = list.iter().position(|p| p.ifindex == ann.ifindex)?;
+                        Some(list.remove(i))
+                    });
+                    hit
+                };
+                let Some(target) = target else {
+                    continue;
+                };
+                let local = lock(&node.attachments).get(&target.attachment).cloned();
+                let Some(a) = local else {
+                    continue;
+                };
+                let trigger = match ann.kind {
+                    AnnounceKind::Rarp => Trigger::Rarp,
+                    AnnounceKind::Garp => Trigger::Garp,
+                };
+                let node = node.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = node
+                        .cutover(&target.vm, Some(&a), trigger, (ann.seen, seen_unix))
+                        .await
+                    {
+                        tracing::warn!(vm = %target.vm, error = %e, "cutover on the VM's announcement failed");
+                    }
+                });
+            }
+        });
+    }
+}

@@ -1,0 +1,136 @@
+//! KubeVirt VMs on this node: the address records in the control plane
+//! ([`records`]), placing a VM pod in its record ([`placement`]), the pools'
+//! reservations of VM addresses ([`reservations`]), the cutover of a live
+//! migration ([`cutover`]) and the admin calls ([`admin`]). The routes that
+//! follow the records are planned in [`crate::routing`].
+//!
+//! The record in the control plane ([`records`]) is the authority on
+//! where a VM's traffic goes. Every node derives its routes from it:
+//! - the node of the active pod routes the VM's addresses to that pod's
+//!   veth (protocol 201, like any pod);
+//! - every other node routes them `via` that node (protocol 203), unless
+//!   that node holds the addresses' block, whose route already goes there.
+//!
+//! A cutover therefore costs one compare-and-swap and one route change per
+//! node, and the target node changes its own route before it writes the
+//! record, the moment it sees the VM announce itself.
+
+pub mod admin;
+pub mod cutover;
+pub mod placement;
+pub mod records;
+pub mod reservations;
+
+pub use records::*;
+
+use crate::attach::{lock, Node};
+use crate::cni::{Invocation, Requested, VmAddressPolicy, VmPod};
+use crate::error::{Error, Result};
+use crate::ipam::{Family, Take};
+use crate::kernel::{self, AnnounceKind, Announcements, ClusterRoute};
+use crate::mac::Mac;
+use crate::store::{Attachment, AttachmentKey};
+use ipnet::IpNet;
+use std::collections::{HashMap, HashSet};
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The part a pod plays in its VM's record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// It receives the VM's traffic.
+    Active,
+    /// A migration's target, wired but not routed to.
+    Alternate,
+}
+
+/// Where a VM pod's ADD put it.
+#[derive(Debug, Clone)]
+pub(crate) struct Placement {
+    /// The record as written.
+    pub rec: VmRecord,
+    /// This pod's part.
+    pub role: Role,
+    /// This ADD created the record (an undo deletes it).
+    pub created: bool,
+    /// This pod's entry in the record.
+    pub this: VmAttachment,
+}
+
+/// A migration target on this node, waiting for its VM to announce itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PendingTarget {
+    pub vm: VmKey,
+    pub attachment: AttachmentKey,
+    pub ifindex: u32,
+    /// The record's generation that made it the alternate: a view older
+    /// than that must not drop it.
+    pub generation: u64,
+}
+
+/// A migration target found in the records: VM, attachment, host veth, and
+/// the record's generation.
+pub(crate) type FoundTarget = (VmKey, AttachmentKey, String, u64);
+
+/// How this node routes one VM's addresses.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Want {
+    /// To a local pod's veth.
+    pub(crate) here: Option<String>,
+    /// To other nodes (proto 203).
+    pub(crate) via: Vec<ClusterRoute>,
+}
+
+/// Counters and timings of VM cutovers and route changes on this node.
+#[derive(Debug, Clone, Default)]
+pub struct VmStats {
+    /// Cutovers this node made (it wrote the promotion).
+    pub cutovers: u64,
+    /// The last one.
+    pub last_cutover: Option<CutoverTiming>,
+    /// Route changes this node made because a VM moved.
+    pub route_updates: u64,
+    /// The last one.
+    pub last_route_update: Option<RouteUpdateTiming>,
+}
+
+/// Timings of a cutover made here.
+#[derive(Debug, Clone)]
+pub struct CutoverTiming {
+    /// The VM.
+    pub vm: VmKey,
+    /// What triggered it.
+    pub trigger: Trigger,
+    /// The record's generation after it.
+    pub generation: u64,
+    /// When the trigger was seen, ns since the epoch.
+    pub seen_unix_nanos: u64,
+    /// Trigger to the VM's route on this node, when the new active pod is
+    /// local.
+    pub local_route: Option<Duration>,
+    /// Trigger to the record committed.
+    pub committed: Duration,
+}
+
+/// Timing of a route change that followed a VM.
+#[derive(Debug, Clone)]
+pub struct RouteUpdateTiming {
+    /// The VM.
+    pub vm: VmKey,
+    /// The record's generation the routes now follow.
+    pub generation: u64,
+    /// When the routes were in place, ns since the epoch.
+    pub done_unix_nanos: u64,
+    /// From the record's last cutover trigger (another node's clock, if
+    /// another node promoted) to the routes in place here.
+    pub since_trigger: Option<Duration>,
+}
+
+pub(crate) fn same(a: &VmAttachment, b: &VmAttachment) -> bool {
+    a.is(&b.node, &b.network, &b.container_id, &b.ifname)
+}
+
+pub(crate) fn host_net(ip: IpAddr) -> IpNet {
+    IpNet::from(ip)
+}

@@ -1,0 +1,297 @@
+//! Placing a VM pod in its VM's record by compare-and-swap (first pod,
+//! restart, migration target), undoing that when its wiring fails, and
+//! taking it out again on DEL. Control-store writes only: no kernel calls.
+
+use super::*;
+
+/// Removes `this` from the record's attachments; true if it was there.
+pub(super) fn remove_attachment(r: &mut VmRecord, this: &VmAttachment) -> bool {
+    let mut changed = false;
+    if r.active.as_ref().is_some_and(|a| same(a, this)) {
+        r.active = None;
+        changed = true;
+    }
+    if r.alternate.as_ref().is_some_and(|a| same(a, this)) {
+        r.alternate = None;
+        changed = true;
+    }
+    changed
+}
+
+/// A request for a VM that has a record must ask for what it holds.
+pub(super) fn check_request_matches(rec: &VmRecord, req: &Requested) -> Result<()> {
+    for ip in &req.ips {
+        if !rec.ips.contains(ip) {
+            return Err(Error::AddressInUse(format!(
+                "VM {} holds {}; it cannot be given {ip} (release it first with ReleaseVm)",
+                rec.key,
+                join(&rec.ips)
+            )));
+        }
+    }
+    if let Some(mac) = req.mac {
+        let mac = mac.to_string();
+        if !rec.mac.eq_ignore_ascii_case(&mac) {
+            return Err(Error::AddressInUse(format!(
+                "VM {} holds MAC {}; it cannot be given {mac} (release it first with ReleaseVm)",
+                rec.key, rec.mac
+            )));
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn join(ips: &[IpAddr]) -> String {
+    ips.iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl Node {
+    /// The VM records.
+    pub fn vms(&self) -> &Arc<crate::vm::VmRegistry> {
+        &self.vms
+    }
+
+    /// Cutover counters and timings.
+    pub fn vm_stats(&self) -> VmStats {
+        lock(&self.vm_stats).clone()
+    }
+
+    /// True when the node should route the attachment's addresses to it:
+    /// every plain pod, and a VM pod that its record names active.
+    pub(crate) fn routed_here(&self, a: &Attachment) -> bool {
+        let Some(key) = &a.vm else {
+            return true;
+        };
+        let view = self.vms.view();
+        view.records
+            .get(key)
+            .and_then(|(r, _)| r.active.as_ref())
+            .is_some_and(|x| {
+                x.is(
+                    &self.config.name,
+                    &a.key.network,
+                    &a.key.container_id,
+                    &a.key.ifname,
+                )
+            })
+    }
+
+    pub(crate) fn this_attachment(&self, inv: &Invocation) -> VmAttachment {
+        VmAttachment {
+            node: self.config.name.clone(),
+            network: inv.conf.name.clone(),
+            container_id: inv.container_id.clone(),
+            ifname: inv.ifname.clone(),
+            pod_name: inv.args.pod_name.clone(),
+            pod_uid: inv.args.pod_uid.clone(),
+            since_unix_ms: now_ms(),
+        }
+    }
+
+    /// Puts a VM pod into its VM's record, by compare-and-swap:
+    /// - no record: the VM's first pod; addresses are allocated (or the
+    ///   requested ones taken) and the record created with it active;
+    /// - a record without an active pod: the VM starts again here;
+    /// - a migration target: it becomes the alternate;
+    /// - otherwise the pod replaces the active one (the VM was restarted
+    ///   before its old pod was deleted).
+    pub(crate) async fn place_vm(
+        &self,
+        inv: &Invocation,
+        pod: &VmPod,
+        req: &Requested,
+    ) -> Result<Placement> {
+        let this = self.this_attachment(inv);
+        for _attempt in 0..8 {
+            let Some((mut rec, rev)) = self.vms.read(&pod.key).await? else {
+                match self.create_vm_record(pod, req, &this).await? {
+                    Some(p) => return Ok(p),
+                    None => continue,
+                }
+            };
+            check_request_matches(&rec, req)?;
+            let role = if rec.active.as_ref().is_some_and(|a| same(a, &this)) {
+                Role::Active
+            } else if rec.alternate.as_ref().is_some_and(|a| same(a, &this)) {
+                Role::Alternate
+            } else if rec.active.is_none() {
+                rec.active = Some(this.clone());
+                Role::Active
+            } else if pod.target {
+                if let Some(old) = rec.alternate.replace(this.clone()) {
+                    tracing::warn!(vm = %pod.key, old = %old.describe(), "a new migration target replaces one that was never deleted");
+                }
+                Role::Alternate
+            } else {
+                if let Some(old) = rec.active.replace(this.clone()) {
+                    tracing::warn!(vm = %pod.key, old = %old.describe(), "a new pod of the VM takes over from one still recorded active");
+                }
+                Role::Active
+            };
+            rec.generation += 1;
+            if self.vms.replace(&rec, rev).await?.is_some() {
+                tracing::info!(vm = %pod.key, role = ?role, generation = rec.generation, "VM pod placed");
+                return Ok(Placement {
+                    rec,
+                    role,
+                    created: false,
+                    this,
+                });
+            }
+        }
+        Err(Error::TryAgain(format!(
+            "the record of VM {} kept changing while this pod was added",
+            pod.key
+        )))
+    }
+
+    /// Creates the record of a VM's first pod. `None` when another node
+    /// created it first (the caller reads it again).
+    pub(crate) async fn create_vm_record(
+        &self,
+        pod: &VmPod,
+        req: &Requested,
+        this: &VmAttachment,
+    ) -> Result<Option<Placement>> {
+        let ips = self.addresses_for(req).await?;
+        let mac = req.mac.unwrap_or_else(|| kernel::pod_mac(&ips)).to_string();
+        if let Err(e) = self.check_mac_free(&mac, Some(&pod.key)) {
+            self.free_ips(&ips);
+            return Err(e);
+        }
+        let rec = VmRecord {
+            key: pod.key.clone(),
+            ips: ips.clone(),
+            mac,
+            origin: if *req == Requested::default() {
+                Origin::Allocated
+            } else {
+                Origin::Requested
+            },
+            active: Some(this.clone()),
+            alternate: None,
+            generation: 1,
+            created_unix_ms: now_ms(),
+            last_cutover: None,
+        };
+        let placed = |rec: VmRecord| Placement {
+            rec,
+            role: Role::Active,
+            created: true,
+            this: this.clone(),
+        };
+        match self.vms.create(&rec).await {
+            Ok(Ok(rev)) => {
+                self.mark_vm_held(&ips, rev);
+                tracing::info!(vm = %pod.key, ips = ?ips, mac = %rec.mac, "VM address record created");
+                Ok(Some(placed(rec)))
+            }
+            Ok(Err(CreateRefused::Exists)) => {
+                self.free_ips(&ips);
+                Ok(None)
+            }
+            Ok(Err(CreateRefused::Taken { what, holder })) => {
+                self.free_ips(&ips);
+                Err(Error::AddressInUse(format!(
+                    "{what} is held by VM {holder}"
+                )))
+            }
+            Err(e) => {
+                // The outcome is unknown: the record tells.
+                match self.vms.read(&pod.key).await {
+                    Ok(Some((found, rev))) if found.active.as_ref() == Some(this) => {
+                        self.mark_vm_held(&ips, rev);
+                        Ok(Some(placed(found)))
+                    }
+                    Ok(_) => {
+                        self.free_ips(&ips);
+                        Err(e)
+                    }
+                    Err(_) => {
+                        // Cannot tell: keep the addresses out of the pools
+                        // until a restart finds out from the store.
+                        self.mark_vm_held(&ips, i64::MAX);
+                        tracing::warn!(vm = %pod.key, ?ips, "cannot tell whether a VM record was created; its addresses stay reserved");
+                        Err(e)
+                    }
+                }
+            }
+        }
+    }
+
+    /// Undoes a placement whose wiring failed.
+    pub(crate) async fn undo_placement(&self, p: &Placement) {
+        let key = p.rec.key.clone();
+        let outcome = if p.created {
+            match self.vms.read(&key).await {
+                Ok(Some((rec, rev)))
+                    if rec.active.as_ref() == Some(&p.this) && rec.alternate.is_none() =>
+                {
+                    self.vms.delete(&rec, rev).await.map(|_| ())
+                }
+                Ok(_) => Ok(()),
+                Err(e) => Err(e),
+            }
+        } else {
+            self.vms
+                .update(&key, |r| Ok(remove_attachment(r, &p.this)))
+                .await
+                .map(|_| ())
+        };
+        if let Err(e) = outcome {
+            tracing::error!(vm = %key, error = %e, "cannot undo the VM record change of a failed ADD");
+        }
+    }
+
+    /// Takes a VM pod out of its record before its local teardown: the
+    /// record stays (the VM keeps its address) unless the network's policy
+    /// is `ephemeral` and it was the VM's last pod. Returns whether the
+    /// node should withdraw the pod's host routes (the VM now runs
+    /// nowhere; otherwise the routes follow the record).
+    pub(crate) async fn leave_vm_record(
+        &self,
+        a: &Attachment,
+        vm: &VmKey,
+        policy: VmAddressPolicy,
+    ) -> Result<bool> {
+        let me = self.config.name.clone();
+        let this = VmAttachment {
+            node: me,
+            network: a.key.network.clone(),
+            container_id: a.key.container_id.clone(),
+            ifname: a.key.ifname.clone(),
+            pod_name: None,
+            pod_uid: None,
+            since_unix_ms: 0,
+        };
+        let (rec, rev) = match self
+            .vms
+            .update(vm, |r| Ok(remove_attachment(r, &this)))
+            .await
+        {
+            Ok((rec, Some(rev))) => (rec, Some(rev)),
+            Ok((rec, None)) => (rec, None),
+            // Released meanwhile: nothing to leave.
+            Err(Error::UnknownVm(_)) => return Ok(true),
+            Err(e) => return Err(e),
+        };
+        if rev.is_some() {
+            tracing::info!(vm = %vm, attachment = %a.key, generation = rec.generation, "VM pod left its record");
+        }
+        if policy == VmAddressPolicy::Ephemeral && rec.attachments().next().is_none() {
+            let rev = match rev {
+                Some(r) => Some(r),
+                None => self.vms.read(vm).await?.map(|(_, r)| r),
+            };
+            if let Some(rev) = rev {
+                if self.vms.delete(&rec, rev).await?.is_some() {
+                    tracing::info!(vm = %vm, ips = ?rec.ips, "released the address of an ephemeral VM with its last pod");
+                }
+            }
+        }
+        Ok(rec.active.is_none())
+    }
+}

@@ -1,0 +1,79 @@
+//! The pools' view of VM addresses: an address of this node's blocks that
+//! a VM record holds stays in use while no local pod has it.
+
+use super::*;
+
+impl Node {
+    /// Returns VM addresses (or addresses taken for a VM or a request) to
+    /// the pools unless a VM record or another local pod of a VM still
+    /// holds them. A plain pod's DEL frees its addresses directly.
+    pub(crate) fn free_ips(&self, ips: &[IpAddr]) {
+        let attachments = lock(&self.attachments);
+        let mut pools = lock(&self.pools);
+        let held = lock(&self.vm_held);
+        let free: Vec<IpAddr> = ips
+            .iter()
+            .copied()
+            .filter(|ip| {
+                !held.contains_key(ip)
+                    && !attachments
+                        .values()
+                        .any(|a| a.vm.is_some() && a.ips.contains(ip))
+            })
+            .collect();
+        pools.release(&free);
+    }
+
+    /// Records that a VM record written at `revision` holds these of our
+    /// pool addresses (before the watch reports it).
+    pub(crate) fn mark_vm_held(&self, ips: &[IpAddr], revision: i64) {
+        let pools = lock(&self.pools);
+        let mut held = lock(&self.vm_held);
+        for &ip in ips.iter().filter(|ip| pools.contains(**ip)) {
+            let e = held.entry(ip).or_insert(revision);
+            *e = (*e).max(revision);
+        }
+    }
+
+    /// Keeps the pools in step with the VM records: an address of our blocks
+    /// that a record holds is in use even when no local pod has it (the VM
+    /// runs elsewhere, or nowhere); it is freed once the record is gone.
+    pub(crate) fn sync_reservations(&self, view: &VmView) {
+        if !view.synced {
+            return;
+        }
+        let attachments = lock(&self.attachments);
+        let mut pools = lock(&self.pools);
+        let mut held = lock(&self.vm_held);
+        let want: HashSet<IpAddr> = view
+            .records
+            .values()
+            .flat_map(|(r, _)| r.ips.iter().copied())
+            .filter(|ip| pools.contains(*ip))
+            .collect();
+        for &ip in &want {
+            if pools.take(ip) == Take::InUse && !held.contains_key(&ip) {
+                if let Some(a) = attachments
+                    .values()
+                    .find(|a| a.vm.is_none() && a.ips.contains(&ip))
+                {
+                    tracing::error!(%ip, attachment = %a.key, "a VM record holds the address of a local pod");
+                }
+            }
+            let e = held.entry(ip).or_insert(view.revision);
+            *e = (*e).max(view.revision);
+        }
+        let gone: Vec<IpAddr> = held
+            .iter()
+            .filter(|(ip, rev)| !want.contains(ip) && view.revision >= **rev)
+            .map(|(ip, _)| *ip)
+            .collect();
+        for ip in gone {
+            held.remove(&ip);
+            if !attachments.values().any(|a| a.ips.contains(&ip)) {
+                pools.release(&[ip]);
+                tracing::info!(%ip, "a VM address was released");
+            }
+        }
+    }
+}
