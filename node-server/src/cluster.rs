@@ -22,7 +22,6 @@
 use crate::control::{self, BoxFut, Cmp, ControlStore, Event, Follower, Kv, Op};
 use crate::error::{Error, Result};
 use crate::ipam::Family;
-use crate::kernel::{ClusterRoute, Kernel, NodeRoutes, VxlanConfig, VxlanPeer, VXLAN_IFNAME};
 use crate::mac::Mac;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
@@ -146,7 +145,7 @@ pub struct NodeRecord {
 impl NodeRecord {
     /// The VXLAN device's MAC, if recorded and well formed; a node with a
     /// bad one is not peered with rather than failing the whole view.
-    fn vtep_mac_octets(&self) -> Option<[u8; 6]> {
+    pub(crate) fn vtep_mac_octets(&self) -> Option<[u8; 6]> {
         self.vtep_mac
             .as_deref()?
             .parse::<Mac>()
@@ -822,180 +821,6 @@ impl Cluster {
             )))
         }
     }
-
-    /// The node holding the block that contains `ip`, if any.
-    pub fn block_holder<'v>(&self, view: &'v ClusterView, ip: IpAddr) -> Option<&'v str> {
-        view.blocks
-            .values()
-            .find(|(b, _)| b.cidr.contains(&ip))
-            .map(|(b, _)| b.node.as_str())
-    }
-
-    /// How this node reaches addresses of `family` on node `name`: the
-    /// next hop, and the device for an onlink route (vxlan mode). None for
-    /// this node itself, an unknown node, or one without a usable address.
-    pub fn next_hop(
-        &self,
-        view: &ClusterView,
-        name: &str,
-        family: Family,
-    ) -> Option<(IpAddr, Option<String>)> {
-        let me = self.me();
-        if name == me.name {
-            return None;
-        }
-        let (node, _) = view.nodes.get(name)?;
-        match self.config.overlay {
-            Overlay::HostGw => node
-                .node_ips
-                .iter()
-                .copied()
-                .find(|ip| (family == Family::V4) == ip.is_ipv4())
-                .map(|via| (via, None)),
-            Overlay::Vxlan { .. } => {
-                node.vtep_mac_octets()?;
-                vtep_underlay(&node.node_ips, &me.node_ips)?;
-                let (gw4, gw6) = vxlan_gateways(node.id);
-                let via = match family {
-                    Family::V4 => IpAddr::V4(gw4),
-                    Family::V6 => IpAddr::V6(gw6),
-                };
-                Some((via, Some(VXLAN_IFNAME.to_owned())))
-            }
-        }
-    }
-
-    /// The routes this node needs to reach every other node's blocks.
-    pub fn desired_routes(&self, view: &ClusterView) -> (Vec<ClusterRoute>, Vec<VxlanPeer>) {
-        let me = self.me();
-        let mut routes = Vec::new();
-        let mut peers = Vec::new();
-        for (name, (node, _)) in &view.nodes {
-            if *name == me.name {
-                continue;
-            }
-            for b in view.blocks_of(name) {
-                if let Some((via, onlink_dev)) = self.next_hop(view, name, Family::of(&b)) {
-                    routes.push(ClusterRoute {
-                        dst: b,
-                        via,
-                        onlink_dev,
-                    });
-                }
-            }
-            if let Overlay::Vxlan { .. } = self.config.overlay {
-                if let (Some(mac), Some(&underlay)) = (
-                    node.vtep_mac_octets(),
-                    vtep_underlay(&node.node_ips, &me.node_ips),
-                ) {
-                    let (gw4, gw6) = vxlan_gateways(node.id);
-                    peers.push(VxlanPeer {
-                        node_ip: underlay,
-                        mac,
-                        gateways: vec![IpAddr::V4(gw4), IpAddr::V6(gw6)],
-                    });
-                }
-            }
-        }
-        routes.sort();
-        peers.sort();
-        (routes, peers)
-    }
-
-    /// Programs the routes (and VXLAN peers) for a view. Returns (added,
-    /// removed) routes.
-    pub async fn program(
-        &self,
-        kernel: &dyn NodeRoutes,
-        view: &ClusterView,
-    ) -> Result<(usize, usize)> {
-        let (routes, peers) = self.desired_routes(view);
-        if let Overlay::Vxlan { .. } = self.config.overlay {
-            kernel.sync_vxlan_peers(&peers).await?;
-        }
-        let synced = kernel.sync_cluster_routes(&routes).await?;
-        Ok((synced.added, synced.removed))
-    }
-
-    /// Creates (or checks) the VXLAN device in vxlan mode, and removes a
-    /// leftover one in host-gw mode.
-    pub async fn prepare_overlay(&self, kernel: &dyn NodeRoutes, pod_mtu: u32) -> Result<()> {
-        match self.config.overlay {
-            Overlay::HostGw => kernel.delete_vxlan().await,
-            Overlay::Vxlan { vni, port } => {
-                let me = self.me();
-                let local = vtep_underlay(&me.node_ips, &me.node_ips)
-                    .copied()
-                    .ok_or_else(|| Error::InvalidConfig("vxlan needs a node IP".into()))?;
-                let underlay = kernel.underlay_mtu(local).await?.unwrap_or(1500);
-                let overhead = if local.is_ipv4() { 50 } else { 70 };
-                let mtu = underlay.saturating_sub(overhead);
-                if pod_mtu > mtu {
-                    tracing::warn!(
-                        pod_mtu,
-                        vxlan_mtu = mtu,
-                        "the pod MTU is larger than the VXLAN device's; set --mtu {mtu}"
-                    );
-                }
-                kernel
-                    .ensure_vxlan(&VxlanConfig {
-                        vni,
-                        port,
-                        local,
-                        mac: vtep_mac(me.id),
-                        mtu,
-                    })
-                    .await
-            }
-        }
-    }
-
-    /// Keeps the routes in step with the view, for as long as the daemon
-    /// runs. The first pass ran at startup; `retry` says it failed.
-    pub fn spawn_route_manager(self: &Arc<Self>, kernel: Arc<dyn Kernel>, mut retry: bool) {
-        let cluster = self.clone();
-        let mut rx = self.subscribe();
-        tokio::spawn(async move {
-            let mut failing = retry;
-            loop {
-                if retry {
-                    // A change arriving meanwhile is picked up at once.
-                    let _ = tokio::time::timeout(Duration::from_millis(500), rx.changed()).await;
-                } else if rx.changed().await.is_err() {
-                    return;
-                }
-                let view = rx.borrow_and_update().clone();
-                if !view.synced {
-                    // A stale view must not withdraw routes; the relisting
-                    // that makes it current again is a change too.
-                    retry = false;
-                    continue;
-                }
-                match cluster.program(kernel.as_ref(), &view).await {
-                    Ok((added, removed)) => {
-                        if added + removed > 0 {
-                            tracing::info!(
-                                added,
-                                removed,
-                                revision = view.revision,
-                                "cluster routes updated"
-                            );
-                        }
-                        if failing {
-                            tracing::info!("cluster routes programmed again");
-                        }
-                        (retry, failing) = (false, false);
-                    }
-                    Err(e) => {
-                        if !failing {
-                            tracing::warn!(error = %e, "programming cluster routes failed; retrying every 500 ms");
-                        }
-                        (retry, failing) = (true, true);
-                    }
-                }
-            }
-        });
-    }
 }
 
 /// The view of nodes, alive keys and blocks follows the whole prefix.
@@ -1025,7 +850,7 @@ impl Follower for Cluster {
 
 /// The underlay address to use toward a peer: the same family as one of
 /// ours, IPv4 first.
-fn vtep_underlay<'a>(theirs: &'a [IpAddr], ours: &[IpAddr]) -> Option<&'a IpAddr> {
+pub(crate) fn vtep_underlay<'a>(theirs: &'a [IpAddr], ours: &[IpAddr]) -> Option<&'a IpAddr> {
     theirs
         .iter()
         .filter(|t| ours.iter().any(|o| o.is_ipv4() == t.is_ipv4()))
@@ -1342,7 +1167,13 @@ mod tests {
             }
             let _ = rx.changed().await;
         };
-        let (routes, peers) = a.desired_routes(&view);
+        let me = a.me();
+        let (routes, peers) =
+            crate::routing::plan::cluster_routes(&crate::routing::plan::ClusterSide {
+                me: &me,
+                overlay: &a.config().overlay,
+                view: &view,
+            });
         assert!(peers.is_empty());
         let want: Vec<(String, String)> = routes
             .iter()

@@ -149,7 +149,7 @@ impl Node {
                 )));
             }
             let view = cluster.view();
-            if let Some(holder) = cluster.block_holder(&view, ip) {
+            if let Some(holder) = crate::routing::plan::block_holder(&view, ip) {
                 if holder != self.config.name {
                     return Err(Error::AddressNotInPool(format!(
                         "{ip} lies in a block held by node {holder}; a node gives out addresses of its own blocks only"

@@ -24,6 +24,7 @@ mod status;
 #[cfg(test)]
 mod tests;
 
+use crate::routing;
 use crate::vm;
 use reconcile::rebooted_since_last_run;
 
@@ -122,6 +123,9 @@ pub struct Node {
     pub(crate) vm_wants: Mutex<Option<HashMap<crate::vm::VmKey, vm::Want>>>,
     /// Wakes the VM sync.
     pub(crate) vm_resync: Notify,
+    /// The first pass over the cluster routes, at start-up, failed: the
+    /// route manager starts by retrying it.
+    pub(crate) cluster_routes_failed: std::sync::atomic::AtomicBool,
     /// Cutover counters and timings.
     pub(crate) vm_stats: Mutex<VmStats>,
 }
@@ -308,6 +312,7 @@ impl Node {
             pending_targets: Mutex::new(HashMap::new()),
             vm_wants: Mutex::new(None),
             vm_resync: Notify::new(),
+            cluster_routes_failed: Default::default(),
             vm_stats: Mutex::new(VmStats::default()),
         };
         node.sync_reservations(&vm_view);
@@ -322,12 +327,11 @@ impl Node {
                     tracing::warn!(family = family.name(), error = %e, "cannot claim a first block yet");
                 }
             }
-            c.prepare_overlay(node.kernel.as_ref(), node.config.mtu)
-                .await?;
+            routing::manager::prepare_overlay(c, node.kernel.as_ref(), node.config.mtu).await?;
             // A route the kernel refuses now (the underlay not up yet, say)
             // must not stop the node from serving its own pods: the route
             // manager keeps trying.
-            let first = c.program(node.kernel.as_ref(), &c.view()).await;
+            let first = routing::manager::program_cluster(c, node.kernel.as_ref(), &c.view()).await;
             match &first {
                 Ok((added, removed)) => {
                     reconciled.cluster_routes_added = *added;
@@ -337,7 +341,8 @@ impl Node {
                     tracing::warn!(error = %e, "cannot program the cluster routes yet; retrying")
                 }
             }
-            c.spawn_route_manager(node.kernel.clone(), first.is_err());
+            node.cluster_routes_failed
+                .store(first.is_err(), std::sync::atomic::Ordering::Relaxed);
         }
         // VMs that moved or stopped while the daemon was away: their routes
         // follow the records before the node serves.

@@ -1,13 +1,13 @@
 //! The route manager: applies the routes the plan wants.
 
+use super::plan::{self, ClusterSide, VmPlan};
 use crate::attach::{lock, Node};
-use crate::error::Result;
-use crate::ipam::Family;
-use crate::kernel::ClusterRoute;
-use crate::mac::Mac;
+use crate::cluster::{vtep_mac, vtep_underlay, Cluster, ClusterView, Overlay};
+use crate::error::{Error, Result};
+use crate::kernel::{ClusterRoute, NodeRoutes, VxlanConfig};
 use crate::store::{Attachment, AttachmentKey};
-use crate::vm::records::{now_nanos, VmAttachment, VmKey, VmView};
-use crate::vm::{host_net, FoundTarget, RouteUpdateTiming, Want};
+use crate::vm::records::{now_nanos, VmView};
+use crate::vm::RouteUpdateTiming;
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -34,54 +34,19 @@ impl Node {
             .filter(|(_, a)| a.vm.is_some())
             .map(|(k, a)| (k.clone(), a.clone()))
             .collect();
-        let cluster_view = self.cluster.as_ref().map(|c| c.view());
-        let key_of = |x: &VmAttachment| AttachmentKey {
-            network: x.network.clone(),
-            container_id: x.container_id.clone(),
-            ifname: x.ifname.clone(),
+        let cluster = self.cluster.as_ref().map(|c| (c.me(), c.view()));
+        let side = match (&self.cluster, &cluster) {
+            (Some(c), Some((me, view))) => Some(ClusterSide {
+                me,
+                overlay: &c.config().overlay,
+                view,
+            }),
+            _ => None,
         };
-        let mut wants: HashMap<VmKey, Want> = HashMap::new();
-        let mut pending: HashMap<Mac, Vec<FoundTarget>> = HashMap::new();
-        for (rec, _) in view.records.values() {
-            let mut want = Want::default();
-            match &rec.active {
-                Some(act) if act.node == me => {
-                    want.here = local.get(&key_of(act)).map(|a| a.host_ifname.clone());
-                }
-                Some(act) => {
-                    if let (Some(c), Some(cv)) = (&self.cluster, &cluster_view) {
-                        for &ip in &rec.ips {
-                            if c.block_holder(cv, ip) == Some(act.node.as_str()) {
-                                continue;
-                            }
-                            if let Some((via, onlink_dev)) =
-                                c.next_hop(cv, &act.node, Family::of_ip(ip))
-                            {
-                                want.via.push(ClusterRoute {
-                                    dst: host_net(ip),
-                                    via,
-                                    onlink_dev,
-                                });
-                            }
-                        }
-                    }
-                }
-                None => {}
-            }
-            if let Some(alt) = rec.alternate.as_ref().filter(|x| x.node == me) {
-                if let (Some(a), Ok(mac)) =
-                    (local.get(&key_of(alt)), Mac::parse_pod(&rec.mac, "mac"))
-                {
-                    pending.entry(mac).or_default().push((
-                        rec.key.clone(),
-                        a.key.clone(),
-                        a.host_ifname.clone(),
-                        rec.generation,
-                    ));
-                }
-            }
-            wants.insert(rec.key.clone(), want);
-        }
+        let VmPlan {
+            wants,
+            targets: pending,
+        } = plan::vm_routes(me, view, &local, side.as_ref());
         self.refresh_pending(pending, view).await;
 
         let previous = lock(&self.vm_wants).clone();
@@ -139,12 +104,19 @@ impl Node {
         Ok(())
     }
 
-    pub(crate) fn spawn_vm_sync_loop(self: &Arc<Self>) {
+    /// Starts the route manager: one task that keeps this node's routes in
+    /// step with the cluster view (routes to other nodes' blocks, VXLAN
+    /// peers) and the VM records (routes to VM addresses), re-planning on
+    /// every change and retrying every 500 ms while the kernel refuses.
+    /// `cluster_failing` says the first cluster pass, at start-up, failed.
+    pub(crate) fn spawn_route_manager(self: &Arc<Self>, cluster_failing: bool) {
         let node = self.clone();
         tokio::spawn(async move {
             let mut rx = node.vms.subscribe();
             let mut cluster_rx = node.cluster.as_ref().map(|c| c.subscribe());
-            let mut failing = false;
+            let mut cluster_failing = cluster_failing;
+            let mut cluster_dirty = cluster_failing;
+            let mut vm_failing = false;
             loop {
                 let cluster_changed = async {
                     match cluster_rx.as_mut() {
@@ -153,7 +125,7 @@ impl Node {
                     }
                 };
                 let retry = async {
-                    if failing {
+                    if cluster_failing || vm_failing {
                         tokio::time::sleep(Duration::from_millis(500)).await;
                     } else {
                         std::future::pending::<()>().await;
@@ -161,27 +133,115 @@ impl Node {
                 };
                 tokio::select! {
                     r = rx.changed() => if r.is_err() { return },
-                    _ = cluster_changed => {},
+                    changed = cluster_changed => cluster_dirty |= changed,
                     () = node.vm_resync.notified() => {},
-                    () = retry => {},
+                    () = retry => cluster_dirty |= cluster_failing,
+                }
+                if let (Some(c), Some(crx), true) =
+                    (&node.cluster, cluster_rx.as_mut(), cluster_dirty)
+                {
+                    let view = crx.borrow_and_update().clone();
+                    cluster_dirty = false;
+                    // A stale view must not withdraw routes; the relisting
+                    // that makes it current again is a change too.
+                    if view.synced {
+                        match program_cluster(c, node.kernel.as_ref(), &view).await {
+                            Ok((added, removed)) => {
+                                if added + removed > 0 {
+                                    tracing::info!(
+                                        added,
+                                        removed,
+                                        revision = view.revision,
+                                        "cluster routes updated"
+                                    );
+                                }
+                                if cluster_failing {
+                                    tracing::info!("cluster routes programmed again");
+                                }
+                                cluster_failing = false;
+                            }
+                            Err(e) => {
+                                if !cluster_failing {
+                                    tracing::warn!(error = %e, "programming cluster routes failed; retrying every 500 ms");
+                                }
+                                cluster_failing = true;
+                            }
+                        }
+                    } else {
+                        cluster_failing = false;
+                    }
                 }
                 let view = rx.borrow_and_update().clone();
                 match node.sync_vms(&view).await {
                     Ok(()) => {
-                        if failing {
+                        if vm_failing {
                             tracing::info!("VM routes programmed again");
                         }
-                        failing = false;
+                        vm_failing = false;
                     }
                     Err(e) => {
-                        if !failing {
+                        if !vm_failing {
                             tracing::warn!(error = %e, "programming VM routes failed; retrying every 500 ms");
                         }
                         *lock(&node.vm_wants) = None;
-                        failing = true;
+                        vm_failing = true;
                     }
                 }
             }
         });
+    }
+}
+
+/// Programs the routes to other nodes' blocks (and the VXLAN peers) that
+/// the plan wants for `view`. Returns (added, removed) routes.
+pub async fn program_cluster(
+    c: &Cluster,
+    kernel: &dyn NodeRoutes,
+    view: &ClusterView,
+) -> Result<(usize, usize)> {
+    let me = c.me();
+    let side = ClusterSide {
+        me: &me,
+        overlay: &c.config().overlay,
+        view,
+    };
+    let (routes, peers) = plan::cluster_routes(&side);
+    if let Overlay::Vxlan { .. } = c.config().overlay {
+        kernel.sync_vxlan_peers(&peers).await?;
+    }
+    let synced = kernel.sync_cluster_routes(&routes).await?;
+    Ok((synced.added, synced.removed))
+}
+
+/// Creates (or checks) the VXLAN device in vxlan mode, and removes a
+/// leftover one in host-gw mode.
+pub async fn prepare_overlay(c: &Cluster, kernel: &dyn NodeRoutes, pod_mtu: u32) -> Result<()> {
+    match c.config().overlay {
+        Overlay::HostGw => kernel.delete_vxlan().await,
+        Overlay::Vxlan { vni, port } => {
+            let me = c.me();
+            let local = vtep_underlay(&me.node_ips, &me.node_ips)
+                .copied()
+                .ok_or_else(|| Error::InvalidConfig("vxlan needs a node IP".into()))?;
+            let underlay = kernel.underlay_mtu(local).await?.unwrap_or(1500);
+            let overhead = if local.is_ipv4() { 50 } else { 70 };
+            let mtu = underlay.saturating_sub(overhead);
+            if pod_mtu > mtu {
+                tracing::warn!(
+                    pod_mtu,
+                    vxlan_mtu = mtu,
+                    "the pod MTU is larger than the VXLAN device's; set --mtu {mtu}"
+                );
+            }
+            kernel
+                .ensure_vxlan(&VxlanConfig {
+                    vni,
+                    port,
+                    local,
+                    mac: vtep_mac(me.id),
+                    mtu,
+                })
+                .await
+        }
     }
 }

@@ -2,3 +2,4 @@
 //! the control plane's views, applied to the kernel by one manager.
 
 pub mod manager;
+pub mod plan;

@@ -232,7 +232,7 @@ impl Node {
         *lock(&self.pending_targets) = table;
     }
 
-    /// Starts the VM tasks: the listener for migrated VMs' announcements and
+    /// Starts the background tasks: the listener for migrated VMs' announcements and
     /// the loop that keeps routes and reservations in step with the records.
     /// Without the listener (no CAP_NET_RAW), cutovers still happen on the
     /// target-ready annotation and the admin call; that is logged.
@@ -244,7 +244,10 @@ impl Node {
                 "cannot listen for migrated VMs' announcements: cutovers only on the annotation or the admin call"
             ),
         }
-        self.spawn_vm_sync_loop();
+        self.spawn_route_manager(
+            self.cluster_routes_failed
+                .load(std::sync::atomic::Ordering::Relaxed),
+        );
     }
 
     pub(crate) fn spawn_announce_loop(self: &Arc<Self>, listener: Box<dyn Announcements>) {

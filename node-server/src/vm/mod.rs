@@ -27,10 +27,9 @@ use crate::attach::{lock, Node};
 use crate::cni::{Invocation, Requested, VmAddressPolicy, VmPod};
 use crate::error::{Error, Result};
 use crate::ipam::{Family, Take};
-use crate::kernel::{self, AnnounceKind, Announcements, ClusterRoute};
+use crate::kernel::{self, AnnounceKind, Announcements};
 use crate::mac::Mac;
 use crate::store::{Attachment, AttachmentKey};
-use ipnet::IpNet;
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -69,18 +68,7 @@ pub(crate) struct PendingTarget {
     pub generation: u64,
 }
 
-/// A migration target found in the records: VM, attachment, host veth, and
-/// the record's generation.
-pub(crate) type FoundTarget = (VmKey, AttachmentKey, String, u64);
-
-/// How this node routes one VM's addresses.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct Want {
-    /// To a local pod's veth.
-    pub(crate) here: Option<String>,
-    /// To other nodes (proto 203).
-    pub(crate) via: Vec<ClusterRoute>,
-}
+pub(crate) use crate::routing::plan::{FoundTarget, Want};
 
 /// Counters and timings of VM cutovers and route changes on this node.
 #[derive(Debug, Clone, Default)]
@@ -129,8 +117,4 @@ pub struct RouteUpdateTiming {
 
 pub(crate) fn same(a: &VmAttachment, b: &VmAttachment) -> bool {
     a.is(&b.node, &b.network, &b.container_id, &b.ifname)
-}
-
-pub(crate) fn host_net(ip: IpAddr) -> IpNet {
-    IpNet::from(ip)
 }
