@@ -1,7 +1,104 @@
 //! ADD, DEL, CHECK, GC and reconciliation of plain pods.
 
 use super::*;
-use crate::kernel::fake::Call as K;
+use crate::cni::config::VALID_ATTACHMENTS_KEY;
+use crate::kernel::fake::{Call as K, FakeLink};
+use crate::kernel::host_ifname;
+use std::path::Path;
+
+/// Addresses in use, over every pool.
+fn used(t: &TestNode) -> u128 {
+    t.node.pool_usage().iter().map(|(_, used, _)| used).sum()
+}
+
+/// The stored record of container `cid` on network "tether", eth0.
+fn record(t: &TestNode, cid: &str) -> Option<Attachment> {
+    t.store
+        .load()
+        .expect("load")
+        .into_iter()
+        .find(|a| a.key.network == "tether" && a.key.container_id == cid)
+}
+
+/// The container ids of the attachments the node knows, sorted.
+fn known(t: &TestNode) -> Vec<String> {
+    let mut v: Vec<String> = t
+        .node
+        .attachments()
+        .into_iter()
+        .map(|a| a.key.container_id)
+        .collect();
+    v.sort();
+    v
+}
+
+/// The container ids of the stored attachments, sorted.
+fn stored(t: &TestNode) -> Vec<String> {
+    let mut v: Vec<String> = t
+        .store
+        .load()
+        .expect("load")
+        .into_iter()
+        .map(|a| a.key.container_id)
+        .collect();
+    v.sort();
+    v
+}
+
+/// Nothing in the kernel, the store, the node's table or the pools.
+fn assert_nothing_left(t: &TestNode) {
+    assert!(t.kernel.links().is_empty(), "{:?}", t.kernel.links());
+    assert!(t.kernel.routes().is_empty(), "{:?}", t.kernel.routes());
+    assert!(t.store.load().expect("load").is_empty());
+    assert!(t.node.attachments().is_empty());
+    assert_eq!(used(t), 0, "{:?}", t.node.pool_usage());
+}
+
+/// The host name of container `cid` on network "tether", eth0.
+fn host_of(cid: &str) -> String {
+    host_ifname("tether", cid, "eth0")
+}
+
+/// A CHECK of `cid` in netns `pod`, with `prev` as prevResult.
+async fn check(t: &TestNode, cid: &str, pod: &str, prev: &Value) -> Result<Vec<u8>> {
+    let inv = t.inv(
+        Call::new("CHECK", cid)
+            .netns(&t.netns(pod))
+            .conf("prevResult", prev.clone()),
+    );
+    t.node.check(&inv).await
+}
+
+/// A GC of network "tether" that lists `valid` (container ids, eth0).
+async fn gc(t: &TestNode, valid: &[&str]) -> Result<Vec<u8>> {
+    let list: Vec<Value> = valid
+        .iter()
+        .map(|cid| json!({"containerID": cid, "ifname": "eth0"}))
+        .collect();
+    let inv = t.inv(Call::new("GC", "").conf(VALID_ATTACHMENTS_KEY, json!(list)));
+    t.node.gc(&inv).await
+}
+
+/// A node whose only pool, 10.9.0.0/30, holds two addresses.
+async fn tiny() -> TestNode {
+    TestNode::with(Options {
+        cidrs: vec![net("10.9.0.0/30")],
+        ..Options::default()
+    })
+    .await
+}
+
+/// A stray veth as a crash or a failed rollback leaves it.
+fn stray_link(t: &TestNode, pod: &str, addr: &str) -> FakeLink {
+    FakeLink {
+        index: 999,
+        netns: t.netns(pod),
+        pod_ifname: "eth0".into(),
+        pod_mac: crate::kernel::pod_mac(&[ip(addr)]),
+        ips: vec![ip(addr)],
+        mtu: 1500,
+    }
+}
 
 #[tokio::test]
 async fn add_wires_a_veth_with_routes_and_records_it() {
@@ -86,4 +183,116 @@ async fn a_restart_after_a_crash_repairs_the_kernel_from_the_store() {
     t.eventually("the veth is deleted", |t| t.kernel.links().is_empty())
         .await;
     assert!(t.kernel.routes().is_empty());
+}
+
+// ---- ADD rollback at each failing step ----
+
+#[tokio::test]
+async fn add_into_a_missing_netns_fails_with_4_and_leaves_nothing() {
+    let t = TestNode::new().await;
+    let inv = t.inv(Call::new("ADD", "c1").netns(Path::new("/run/netns/gone")));
+    let err = t.node.add(&inv).await.expect_err("no such netns");
+    assert_eq!(err.code(), 4, "{err}");
+    assert_eq!(t.kernel.calls(K::Wire), 0);
+    assert_nothing_left(&t);
+    // A netns that existed and is gone by the ADD: the same.
+    let gone = t.netns("p1");
+    t.kernel.remove_netns(&gone);
+    let inv = t.inv(Call::new("ADD", "c1").netns(&gone));
+    let err = t.node.add(&inv).await.expect_err("the netns is gone");
+    assert_eq!(err.code(), 4, "{err}");
+    assert_nothing_left(&t);
+}
+
+#[tokio::test]
+async fn add_on_an_exhausted_pool_fails_with_100_until_a_del_frees_an_address() {
+    let t = tiny().await;
+    t.add("c1", "p1").await.expect("ADD c1");
+    t.add("c2", "p2").await.expect("ADD c2");
+    let (links, routes) = (t.kernel.links(), t.kernel.routes());
+    let err = t.add("c3", "p3").await.expect_err("the pool is full");
+    assert_eq!(err.code(), 100, "{err}");
+    assert_eq!(t.kernel.links(), links);
+    assert_eq!(t.kernel.routes(), routes);
+    assert!(t
+        .kernel
+        .log()
+        .iter()
+        .all(|(c, what)| *c != K::Wire || *what != host_of("c3")));
+    assert_eq!(stored(&t), ["c1", "c2"]);
+    assert_eq!(known(&t), ["c1", "c2"]);
+    assert_eq!(t.node.pool_usage(), vec![(net("10.9.0.0/30"), 2, 0)]);
+    // A DEL frees an address; the next ADD gets it.
+    let freed = record(&t, "c1").expect("c1 recorded").ips;
+    t.del("c1").await.expect("DEL c1");
+    assert_eq!(t.node.pool_usage(), vec![(net("10.9.0.0/30"), 1, 1)]);
+    t.add("c3", "p3").await.expect("ADD c3 after the DEL");
+    assert_eq!(record(&t, "c3").expect("c3 recorded").ips, freed);
+    assert_eq!(
+        t.kernel.route_to(freed[0]).and_then(|r| r.dev),
+        Some(host_of("c3"))
+    );
+    assert_eq!(stored(&t), ["c2", "c3"]);
+}
+
+#[tokio::test]
+async fn add_removes_the_veth_when_the_store_insert_fails() {
+    let faults = Arc::new(StoreFaults::default());
+    let t = TestNode::with(Options {
+        store_faults: Some(faults.clone()),
+        ..Options::default()
+    })
+    .await;
+    faults.fail_insert(true);
+    let err = t.add("c1", "p1").await.expect_err("the store fails");
+    assert_eq!(err.code(), 104, "{err}");
+    // The wiring ran alongside the insert and was undone.
+    assert_eq!(t.kernel.calls(K::Wire), 1);
+    assert!(t.kernel.log().contains(&(K::DeleteLink, host_of("c1"))));
+    assert_nothing_left(&t);
+    faults.fail_insert(false);
+    t.add("c1", "p1").await.expect("ADD once the store works");
+    assert_eq!(stored(&t), ["c1"]);
+    assert_eq!(used(&t), 2);
+}
+
+#[tokio::test]
+async fn add_leaves_nothing_when_the_wiring_and_the_store_both_fail() {
+    let faults = Arc::new(StoreFaults::default());
+    let t = TestNode::with(Options {
+        store_faults: Some(faults.clone()),
+        ..Options::default()
+    })
+    .await;
+    faults.fail_insert(true);
+    t.kernel.fail_nth(K::Wire, 0);
+    let err = t.add("c1", "p1").await.expect_err("both halves fail");
+    // The store's error is reported first.
+    assert_eq!(err.code(), 104, "{err}");
+    // Neither half succeeded: nothing to undo.
+    assert_eq!(t.kernel.calls(K::DeleteLink), 0);
+    assert_nothing_left(&t);
+    faults.fail_insert(false);
+    t.add("c1", "p1").await.expect("ADD once both work");
+    assert_eq!(stored(&t), ["c1"]);
+    assert_eq!(t.kernel.links().len(), 1);
+}
+
+#[tokio::test]
+async fn add_of_an_interface_name_taken_in_the_pod_fails_with_102_and_spares_the_first_pod() {
+    let t = TestNode::new().await;
+    let first = t.add("c1", "p1").await.expect("ADD c1");
+    let (links, routes) = (t.kernel.links(), t.kernel.routes());
+    let records = t.store.load().expect("load");
+    // Another container's eth0 in the same netns.
+    let err = t.add("c2", "p1").await.expect_err("eth0 is taken");
+    assert_eq!(err.code(), 102, "{err}");
+    assert_eq!(t.kernel.links(), links);
+    assert_eq!(t.kernel.routes(), routes);
+    assert_eq!(t.store.load().expect("load"), records);
+    assert_eq!(known(&t), ["c1"]);
+    assert_eq!(used(&t), 2);
+    check(&t, "c1", "p1", &first)
+        .await
+        .expect("the first pod is intact");
 }
