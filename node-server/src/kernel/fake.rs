@@ -223,6 +223,18 @@ impl FakeKernel {
         }
         Ok(())
     }
+
+    /// Deletes a veth directly, with the routes through it, as the kernel
+    /// does when someone else removes it (`ip link del`, a pod netns torn
+    /// down behind the daemon's back). Not logged.
+    pub fn drop_link(&self, host_ifname: &str) {
+        self.state().remove_link(host_ifname);
+    }
+
+    /// How many times `call` was made so far (failed calls included).
+    pub fn calls(&self, call: Call) -> usize {
+        self.state().log.iter().filter(|(c, _)| *c == call).count()
+    }
 }
 
 impl State {

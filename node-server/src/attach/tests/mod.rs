@@ -10,6 +10,7 @@ mod attach;
 
 use std::net::IpAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,9 +22,9 @@ use super::{Node, NodeConfig, Reconciled};
 use crate::cni::{parse_request, Invocation};
 use crate::control::embedded::EmbeddedStore;
 use crate::control::ControlStore;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kernel::fake::{FakeHost, FakeKernel};
-use crate::store::{Fsync, LocalStore, Store};
+use crate::store::{Attachment, AttachmentKey, Fsync, LocalStore, Store};
 use crate::vm::{VmRegistry, DOMAIN_ANNOTATION, MIGRATION_JOB_ANNOTATION};
 
 /// Every CNI_* variable, as set by a well-behaved runtime.
@@ -58,6 +59,9 @@ pub(super) struct Options {
     pub control: Option<Arc<dyn ControlStore>>,
     /// Whether the VM tasks (announcement listener, route sync) run.
     pub vm_tasks: bool,
+    /// Failures to inject into the local store ([`FlakyStore`]); a
+    /// restarted node's store is reliable again.
+    pub store_faults: Option<Arc<StoreFaults>>,
 }
 
 impl Default for Options {
@@ -67,6 +71,7 @@ impl Default for Options {
             cidrs: vec![net("10.1.0.0/24"), net("fd00:1::/120")],
             control: None,
             vm_tasks: true,
+            store_faults: None,
         }
     }
 }
@@ -97,6 +102,10 @@ impl TestNode {
         let store = LocalStore::open(&dir.path().join("state"), Fsync::Always)
             .expect("store")
             .into_arc();
+        let store = match &opts.store_faults {
+            Some(faults) => FlakyStore::wrap(store, faults.clone()),
+            None => store,
+        };
         let (node, _) = open(&opts, &dir, &kernel, &host, &control, store.clone())
             .await
             .expect("open the node");
@@ -121,6 +130,7 @@ impl TestNode {
             cidrs: self.cidrs.clone(),
             control: Some(self.control.clone()),
             vm_tasks: true,
+            store_faults: None,
         };
         before(&self);
         let TestNode {
@@ -307,5 +317,69 @@ impl Call {
                 .map(|s| s.to_string())
                 .collect(),
         }
+    }
+}
+
+/// Which calls of a [`FlakyStore`] fail; shared between a test and its node.
+#[derive(Debug, Default)]
+pub(super) struct StoreFaults {
+    insert: AtomicBool,
+    remove: AtomicBool,
+}
+
+impl StoreFaults {
+    /// Every `insert` fails while `on`.
+    pub fn fail_insert(&self, on: bool) {
+        self.insert.store(on, Ordering::SeqCst);
+    }
+
+    /// Every `remove` fails while `on`.
+    pub fn fail_remove(&self, on: bool) {
+        self.remove.store(on, Ordering::SeqCst);
+    }
+}
+
+/// The real local store, with `insert` and `remove` failing on command
+/// (before they change anything, as a full disk or a failed fsync would).
+pub(super) struct FlakyStore {
+    inner: Arc<dyn Store>,
+    faults: Arc<StoreFaults>,
+}
+
+impl FlakyStore {
+    pub fn wrap(inner: Arc<dyn Store>, faults: Arc<StoreFaults>) -> Arc<dyn Store> {
+        Arc::new(FlakyStore { inner, faults })
+    }
+}
+
+impl Store for FlakyStore {
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+
+    fn location(&self) -> String {
+        self.inner.location()
+    }
+
+    fn load(&self) -> Result<Vec<Attachment>> {
+        self.inner.load()
+    }
+
+    fn insert(&self, attachment: &Attachment) -> Result<()> {
+        if self.faults.insert.load(Ordering::SeqCst) {
+            return Err(Error::Store("injected insert failure".into()));
+        }
+        self.inner.insert(attachment)
+    }
+
+    fn remove(&self, keys: &[AttachmentKey]) -> Result<()> {
+        if self.faults.remove.load(Ordering::SeqCst) {
+            return Err(Error::Store("injected remove failure".into()));
+        }
+        self.inner.remove(keys)
+    }
+
+    fn probe(&self) -> Result<()> {
+        self.inner.probe()
     }
 }
