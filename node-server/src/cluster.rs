@@ -24,12 +24,13 @@ use crate::dataplane::{ClusterRoute, Dataplane, VxlanConfig, VxlanPeer, VXLAN_IF
 use crate::error::{Error, Result};
 use crate::ipam::Family;
 use crate::mac::Mac;
+use crate::time::UnixMillis;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 /// The highest node ID: IDs number the VXLAN gateway addresses, which live
@@ -164,8 +165,8 @@ pub struct BlockRecord {
     pub node: String,
     /// The holding node's ID.
     pub node_id: u32,
-    /// When it was claimed, ms since the epoch.
-    pub claimed_unix_ms: u64,
+    /// When it was claimed (stored as ms since the epoch).
+    pub claimed_unix_ms: UnixMillis,
 }
 
 /// The cluster as the watch last saw it.
@@ -251,13 +252,6 @@ fn family_tag(f: Family) -> &'static str {
         Family::V4 => "v4",
         Family::V6 => "v6",
     }
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -552,7 +546,7 @@ impl Cluster {
                         vec![],
                         vec![Op::Put {
                             key: self.keys.alive(&me.name),
-                            value: now_ms().to_string().into_bytes(),
+                            value: UnixMillis::now().as_millis().to_string().into_bytes(),
                             lease: Some(id),
                         }],
                     )
@@ -707,7 +701,7 @@ impl Cluster {
                 cidr: block,
                 node: me.name.clone(),
                 node_id: me.id,
-                claimed_unix_ms: now_ms(),
+                claimed_unix_ms: UnixMillis::now(),
             };
             let put = Op::Put {
                 key: key.clone(),
@@ -804,7 +798,7 @@ impl Cluster {
             cidr: block,
             node: me.name.clone(),
             node_id: me.id,
-            claimed_unix_ms: now_ms(),
+            claimed_unix_ms: UnixMillis::now(),
         };
         let key = self.keys.block(&block);
         let put = Op::Put {
@@ -1295,7 +1289,7 @@ mod tests {
             cidr: lost,
             node: "a".into(),
             node_id: a.me().id,
-            claimed_unix_ms: 0,
+            claimed_unix_ms: UnixMillis::EPOCH,
         };
         let key = Keys::new("/tether").block(&lost);
         let put = Op::Put {

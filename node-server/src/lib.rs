@@ -1,9 +1,9 @@
 //! tetherd: tether's node daemon.
 //!
 //! One module per concern: `cni` (the CNI wire format and validation),
-//! `ipam` (address pools), `mac` (the MAC type), `dataplane` (all
-//! netlink), `store` (durable state), `node` (the attachment lifecycle that
-//! ties them together),
+//! `ipam` (address pools), `mac` (the MAC type), `time` (the clock and the
+//! instant type), `dataplane` (all netlink), `store` (durable state),
+//! `node` (the attachment lifecycle that ties them together),
 //! and `api`, everything that faces a caller: the CNI and admin gRPC
 //! services, the socket, the HTTP/2 `:authority` fix for grpcurl 1.8.6, and
 //! the shim's pending-DEL queue.
@@ -18,4 +18,5 @@ pub mod ipam;
 pub mod mac;
 pub mod node;
 pub mod store;
+pub mod time;
 pub mod vm;

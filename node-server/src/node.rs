@@ -24,13 +24,14 @@ use crate::error::{Error, Mismatch, Result};
 use crate::ipam::{Family, Pools};
 use crate::mac::Mac;
 use crate::store::{Attachment, AttachmentKey, Store};
+use crate::time::UnixNanos;
 use crate::vm::VmRegistry;
 use ipnet::IpNet;
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 use tokio::sync::{Notify, OwnedMutexGuard, RwLock};
 
 /// The node's static settings.
@@ -137,13 +138,6 @@ impl Drop for KeyGuard<'_> {
 /// this module leaves the data consistent before anything can panic.
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn now_nanos() -> u128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0)
 }
 
 /// Runs a blocking store call off the async workers.
@@ -532,7 +526,7 @@ impl Node {
     /// ADD: wires the attachment, or returns the recorded result when the
     /// same attachment is added again and its kernel state is intact.
     pub async fn add(&self, inv: &Invocation) -> Result<Vec<u8>> {
-        let started = now_nanos();
+        let started = UnixNanos::now();
         let key = key_of(inv);
         let netns_path = inv.netns.clone().ok_or_else(|| Error::InvalidEnv {
             var: "CNI_NETNS",
@@ -695,7 +689,7 @@ impl Node {
     /// DEL: idempotent. `queued_at` is set for DELs replayed from the shim's
     /// queue: such a DEL must not remove an attachment created after it was
     /// queued.
-    pub async fn del(&self, inv: &Invocation, queued_at: Option<u128>) -> Result<Vec<u8>> {
+    pub async fn del(&self, inv: &Invocation, queued_at: Option<UnixNanos>) -> Result<Vec<u8>> {
         let key = key_of(inv);
         let _sweep = self.sweep.read().await;
         let _key = self.lock_key(&key).await;

@@ -7,6 +7,7 @@
 //! plus a checksummed append-only journal) is the default.
 
 use crate::error::{Error, Result};
+use crate::time::UnixNanos;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -50,7 +51,7 @@ pub struct Attachment {
     /// The MTU of both ends.
     pub mtu: u32,
     /// When the ADD that created it started, in nanoseconds since the epoch.
-    pub created_unix_nanos: u128,
+    pub created_unix_nanos: UnixNanos,
     /// K8S_POD_NAMESPACE, when the runtime sent it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_namespace: Option<String>,
@@ -577,7 +578,7 @@ mod tests {
             mac: "0a:58:0a:00:00:02".into(),
             host_ifname: "tth000000000000".into(),
             mtu: 1500,
-            created_unix_nanos: 1,
+            created_unix_nanos: UnixNanos::from_nanos(1),
             pod_namespace: Some("default".into()),
             pod_name: None,
             pod_uid: None,

@@ -20,9 +20,10 @@ use crate::error::{Error, Result};
 use crate::ipam::{Family, Take};
 use crate::mac::Mac;
 use crate::store::{Attachment, AttachmentKey};
+use crate::time::{UnixMillis, UnixNanos};
 use crate::vm::{
-    now_ms, now_nanos, CreateRefused, CutoverInfo, Origin, Trigger, VmAttachment, VmKey, VmRecord,
-    VmView, DOMAIN_ANNOTATION, MIGRATION_JOB_ANNOTATION, TARGET_READY_ANNOTATION,
+    CreateRefused, CutoverInfo, Origin, Trigger, VmAttachment, VmKey, VmRecord, VmView,
+    DOMAIN_ANNOTATION, MIGRATION_JOB_ANNOTATION, TARGET_READY_ANNOTATION,
 };
 use ipnet::IpNet;
 use std::collections::{HashMap, HashSet};
@@ -212,7 +213,7 @@ pub struct CutoverTiming {
     /// The record's generation after it.
     pub generation: u64,
     /// When the trigger was seen, ns since the epoch.
-    pub seen_unix_nanos: u64,
+    pub seen_unix_nanos: UnixNanos,
     /// Trigger to the VM's route on this node, when the new active pod is
     /// local.
     pub local_route: Option<Duration>,
@@ -228,7 +229,7 @@ pub struct RouteUpdateTiming {
     /// The record's generation the routes now follow.
     pub generation: u64,
     /// When the routes were in place, ns since the epoch.
-    pub done_unix_nanos: u64,
+    pub done_unix_nanos: UnixNanos,
     /// From the record's last cutover trigger (another node's clock, if
     /// another node promoted) to the routes in place here.
     pub since_trigger: Option<Duration>,
@@ -281,7 +282,7 @@ impl Node {
             ifname: inv.ifname.clone(),
             pod_name: inv.args.pod_name.clone(),
             pod_uid: inv.args.pod_uid.clone(),
-            since_unix_ms: now_ms(),
+            since_unix_ms: UnixMillis::now(),
         }
     }
 
@@ -584,7 +585,7 @@ impl Node {
             active: Some(this.clone()),
             alternate: None,
             generation: 1,
-            created_unix_ms: now_ms(),
+            created_unix_ms: UnixMillis::now(),
             last_cutover: None,
         };
         let placed = |rec: VmRecord| Placement {
@@ -690,7 +691,7 @@ impl Node {
         if !pod.ready || !pod.target {
             return;
         }
-        let seen = (Instant::now(), now_nanos());
+        let seen = (Instant::now(), UnixNanos::now());
         if let Err(e) = self
             .cutover(&pod.key, Some(a), Trigger::Annotation, seen)
             .await
@@ -720,7 +721,7 @@ impl Node {
         vm: &VmKey,
         only: Option<&Attachment>,
         trigger: Trigger,
-        seen: (Instant, u64),
+        seen: (Instant, UnixNanos),
     ) -> Result<VmRecord> {
         let me = self.config.name.clone();
         let mut local_route = None;
@@ -857,7 +858,7 @@ impl Node {
             ifname: a.key.ifname.clone(),
             pod_name: None,
             pod_uid: None,
-            since_unix_ms: 0,
+            since_unix_ms: UnixMillis::EPOCH,
         };
         let (rec, rev) = match self
             .vms
@@ -936,7 +937,7 @@ impl Node {
             active: None,
             alternate: None,
             generation: 1,
-            created_unix_ms: now_ms(),
+            created_unix_ms: UnixMillis::now(),
             last_cutover: None,
         };
         match self.vms.create(&rec).await {
@@ -1090,15 +1091,17 @@ impl Node {
         self.dataplane.remove_host_routes(&withdraw).await?;
 
         // Timings, for the records whose routes changed here.
-        let done = now_nanos();
+        let done = UnixNanos::now();
         let changed = view.records.values().map(|(r, _)| r).filter(|r| {
             previous
                 .as_ref()
                 .is_some_and(|p| p.get(&r.key) != wants.get(&r.key))
         });
-        if let Some(latest) =
-            changed.max_by_key(|r| r.last_cutover.as_ref().map_or(0, |c| c.seen_unix_nanos))
-        {
+        if let Some(latest) = changed.max_by_key(|r| {
+            r.last_cutover
+                .as_ref()
+                .map_or(UnixNanos::EPOCH, |c| c.seen_unix_nanos)
+        }) {
             let mut stats = lock(&self.vm_stats);
             stats.route_updates += 1;
             stats.last_route_update = Some(RouteUpdateTiming {
@@ -1108,7 +1111,7 @@ impl Node {
                 since_trigger: latest
                     .last_cutover
                     .as_ref()
-                    .map(|c| Duration::from_nanos(done.saturating_sub(c.seen_unix_nanos))),
+                    .map(|c| done.saturating_duration_since(c.seen_unix_nanos)),
             });
         }
         *lock(&self.vm_wants) = Some(wants);
@@ -1187,7 +1190,7 @@ impl Node {
                         continue;
                     }
                 };
-                let seen_unix = now_nanos().saturating_sub(ann.seen.elapsed().as_nanos() as u64);
+                let seen_unix = UnixNanos::now().saturating_sub(ann.seen.elapsed());
                 let target = {
                     let mut table = lock(&node.pending_targets);
                     let hit = table.get_mut(&Mac::from(ann.mac)).and_then(|list| {
