@@ -19,7 +19,7 @@
 //! its ID and its blocks in one transaction, and every node withdraws the
 //! routes to those blocks.
 
-use crate::control::{self, BoxFut, Cmp, ControlStore, Event, Follower, Kv, Op};
+use crate::control::{self, BoxFut, Cmp, ControlError, ControlStore, Event, Follower, Kv, Op};
 use crate::dataplane::{ClusterRoute, Dataplane, VxlanConfig, VxlanPeer, VXLAN_IFNAME};
 use crate::error::{Error, Result};
 use crate::ipam::Family;
@@ -481,7 +481,7 @@ impl Cluster {
 
     /// Probes the control plane now; records and returns the outcome.
     pub async fn probe(&self) -> Result<()> {
-        let r = self.store.probe().await;
+        let r = self.store.probe().await.map_err(Error::from);
         self.set_health(&r);
         r
     }
@@ -492,7 +492,7 @@ impl Cluster {
         let (kvs, revision) = match listed {
             Ok(l) => l,
             Err(e) => {
-                let r = Err(e);
+                let r = Err(Error::from(e));
                 self.set_health(&r);
                 return r.map(|()| 0);
             }
@@ -619,7 +619,7 @@ impl Cluster {
             when.push(Cmp::Unchanged(self.keys.block(&b.cidr), *brev));
             ops.push(Op::Delete(self.keys.block(&b.cidr)));
         }
-        self.store.txn(when, ops).await
+        Ok(self.store.txn(when, ops).await?)
     }
 
     /// Every block this node holds: those the view shows, and those this
@@ -721,8 +721,8 @@ impl Cluster {
                     // create is safe to repeat) and any other error stands.
                     match self.retrying(|| self.holder_of(&block)).await {
                         Ok(Some(holder)) if holder == me.name => return Ok(block),
-                        Ok(_) if matches!(e, Error::TryAgain(_)) => continue,
-                        _ => return Err(e),
+                        Ok(_) if matches!(e, ControlError::Unavailable { .. }) => continue,
+                        _ => return Err(e.into()),
                     }
                 }
             }
@@ -733,19 +733,19 @@ impl Cluster {
         )))
     }
 
-    /// Runs a call up to three times while the store answers "try again":
+    /// Runs a call up to three times while the store is unavailable:
     /// right after an etcd leader dies, requests fail until a new leader is
     /// elected (well under a second with etcd's defaults). Only for calls
     /// that are safe to repeat.
-    async fn retrying<T, F, Fut>(&self, mut call: F) -> Result<T>
+    async fn retrying<T, F, Fut>(&self, mut call: F) -> Result<T, ControlError>
     where
         F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = Result<T>>,
+        Fut: std::future::Future<Output = Result<T, ControlError>>,
     {
         let mut attempt = 0;
         loop {
             match call().await {
-                Err(Error::TryAgain(_)) if attempt < 2 => {
+                Err(ControlError::Unavailable { .. }) if attempt < 2 => {
                     attempt += 1;
                     tokio::time::sleep(Duration::from_millis(150)).await;
                 }
@@ -754,7 +754,7 @@ impl Cluster {
         }
     }
 
-    async fn holder_of(&self, block: &IpNet) -> Result<Option<String>> {
+    async fn holder_of(&self, block: &IpNet) -> Result<Option<String>, ControlError> {
         let key = self.keys.block(block);
         let (kvs, _) = self.store.list(&key).await?;
         Ok(kvs
@@ -1008,7 +1008,7 @@ impl Follower for Cluster {
         self.view.send_modify(|v| v.synced = false);
     }
 
-    fn list_again(&self) -> BoxFut<'_, i64> {
+    fn list_again(&self) -> BoxFut<'_, i64, Error> {
         Box::pin(self.relist())
     }
 

@@ -451,6 +451,7 @@ impl VmRegistry {
                 }],
             )
             .await
+            .map_err(Error::from)
     }
 
     /// Deletes a record and its index keys if it is unchanged since `rev`.
@@ -464,6 +465,7 @@ impl VmRegistry {
         self.store
             .commit(vec![Cmp::Unchanged(path, rev)], ops)
             .await
+            .map_err(Error::from)
     }
 
     /// Changes a record by compare-and-swap: reads it (from the view first,
@@ -528,7 +530,7 @@ impl Follower for VmRegistry {
         self.view.send_modify(|v| v.synced = false);
     }
 
-    fn list_again(&self) -> BoxFut<'_, i64> {
+    fn list_again(&self) -> BoxFut<'_, i64, Error> {
         Box::pin(self.relist())
     }
 }
