@@ -6,10 +6,12 @@
 //! able to tell "pool exhausted" from "kernel refused" from "bad input".
 //!
 //! The storage back-ends do not pick codes: they return typed errors
-//! ([`ControlError`]) that say what happened, and the `From` impls here
-//! choose the code. The message keeps the whole cause chain ([`chain`]).
+//! ([`ControlError`], [`StoreError`]) that say what happened, and the
+//! `From` impls here choose the code. The message keeps the whole cause
+//! chain ([`chain`]).
 
 use crate::control::ControlError;
+use crate::store::StoreError;
 use std::fmt;
 
 /// What a CHECK found different from what ADD left.
@@ -256,6 +258,26 @@ impl From<ControlError> for Error {
     }
 }
 
+/// The CNI code of every attachment-store failure is chosen here.
+impl From<StoreError> for Error {
+    fn from(e: StoreError) -> Self {
+        let text = chain(&e);
+        match e {
+            // The files, or a flush the device refused (104).
+            StoreError::Io { .. }
+            | StoreError::Corrupt { .. }
+            | StoreError::UnsupportedVersion { .. }
+            | StoreError::FlushFailed { .. } => Error::Store(text),
+            // What tetherd asked of the store makes no sense: the daemon
+            // checks keys and addresses before it writes (199).
+            StoreError::Encode { .. }
+            | StoreError::TooLarge { .. }
+            | StoreError::Exists(_)
+            | StoreError::AddressHeld { .. } => Error::Internal(text),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -367,6 +389,92 @@ mod tests {
             e.to_string(),
             "invalid network configuration: reading the etcd client key /k.pem: gone away"
         );
+    }
+
+    fn key(cid: &str) -> crate::store::AttachmentKey {
+        crate::store::AttachmentKey {
+            network: "net".into(),
+            container_id: cid.into(),
+            ifname: "eth0".into(),
+        }
+    }
+
+    /// (error, its code, text the message must contain).
+    fn store_cases() -> Vec<(StoreError, u32, String)> {
+        let json = json_error().to_string();
+        vec![
+            (
+                StoreError::Io {
+                    context: "creating /var/lib/tether".into(),
+                    cause: io_gone(),
+                },
+                104,
+                "state store failure: creating /var/lib/tether: gone away".into(),
+            ),
+            (
+                StoreError::Corrupt {
+                    path: PathBuf::from("/s/attachments.snapshot"),
+                    cause: json_error(),
+                },
+                104,
+                format!("decoding /s/attachments.snapshot: {json}"),
+            ),
+            (
+                StoreError::UnsupportedVersion {
+                    path: PathBuf::from("/s/attachments.snapshot"),
+                    version: 9,
+                },
+                104,
+                "/s/attachments.snapshot has unsupported version 9".into(),
+            ),
+            (
+                StoreError::FlushFailed {
+                    context: "flushing the journal",
+                    cause: std::sync::Arc::new(io::Error::other("disk on fire")),
+                },
+                104,
+                "state store failure: flushing the journal: disk on fire".into(),
+            ),
+            (
+                StoreError::Encode {
+                    what: "journal record",
+                    cause: <serde_json::Error as serde::ser::Error>::custom("boom"),
+                },
+                199,
+                "encoding the journal record: boom".into(),
+            ),
+            (
+                StoreError::TooLarge { len: 5_000_000_000 },
+                199,
+                "record too large".into(),
+            ),
+            (
+                StoreError::Exists(key("a")),
+                199,
+                "internal error: attachment net/a/eth0 exists".into(),
+            ),
+            (
+                StoreError::AddressHeld {
+                    ip: "10.0.0.2".parse().unwrap(),
+                    holder: key("a"),
+                },
+                199,
+                "internal error: address 10.0.0.2 is already held by net/a/eth0".into(),
+            ),
+        ]
+    }
+
+    #[test]
+    fn store_errors_map_to_their_codes_and_keep_the_cause() {
+        for (e, code, text) in store_cases() {
+            let shown = format!("{e:?}");
+            let mapped = Error::from(e);
+            assert_eq!(mapped.code(), code, "{shown} became {mapped:?}");
+            assert!(
+                mapped.to_string().contains(&text),
+                "{mapped} does not contain {text:?}"
+            );
+        }
     }
 
     #[test]

@@ -182,7 +182,7 @@ impl admin_server::Admin for AdminService {
             }
             None => {
                 let store = self.node.store().clone();
-                tokio::task::spawn_blocking(move || store.probe())
+                tokio::task::spawn_blocking(move || store.probe().map_err(Error::from))
                     .await
                     .unwrap_or_else(|e| Err(tetherd_error(e)))
             }
