@@ -19,16 +19,17 @@
 //! its ID and its blocks in one transaction, and every node withdraws the
 //! routes to those blocks.
 
-use crate::control::{self, BoxFut, Cmp, ControlStore, Event, Follower, Kv, Op};
+use crate::control::{self, BoxFut, Cmp, ControlError, ControlStore, Event, Follower, Kv, Op};
 use crate::error::{Error, Result};
 use crate::ipam::Family;
 use crate::mac::Mac;
+use crate::time::UnixMillis;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 /// The highest node ID: IDs number the VXLAN gateway addresses, which live
@@ -163,8 +164,8 @@ pub struct BlockRecord {
     pub node: String,
     /// The holding node's ID.
     pub node_id: u32,
-    /// When it was claimed, ms since the epoch.
-    pub claimed_unix_ms: u64,
+    /// When it was claimed (stored as ms since the epoch).
+    pub claimed_unix_ms: UnixMillis,
 }
 
 /// The cluster as the watch last saw it.
@@ -250,13 +251,6 @@ fn family_tag(f: Family) -> &'static str {
         Family::V4 => "v4",
         Family::V6 => "v6",
     }
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -486,7 +480,7 @@ impl Cluster {
 
     /// Probes the control plane now; records and returns the outcome.
     pub async fn probe(&self) -> Result<()> {
-        let r = self.store.probe().await;
+        let r = self.store.probe().await.map_err(Error::from);
         self.set_health(&r);
         r
     }
@@ -497,7 +491,7 @@ impl Cluster {
         let (kvs, revision) = match listed {
             Ok(l) => l,
             Err(e) => {
-                let r = Err(e);
+                let r = Err(Error::from(e));
                 self.set_health(&r);
                 return r.map(|()| 0);
             }
@@ -551,7 +545,7 @@ impl Cluster {
                         vec![],
                         vec![Op::Put {
                             key: self.keys.alive(&me.name),
-                            value: now_ms().to_string().into_bytes(),
+                            value: UnixMillis::now().as_millis().to_string().into_bytes(),
                             lease: Some(id),
                         }],
                     )
@@ -624,7 +618,7 @@ impl Cluster {
             when.push(Cmp::Unchanged(self.keys.block(&b.cidr), *brev));
             ops.push(Op::Delete(self.keys.block(&b.cidr)));
         }
-        self.store.txn(when, ops).await
+        Ok(self.store.txn(when, ops).await?)
     }
 
     /// Every block this node holds: those the view shows, and those this
@@ -706,7 +700,7 @@ impl Cluster {
                 cidr: block,
                 node: me.name.clone(),
                 node_id: me.id,
-                claimed_unix_ms: now_ms(),
+                claimed_unix_ms: UnixMillis::now(),
             };
             let put = Op::Put {
                 key: key.clone(),
@@ -726,8 +720,8 @@ impl Cluster {
                     // create is safe to repeat) and any other error stands.
                     match self.retrying(|| self.holder_of(&block)).await {
                         Ok(Some(holder)) if holder == me.name => return Ok(block),
-                        Ok(_) if matches!(e, Error::TryAgain(_)) => continue,
-                        _ => return Err(e),
+                        Ok(_) if matches!(e, ControlError::Unavailable { .. }) => continue,
+                        _ => return Err(e.into()),
                     }
                 }
             }
@@ -738,19 +732,19 @@ impl Cluster {
         )))
     }
 
-    /// Runs a call up to three times while the store answers "try again":
+    /// Runs a call up to three times while the store is unavailable:
     /// right after an etcd leader dies, requests fail until a new leader is
     /// elected (well under a second with etcd's defaults). Only for calls
     /// that are safe to repeat.
-    async fn retrying<T, F, Fut>(&self, mut call: F) -> Result<T>
+    async fn retrying<T, F, Fut>(&self, mut call: F) -> Result<T, ControlError>
     where
         F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = Result<T>>,
+        Fut: std::future::Future<Output = Result<T, ControlError>>,
     {
         let mut attempt = 0;
         loop {
             match call().await {
-                Err(Error::TryAgain(_)) if attempt < 2 => {
+                Err(ControlError::Unavailable { .. }) if attempt < 2 => {
                     attempt += 1;
                     tokio::time::sleep(Duration::from_millis(150)).await;
                 }
@@ -759,7 +753,7 @@ impl Cluster {
         }
     }
 
-    async fn holder_of(&self, block: &IpNet) -> Result<Option<String>> {
+    async fn holder_of(&self, block: &IpNet) -> Result<Option<String>, ControlError> {
         let key = self.keys.block(block);
         let (kvs, _) = self.store.list(&key).await?;
         Ok(kvs
@@ -803,7 +797,7 @@ impl Cluster {
             cidr: block,
             node: me.name.clone(),
             node_id: me.id,
-            claimed_unix_ms: now_ms(),
+            claimed_unix_ms: UnixMillis::now(),
         };
         let key = self.keys.block(&block);
         let put = Op::Put {
@@ -839,7 +833,7 @@ impl Follower for Cluster {
         self.view.send_modify(|v| v.synced = false);
     }
 
-    fn list_again(&self) -> BoxFut<'_, i64> {
+    fn list_again(&self) -> BoxFut<'_, i64, Error> {
         Box::pin(self.relist())
     }
 
@@ -1120,7 +1114,7 @@ mod tests {
             cidr: lost,
             node: "a".into(),
             node_id: a.me().id,
-            claimed_unix_ms: 0,
+            claimed_unix_ms: UnixMillis::EPOCH,
         };
         let key = Keys::new("/tether").block(&lost);
         let put = Op::Put {

@@ -4,7 +4,14 @@
 //! Codes 1-99 are the CNI spec's; 100 and up are tether's own and are listed
 //! in the README. Never collapse causes into one code: an operator must be
 //! able to tell "pool exhausted" from "kernel refused" from "bad input".
+//!
+//! The storage back-ends do not pick codes: they return typed errors
+//! ([`ControlError`], [`StoreError`]) that say what happened, and the
+//! `From` impls here choose the code. The message keeps the whole cause
+//! chain ([`chain`]).
 
+use crate::control::ControlError;
+use crate::store::StoreError;
 use std::fmt;
 
 /// What a CHECK found different from what ADD left.
@@ -217,3 +224,269 @@ impl Error {
 
 /// The daemon's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// An error and each of its causes, outermost first, joined by ": ".
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// The CNI code of every control-plane failure is chosen here.
+impl From<ControlError> for Error {
+    fn from(e: ControlError) -> Self {
+        let text = chain(&e);
+        match e {
+            // etcd did not answer: the runtime should retry (11).
+            ControlError::Unavailable { .. } | ControlError::Connect { .. } => {
+                Error::TryAgain(text)
+            }
+            // The operator's etcd options (7).
+            ControlError::Misconfigured(_) | ControlError::TlsFile { .. } => {
+                Error::InvalidConfig(text)
+            }
+            // The embedded backend's file (104).
+            ControlError::Io { .. } | ControlError::Corrupt { .. } => Error::Store(text),
+            // Values tetherd itself produced (199).
+            ControlError::Encode(_) | ControlError::NotUtf8 { .. } => Error::Internal(text),
+        }
+    }
+}
+
+/// The CNI code of every attachment-store failure is chosen here.
+impl From<StoreError> for Error {
+    fn from(e: StoreError) -> Self {
+        let text = chain(&e);
+        match e {
+            // The files, or a flush the device refused (104).
+            StoreError::Io { .. }
+            | StoreError::Corrupt { .. }
+            | StoreError::UnsupportedVersion { .. }
+            | StoreError::FlushFailed { .. } => Error::Store(text),
+            // What tetherd asked of the store makes no sense: the daemon
+            // checks keys and addresses before it writes (199).
+            StoreError::Encode { .. }
+            | StoreError::TooLarge { .. }
+            | StoreError::Exists(_)
+            | StoreError::AddressHeld { .. } => Error::Internal(text),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::MemberFailures;
+    use std::io;
+    use std::path::PathBuf;
+
+    fn io_gone() -> io::Error {
+        io::Error::new(io::ErrorKind::NotFound, "gone away")
+    }
+
+    fn json_error() -> serde_json::Error {
+        serde_json::from_str::<u32>("{").unwrap_err()
+    }
+
+    /// (error, its code, text the message must contain).
+    fn control_cases() -> Vec<(ControlError, u32, String)> {
+        let json = json_error().to_string();
+        let utf8 = String::from_utf8(vec![0xff]).unwrap_err();
+        let utf8_text = utf8.to_string();
+        vec![
+            (
+                ControlError::Unavailable {
+                    doing: "list /tether/v1/".into(),
+                    cause: MemberFailures(vec![
+                        ("http://a:2379".into(), "connection refused".into()),
+                        ("http://b:2379".into(), "no answer within 300 ms".into()),
+                    ]),
+                },
+                11,
+                "etcd did not list /tether/v1/: http://a:2379: connection refused; \
+                 http://b:2379: no answer within 300 ms"
+                    .into(),
+            ),
+            (
+                ControlError::Connect {
+                    endpoints: "http://a:2379,http://b:2379".into(),
+                    cause: etcd_client::Error::InvalidArgs("bad endpoint".into()),
+                },
+                11,
+                "cannot reach etcd at http://a:2379,http://b:2379: invalid arguments: bad endpoint"
+                    .into(),
+            ),
+            (
+                ControlError::Misconfigured("--etcd-cert and --etcd-key go together"),
+                7,
+                "--etcd-cert and --etcd-key go together".into(),
+            ),
+            (
+                ControlError::TlsFile {
+                    what: "CA bundle",
+                    path: PathBuf::from("/etc/etcd/ca.pem"),
+                    cause: io_gone(),
+                },
+                7,
+                "reading the etcd CA bundle /etc/etcd/ca.pem: gone away".into(),
+            ),
+            (
+                ControlError::Io {
+                    context: "writing",
+                    path: PathBuf::from("/var/lib/tether/control-plane.json"),
+                    cause: io_gone(),
+                },
+                104,
+                "writing /var/lib/tether/control-plane.json: gone away".into(),
+            ),
+            (
+                ControlError::Corrupt {
+                    path: PathBuf::from("/var/lib/tether/control-plane.json"),
+                    cause: json_error(),
+                },
+                104,
+                format!("decoding /var/lib/tether/control-plane.json: {json}"),
+            ),
+            (
+                ControlError::Encode(<serde_json::Error as serde::ser::Error>::custom("boom")),
+                199,
+                "encoding the control-plane state: boom".into(),
+            ),
+            (
+                ControlError::NotUtf8 {
+                    key: "/tether/v1/x".into(),
+                    cause: utf8,
+                },
+                199,
+                format!("non-UTF-8 value for /tether/v1/x: {utf8_text}"),
+            ),
+        ]
+    }
+
+    #[test]
+    fn control_errors_map_to_their_codes_and_keep_the_cause() {
+        for (e, code, text) in control_cases() {
+            let shown = format!("{e:?}");
+            let mapped = Error::from(e);
+            assert_eq!(mapped.code(), code, "{shown} became {mapped:?}");
+            assert!(
+                mapped.to_string().contains(&text),
+                "{mapped} does not contain {text:?}"
+            );
+        }
+        // Today's wording is kept where the message had a cause already.
+        let e = Error::from(ControlError::TlsFile {
+            what: "client key",
+            path: PathBuf::from("/k.pem"),
+            cause: io_gone(),
+        });
+        assert_eq!(
+            e.to_string(),
+            "invalid network configuration: reading the etcd client key /k.pem: gone away"
+        );
+    }
+
+    fn key(cid: &str) -> crate::store::AttachmentKey {
+        crate::store::AttachmentKey {
+            network: "net".into(),
+            container_id: cid.into(),
+            ifname: "eth0".into(),
+        }
+    }
+
+    /// (error, its code, text the message must contain).
+    fn store_cases() -> Vec<(StoreError, u32, String)> {
+        let json = json_error().to_string();
+        vec![
+            (
+                StoreError::Io {
+                    context: "creating /var/lib/tether".into(),
+                    cause: io_gone(),
+                },
+                104,
+                "state store failure: creating /var/lib/tether: gone away".into(),
+            ),
+            (
+                StoreError::Corrupt {
+                    path: PathBuf::from("/s/attachments.snapshot"),
+                    cause: json_error(),
+                },
+                104,
+                format!("decoding /s/attachments.snapshot: {json}"),
+            ),
+            (
+                StoreError::UnsupportedVersion {
+                    path: PathBuf::from("/s/attachments.snapshot"),
+                    version: 9,
+                },
+                104,
+                "/s/attachments.snapshot has unsupported version 9".into(),
+            ),
+            (
+                StoreError::FlushFailed {
+                    context: "flushing the journal",
+                    cause: std::sync::Arc::new(io::Error::other("disk on fire")),
+                },
+                104,
+                "state store failure: flushing the journal: disk on fire".into(),
+            ),
+            (
+                StoreError::Encode {
+                    what: "journal record",
+                    cause: <serde_json::Error as serde::ser::Error>::custom("boom"),
+                },
+                199,
+                "encoding the journal record: boom".into(),
+            ),
+            (
+                StoreError::TooLarge { len: 5_000_000_000 },
+                199,
+                "record too large".into(),
+            ),
+            (
+                StoreError::Exists(key("a")),
+                199,
+                "internal error: attachment net/a/eth0 exists".into(),
+            ),
+            (
+                StoreError::AddressHeld {
+                    ip: "10.0.0.2".parse().unwrap(),
+                    holder: key("a"),
+                },
+                199,
+                "internal error: address 10.0.0.2 is already held by net/a/eth0".into(),
+            ),
+        ]
+    }
+
+    #[test]
+    fn store_errors_map_to_their_codes_and_keep_the_cause() {
+        for (e, code, text) in store_cases() {
+            let shown = format!("{e:?}");
+            let mapped = Error::from(e);
+            assert_eq!(mapped.code(), code, "{shown} became {mapped:?}");
+            assert!(
+                mapped.to_string().contains(&text),
+                "{mapped} does not contain {text:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn chain_joins_every_cause() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("outer")]
+        struct Outer(#[source] Middle);
+        #[derive(Debug, thiserror::Error)]
+        #[error("middle")]
+        struct Middle(#[source] io::Error);
+        let e = Outer(Middle(io_gone()));
+        assert_eq!(chain(&e), "outer: middle: gone away");
+        assert_eq!(chain(&io_gone()), "gone away");
+    }
+}

@@ -1,9 +1,11 @@
 //! tetherd: tether's node daemon.
 //!
 //! One module per concern: `cni` (the CNI wire format and validation),
-//! `ipam` (address pools), `mac` (the MAC type), `kernel` (the
-//! kernel seam: traits, netlink, a fake), `store` (durable state), `node` (the attachment lifecycle that
-//! ties them together),
+//! `ipam` (address pools), `mac` (the MAC type), `time` (the clock and the
+//! instant type), `kernel` (the kernel seam: traits, netlink, a fake),
+//! `store` (durable state), `attach` (the attachment lifecycle that ties
+//! them together), `vm` (KubeVirt VM records and pods), `routing` (route
+//! planning and the route manager), `cluster` (membership and blocks),
 //! and `api`, everything that faces a caller: the CNI and admin gRPC
 //! services, the socket, the HTTP/2 `:authority` fix for grpcurl 1.8.6, and
 //! the shim's pending-DEL queue.
@@ -19,4 +21,5 @@ pub mod kernel;
 pub mod mac;
 pub mod routing;
 pub mod store;
+pub mod time;
 pub mod vm;

@@ -6,12 +6,13 @@
 //! Backends sit behind [`Store`]; the embedded `local` backend (a snapshot
 //! plus a checksummed append-only journal) is the default.
 
-use crate::error::{Error, Result};
+use crate::time::UnixNanos;
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::fs::{File, OpenOptions};
-use std::io::Write;
+use std::io::{self, Write};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -50,7 +51,7 @@ pub struct Attachment {
     /// The MTU of both ends.
     pub mtu: u32,
     /// When the ADD that created it started, in nanoseconds since the epoch.
-    pub created_unix_nanos: u128,
+    pub created_unix_nanos: UnixNanos,
     /// K8S_POD_NAMESPACE, when the runtime sent it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_namespace: Option<String>,
@@ -67,6 +68,77 @@ pub struct Attachment {
     pub vm: Option<crate::vm::VmKey>,
 }
 
+/// What went wrong in the attachment store. It says what happened; which
+/// CNI code that is, is decided once, by `From<StoreError>` for
+/// [`crate::error::Error`].
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// A file operation failed.
+    #[error("{context}")]
+    Io {
+        /// What was being done, e.g. "reading /var/lib/tether/x".
+        context: Cow<'static, str>,
+        /// The system's answer.
+        #[source]
+        cause: io::Error,
+    },
+    /// The snapshot does not decode.
+    #[error("decoding {}", path.display())]
+    Corrupt {
+        /// The snapshot file.
+        path: PathBuf,
+        /// The decoder's complaint.
+        #[source]
+        cause: serde_json::Error,
+    },
+    /// The snapshot has a format version this tetherd does not know.
+    #[error("{} has unsupported version {version}", path.display())]
+    UnsupportedVersion {
+        /// The snapshot file.
+        path: PathBuf,
+        /// The version it states.
+        version: u32,
+    },
+    /// A flush of the journal failed, now or earlier: what was acknowledged
+    /// since may be lost, so the store takes no more changes.
+    #[error("{context}")]
+    FlushFailed {
+        /// What was refused, e.g. "flushing the journal".
+        context: &'static str,
+        /// The failed flush's error.
+        #[source]
+        cause: Arc<io::Error>,
+    },
+    /// A record or the snapshot could not be encoded.
+    #[error("encoding the {what}")]
+    Encode {
+        /// "journal record" or "snapshot".
+        what: &'static str,
+        /// The encoder's complaint.
+        #[source]
+        cause: serde_json::Error,
+    },
+    /// A journal record is longer than its length field can say.
+    #[error("record too large ({len} bytes)")]
+    TooLarge {
+        /// Its encoded length.
+        len: usize,
+    },
+    /// The attachment is recorded already.
+    #[error("attachment {0} exists")]
+    Exists(AttachmentKey),
+    /// An address of the attachment is held by another attachment.
+    #[error("address {ip} is already held by {holder}")]
+    AddressHeld {
+        /// The address.
+        ip: IpAddr,
+        /// The attachment holding it.
+        holder: AttachmentKey,
+    },
+}
+
+type Result<T, E = StoreError> = std::result::Result<T, E>;
+
 /// A durable home for attachments. Every method is blocking; call it from a
 /// blocking context (`spawn_blocking`), never directly on a tokio worker.
 pub trait Store: Send + Sync + 'static {
@@ -77,7 +149,8 @@ pub trait Store: Send + Sync + 'static {
     /// Every attachment recorded.
     fn load(&self) -> Result<Vec<Attachment>>;
     /// Records a new attachment and claims its addresses, atomically and
-    /// durably. Fails if the key exists or any address is already held.
+    /// durably. Fails if the key exists ([`StoreError::Exists`]) or any
+    /// address is already held ([`StoreError::AddressHeld`]).
     fn insert(&self, attachment: &Attachment) -> Result<()>;
     /// Removes attachments and frees their addresses, atomically and durably.
     /// Keys that are not recorded are skipped.
@@ -143,7 +216,7 @@ struct DurableState {
     /// A flush is running; others wait for it rather than start their own.
     syncing: bool,
     /// A failed flush poisons the store: what was acknowledged may be lost.
-    error: Option<String>,
+    error: Option<Arc<io::Error>>,
     /// The store is closing: the flush thread does a last flush and ends.
     stop: bool,
 }
@@ -174,8 +247,10 @@ const COMPACT_AT: u64 = 8 << 20;
 const SNAPSHOT: &str = "attachments.snapshot";
 const JOURNAL: &str = "attachments.journal";
 
-fn store_err(context: &str, e: impl fmt::Display) -> Error {
-    Error::Store(format!("{context}: {e}"))
+/// Makes an io::Error a [`StoreError::Io`] with its context.
+fn io_err(context: impl Into<Cow<'static, str>>) -> impl FnOnce(io::Error) -> StoreError {
+    let context = context.into();
+    move |cause| StoreError::Io { context, cause }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -183,8 +258,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 fn frame(record: &Record) -> Result<Vec<u8>> {
-    let body = serde_json::to_vec(record).map_err(|e| Error::Internal(e.to_string()))?;
-    let len = u32::try_from(body.len()).map_err(|_| Error::Internal("record too large".into()))?;
+    let body = serde_json::to_vec(record).map_err(|cause| StoreError::Encode {
+        what: "journal record",
+        cause,
+    })?;
+    let len = u32::try_from(body.len()).map_err(|_| StoreError::TooLarge { len: body.len() })?;
     let mut out = Vec::with_capacity(body.len() + 8);
     out.extend_from_slice(&len.to_le_bytes());
     out.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
@@ -261,28 +339,29 @@ impl LocalStore {
     /// replays the journal, cuts off a torn tail, and compacts.
     pub fn open(state_dir: &Path, fsync: Fsync) -> Result<Self> {
         std::fs::create_dir_all(state_dir)
-            .map_err(|e| store_err(&format!("creating {}", state_dir.display()), e))?;
+            .map_err(io_err(format!("creating {}", state_dir.display())))?;
         let snapshot_path = state_dir.join(SNAPSHOT);
         let snapshot: Snapshot = match std::fs::read(&snapshot_path) {
-            Ok(bytes) => serde_json::from_slice(&bytes)
-                .map_err(|e| store_err(&format!("decoding {}", snapshot_path.display()), e))?,
+            Ok(bytes) => match serde_json::from_slice(&bytes) {
+                Ok(snapshot) => snapshot,
+                Err(cause) => {
+                    return Err(StoreError::Corrupt {
+                        path: snapshot_path,
+                        cause,
+                    })
+                }
+            },
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Snapshot {
                 version: 1,
                 attachments: Vec::new(),
             },
-            Err(e) => {
-                return Err(store_err(
-                    &format!("reading {}", snapshot_path.display()),
-                    e,
-                ))
-            }
+            Err(e) => return Err(io_err(format!("reading {}", snapshot_path.display()))(e)),
         };
         if snapshot.version != 1 {
-            return Err(Error::Store(format!(
-                "{} has unsupported version {}",
-                snapshot_path.display(),
-                snapshot.version
-            )));
+            return Err(StoreError::UnsupportedVersion {
+                path: snapshot_path,
+                version: snapshot.version,
+            });
         }
         let journal_path = state_dir.join(JOURNAL);
         let file = OpenOptions::new()
@@ -290,9 +369,9 @@ impl LocalStore {
             .append(true)
             .create(true)
             .open(&journal_path)
-            .map_err(|e| store_err(&format!("opening {}", journal_path.display()), e))?;
+            .map_err(io_err(format!("opening {}", journal_path.display())))?;
         let bytes = std::fs::read(&journal_path)
-            .map_err(|e| store_err(&format!("reading {}", journal_path.display()), e))?;
+            .map_err(io_err(format!("reading {}", journal_path.display())))?;
         let (records, valid) = unframe(&bytes);
         if valid < bytes.len() {
             tracing::warn!(
@@ -314,10 +393,7 @@ impl LocalStore {
             journal.apply(r);
         }
         let durable = Arc::new(Durable {
-            file: journal
-                .file
-                .try_clone()
-                .map_err(|e| store_err("journal handle", e))?,
+            file: journal.file.try_clone().map_err(io_err("journal handle"))?,
             appended: AtomicU64::new(0),
             state: Mutex::new(DurableState {
                 synced: 0,
@@ -343,7 +419,7 @@ impl LocalStore {
             std::thread::Builder::new()
                 .name("tetherd-fsync".into())
                 .spawn(move || durable.flush_in_background())
-                .map_err(|e| store_err("starting the flush thread", e))?;
+                .map_err(io_err("starting the flush thread"))?;
         }
         Ok(store)
     }
@@ -359,7 +435,10 @@ impl LocalStore {
             version: 1,
             attachments: j.attachments.values().cloned().collect(),
         };
-        let bytes = serde_json::to_vec(&snapshot).map_err(|e| Error::Internal(e.to_string()))?;
+        let bytes = serde_json::to_vec(&snapshot).map_err(|cause| StoreError::Encode {
+            what: "snapshot",
+            cause,
+        })?;
         let path = self.dir.join(SNAPSHOT);
         let tmp = self.dir.join(format!(".{SNAPSHOT}.tmp"));
         let write = || -> std::io::Result<()> {
@@ -373,7 +452,7 @@ impl LocalStore {
             j.file.set_len(0)?;
             j.file.sync_all()
         };
-        write().map_err(|e| store_err("compacting the journal", e))?;
+        write().map_err(io_err("compacting the journal"))?;
         j.len = 0;
         // The snapshot holds everything appended so far, flushed.
         let appended = self.durable.appended.load(Ordering::Acquire);
@@ -388,14 +467,17 @@ impl LocalStore {
     /// after it, for [`LocalStore::make_durable`].
     fn append(&self, j: &mut Journal, record: &Record) -> Result<u64> {
         if let Some(e) = &lock(&self.durable.state).error {
-            return Err(Error::Store(format!("flushing the journal: {e}")));
+            return Err(StoreError::FlushFailed {
+                context: "flushing the journal",
+                cause: e.clone(),
+            });
         }
         let bytes = frame(record)?;
         if let Err(e) = j.file.write_all(&bytes) {
             // A partial append is cut off at the next open by its checksum;
             // truncate now so that later appends stay readable.
             let _ = j.file.set_len(j.len);
-            return Err(store_err("appending to the journal", e));
+            return Err(io_err("appending to the journal")(e));
         }
         j.len += bytes.len() as u64;
         let end = self.durable.appended.load(Ordering::Acquire) + bytes.len() as u64;
@@ -427,7 +509,10 @@ impl Durable {
         let mut st = lock(&self.state);
         loop {
             if let Some(e) = &st.error {
-                return Err(Error::Store(format!("flushing the journal: {e}")));
+                return Err(StoreError::FlushFailed {
+                    context: "flushing the journal",
+                    cause: e.clone(),
+                });
             }
             if st.synced >= end {
                 return Ok(());
@@ -446,7 +531,7 @@ impl Durable {
                 Ok(()) => st.synced = st.synced.max(target),
                 Err(e) => {
                     tracing::error!(error = %e, "journal flush failed");
-                    st.error = Some(e.to_string());
+                    st.error = Some(Arc::new(e));
                 }
             }
             self.flushed.notify_all();
@@ -508,16 +593,17 @@ impl Store for LocalStore {
     fn insert(&self, a: &Attachment) -> Result<()> {
         let mut j = lock(&self.inner);
         if j.attachments.contains_key(&a.key) {
-            return Err(Error::Internal(format!("attachment {} exists", a.key)));
+            return Err(StoreError::Exists(a.key.clone()));
         }
         if let Some((ip, holder)) = a
             .ips
             .iter()
             .find_map(|ip| j.holders.get(ip).map(|h| (ip, h)))
         {
-            return Err(Error::Internal(format!(
-                "address {ip} is already held by {holder}"
-            )));
+            return Err(StoreError::AddressHeld {
+                ip: *ip,
+                holder: holder.clone(),
+            });
         }
         let record = Record::Put(Box::new(a.clone()));
         let end = self.append(&mut j, &record)?;
@@ -551,13 +637,13 @@ impl Store for LocalStore {
 
     fn probe(&self) -> Result<()> {
         if let Some(e) = lock(&self.durable.state).error.clone() {
-            return Err(Error::Store(format!("a journal flush failed: {e}")));
+            return Err(StoreError::FlushFailed {
+                context: "a journal flush failed",
+                cause: e,
+            });
         }
         let j = lock(&self.inner);
-        j.file
-            .metadata()
-            .map(|_| ())
-            .map_err(|e| store_err("journal", e))
+        j.file.metadata().map(|_| ()).map_err(io_err("journal"))
     }
 }
 
@@ -577,7 +663,7 @@ mod tests {
             mac: "0a:58:0a:00:00:02".into(),
             host_ifname: "tth000000000000".into(),
             mtu: 1500,
-            created_unix_nanos: 1,
+            created_unix_nanos: UnixNanos::from_nanos(1),
             pod_namespace: Some("default".into()),
             pod_name: None,
             pod_uid: None,
@@ -641,8 +727,13 @@ mod tests {
         let s = LocalStore::open(dir.path(), Fsync::Background).unwrap();
         s.insert(&attachment("a", &["10.0.0.2"])).unwrap();
         let e = s.insert(&attachment("b", &["10.0.0.2"])).unwrap_err();
+        assert!(matches!(e, StoreError::AddressHeld { .. }), "{e:?}");
         assert!(e.to_string().contains("already held by net/a/eth0"), "{e}");
-        assert!(s.insert(&attachment("a", &["10.0.0.9"])).is_err());
+        let e = s.insert(&attachment("a", &["10.0.0.9"])).unwrap_err();
+        assert!(
+            matches!(&e, StoreError::Exists(k) if k.container_id == "a"),
+            "{e:?}"
+        );
         drop(s);
         // Nothing of the refused inserts was written.
         let s = LocalStore::open(dir.path(), Fsync::Background).unwrap();
@@ -723,6 +814,28 @@ mod tests {
             std::fs::metadata(dir.path().join(JOURNAL)).unwrap().len(),
             0,
             "open compacts the journal into the snapshot"
+        );
+    }
+
+    #[test]
+    fn unreadable_snapshots_are_refused_with_their_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(SNAPSHOT);
+        std::fs::write(&path, b"{not json").unwrap();
+        let e = LocalStore::open(dir.path(), Fsync::Background)
+            .err()
+            .unwrap();
+        assert!(
+            matches!(&e, StoreError::Corrupt { path: p, .. } if *p == path),
+            "{e:?}"
+        );
+        std::fs::write(&path, br#"{"version":2,"attachments":[]}"#).unwrap();
+        let e = LocalStore::open(dir.path(), Fsync::Background)
+            .err()
+            .unwrap();
+        assert!(
+            matches!(e, StoreError::UnsupportedVersion { version: 2, .. }),
+            "{e:?}"
         );
     }
 

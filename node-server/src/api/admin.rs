@@ -7,7 +7,8 @@ use crate::api::pending_del;
 use crate::attach::Node;
 use crate::error::Error;
 use crate::store::Attachment;
-use crate::vm::{now_nanos, Trigger, VmAttachment, VmKey, VmRecord};
+use crate::time::UnixNanos;
+use crate::vm::{Trigger, VmAttachment, VmKey, VmRecord};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -58,7 +59,7 @@ fn to_pb(a: &Attachment) -> pb::Attachment {
             .collect(),
         mac: a.mac.clone(),
         host_interface: a.host_ifname.clone(),
-        created: rfc3339(a.created_unix_nanos),
+        created: a.created_unix_nanos.to_string(),
         pod_namespace: a.pod_namespace.clone().unwrap_or_default(),
         pod_name: a.pod_name.clone().unwrap_or_default(),
     }
@@ -94,7 +95,7 @@ fn pod_pb(a: &VmAttachment) -> pb::VmPod {
         ifname: a.ifname.clone(),
         pod_name: a.pod_name.clone().unwrap_or_default(),
         pod_uid: a.pod_uid.clone().unwrap_or_default(),
-        since: rfc3339(u128::from(a.since_unix_ms) * 1_000_000),
+        since: a.since_unix_ms.to_string(),
     }
 }
 
@@ -113,35 +114,14 @@ fn vm_pb(r: &VmRecord) -> pb::Vm {
         active: r.active.as_ref().map(pod_pb),
         alternate: r.alternate.as_ref().map(pod_pb),
         generation: r.generation,
-        created: rfc3339(u128::from(r.created_unix_ms) * 1_000_000),
+        created: r.created_unix_ms.to_string(),
         last_cutover: r.last_cutover.as_ref().map(|c| pb::VmCutover {
             trigger: c.trigger.name().into(),
             from_node: c.from_node.clone().unwrap_or_default(),
             to_node: c.to_node.clone(),
-            seen_unix_nanos: c.seen_unix_nanos,
+            seen_unix_nanos: c.seen_unix_nanos.as_nanos(),
         }),
     }
-}
-
-/// Formats nanoseconds since the epoch as RFC 3339 UTC (civil-from-days).
-fn rfc3339(nanos: u128) -> String {
-    let secs = (nanos / 1_000_000_000) as i64;
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        (rem % 3600) / 60,
-        rem % 60
-    )
 }
 
 #[tonic::async_trait]
@@ -202,7 +182,7 @@ impl admin_server::Admin for AdminService {
             }
             None => {
                 let store = self.node.store().clone();
-                tokio::task::spawn_blocking(move || store.probe())
+                tokio::task::spawn_blocking(move || store.probe().map_err(Error::from))
                     .await
                     .unwrap_or_else(|e| Err(tetherd_error(e)))
             }
@@ -324,7 +304,7 @@ impl admin_server::Admin for AdminService {
                 vm: c.vm.to_string(),
                 trigger: c.trigger.name().into(),
                 generation: c.generation,
-                seen_unix_nanos: c.seen_unix_nanos,
+                seen_unix_nanos: c.seen_unix_nanos.as_nanos(),
                 local_route_ms: c.local_route.map_or(0.0, ms),
                 committed_ms: ms(c.committed),
             }),
@@ -332,7 +312,7 @@ impl admin_server::Admin for AdminService {
             last_vm_route_update: vm.last_route_update.map(|u| pb::VmRouteStats {
                 vm: u.vm.to_string(),
                 generation: u.generation,
-                done_unix_nanos: u.done_unix_nanos,
+                done_unix_nanos: u.done_unix_nanos.as_nanos(),
                 since_trigger_ms: u.since_trigger.map_or(0.0, ms),
             }),
             pending_del_queue: pending_del::queue_len(&self.node.config().state_dir),
@@ -370,7 +350,7 @@ impl admin_server::Admin for AdminService {
 
     async fn cutover(&self, r: Request<pb::VmRef>) -> Result<Response<pb::Vm>, Status> {
         let key = vm_key(Some(r.into_inner()))?;
-        let seen = (Instant::now(), now_nanos());
+        let seen = (Instant::now(), UnixNanos::now());
         let rec = self
             .node
             .cutover(&key, None, Trigger::Admin, seen)
@@ -414,17 +394,5 @@ impl admin_server::Admin for AdminService {
             .await
             .map_err(to_status)?;
         Ok(Response::new(vm_pb(&rec)))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::rfc3339;
-
-    #[test]
-    fn formats_rfc3339() {
-        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
-        assert_eq!(rfc3339(1_700_000_000_000_000_000), "2023-11-14T22:13:20Z");
-        assert_eq!(rfc3339(951_782_400_000_000_000), "2000-02-29T00:00:00Z");
     }
 }

@@ -10,6 +10,7 @@ use crate::api::pending_del;
 use crate::attach::Node;
 use crate::cni::{self, Command, Invocation};
 use crate::error::{Error, Result};
+use crate::time::UnixNanos;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -136,7 +137,7 @@ impl CniService {
     }
 }
 
-async fn dispatch(node: &Node, inv: &Invocation, queued_at: Option<u128>) -> Result<Vec<u8>> {
+async fn dispatch(node: &Node, inv: &Invocation, queued_at: Option<UnixNanos>) -> Result<Vec<u8>> {
     match inv.command {
         Command::Add => node.add(inv).await,
         Command::Del => node.del(inv, queued_at).await,
@@ -186,7 +187,10 @@ pub async fn drain_pending_dels(node: &Node, stats: &Stats) -> u64 {
     let mut processed = 0;
     for (path, queued) in entries {
         let outcome = match cni::parse_request(&queued.to_request()) {
-            Ok(inv) => dispatch(node, &inv, Some(queued.queued_at_unix_nanos)).await,
+            Ok(inv) => {
+                let queued_at = UnixNanos::from_nanos_u128(queued.queued_at_unix_nanos);
+                dispatch(node, &inv, Some(queued_at)).await
+            }
             Err(e) => {
                 // Invalid forever: replaying it again cannot succeed.
                 let entry = pending_del::BadEntry {

@@ -7,7 +7,7 @@ impl Node {
     /// ADD: wires the attachment, or returns the recorded result when the
     /// same attachment is added again and its kernel state is intact.
     pub async fn add(&self, inv: &Invocation) -> Result<Vec<u8>> {
-        let started = now_nanos();
+        let started = UnixNanos::now();
         let key = key_of(inv);
         let netns_path = inv.netns.clone().ok_or_else(|| Error::InvalidEnv {
             var: "CNI_NETNS",

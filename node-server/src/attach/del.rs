@@ -7,7 +7,7 @@ impl Node {
     /// DEL: idempotent. `queued_at` is set for DELs replayed from the shim's
     /// queue: such a DEL must not remove an attachment created after it was
     /// queued.
-    pub async fn del(&self, inv: &Invocation, queued_at: Option<u128>) -> Result<Vec<u8>> {
+    pub async fn del(&self, inv: &Invocation, queued_at: Option<UnixNanos>) -> Result<Vec<u8>> {
         let key = key_of(inv);
         let _sweep = self.sweep.read().await;
         let _key = self.lock_key(&key).await;

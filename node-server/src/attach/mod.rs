@@ -37,13 +37,14 @@ use crate::ipam::{Family, Pools};
 use crate::kernel::{self, Host, Kernel, PodNetns, PodWiring};
 use crate::mac::Mac;
 use crate::store::{Attachment, AttachmentKey, Store};
+use crate::time::UnixNanos;
 use crate::vm::VmRegistry;
 use ipnet::IpNet;
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 use tokio::sync::{Notify, OwnedMutexGuard, RwLock};
 
 /// The node's static settings.
@@ -156,18 +157,14 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn now_nanos() -> u128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0)
-}
-
 /// Runs a blocking store call off the async workers.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+async fn blocking<T: Send + 'static, E: Into<Error> + Send + 'static>(
+    f: impl FnOnce() -> Result<T, E> + Send + 'static,
+) -> Result<T> {
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| Error::Internal(format!("store task failed: {e}")))?
+        .map_err(Into::into)
 }
 
 fn key_of(inv: &Invocation) -> AttachmentKey {

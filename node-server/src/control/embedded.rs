@@ -9,8 +9,7 @@
 //! not written to the file, just as etcd drops them when the lease that
 //! held them expires.
 
-use super::{BoxFut, Cmp, ControlStore, Event, Kv, Op, WatchMessage};
-use crate::error::{Error, Result};
+use super::{BoxFut, Cmp, ControlError, ControlStore, Event, Kv, Op, WatchMessage};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -48,20 +47,23 @@ fn lock(m: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn io_err(context: &str, path: &Path, e: impl std::fmt::Display) -> Error {
-    Error::Store(format!("{context} {}: {e}", path.display()))
-}
-
 impl EmbeddedStore {
     /// Opens (or creates) the control-plane file under `dir`.
-    pub fn open(dir: &Path) -> Result<Self> {
+    pub fn open(dir: &Path) -> Result<Self, ControlError> {
         let path = dir.join(FILE);
         let state = match std::fs::read(&path) {
-            Ok(bytes) => {
-                serde_json::from_slice::<State>(&bytes).map_err(|e| io_err("decoding", &path, e))?
-            }
+            Ok(bytes) => match serde_json::from_slice::<State>(&bytes) {
+                Ok(state) => state,
+                Err(cause) => return Err(ControlError::Corrupt { path, cause }),
+            },
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => State::default(),
-            Err(e) => return Err(io_err("reading", &path, e)),
+            Err(cause) => {
+                return Err(ControlError::Io {
+                    context: "reading",
+                    path,
+                    cause,
+                })
+            }
         };
         Ok(EmbeddedStore {
             dir: dir.to_owned(),
@@ -69,7 +71,7 @@ impl EmbeddedStore {
         })
     }
 
-    fn persist(&self, state: &State) -> Result<()> {
+    fn persist(&self, state: &State) -> Result<(), ControlError> {
         let durable = State {
             revision: state.revision,
             keys: state
@@ -80,8 +82,7 @@ impl EmbeddedStore {
                 .collect(),
             ..Default::default()
         };
-        let bytes =
-            serde_json::to_vec_pretty(&durable).map_err(|e| Error::Internal(e.to_string()))?;
+        let bytes = serde_json::to_vec_pretty(&durable).map_err(ControlError::Encode)?;
         let path = self.dir.join(FILE);
         let tmp = self.dir.join(format!(".{FILE}.tmp"));
         let write = || -> std::io::Result<()> {
@@ -91,10 +92,14 @@ impl EmbeddedStore {
             std::fs::rename(&tmp, &path)?;
             crate::store::sync_dir(&self.dir)
         };
-        write().map_err(|e| io_err("writing", &path, e))
+        write().map_err(|cause| ControlError::Io {
+            context: "writing",
+            path,
+            cause,
+        })
     }
 
-    fn apply(&self, when: Vec<Cmp>, ops: Vec<Op>) -> Result<Option<i64>> {
+    fn apply(&self, when: Vec<Cmp>, ops: Vec<Op>) -> Result<Option<i64>, ControlError> {
         let mut state = lock(&self.state);
         let holds = when.iter().all(|c| match c {
             Cmp::Absent(k) => !state.keys.contains_key(k),
@@ -110,8 +115,10 @@ impl EmbeddedStore {
         for op in ops {
             match op {
                 Op::Put { key, value, lease } => {
-                    let value = String::from_utf8(value)
-                        .map_err(|_| Error::Internal(format!("non-UTF-8 value for {key}")))?;
+                    let value = match String::from_utf8(value) {
+                        Ok(v) => v,
+                        Err(cause) => return Err(ControlError::NotUtf8 { key, cause }),
+                    };
                     let lease = lease.unwrap_or(0);
                     events.push(Event::Put(Kv {
                         key: key.clone(),

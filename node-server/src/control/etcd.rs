@@ -13,14 +13,13 @@
 //!   few seconds, so that a watch on it breaks and is re-established on a
 //!   live member instead of going silent.
 
-use super::{BoxFut, Cmp, ControlStore, Event, Kv, Op, WatchMessage};
-use crate::error::{Error, Result};
+use super::{BoxFut, Cmp, ControlError, ControlStore, Event, Kv, MemberFailures, Op, WatchMessage};
 use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity,
     PutOptions, TlsOptions, Txn, TxnOp, WatchOptions,
 };
 use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -50,19 +49,21 @@ pub struct EtcdStore {
     timeout: Duration,
 }
 
-fn read(path: &PathBuf, what: &str) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|e| {
-        Error::InvalidConfig(format!("reading the etcd {what} {}: {e}", path.display()))
+fn read(path: &Path, what: &'static str) -> Result<Vec<u8>, ControlError> {
+    std::fs::read(path).map_err(|cause| ControlError::TlsFile {
+        what,
+        path: path.to_owned(),
+        cause,
     })
 }
 
 impl EtcdStore {
     /// Connects lazily: a member that is down now is tried again per
     /// request, so the daemon can start while part of etcd is down.
-    pub async fn connect(opts: &EtcdOptions) -> Result<Self> {
+    pub async fn connect(opts: &EtcdOptions) -> Result<Self, ControlError> {
         if opts.endpoints.is_empty() {
-            return Err(Error::InvalidConfig(
-                "--store etcd needs --etcd-endpoints".into(),
+            return Err(ControlError::Misconfigured(
+                "--store etcd needs --etcd-endpoints",
             ));
         }
         let mut connect = ConnectOptions::new()
@@ -87,8 +88,8 @@ impl EtcdStore {
                 }
                 (None, None) => {}
                 _ => {
-                    return Err(Error::InvalidConfig(
-                        "--etcd-cert and --etcd-key go together".into(),
+                    return Err(ControlError::Misconfigured(
+                        "--etcd-cert and --etcd-key go together",
                     ))
                 }
             }
@@ -100,7 +101,10 @@ impl EtcdStore {
             // again per request, so the daemon can start while it is down.
             let client = Client::connect([endpoint], Some(connect.clone()))
                 .await
-                .map_err(|e| unreachable_err(&opts.endpoints, e))?;
+                .map_err(|cause| ControlError::Connect {
+                    endpoints: opts.endpoints.join(","),
+                    cause,
+                })?;
             clients.push(client);
         }
         Ok(EtcdStore {
@@ -116,7 +120,7 @@ impl EtcdStore {
     /// timeout. Every caller's request is safe to repeat: reads, leases,
     /// and transactions whose conditions make a repeat a no-op (callers
     /// read back the outcome of a transaction that failed ambiguously).
-    async fn call<T, F, Fut>(&self, what: &str, call: F) -> Result<T>
+    async fn call<T, F, Fut>(&self, doing: &str, call: F) -> Result<T, ControlError>
     where
         F: Fn(Client) -> Fut,
         Fut: Future<Output = std::result::Result<T, etcd_client::Error>>,
@@ -131,18 +135,17 @@ impl EtcdStore {
                     self.current.store(i, Ordering::Relaxed);
                     return Ok(v);
                 }
-                Ok(Err(e)) => failures.push(format!("{}: {}", self.endpoints[i], brief(&e))),
-                Err(_) => failures.push(format!(
-                    "{}: no answer within {} ms",
-                    self.endpoints[i],
-                    self.timeout.as_millis()
+                Ok(Err(e)) => failures.push((self.endpoints[i].clone(), brief(&e))),
+                Err(_) => failures.push((
+                    self.endpoints[i].clone(),
+                    format!("no answer within {} ms", self.timeout.as_millis()),
                 )),
             }
         }
-        Err(Error::TryAgain(format!(
-            "etcd did not {what} ({})",
-            failures.join("; ")
-        )))
+        Err(ControlError::Unavailable {
+            doing: doing.to_owned(),
+            cause: MemberFailures(failures),
+        })
     }
 }
 
@@ -157,10 +160,6 @@ fn brief(e: &etcd_client::Error) -> String {
         source = s.source();
     }
     root.unwrap_or_else(|| e.to_string())
-}
-
-fn unreachable_err(endpoints: &[String], e: etcd_client::Error) -> Error {
-    Error::TryAgain(format!("cannot reach etcd at {}: {e}", endpoints.join(",")))
 }
 
 fn kv_of(kv: &etcd_client::KeyValue) -> Kv {
@@ -347,7 +346,7 @@ mod tests {
         };
         assert!(matches!(
             EtcdStore::connect(&opts).await,
-            Err(Error::InvalidConfig(_))
+            Err(ControlError::Misconfigured(_))
         ));
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
         let cert = dir.path().join("c.pem");
@@ -356,7 +355,7 @@ mod tests {
         opts.cert = Some(cert);
         let err = EtcdStore::connect(&opts).await.err();
         assert!(
-            matches!(&err, Some(Error::InvalidConfig(m)) if m.contains("--etcd-key")),
+            matches!(&err, Some(ControlError::Misconfigured(m)) if m.contains("--etcd-key")),
             "{err:?}"
         );
     }
@@ -374,7 +373,7 @@ mod tests {
         let store = match EtcdStore::connect(&opts).await {
             Ok(s) => s,
             // Also a correct answer: connecting found nobody.
-            Err(Error::TryAgain(_)) => return,
+            Err(ControlError::Connect { .. }) => return,
             Err(e) => panic!("unexpected {e:?}"),
         };
         // The outer bound only turns a hang into a failure.
@@ -382,6 +381,9 @@ mod tests {
             .await
             .unwrap_or_else(|_| panic!("the probe hung past its own timeout"))
             .err();
-        assert!(matches!(err, Some(Error::TryAgain(_))), "{err:?}");
+        assert!(
+            matches!(&err, Some(ControlError::Unavailable { cause, .. }) if cause.0.len() == 1),
+            "{err:?}"
+        );
     }
 }

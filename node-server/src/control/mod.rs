@@ -16,15 +16,108 @@
 pub mod embedded;
 pub mod etcd;
 
-use crate::error::{Error, Result};
+use crate::error::Error;
+use std::fmt;
 use std::future::Future;
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
 /// A boxed future, so that the trait can be used as `dyn ControlStore`.
-pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = Result<T>> + Send + 'a>>;
+pub type BoxFut<'a, T, E = ControlError> = Pin<Box<dyn Future<Output = Result<T, E>> + Send + 'a>>;
+
+/// What went wrong in a control-plane backend. It says what happened;
+/// which CNI code that is, is decided once, by `From<ControlError>` for
+/// [`Error`].
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// No etcd member answered a call: each refused, failed or did not
+    /// answer within the request timeout. Transient: the caller may retry.
+    #[error("etcd did not {doing}")]
+    Unavailable {
+        /// What the call was for, e.g. "commit a transaction".
+        doing: String,
+        /// What each member answered.
+        #[source]
+        cause: MemberFailures,
+    },
+    /// The etcd client could not be set up for the endpoints.
+    #[error("cannot reach etcd at {endpoints}")]
+    Connect {
+        /// The endpoints, comma-separated.
+        endpoints: String,
+        /// The client's error.
+        #[source]
+        cause: etcd_client::Error,
+    },
+    /// The etcd options are incomplete or contradictory.
+    #[error("{0}")]
+    Misconfigured(&'static str),
+    /// A TLS file named by the etcd options cannot be read.
+    #[error("reading the etcd {what} {}", path.display())]
+    TlsFile {
+        /// Which file, e.g. "CA bundle".
+        what: &'static str,
+        /// Its path.
+        path: PathBuf,
+        /// Why it cannot be read.
+        #[source]
+        cause: std::io::Error,
+    },
+    /// Reading or writing the embedded backend's file failed.
+    #[error("{context} {}", path.display())]
+    Io {
+        /// What was being done, e.g. "writing".
+        context: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The system's answer.
+        #[source]
+        cause: std::io::Error,
+    },
+    /// The embedded backend's file does not decode.
+    #[error("decoding {}", path.display())]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// The decoder's complaint.
+        #[source]
+        cause: serde_json::Error,
+    },
+    /// The embedded backend's state could not be encoded.
+    #[error("encoding the control-plane state")]
+    Encode(#[source] serde_json::Error),
+    /// A value to store is not UTF-8 (the embedded backend keeps text).
+    #[error("non-UTF-8 value for {key}")]
+    NotUtf8 {
+        /// The key it was to be stored under.
+        key: String,
+        /// Where the bytes stop being UTF-8.
+        #[source]
+        cause: std::string::FromUtf8Error,
+    },
+}
+
+/// What each etcd member answered to one call (or that it did not answer),
+/// in the order they were tried: the cause of [`ControlError::Unavailable`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemberFailures(pub Vec<(String, String)>);
+
+impl fmt::Display for MemberFailures {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, (endpoint, why)) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{endpoint}: {why}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for MemberFailures {}
 
 /// One stored key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -83,7 +176,7 @@ pub enum WatchMessage {
 
 /// The control plane's storage. Every call is bounded by the backend's
 /// request timeout, so a store that does not answer fails the call instead
-/// of hanging it.
+/// of hanging it (with [`ControlError::Unavailable`]).
 pub trait ControlStore: Send + Sync + 'static {
     /// The backend's name as shown to operators ("embedded", "etcd").
     fn backend(&self) -> &'static str;
@@ -129,7 +222,7 @@ pub trait Follower: Send + Sync + 'static {
     fn mark_stale(&self);
     /// Lists the prefix again and replaces the view; returns the revision
     /// it was read at.
-    fn list_again(&self) -> BoxFut<'_, i64>;
+    fn list_again(&self) -> BoxFut<'_, i64, Error>;
     /// The watch could not be opened.
     fn watch_failed(&self, e: &Error) {
         tracing::debug!(error = %e, "cannot watch the control plane");
@@ -163,7 +256,7 @@ pub async fn follow(
                     }
                 }
             }
-            Err(e) => follower.watch_failed(&e),
+            Err(e) => follower.watch_failed(&e.into()),
         }
         follower.mark_stale();
         loop {

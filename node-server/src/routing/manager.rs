@@ -6,7 +6,8 @@ use crate::cluster::{vtep_mac, vtep_underlay, Cluster, ClusterView, Overlay};
 use crate::error::{Error, Result};
 use crate::kernel::{ClusterRoute, NodeRoutes, VxlanConfig};
 use crate::store::{Attachment, AttachmentKey};
-use crate::vm::records::{now_nanos, VmView};
+use crate::time::UnixNanos;
+use crate::vm::records::VmView;
 use crate::vm::RouteUpdateTiming;
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
@@ -79,15 +80,17 @@ impl Node {
         self.kernel.remove_host_routes(&withdraw).await?;
 
         // Timings, for the records whose routes changed here.
-        let done = now_nanos();
+        let done = UnixNanos::now();
         let changed = view.records.values().map(|(r, _)| r).filter(|r| {
             previous
                 .as_ref()
                 .is_some_and(|p| p.get(&r.key) != wants.get(&r.key))
         });
-        if let Some(latest) =
-            changed.max_by_key(|r| r.last_cutover.as_ref().map_or(0, |c| c.seen_unix_nanos))
-        {
+        if let Some(latest) = changed.max_by_key(|r| {
+            r.last_cutover
+                .as_ref()
+                .map_or(UnixNanos::EPOCH, |c| c.seen_unix_nanos)
+        }) {
             let mut stats = lock(&self.vm_stats);
             stats.route_updates += 1;
             stats.last_route_update = Some(RouteUpdateTiming {
@@ -97,7 +100,7 @@ impl Node {
                 since_trigger: latest
                     .last_cutover
                     .as_ref()
-                    .map(|c| Duration::from_nanos(done.saturating_sub(c.seen_unix_nanos))),
+                    .map(|c| done.saturating_duration_since(c.seen_unix_nanos)),
             });
         }
         *lock(&self.vm_wants) = Some(wants);

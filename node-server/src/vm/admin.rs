@@ -54,7 +54,7 @@ impl Node {
             active: None,
             alternate: None,
             generation: 1,
-            created_unix_ms: now_ms(),
+            created_unix_ms: UnixMillis::now(),
             last_cutover: None,
         };
         match self.vms.create(&rec).await {

@@ -39,7 +39,7 @@ impl Node {
         if !pod.ready || !pod.target {
             return;
         }
-        let seen = (Instant::now(), now_nanos());
+        let seen = (Instant::now(), UnixNanos::now());
         if let Err(e) = self
             .cutover(&pod.key, Some(a), Trigger::Annotation, seen)
             .await
@@ -69,7 +69,7 @@ impl Node {
         vm: &VmKey,
         only: Option<&Attachment>,
         trigger: Trigger,
-        seen: (Instant, u64),
+        seen: (Instant, UnixNanos),
     ) -> Result<VmRecord> {
         let me = self.config.name.clone();
         let mut local_route = None;
@@ -262,7 +262,7 @@ impl Node {
                         continue;
                     }
                 };
-                let seen_unix = now_nanos().saturating_sub(ann.seen.elapsed().as_nanos() as u64);
+                let seen_unix = UnixNanos::now().saturating_sub(ann.seen.elapsed());
                 let target = {
                     let mut table = lock(&node.pending_targets);
                     let hit = table.get_mut(&Mac::from(ann.mac)).and_then(|list| {

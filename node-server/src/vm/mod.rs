@@ -30,6 +30,7 @@ use crate::ipam::{Family, Take};
 use crate::kernel::{self, AnnounceKind, Announcements};
 use crate::mac::Mac;
 use crate::store::{Attachment, AttachmentKey};
+use crate::time::{UnixMillis, UnixNanos};
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -93,7 +94,7 @@ pub struct CutoverTiming {
     /// The record's generation after it.
     pub generation: u64,
     /// When the trigger was seen, ns since the epoch.
-    pub seen_unix_nanos: u64,
+    pub seen_unix_nanos: UnixNanos,
     /// Trigger to the VM's route on this node, when the new active pod is
     /// local.
     pub local_route: Option<Duration>,
@@ -109,7 +110,7 @@ pub struct RouteUpdateTiming {
     /// The record's generation the routes now follow.
     pub generation: u64,
     /// When the routes were in place, ns since the epoch.
-    pub done_unix_nanos: u64,
+    pub done_unix_nanos: UnixNanos,
     /// From the record's last cutover trigger (another node's clock, if
     /// another node promoted) to the routes in place here.
     pub since_trigger: Option<Duration>,

@@ -87,7 +87,7 @@ impl Node {
             ifname: inv.ifname.clone(),
             pod_name: inv.args.pod_name.clone(),
             pod_uid: inv.args.pod_uid.clone(),
-            since_unix_ms: now_ms(),
+            since_unix_ms: UnixMillis::now(),
         }
     }
 
@@ -174,7 +174,7 @@ impl Node {
             active: Some(this.clone()),
             alternate: None,
             generation: 1,
-            created_unix_ms: now_ms(),
+            created_unix_ms: UnixMillis::now(),
             last_cutover: None,
         };
         let placed = |rec: VmRecord| Placement {
@@ -265,7 +265,7 @@ impl Node {
             ifname: a.key.ifname.clone(),
             pod_name: None,
             pod_uid: None,
-            since_unix_ms: 0,
+            since_unix_ms: UnixMillis::EPOCH,
         };
         let (rec, rev) = match self
             .vms

@@ -20,12 +20,12 @@
 
 use crate::control::{self, BoxFut, Cmp, ControlStore, Event, Follower, Kv, Op};
 use crate::error::{Error, Result};
+use crate::time::{UnixMillis, UnixNanos};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
 
 /// The annotation naming the VM (the libvirt domain) of a virt-launcher pod.
@@ -94,8 +94,8 @@ pub struct VmAttachment {
     /// K8S_POD_UID, when the runtime sent it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_uid: Option<String>,
-    /// When it was recorded, ms since the epoch.
-    pub since_unix_ms: u64,
+    /// When it was recorded (stored as ms since the epoch).
+    pub since_unix_ms: UnixMillis,
 }
 
 impl VmAttachment {
@@ -180,7 +180,7 @@ pub struct CutoverInfo {
     pub to_node: String,
     /// When the trigger was seen, ns since the epoch (the promoting node's
     /// clock). Every node times its route change from this.
-    pub seen_unix_nanos: u64,
+    pub seen_unix_nanos: UnixNanos,
 }
 
 /// A VM interface's addresses and where its pods are.
@@ -203,8 +203,8 @@ pub struct VmRecord {
     pub alternate: Option<VmAttachment>,
     /// Increases with every change.
     pub generation: u64,
-    /// When the record was created, ms since the epoch.
-    pub created_unix_ms: u64,
+    /// When the record was created (stored as ms since the epoch).
+    pub created_unix_ms: UnixMillis,
     /// The last cutover.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_cutover: Option<CutoverInfo>,
@@ -299,22 +299,6 @@ impl Keys {
         }
         VmKey::new(ns, vm, iface).ok()
     }
-}
-
-/// Milliseconds since the epoch.
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
-/// Nanoseconds since the epoch.
-pub fn now_nanos() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
 }
 
 fn to_json<T: Serialize>(v: &T) -> Result<Vec<u8>> {
@@ -467,6 +451,7 @@ impl VmRegistry {
                 }],
             )
             .await
+            .map_err(Error::from)
     }
 
     /// Deletes a record and its index keys if it is unchanged since `rev`.
@@ -480,6 +465,7 @@ impl VmRegistry {
         self.store
             .commit(vec![Cmp::Unchanged(path, rev)], ops)
             .await
+            .map_err(Error::from)
     }
 
     /// Changes a record by compare-and-swap: reads it (from the view first,
@@ -544,7 +530,7 @@ impl Follower for VmRegistry {
         self.view.send_modify(|v| v.synced = false);
     }
 
-    fn list_again(&self) -> BoxFut<'_, i64> {
+    fn list_again(&self) -> BoxFut<'_, i64, Error> {
         Box::pin(self.relist())
     }
 }
@@ -564,7 +550,7 @@ mod tests {
             active: None,
             alternate: None,
             generation: 1,
-            created_unix_ms: 1,
+            created_unix_ms: UnixMillis::from_millis(1),
             last_cutover: None,
         }
     }
@@ -658,7 +644,7 @@ mod tests {
                     ifname: "eth0".into(),
                     pod_name: None,
                     pod_uid: None,
-                    since_unix_ms: 0,
+                    since_unix_ms: UnixMillis::EPOCH,
                 });
                 Ok(true)
             })

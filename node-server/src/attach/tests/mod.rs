@@ -22,9 +22,9 @@ use super::{Node, NodeConfig, Reconciled};
 use crate::cni::{parse_request, Invocation};
 use crate::control::embedded::EmbeddedStore;
 use crate::control::ControlStore;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::kernel::fake::{FakeHost, FakeKernel};
-use crate::store::{Attachment, AttachmentKey, Fsync, LocalStore, Store};
+use crate::store::{Attachment, AttachmentKey, Fsync, LocalStore, Store, StoreError};
 use crate::vm::{VmRegistry, DOMAIN_ANNOTATION, MIGRATION_JOB_ANNOTATION};
 
 /// Every CNI_* variable, as set by a well-behaved runtime.
@@ -361,25 +361,34 @@ impl Store for FlakyStore {
         self.inner.location()
     }
 
-    fn load(&self) -> Result<Vec<Attachment>> {
+    fn load(&self) -> Result<Vec<Attachment>, StoreError> {
         self.inner.load()
     }
 
-    fn insert(&self, attachment: &Attachment) -> Result<()> {
+    fn insert(&self, attachment: &Attachment) -> Result<(), StoreError> {
         if self.faults.insert.load(Ordering::SeqCst) {
-            return Err(Error::Store("injected insert failure".into()));
+            return Err(injected("insert"));
         }
         self.inner.insert(attachment)
     }
 
-    fn remove(&self, keys: &[AttachmentKey]) -> Result<()> {
+    fn remove(&self, keys: &[AttachmentKey]) -> Result<(), StoreError> {
         if self.faults.remove.load(Ordering::SeqCst) {
-            return Err(Error::Store("injected remove failure".into()));
+            return Err(injected("remove"));
         }
         self.inner.remove(keys)
     }
 
-    fn probe(&self) -> Result<()> {
+    fn probe(&self) -> Result<(), StoreError> {
         self.inner.probe()
+    }
+}
+
+/// The error a [`FlakyStore`] returns: a failed write, as a full disk
+/// would give.
+fn injected(what: &'static str) -> StoreError {
+    StoreError::Io {
+        context: format!("injected {what} failure").into(),
+        cause: std::io::Error::other("injected"),
     }
 }
