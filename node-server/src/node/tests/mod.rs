@@ -7,6 +7,7 @@
 #![allow(dead_code)]
 
 mod attach;
+mod vm;
 
 use std::net::IpAddr;
 use std::path::PathBuf;
