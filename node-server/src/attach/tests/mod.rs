@@ -7,6 +7,7 @@
 #![allow(dead_code)]
 
 mod attach;
+mod vm;
 
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -95,7 +96,12 @@ impl TestNode {
         let dir = tempfile::tempdir().expect("tempdir");
         let control: Arc<dyn ControlStore> = match opts.control.clone() {
             Some(c) => c,
-            None => Arc::new(EmbeddedStore::open(&dir.path().join("control")).expect("control")),
+            None => {
+                // The embedded store writes its file into an existing dir.
+                let path = dir.path().join("control");
+                std::fs::create_dir_all(&path).expect("control dir");
+                Arc::new(EmbeddedStore::open(&path).expect("control"))
+            }
         };
         let kernel = FakeKernel::new();
         let host = Arc::new(FakeHost::new());
