@@ -20,7 +20,7 @@ impl Node {
         }
         // A block taken back may hold VM addresses: mark them before any
         // allocation from it.
-        let view = self.vms.view().clone();
+        let view = self.vm.records.view().clone();
         self.sync_reservations(&view);
         Ok(())
     }
@@ -79,7 +79,7 @@ impl Node {
                 None => format!("{ip} is held by attachment {}{pod}", a.key),
             };
         }
-        if let Some(r) = self.vms.view().holder_of_ip(ip) {
+        if let Some(r) = self.vm.records.view().holder_of_ip(ip) {
             return format!("{ip} is held by VM {}", r.key);
         }
         format!("{ip} is being given to another pod at this moment")
@@ -96,7 +96,7 @@ impl Node {
                 None => format!("MAC {mac} is held by attachment {}", a.key),
             }));
         }
-        if let Some(r) = self.vms.view().holder_of_mac(mac) {
+        if let Some(r) = self.vm.records.view().holder_of_mac(mac) {
             if Some(&r.key) != vm {
                 return Err(Error::AddressInUse(format!(
                     "MAC {mac} is held by VM {}",
@@ -159,7 +159,7 @@ impl Node {
             // Nobody's block yet (or ours, not yet in the pools): claim it.
             let block = cluster.reclaim_block_of(ip).await?;
             lock(&self.pools).add_block(block)?;
-            let view = self.vms.view().clone();
+            let view = self.vm.records.view().clone();
             self.sync_reservations(&view);
         }
         Err(Error::AddressNotInPool(format!(

@@ -4,16 +4,30 @@
 
 use super::*;
 
+/// The link reaper's state.
+#[derive(Default)]
+pub(crate) struct LinkReaper {
+    /// Background link deletions by host interface name. An ADD that needs
+    /// the same name waits for the deletion, or the late deletion would
+    /// remove the new pod's veth.
+    pub(crate) deleting: Arc<Mutex<HashMap<String, Arc<Notify>>>>,
+    /// Veths waiting for the deletion worker, which deletes everything
+    /// queued in one kernel batch.
+    pub(crate) doomed: Arc<Mutex<Vec<String>>>,
+    /// Wakes the deletion worker.
+    pub(crate) queued: Arc<Notify>,
+}
+
 impl Node {
     /// Kernel link deletions still running after their DEL replied.
     pub fn link_deletions_in_flight(&self) -> u64 {
-        lock(&self.deleting).len() as u64
+        lock(&self.reaper.deleting).len() as u64
     }
 
     /// Waits until no background deletion of `host_ifname` is running.
     pub(crate) async fn wait_for_deletion(&self, host_ifname: &str) {
         loop {
-            let Some(done) = lock(&self.deleting).get(host_ifname).cloned() else {
+            let Some(done) = lock(&self.reaper.deleting).get(host_ifname).cloned() else {
                 return;
             };
             let notified = done.notified();
@@ -21,7 +35,7 @@ impl Node {
             // Register before re-checking, so a wake-up between the check
             // and the wait is not lost.
             notified.as_mut().enable();
-            if !lock(&self.deleting).contains_key(host_ifname) {
+            if !lock(&self.reaper.deleting).contains_key(host_ifname) {
                 return;
             }
             notified.await;
@@ -34,11 +48,11 @@ impl Node {
     pub(crate) fn delete_link_later(&self, host_ifname: String) {
         // A name already pending (a repeated DEL) keeps its entry, so that
         // an ADD already waiting on it is woken with the batch.
-        lock(&self.deleting)
+        lock(&self.reaper.deleting)
             .entry(host_ifname.clone())
             .or_insert_with(|| Arc::new(Notify::new()));
-        lock(&self.doomed).push(host_ifname);
-        self.doomed_queued.notify_one();
+        lock(&self.reaper.doomed).push(host_ifname);
+        self.reaper.queued.notify_one();
     }
 
     /// The deletion worker: takes everything queued and deletes it in one
@@ -52,9 +66,9 @@ impl Node {
     /// 26 ms instead of 14 ms (debug build, measured here).
     pub(crate) fn spawn_deletion_worker(&self) -> Result<()> {
         let kernel = self.kernel.second_socket()?;
-        let deleting = self.deleting.clone();
-        let doomed = self.doomed.clone();
-        let queued = self.doomed_queued.clone();
+        let deleting = self.reaper.deleting.clone();
+        let doomed = self.reaper.doomed.clone();
+        let queued = self.reaper.queued.clone();
         let delay = self.config.test_delete_delay;
         tokio::spawn(async move {
             loop {

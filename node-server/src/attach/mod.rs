@@ -24,8 +24,9 @@ mod status;
 #[cfg(test)]
 mod tests;
 
-use crate::routing;
+use crate::routing::{self, manager::RouteState};
 use crate::vm;
+use link_reaper::LinkReaper;
 use reconcile::rebooted_since_last_run;
 
 pub use crate::vm::{CutoverTiming, RouteUpdateTiming, VmStats};
@@ -38,7 +39,7 @@ use crate::kernel::{self, Host, Kernel, PodNetns, PodWiring};
 use crate::mac::Mac;
 use crate::store::{Attachment, AttachmentKey, Store};
 use crate::time::UnixNanos;
-use crate::vm::VmRegistry;
+use crate::vm::{VmRegistry, VmState};
 use ipnet::IpNet;
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
@@ -100,35 +101,12 @@ pub struct Node {
     /// Held shared by per-attachment verbs and exclusively by GC, whose
     /// orphan sweep must not see an ADD half done.
     pub(crate) sweep: RwLock<()>,
-    /// Background link deletions by host interface name. An ADD that needs
-    /// the same name waits for the deletion, or the late deletion would
-    /// remove the new pod's veth.
-    pub(crate) deleting: Arc<Mutex<HashMap<String, Arc<Notify>>>>,
-    /// Veths waiting for the deletion worker, which deletes everything
-    /// queued in one kernel batch.
-    pub(crate) doomed: Arc<Mutex<Vec<String>>>,
-    /// Wakes the deletion worker.
-    pub(crate) doomed_queued: Arc<Notify>,
-    /// KubeVirt VM address records.
-    pub(crate) vms: Arc<VmRegistry>,
-    /// Addresses of this node's pools that VM records hold, with the store
-    /// revision they were known held at: they stay in use while no local
-    /// pod has them, and are freed once a view at least that recent no
-    /// longer shows them.
-    pub(crate) vm_held: Mutex<HashMap<IpAddr, i64>>,
-    /// Migration targets on this node waiting for their VM's announcement,
-    /// by the VM's MAC.
-    pub(crate) pending_targets: Mutex<HashMap<Mac, Vec<vm::PendingTarget>>>,
-    /// The VM routes as last programmed, per VM; `None` forces the next
-    /// sync to touch the kernel.
-    pub(crate) vm_wants: Mutex<Option<HashMap<crate::vm::VmKey, vm::Want>>>,
-    /// Wakes the VM sync.
-    pub(crate) vm_resync: Notify,
-    /// The first pass over the cluster routes, at start-up, failed: the
-    /// route manager starts by retrying it.
-    pub(crate) cluster_routes_failed: std::sync::atomic::AtomicBool,
-    /// Cutover counters and timings.
-    pub(crate) vm_stats: Mutex<VmStats>,
+    /// Veths of released attachments, deleted after the reply.
+    pub(crate) reaper: LinkReaper,
+    /// KubeVirt VMs: the records and this node's VM state.
+    pub(crate) vm: VmState,
+    /// The route manager's state.
+    pub(crate) routes: RouteState,
 }
 
 /// Holds an attachment's lock; frees the table entry when nobody else waits.
@@ -301,16 +279,9 @@ impl Node {
             attachments: Mutex::new(attachments),
             key_locks: Mutex::new(HashMap::new()),
             sweep: RwLock::new(()),
-            deleting: Arc::new(Mutex::new(HashMap::new())),
-            doomed: Arc::new(Mutex::new(Vec::new())),
-            doomed_queued: Arc::new(Notify::new()),
-            vms,
-            vm_held: Mutex::new(HashMap::new()),
-            pending_targets: Mutex::new(HashMap::new()),
-            vm_wants: Mutex::new(None),
-            vm_resync: Notify::new(),
-            cluster_routes_failed: Default::default(),
-            vm_stats: Mutex::new(VmStats::default()),
+            reaper: LinkReaper::default(),
+            vm: VmState::new(vms),
+            routes: RouteState::default(),
         };
         node.sync_reservations(&vm_view);
         node.spawn_deletion_worker()?;
@@ -338,7 +309,8 @@ impl Node {
                     tracing::warn!(error = %e, "cannot program the cluster routes yet; retrying")
                 }
             }
-            node.cluster_routes_failed
+            node.routes
+                .cluster_failed
                 .store(first.is_err(), std::sync::atomic::Ordering::Relaxed);
         }
         // VMs that moved or stopped while the daemon was away: their routes

@@ -1,5 +1,6 @@
 //! The route manager: applies the routes the plan wants.
 
+use super::plan::Want;
 use super::plan::{self, ClusterSide, VmPlan};
 use crate::attach::{lock, Node};
 use crate::cluster::{vtep_mac, vtep_underlay, Cluster, ClusterView, Overlay};
@@ -9,17 +10,33 @@ use crate::store::{Attachment, AttachmentKey};
 use crate::time::UnixNanos;
 use crate::vm::records::VmView;
 use crate::vm::RouteUpdateTiming;
+use crate::vm::VmKey;
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
-use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::Notify;
+
+/// What the route manager keeps between passes.
+#[derive(Default)]
+pub(crate) struct RouteState {
+    /// The VM routes as last programmed, per VM; `None` forces the next
+    /// pass to touch the kernel.
+    pub(crate) vm_applied: Mutex<Option<HashMap<VmKey, Want>>>,
+    /// Wakes the manager for a pass.
+    pub(crate) resync: Notify,
+    /// The first pass over the cluster routes, at start-up, failed: the
+    /// manager starts by retrying it.
+    pub(crate) cluster_failed: AtomicBool,
+}
 
 impl Node {
     /// Makes the next VM sync touch the kernel even if the records did not
     /// change (a route may have been removed under it).
     pub(crate) fn force_vm_resync(&self) {
-        *lock(&self.vm_wants) = None;
-        self.vm_resync.notify_one();
+        *lock(&self.routes.vm_applied) = None;
+        self.routes.resync.notify_one();
     }
 
     /// Brings this node in line with the VM records: pool reservations,
@@ -50,7 +67,7 @@ impl Node {
         } = plan::vm_routes(me, view, &local, side.as_ref());
         self.refresh_pending(pending, view).await;
 
-        let previous = lock(&self.vm_wants).clone();
+        let previous = lock(&self.routes.vm_applied).clone();
         if previous.as_ref() == Some(&wants) {
             return Ok(());
         }
@@ -91,7 +108,7 @@ impl Node {
                 .as_ref()
                 .map_or(UnixNanos::EPOCH, |c| c.seen_unix_nanos)
         }) {
-            let mut stats = lock(&self.vm_stats);
+            let mut stats = lock(&self.vm.stats);
             stats.route_updates += 1;
             stats.last_route_update = Some(RouteUpdateTiming {
                 vm: latest.key.clone(),
@@ -103,7 +120,7 @@ impl Node {
                     .map(|c| done.saturating_duration_since(c.seen_unix_nanos)),
             });
         }
-        *lock(&self.vm_wants) = Some(wants);
+        *lock(&self.routes.vm_applied) = Some(wants);
         Ok(())
     }
 
@@ -115,7 +132,7 @@ impl Node {
     pub(crate) fn spawn_route_manager(self: &Arc<Self>, cluster_failing: bool) {
         let node = self.clone();
         tokio::spawn(async move {
-            let mut rx = node.vms.subscribe();
+            let mut rx = node.vm.records.subscribe();
             let mut cluster_rx = node.cluster.as_ref().map(|c| c.subscribe());
             let mut cluster_failing = cluster_failing;
             let mut cluster_dirty = cluster_failing;
@@ -137,7 +154,7 @@ impl Node {
                 tokio::select! {
                     r = rx.changed() => if r.is_err() { return },
                     changed = cluster_changed => cluster_dirty |= changed,
-                    () = node.vm_resync.notified() => {},
+                    () = node.routes.resync.notified() => {},
                     () = retry => cluster_dirty |= cluster_failing,
                 }
                 if let (Some(c), Some(crx), true) =
@@ -186,7 +203,7 @@ impl Node {
                         if !vm_failing {
                             tracing::warn!(error = %e, "programming VM routes failed; retrying every 500 ms");
                         }
-                        *lock(&node.vm_wants) = None;
+                        *lock(&node.routes.vm_applied) = None;
                         vm_failing = true;
                     }
                 }

@@ -31,7 +31,7 @@ impl Node {
             None => kernel::pod_mac(&ips),
         }
         .to_string();
-        if let Some((rec, _)) = self.vms.read(&key).await? {
+        if let Some((rec, _)) = self.vm.records.read(&key).await? {
             let (mut want, mut have) = (ips.clone(), rec.ips.clone());
             want.sort();
             have.sort();
@@ -57,7 +57,7 @@ impl Node {
             created_unix_ms: UnixMillis::now(),
             last_cutover: None,
         };
-        match self.vms.create(&rec).await {
+        match self.vm.records.create(&rec).await {
             Ok(Ok(rev)) => {
                 self.mark_vm_held(&ips, rev);
                 tracing::info!(vm = %key, ?ips, mac = %rec.mac, "reserved a VM address");
@@ -86,7 +86,8 @@ impl Node {
     /// unless `force`.
     pub async fn release_vm(&self, key: &VmKey, force: bool) -> Result<VmRecord> {
         let (rec, rev) = self
-            .vms
+            .vm
+            .records
             .read(key)
             .await?
             .ok_or_else(|| Error::UnknownVm(key.to_string()))?;
@@ -97,7 +98,7 @@ impl Node {
                 pods.join(" and ")
             )));
         }
-        match self.vms.delete(&rec, rev).await? {
+        match self.vm.records.delete(&rec, rev).await? {
             Some(_) => {
                 tracing::info!(vm = %key, ips = ?rec.ips, force, "released a VM's address");
                 Ok(rec)

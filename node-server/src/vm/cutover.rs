@@ -52,7 +52,7 @@ impl Node {
         let Ok(mac) = Mac::parse_pod(mac, "pod MAC") else {
             return;
         };
-        let mut pending = lock(&self.pending_targets);
+        let mut pending = lock(&self.vm.pending);
         let list = pending.entry(mac).or_default();
         if !list.contains(&p) {
             list.push(p);
@@ -81,7 +81,8 @@ impl Node {
         }
         let want = only.map(|a| (a.key.clone(), me.clone()));
         let outcome = self
-            .vms
+            .vm
+            .records
             .update(vm, |r| {
                 let Some(alt) = &r.alternate else {
                     return match &want {
@@ -114,7 +115,7 @@ impl Node {
                 // The VM runs here, so the local route stays; the next
                 // announcement (QEMU sends several) tries the write again.
                 if let Some(a) = only {
-                    let generation = self.vms.cached(vm).map_or(0, |(r, _)| r.generation);
+                    let generation = self.vm.records.cached(vm).map_or(0, |(r, _)| r.generation);
                     if let Some(ifindex) =
                         self.kernel.link_index(&a.host_ifname).await.ok().flatten()
                     {
@@ -170,7 +171,7 @@ impl Node {
             committed_ms = committed_after.as_secs_f64() * 1e3,
             "VM cut over"
         );
-        let mut stats = lock(&self.vm_stats);
+        let mut stats = lock(&self.vm.stats);
         stats.cutovers += 1;
         stats.last_cutover = Some(CutoverTiming {
             vm: vm.clone(),
@@ -190,7 +191,7 @@ impl Node {
         found: HashMap<Mac, Vec<FoundTarget>>,
         view: &VmView,
     ) {
-        let old: Vec<(Mac, PendingTarget)> = lock(&self.pending_targets)
+        let old: Vec<(Mac, PendingTarget)> = lock(&self.vm.pending)
             .iter()
             .flat_map(|(mac, list)| list.iter().map(|p| (*mac, p.clone())))
             .collect();
@@ -229,7 +230,7 @@ impl Node {
                 }
             }
         }
-        *lock(&self.pending_targets) = table;
+        *lock(&self.vm.pending) = table;
     }
 
     /// Starts the background tasks: the listener for migrated VMs' announcements and
@@ -245,7 +246,8 @@ impl Node {
             ),
         }
         self.spawn_route_manager(
-            self.cluster_routes_failed
+            self.routes
+                .cluster_failed
                 .load(std::sync::atomic::Ordering::Relaxed),
         );
     }
@@ -264,7 +266,7 @@ impl Node {
                 };
                 let seen_unix = UnixNanos::now().saturating_sub(ann.seen.elapsed());
                 let target = {
-                    let mut table = lock(&node.pending_targets);
+                    let mut table = lock(&node.vm.pending);
                     let hit = table.get_mut(&Mac::from(ann.mac)).and_then(|list| {
                         let i = list.iter().position(|p| p.ifindex == ann.ifindex)?;
                         Some(list.remove(i))

@@ -33,7 +33,7 @@ use crate::store::{Attachment, AttachmentKey};
 use crate::time::{UnixMillis, UnixNanos};
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The part a pod plays in its VM's record.
@@ -69,7 +69,35 @@ pub(crate) struct PendingTarget {
     pub generation: u64,
 }
 
-pub(crate) use crate::routing::plan::{FoundTarget, Want};
+pub(crate) use crate::routing::plan::FoundTarget;
+
+/// This node's VM state: the records, and what the node keeps beside them.
+pub struct VmState {
+    /// KubeVirt VM address records.
+    pub(crate) records: Arc<VmRegistry>,
+    /// Addresses of this node's pools that VM records hold, with the store
+    /// revision they were known held at: they stay in use while no local
+    /// pod has them, and are freed once a view at least that recent no
+    /// longer shows them.
+    pub(crate) held: Mutex<HashMap<IpAddr, i64>>,
+    /// Migration targets on this node waiting for their VM's announcement,
+    /// by the VM's MAC.
+    pub(crate) pending: Mutex<HashMap<Mac, Vec<PendingTarget>>>,
+    /// Cutover counters and timings.
+    pub(crate) stats: Mutex<VmStats>,
+}
+
+impl VmState {
+    /// The state of a node that has seen no VM yet.
+    pub fn new(records: Arc<VmRegistry>) -> Self {
+        Self {
+            records,
+            held: Mutex::default(),
+            pending: Mutex::default(),
+            stats: Mutex::default(),
+        }
+    }
+}
 
 /// Counters and timings of VM cutovers and route changes on this node.
 #[derive(Debug, Clone, Default)]

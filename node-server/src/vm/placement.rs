@@ -51,12 +51,12 @@ pub(super) fn join(ips: &[IpAddr]) -> String {
 impl Node {
     /// The VM records.
     pub fn vms(&self) -> &Arc<crate::vm::VmRegistry> {
-        &self.vms
+        &self.vm.records
     }
 
     /// Cutover counters and timings.
     pub fn vm_stats(&self) -> VmStats {
-        lock(&self.vm_stats).clone()
+        lock(&self.vm.stats).clone()
     }
 
     /// True when the node should route the attachment's addresses to it:
@@ -65,7 +65,7 @@ impl Node {
         let Some(key) = &a.vm else {
             return true;
         };
-        let view = self.vms.view();
+        let view = self.vm.records.view();
         view.records
             .get(key)
             .and_then(|(r, _)| r.active.as_ref())
@@ -106,7 +106,7 @@ impl Node {
     ) -> Result<Placement> {
         let this = self.this_attachment(inv);
         for _attempt in 0..8 {
-            let Some((mut rec, rev)) = self.vms.read(&pod.key).await? else {
+            let Some((mut rec, rev)) = self.vm.records.read(&pod.key).await? else {
                 match self.create_vm_record(pod, req, &this).await? {
                     Some(p) => return Ok(p),
                     None => continue,
@@ -132,7 +132,7 @@ impl Node {
                 Role::Active
             };
             rec.generation += 1;
-            if self.vms.replace(&rec, rev).await?.is_some() {
+            if self.vm.records.replace(&rec, rev).await?.is_some() {
                 tracing::info!(vm = %pod.key, role = ?role, generation = rec.generation, "VM pod placed");
                 return Ok(Placement {
                     rec,
@@ -183,7 +183,7 @@ impl Node {
             created: true,
             this: this.clone(),
         };
-        match self.vms.create(&rec).await {
+        match self.vm.records.create(&rec).await {
             Ok(Ok(rev)) => {
                 self.mark_vm_held(&ips, rev);
                 tracing::info!(vm = %pod.key, ips = ?ips, mac = %rec.mac, "VM address record created");
@@ -201,7 +201,7 @@ impl Node {
             }
             Err(e) => {
                 // The outcome is unknown: the record tells.
-                match self.vms.read(&pod.key).await {
+                match self.vm.records.read(&pod.key).await {
                     Ok(Some((found, rev))) if found.active.as_ref() == Some(this) => {
                         self.mark_vm_held(&ips, rev);
                         Ok(Some(placed(found)))
@@ -226,17 +226,18 @@ impl Node {
     pub(crate) async fn undo_placement(&self, p: &Placement) {
         let key = p.rec.key.clone();
         let outcome = if p.created {
-            match self.vms.read(&key).await {
+            match self.vm.records.read(&key).await {
                 Ok(Some((rec, rev)))
                     if rec.active.as_ref() == Some(&p.this) && rec.alternate.is_none() =>
                 {
-                    self.vms.delete(&rec, rev).await.map(|_| ())
+                    self.vm.records.delete(&rec, rev).await.map(|_| ())
                 }
                 Ok(_) => Ok(()),
                 Err(e) => Err(e),
             }
         } else {
-            self.vms
+            self.vm
+                .records
                 .update(&key, |r| Ok(remove_attachment(r, &p.this)))
                 .await
                 .map(|_| ())
@@ -268,7 +269,8 @@ impl Node {
             since_unix_ms: UnixMillis::EPOCH,
         };
         let (rec, rev) = match self
-            .vms
+            .vm
+            .records
             .update(vm, |r| Ok(remove_attachment(r, &this)))
             .await
         {
@@ -284,10 +286,10 @@ impl Node {
         if policy == VmAddressPolicy::Ephemeral && rec.attachments().next().is_none() {
             let rev = match rev {
                 Some(r) => Some(r),
-                None => self.vms.read(vm).await?.map(|(_, r)| r),
+                None => self.vm.records.read(vm).await?.map(|(_, r)| r),
             };
             if let Some(rev) = rev {
-                if self.vms.delete(&rec, rev).await?.is_some() {
+                if self.vm.records.delete(&rec, rev).await?.is_some() {
                     tracing::info!(vm = %vm, ips = ?rec.ips, "released the address of an ephemeral VM with its last pod");
                 }
             }

@@ -10,7 +10,7 @@ impl Node {
     pub(crate) fn free_ips(&self, ips: &[IpAddr]) {
         let attachments = lock(&self.attachments);
         let mut pools = lock(&self.pools);
-        let held = lock(&self.vm_held);
+        let held = lock(&self.vm.held);
         let free: Vec<IpAddr> = ips
             .iter()
             .copied()
@@ -28,7 +28,7 @@ impl Node {
     /// pool addresses (before the watch reports it).
     pub(crate) fn mark_vm_held(&self, ips: &[IpAddr], revision: i64) {
         let pools = lock(&self.pools);
-        let mut held = lock(&self.vm_held);
+        let mut held = lock(&self.vm.held);
         for &ip in ips.iter().filter(|ip| pools.contains(**ip)) {
             let e = held.entry(ip).or_insert(revision);
             *e = (*e).max(revision);
@@ -44,7 +44,7 @@ impl Node {
         }
         let attachments = lock(&self.attachments);
         let mut pools = lock(&self.pools);
-        let mut held = lock(&self.vm_held);
+        let mut held = lock(&self.vm.held);
         let want: HashSet<IpAddr> = view
             .records
             .values()
