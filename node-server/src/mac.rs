@@ -139,6 +139,22 @@ impl fmt::Display for Mac {
     }
 }
 
+/// Records store a MAC in its [`Display`](fmt::Display) form and read it
+/// back with [`FromStr`] (either case), as they did when they held strings.
+impl serde::Serialize for Mac {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Mac {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let text = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        text.parse()
+            .map_err(|_| serde::de::Error::custom(format!("{text:?} is not a MAC address")))
+    }
+}
+
 impl From<[u8; 6]> for Mac {
     fn from(octets: [u8; 6]) -> Self {
         Mac(octets)
@@ -247,5 +263,20 @@ mod tests {
             err.to_string().contains("\"0a:58\" is not a MAC address"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn records_keep_the_text_form_they_always_had() {
+        let mac: Mac = "0a:58:0a:01:00:05".parse().unwrap();
+        assert_eq!(
+            serde_json::to_string(&mac).unwrap(),
+            "\"0a:58:0a:01:00:05\""
+        );
+        // Either case reads back; the colon form only.
+        let upper: Mac = serde_json::from_str("\"0A:58:0A:01:00:05\"").unwrap();
+        assert_eq!(upper, mac);
+        let err = serde_json::from_str::<Mac>("\"0a-58-0a-01-00-05\"").unwrap_err();
+        assert!(err.to_string().contains("is not a MAC address"), "{err}");
+        assert!(serde_json::from_str::<Mac>("5").is_err());
     }
 }

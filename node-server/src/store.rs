@@ -6,6 +6,7 @@
 //! Backends sit behind [`Store`]; the embedded `local` backend (a snapshot
 //! plus a checksummed append-only journal) is the default.
 
+use crate::mac::Mac;
 use crate::time::UnixNanos;
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
@@ -45,7 +46,7 @@ pub struct Attachment {
     /// Pod addresses (one per family), routed as /32 and /128.
     pub ips: Vec<IpAddr>,
     /// The pod interface's MAC, "0a:58:..".
-    pub mac: String,
+    pub mac: Mac,
     /// The node-side veth name.
     pub host_ifname: String,
     /// The MTU of both ends.
@@ -660,7 +661,7 @@ mod tests {
             },
             netns: "/run/netns/x".into(),
             ips: ips.iter().map(|s| s.parse().unwrap()).collect(),
-            mac: "0a:58:0a:00:00:02".into(),
+            mac: "0a:58:0a:00:00:02".parse().expect("test MAC"),
             host_ifname: "tth000000000000".into(),
             mtu: 1500,
             created_unix_nanos: UnixNanos::from_nanos(1),

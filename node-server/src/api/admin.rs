@@ -57,7 +57,7 @@ fn to_pb(a: &Attachment) -> pb::Attachment {
             .iter()
             .map(|ip| format!("{ip}/{}", if ip.is_ipv4() { 32 } else { 128 }))
             .collect(),
-        mac: a.mac.clone(),
+        mac: a.mac.to_string(),
         host_interface: a.host_ifname.clone(),
         created: a.created_unix_nanos.to_string(),
         pod_namespace: a.pod_namespace.clone().unwrap_or_default(),
@@ -109,7 +109,7 @@ fn vm_pb(r: &VmRecord) -> pb::Vm {
             .iter()
             .map(|ip| format!("{ip}/{}", if ip.is_ipv4() { 32 } else { 128 }))
             .collect(),
-        mac: r.mac.clone(),
+        mac: r.mac.to_string(),
         origin: r.origin.name().into(),
         active: r.active.as_ref().map(pod_pb),
         alternate: r.alternate.as_ref().map(pod_pb),

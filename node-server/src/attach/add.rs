@@ -42,8 +42,7 @@ impl Node {
         let (ips, mac, placement) = match &vm_pod {
             Some(pod) => {
                 let p = self.place_vm(inv, pod, &requested).await?;
-                let mac = Mac::parse_pod(&p.rec.mac, "the VM record's MAC")?;
-                (p.rec.ips.clone(), mac, Some(p))
+                (p.rec.ips.clone(), p.rec.mac, Some(p))
             }
             None => {
                 let ips = self.addresses_for(&requested).await?;
@@ -63,7 +62,7 @@ impl Node {
             key: key.clone(),
             netns: netns_path.display().to_string(),
             ips: ips.clone(),
-            mac: mac.to_string(),
+            mac,
             host_ifname: host_ifname.clone(),
             mtu,
             created_unix_nanos: started,
@@ -146,7 +145,7 @@ impl Node {
                 netns_path.display()
             )));
         }
-        let wiring = wiring(&a, stored_mac(&a)?, netns, self.routed_here(&a));
+        let wiring = wiring(&a, a.mac, netns, self.routed_here(&a));
         match self.kernel.check(&wiring).await {
             Ok(()) => {}
             // Only a real difference is repaired; a failure to look (the

@@ -86,10 +86,10 @@ impl Node {
     }
 
     /// Fails if `mac` belongs to a local pod or a VM other than `vm`.
-    pub(crate) fn check_mac_free(&self, mac: &str, vm: Option<&VmKey>) -> Result<()> {
+    pub(crate) fn check_mac_free(&self, mac: Mac, vm: Option<&VmKey>) -> Result<()> {
         if let Some(a) = lock(&self.attachments)
             .values()
-            .find(|a| a.mac.eq_ignore_ascii_case(mac) && (a.vm.is_none() || a.vm.as_ref() != vm))
+            .find(|a| a.mac == mac && (a.vm.is_none() || a.vm.as_ref() != vm))
         {
             return Err(Error::AddressInUse(match &a.vm {
                 Some(holder) => format!("MAC {mac} is held by VM {holder} (attachment {})", a.key),
@@ -197,7 +197,7 @@ impl Node {
     pub(crate) fn mac_for(&self, req: &Requested, ips: &[IpAddr]) -> Result<Mac> {
         match req.mac {
             Some(m) => {
-                self.check_mac_free(&m.to_string(), None)?;
+                self.check_mac_free(m, None)?;
                 Ok(m)
             }
             None => Ok(kernel::pod_mac(ips)),

@@ -19,7 +19,7 @@ impl Node {
             ));
         }
         let netns = self.kernel.open_netns(&netns_path)?;
-        let wiring = wiring(&a, stored_mac(&a)?, &netns, self.routed_here(&a));
+        let wiring = wiring(&a, a.mac, &netns, self.routed_here(&a));
         self.kernel.check(&wiring).await?;
         cni::check_prev_result(&inv.conf, &wired(&a))?;
         // A migration target whose pod is now marked ready: the runtime's

@@ -167,19 +167,12 @@ fn wiring<'a>(a: &'a Attachment, pod_mac: Mac, netns: &'a PodNetns, routed: bool
     }
 }
 
-/// The MAC a stored attachment was wired with.
-fn stored_mac(a: &Attachment) -> Result<Mac> {
-    a.mac
-        .parse::<Mac>()
-        .map_err(|_| Error::Internal(format!("bad stored MAC {}", a.mac)))
-}
-
 fn wired(a: &Attachment) -> cni::Wired {
     cni::Wired {
         host_ifname: a.host_ifname.clone(),
         host_mac: kernel::GATEWAY_MAC.to_string(),
         pod_ifname: a.key.ifname.clone(),
-        pod_mac: a.mac.clone(),
+        pod_mac: a.mac.to_string(),
         sandbox: a.netns.clone(),
         mtu: a.mtu,
         ips: a.ips.clone(),

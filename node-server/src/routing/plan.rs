@@ -171,8 +171,8 @@ pub fn vm_routes(
             None => {}
         }
         if let Some(alt) = rec.alternate.as_ref().filter(|x| x.node == me) {
-            if let (Some(a), Ok(mac)) = (local.get(&key_of(alt)), Mac::parse_pod(&rec.mac, "mac")) {
-                plan.targets.entry(mac).or_default().push((
+            if let Some(a) = local.get(&key_of(alt)) {
+                plan.targets.entry(rec.mac).or_default().push((
                     rec.key.clone(),
                     a.key.clone(),
                     a.host_ifname.clone(),

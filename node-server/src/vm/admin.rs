@@ -29,13 +29,12 @@ impl Node {
         let mac = match mac.as_deref().filter(|m| !m.is_empty()) {
             Some(m) => Mac::parse_pod(m, "mac")?,
             None => kernel::pod_mac(&ips),
-        }
-        .to_string();
+        };
         if let Some((rec, _)) = self.vm.records.read(&key).await? {
             let (mut want, mut have) = (ips.clone(), rec.ips.clone());
             want.sort();
             have.sort();
-            if want == have && rec.mac.eq_ignore_ascii_case(&mac) {
+            if want == have && rec.mac == mac {
                 return Ok(rec);
             }
             return Err(Error::VmState(format!(
@@ -44,7 +43,7 @@ impl Node {
                 rec.mac
             )));
         }
-        self.check_mac_free(&mac, Some(&key))?;
+        self.check_mac_free(mac, Some(&key))?;
         self.take_requested(&ips).await?;
         let rec = VmRecord {
             key: key.clone(),

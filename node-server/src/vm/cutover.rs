@@ -19,7 +19,7 @@ impl Node {
         }
         match self.kernel.link_index(&a.host_ifname).await {
             Ok(Some(ifindex)) => self.add_pending(
-                &a.mac,
+                a.mac,
                 PendingTarget {
                     vm: pod.key.clone(),
                     attachment: a.key.clone(),
@@ -48,10 +48,7 @@ impl Node {
         }
     }
 
-    pub(crate) fn add_pending(&self, mac: &str, p: PendingTarget) {
-        let Ok(mac) = Mac::parse_pod(mac, "pod MAC") else {
-            return;
-        };
+    pub(crate) fn add_pending(&self, mac: Mac, p: PendingTarget) {
         let mut pending = lock(&self.vm.pending);
         let list = pending.entry(mac).or_default();
         if !list.contains(&p) {
@@ -120,7 +117,7 @@ impl Node {
                         self.kernel.link_index(&a.host_ifname).await.ok().flatten()
                     {
                         self.add_pending(
-                            &a.mac,
+                            a.mac,
                             PendingTarget {
                                 generation,
                                 vm: vm.clone(),

@@ -30,8 +30,7 @@ pub(super) fn check_request_matches(rec: &VmRecord, req: &Requested) -> Result<(
         }
     }
     if let Some(mac) = req.mac {
-        let mac = mac.to_string();
-        if !rec.mac.eq_ignore_ascii_case(&mac) {
+        if rec.mac != mac {
             return Err(Error::AddressInUse(format!(
                 "VM {} holds MAC {}; it cannot be given {mac} (release it first with ReleaseVm)",
                 rec.key, rec.mac
@@ -157,8 +156,8 @@ impl Node {
         this: &VmAttachment,
     ) -> Result<Option<Placement>> {
         let ips = self.addresses_for(req).await?;
-        let mac = req.mac.unwrap_or_else(|| kernel::pod_mac(&ips)).to_string();
-        if let Err(e) = self.check_mac_free(&mac, Some(&pod.key)) {
+        let mac = req.mac.unwrap_or_else(|| kernel::pod_mac(&ips));
+        if let Err(e) = self.check_mac_free(mac, Some(&pod.key)) {
             self.free_ips(&ips);
             return Err(e);
         }

@@ -20,6 +20,7 @@
 
 use crate::control::{self, BoxFut, Cmp, ControlStore, Event, Follower, Kv, Op};
 use crate::error::{Error, Result};
+use crate::mac::Mac;
 use crate::time::{UnixMillis, UnixNanos};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -191,7 +192,7 @@ pub struct VmRecord {
     /// One address per family.
     pub ips: Vec<IpAddr>,
     /// The pod interface MAC, "0a:58:..", kept across pods.
-    pub mac: String,
+    pub mac: Mac,
     /// How the addresses were chosen.
     pub origin: Origin,
     /// The pod that receives the VM's traffic, if any pod runs.
@@ -237,12 +238,9 @@ impl VmView {
             .find(|r| r.ips.contains(&ip))
     }
 
-    /// The VM holding `mac` (any case), if any.
-    pub fn holder_of_mac(&self, mac: &str) -> Option<&VmRecord> {
-        self.records
-            .values()
-            .map(|(r, _)| r)
-            .find(|r| r.mac.eq_ignore_ascii_case(mac))
+    /// The VM holding `mac`, if any.
+    pub fn holder_of_mac(&self, mac: Mac) -> Option<&VmRecord> {
+        self.records.values().map(|(r, _)| r).find(|r| r.mac == mac)
     }
 }
 
@@ -287,8 +285,8 @@ impl Keys {
     fn addr(&self, ip: IpAddr) -> String {
         format!("{}vmaddrs/{ip}", self.root)
     }
-    fn mac(&self, mac: &str) -> String {
-        format!("{}vmmacs/{}", self.root, mac.to_ascii_lowercase())
+    fn mac(&self, mac: Mac) -> String {
+        format!("{}vmmacs/{mac}", self.root)
     }
     fn parse(&self, key: &str) -> Option<VmKey> {
         let rest = key.strip_prefix(&self.records())?;
@@ -399,7 +397,7 @@ impl VmRegistry {
         for ip in &rec.ips {
             index.push((ip.to_string(), self.keys.addr(*ip)));
         }
-        index.push((rec.mac.to_ascii_lowercase(), self.keys.mac(&rec.mac)));
+        index.push((rec.mac.to_string(), self.keys.mac(rec.mac)));
         let mut when = vec![Cmp::Absent(path.clone())];
         let mut ops = vec![Op::Put {
             key: path.clone(),
@@ -461,7 +459,7 @@ impl VmRegistry {
         for ip in &rec.ips {
             ops.push(Op::Delete(self.keys.addr(*ip)));
         }
-        ops.push(Op::Delete(self.keys.mac(&rec.mac)));
+        ops.push(Op::Delete(self.keys.mac(rec.mac)));
         self.store
             .commit(vec![Cmp::Unchanged(path, rev)], ops)
             .await
@@ -545,7 +543,7 @@ mod tests {
         VmRecord {
             key: VmKey::new("ns", name, "eth0").unwrap(),
             ips: vec![ip.parse().unwrap()],
-            mac: mac.into(),
+            mac: mac.parse().expect("test MAC"),
             origin: Origin::Allocated,
             active: None,
             alternate: None,
@@ -584,7 +582,7 @@ mod tests {
         assert_eq!(keys.parse("/tether/v1/vms/ns/vm"), None);
         assert_eq!(keys.parse("/tether/v1/vms/ns/vm/eth0/x"), None);
         assert_eq!(
-            keys.mac("0A:58:00:00:00:01"),
+            keys.mac("0A:58:00:00:00:01".parse().expect("test MAC")),
             "/tether/v1/vmmacs/0a:58:00:00:00:01"
         );
     }
@@ -628,7 +626,7 @@ mod tests {
         // A write behind the view's back makes the cached revision stale:
         // the update must lose that race, read again, and still apply.
         let (mut sneaky, rev) = reg.read(&a.key).await.unwrap().unwrap();
-        sneaky.mac = "0a:58:0a:00:00:05".into();
+        sneaky.mac = "0a:58:0a:00:00:05".parse().expect("test MAC");
         sneaky.generation = 7;
         assert!(reg.replace(&sneaky, rev).await.unwrap().is_some());
         assert!(

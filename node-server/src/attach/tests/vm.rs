@@ -169,8 +169,8 @@ async fn a_vms_first_pod_creates_its_record_with_the_pods_addresses() {
     assert_eq!(rec.ips, result_ips(&result));
     assert_eq!(rec.ips, link.ips);
     assert_eq!(rec.ips.len(), 2, "one address per family: {rec:?}");
-    assert_eq!(rec.mac, result_mac(&result));
-    assert_eq!(rec.mac, link.pod_mac.to_string());
+    assert_eq!(rec.mac.to_string(), result_mac(&result));
+    assert_eq!(rec.mac, link.pod_mac);
     assert!(is(&rec.active, "node-a", "c1"), "{rec:?}");
     assert!(rec.alternate.is_none());
     assert_eq!(rec.generation, 1);
@@ -195,7 +195,7 @@ async fn a_migration_target_is_the_alternate_wired_alike_and_not_routed() {
     let target = &b.kernel.links()[&host("c2")];
     assert_eq!(target.ips, rec.ips);
     assert_eq!(target.ips, source.ips);
-    assert_eq!(target.pod_mac.to_string(), rec.mac);
+    assert_eq!(target.pod_mac, rec.mac);
     assert_eq!(target.pod_mac, source.pod_mac);
     // Once B's view has the alternate, B still has no route to the VM.
     b.eventually("B's view has the alternate", |t| {
@@ -233,7 +233,7 @@ async fn a_vm_restarted_on_another_node_keeps_its_address() {
     let b = node_b(&a).await;
     let result = add(&b, vm_call(&b, "c2", "vm1")).await.expect("ADD on B");
     assert_eq!(result_ips(&result), first.ips);
-    assert_eq!(result_mac(&result), first.mac);
+    assert_eq!(result_mac(&result), first.mac.to_string());
     let rec = record(&b, "vm1").await.expect("a record");
     assert!(is(&rec.active, "node-b", "c2"), "{rec:?}");
     assert!(rec.alternate.is_none());
@@ -242,7 +242,7 @@ async fn a_vm_restarted_on_another_node_keeps_its_address() {
     assert_eq!(rec.generation, first.generation + 2);
     let link = &b.kernel.links()[&host("c2")];
     assert_eq!(link.ips, first.ips);
-    assert_eq!(link.pod_mac.to_string(), first.mac);
+    assert_eq!(link.pod_mac, first.mac);
     assert!(routes_to(&b, &first.ips, "c2"), "{:?}", b.kernel.routes());
     assert_eq!(used(&a), 2);
 }
@@ -395,7 +395,7 @@ async fn a_pod_of_a_vm_with_a_record_must_ask_for_what_the_record_holds() {
         &a,
         vm_call(&a, "c4", "vm1")
             .arg("IP", &ips.join(","))
-            .arg("MAC", &rec.mac),
+            .arg("MAC", &rec.mac.to_string()),
     )
     .await
     .expect("the VM's own address");
@@ -480,7 +480,7 @@ async fn the_vms_announcement_on_the_target_cuts_over() {
     b.add("p9", "p9").await.expect("a plain pod on B");
     b.host.announce(announcement(
         ifindex(&b, "p9"),
-        &rec.mac,
+        &rec.mac.to_string(),
         AnnounceKind::Garp,
     ));
     b.host.announce(announcement(
@@ -488,8 +488,11 @@ async fn the_vms_announcement_on_the_target_cuts_over() {
         "0a:58:0a:63:63:63",
         AnnounceKind::Garp,
     ));
-    b.host
-        .announce(announcement(target_index, &rec.mac, AnnounceKind::Rarp));
+    b.host.announce(announcement(
+        target_index,
+        &rec.mac.to_string(),
+        AnnounceKind::Rarp,
+    ));
     b.eventually("the target is active", |t| {
         cached(t, "vm1").is_some_and(|r| is(&r.active, "node-b", "c2"))
     })
@@ -775,11 +778,11 @@ async fn a_cutover_the_control_store_fails_keeps_the_route_and_completes_later()
     );
     assert_eq!(b.node.vm_stats().cutovers, 0);
     // The VM announces itself while the store still fails: no cutover.
-    let mac = rec.mac.clone();
+    let mac = rec.mac;
     let index = ifindex(&b, "c2");
     let before = flaky.failed();
     b.host
-        .announce(announcement(index, &mac, AnnounceKind::Rarp));
+        .announce(announcement(index, &mac.to_string(), AnnounceKind::Rarp));
     b.eventually("the announcement's cutover fails too", |_| {
         flaky.failed() > before
     })
@@ -792,7 +795,7 @@ async fn a_cutover_the_control_store_fails_keeps_the_route_and_completes_later()
     flaky.fail_commits(false);
     b.eventually("a later announcement cuts over", |t| {
         t.host
-            .announce(announcement(index, &mac, AnnounceKind::Rarp));
+            .announce(announcement(index, &mac.to_string(), AnnounceKind::Rarp));
         cached(t, "vm1").is_some_and(|r| is(&r.active, "node-b", "c2"))
     })
     .await;
@@ -898,7 +901,7 @@ async fn the_sources_del_on_the_same_node_leaves_the_targets_route() {
     assert!(routes_to(&a, &rec.ips, "c1"), "the source is routed");
     a.host.announce(announcement(
         ifindex(&a, "c2"),
-        &rec.mac,
+        &rec.mac.to_string(),
         AnnounceKind::Rarp,
     ));
     a.eventually("the target is active", |t| {
