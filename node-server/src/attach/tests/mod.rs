@@ -28,15 +28,8 @@ use crate::kernel::fake::{FakeHost, FakeKernel};
 use crate::store::{Attachment, AttachmentKey, Fsync, LocalStore, Store, StoreError};
 use crate::vm::{VmRegistry, DOMAIN_ANNOTATION, MIGRATION_JOB_ANNOTATION};
 
-/// Every CNI_* variable, as set by a well-behaved runtime.
-const VARS: [&str; 6] = [
-    "CNI_COMMAND",
-    "CNI_CONTAINERID",
-    "CNI_NETNS",
-    "CNI_IFNAME",
-    "CNI_ARGS",
-    "CNI_PATH",
-];
+// Every CNI_* variable, as set by a well-behaved runtime.
+use tether_proto::cni::FORWARDED_VARIABLES as VARS;
 
 /// One node on the fake kernel. The control store may be shared with
 /// other nodes (a migration's two nodes).
@@ -103,28 +96,14 @@ impl TestNode {
                 Arc::new(EmbeddedStore::open(&path).expect("control"))
             }
         };
-        let kernel = FakeKernel::new();
-        let host = Arc::new(FakeHost::new());
-        let store = LocalStore::open(&dir.path().join("state"), Fsync::Always)
-            .expect("store")
-            .into_arc();
-        let store = match &opts.store_faults {
-            Some(faults) => FlakyStore::wrap(store, faults.clone()),
-            None => store,
-        };
-        let (node, _) = open(&opts, &dir, &kernel, &host, &control, store.clone())
-            .await
-            .expect("open the node");
-        TestNode {
-            name: opts.name.clone(),
-            kernel,
-            host,
+        let parts = Parts {
+            kernel: FakeKernel::new(),
+            host: Arc::new(FakeHost::new()),
             dir,
             control,
-            store,
-            node,
-            cidrs: opts.cidrs,
-        }
+        };
+        let (node, _) = parts.start(opts).await.expect("open the node");
+        node
     }
 
     /// Stops this node and opens it again on the same kernel, host, state
@@ -150,23 +129,14 @@ impl TestNode {
         } = self;
         drop(node);
         drop(store);
-        let store = LocalStore::open(&dir.path().join("state"), Fsync::Always)
-            .expect("store")
-            .into_arc();
-        let (node, reconciled) = open(&opts, &dir, &kernel, &host, &control, store.clone()).await?;
-        Ok((
-            TestNode {
-                name: opts.name,
-                kernel,
-                host,
-                dir,
-                control,
-                store,
-                node,
-                cidrs: opts.cidrs,
-            },
-            reconciled,
-        ))
+        Parts {
+            kernel,
+            host,
+            dir,
+            control,
+        }
+        .start(opts)
+        .await
     }
 
     /// A pod netns that exists in the fake kernel.
@@ -206,37 +176,60 @@ impl TestNode {
     }
 }
 
-async fn open(
-    opts: &Options,
-    dir: &tempfile::TempDir,
-    kernel: &FakeKernel,
-    host: &Arc<FakeHost>,
-    control: &Arc<dyn ControlStore>,
-    store: Arc<dyn Store>,
-) -> Result<(Arc<Node>, Reconciled)> {
-    let config = NodeConfig {
-        name: opts.name.clone(),
-        pod_cidrs: opts.cidrs.clone(),
-        mtu: 1500,
-        state_dir: dir.path().join("state"),
-        allowed_uids: Vec::new(),
-        test_delete_delay: Duration::ZERO,
-    };
-    let vms = VmRegistry::open(control.clone(), "/tether").await?;
-    let (node, reconciled) = Node::open(
-        config,
-        store,
-        None,
-        vms,
-        Arc::new(kernel.clone()),
-        host.clone(),
-    )
-    .await?;
-    let node = Arc::new(node);
-    if opts.vm_tasks {
-        node.start_vm_tasks();
+/// What outlives a node's daemon: its kernel, host, state dir and control
+/// store.
+struct Parts {
+    kernel: FakeKernel,
+    host: Arc<FakeHost>,
+    dir: tempfile::TempDir,
+    control: Arc<dyn ControlStore>,
+}
+
+impl Parts {
+    /// Opens the store and the node on these parts, as the daemon's start
+    /// does, and starts its background tasks if `opts` asks.
+    async fn start(self, opts: Options) -> Result<(TestNode, Reconciled)> {
+        let store = LocalStore::open(&self.dir.path().join("state"), Fsync::Always)
+            .expect("store")
+            .into_arc();
+        let store = match &opts.store_faults {
+            Some(faults) => FlakyStore::wrap(store, faults.clone()),
+            None => store,
+        };
+        let config = NodeConfig {
+            name: opts.name.clone(),
+            pod_cidrs: opts.cidrs.clone(),
+            mtu: 1500,
+            state_dir: self.dir.path().join("state"),
+            allowed_uids: Vec::new(),
+            test_delete_delay: Duration::ZERO,
+        };
+        let vms = VmRegistry::open(self.control.clone(), "/tether").await?;
+        let (node, reconciled) = Node::open(
+            config,
+            store.clone(),
+            None,
+            vms,
+            Arc::new(self.kernel.clone()),
+            self.host.clone(),
+        )
+        .await?;
+        let node = Arc::new(node);
+        if opts.vm_tasks {
+            node.start_vm_tasks();
+        }
+        let t = TestNode {
+            name: opts.name,
+            kernel: self.kernel,
+            host: self.host,
+            dir: self.dir,
+            control: self.control,
+            store,
+            node,
+            cidrs: opts.cidrs,
+        };
+        Ok((t, reconciled))
     }
-    Ok((node, reconciled))
 }
 
 fn parse_json(bytes: &[u8]) -> Value {
