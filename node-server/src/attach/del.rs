@@ -52,7 +52,21 @@ impl Node {
             self.kernel.remove_host_routes(&ips),
             blocking(move || store.remove(&keys))
         );
-        routes?;
+        if let Err(e) = routes {
+            // The record must outlive a DEL that failed, so that the
+            // runtime's retry (or a restart) still finds the attachment:
+            // put back what the concurrent removal took.
+            if stored.is_ok() {
+                let store = self.store.clone();
+                let records = list.to_vec();
+                let restored =
+                    blocking(move || records.iter().try_for_each(|a| store.insert(a))).await;
+                if let Err(undo) = restored {
+                    tracing::error!(error = %undo, "cannot restore the records of a failed DEL");
+                }
+            }
+            return Err(e);
+        }
         stored?;
         {
             let mut attachments = lock(&self.attachments);

@@ -46,7 +46,8 @@ impl Node {
             .our_routes()
             .await?
             .into_iter()
-            .filter(|r| owner.get(&r.dst).copied() != r.oif.as_deref())
+            // A route whose device is gone is stale whoever owned it.
+            .filter(|r| r.oif.is_none() || owner.get(&r.dst).copied() != r.oif.as_deref())
             .map(|r| r.dst)
             .collect();
         self.kernel.remove_host_routes(&stale).await?;

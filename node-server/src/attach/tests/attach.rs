@@ -393,7 +393,6 @@ async fn del_keeps_the_attachment_when_the_route_removal_fails_and_a_retry_finis
 }
 
 #[tokio::test]
-#[ignore = "bug: DEL removes the store record concurrently with the routes; when the route removal fails the record is gone from the store but kept in memory"]
 async fn del_keeps_the_store_record_when_the_route_removal_fails() {
     let t = TestNode::new().await;
     t.add("c1", "p1").await.expect("ADD");
@@ -583,7 +582,6 @@ async fn gc_releases_unlisted_attachments_of_its_network_and_sweeps_orphans() {
 }
 
 #[tokio::test]
-#[ignore = "bug: reconcile keeps an unowned route whose output device does not resolve (owner None == oif None)"]
 async fn gc_sweeps_an_unowned_route_whose_device_is_gone() {
     let t = TestNode::new().await;
     t.add("c1", "p1").await.expect("ADD");
