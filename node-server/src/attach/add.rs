@@ -118,6 +118,11 @@ impl Node {
                 // In the table before the listener can see the VM announce.
                 lock(&self.attachments).insert(key, attachment.clone());
                 self.after_vm_add(pod, &attachment, p).await;
+                // The route manager may have planned this VM from its record
+                // before the pod was in the table ("not routed here"): a
+                // fresh pass sees the pod, so that a later takeover
+                // elsewhere withdraws the route the wiring added.
+                self.force_vm_resync();
             }
             _ => {
                 lock(&self.attachments).insert(key, attachment);
