@@ -13,7 +13,7 @@ use crate::vm::RouteUpdateTiming;
 use crate::vm::VmKey;
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -21,9 +21,14 @@ use tokio::sync::Notify;
 /// What the route manager keeps between passes.
 #[derive(Default)]
 pub(crate) struct RouteState {
-    /// The VM routes as last programmed, per VM; `None` forces the next
-    /// pass to touch the kernel.
+    /// The VM routes as last programmed, per VM; `None` after a failed
+    /// pass. A pass that wants the same skips the kernel.
     pub(crate) vm_applied: Mutex<Option<HashMap<VmKey, Want>>>,
+    /// The next pass must touch the kernel even if it wants the same (a
+    /// route may have been removed under it). Kept apart from
+    /// `vm_applied`, so that the pass still knows which VMs' routes it
+    /// changes, for the route-update timings.
+    pub(crate) vm_forced: AtomicBool,
     /// Wakes the manager for a pass.
     pub(crate) resync: Notify,
     /// The first pass over the cluster routes, at start-up, failed: the
@@ -35,7 +40,7 @@ impl Node {
     /// Makes the next VM sync touch the kernel even if the records did not
     /// change (a route may have been removed under it).
     pub(crate) fn force_vm_resync(&self) {
-        *lock(&self.routes.vm_applied) = None;
+        self.routes.vm_forced.store(true, Ordering::SeqCst);
         self.routes.resync.notify_one();
     }
 
@@ -68,7 +73,10 @@ impl Node {
         self.refresh_pending(pending, view).await;
 
         let previous = lock(&self.routes.vm_applied).clone();
-        if previous.as_ref() == Some(&wants) {
+        // Taken before the kernel is read, so that a force that comes in
+        // during this pass makes another one.
+        let forced = self.routes.vm_forced.swap(false, Ordering::SeqCst);
+        if !forced && previous.as_ref() == Some(&wants) {
             return Ok(());
         }
         let mut via: Vec<ClusterRoute> = wants.values().flat_map(|w| w.via.clone()).collect();
