@@ -184,3 +184,263 @@ pub fn vm_routes(
     }
     plan
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::BlockRecord;
+    use crate::time::{UnixMillis, UnixNanos};
+    use crate::vm::{Origin, VmRecord};
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    fn net(s: &str) -> IpNet {
+        s.parse().unwrap()
+    }
+
+    fn node(name: &str, id: u32, ips: &[&str], vtep: Option<&str>) -> NodeRecord {
+        NodeRecord {
+            name: name.into(),
+            id,
+            node_ips: ips.iter().map(|s| ip(s)).collect(),
+            vtep_mac: vtep.map(str::to_owned),
+        }
+    }
+
+    /// Nodes a (id 1), b (id 2) and c (id 3, no IPv6 underlay); a holds
+    /// 10.0.0.0/26, b 10.0.0.64/26 and fd00::/122, c 10.0.0.128/26.
+    fn cluster() -> ClusterView {
+        let mut view = ClusterView {
+            synced: true,
+            ..Default::default()
+        };
+        for n in [
+            node(
+                "a",
+                1,
+                &["192.0.2.1", "2001:db8::1"],
+                Some("0a:00:00:00:00:01"),
+            ),
+            node(
+                "b",
+                2,
+                &["192.0.2.2", "2001:db8::2"],
+                Some("0a:00:00:00:00:02"),
+            ),
+            node("c", 3, &["192.0.2.3"], None),
+        ] {
+            view.nodes.insert(n.name.clone(), (n, 1));
+        }
+        for (cidr, holder, id) in [
+            ("10.0.0.0/26", "a", 1),
+            ("10.0.0.64/26", "b", 2),
+            ("fd00::/122", "b", 2),
+            ("10.0.0.128/26", "c", 3),
+        ] {
+            let b = BlockRecord {
+                cidr: net(cidr),
+                node: holder.into(),
+                node_id: id,
+                claimed_unix_ms: UnixMillis::EPOCH,
+            };
+            view.blocks.insert(b.cidr, (b, 1));
+        }
+        view
+    }
+
+    fn side<'a>(
+        me: &'a NodeRecord,
+        overlay: &'a Overlay,
+        view: &'a ClusterView,
+    ) -> ClusterSide<'a> {
+        ClusterSide { me, overlay, view }
+    }
+
+    #[test]
+    fn host_gw_routes_every_other_nodes_blocks_via_its_address() {
+        let view = cluster();
+        let me = view.nodes["a"].0.clone();
+        let (routes, peers) = cluster_routes(&side(&me, &Overlay::HostGw, &view));
+        assert!(peers.is_empty());
+        let got: Vec<(String, String, Option<String>)> = routes
+            .iter()
+            .map(|r| (r.dst.to_string(), r.via.to_string(), r.onlink_dev.clone()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("10.0.0.64/26".into(), "192.0.2.2".into(), None),
+                ("10.0.0.128/26".into(), "192.0.2.3".into(), None),
+                ("fd00::/122".into(), "2001:db8::2".into(), None),
+            ]
+        );
+    }
+
+    #[test]
+    fn vxlan_routes_go_through_the_gateways_of_peers_with_a_vtep() {
+        let view = cluster();
+        let me = view.nodes["a"].0.clone();
+        let overlay = Overlay::Vxlan { vni: 7, port: 4789 };
+        let (routes, peers) = cluster_routes(&side(&me, &overlay, &view));
+        // c has no VTEP MAC: no routes to it and no peer.
+        let (gw4, gw6) = vxlan_gateways(2);
+        assert_eq!(
+            routes,
+            vec![
+                ClusterRoute {
+                    dst: net("10.0.0.64/26"),
+                    via: IpAddr::V4(gw4),
+                    onlink_dev: Some(VXLAN_IFNAME.into()),
+                },
+                ClusterRoute {
+                    dst: net("fd00::/122"),
+                    via: IpAddr::V6(gw6),
+                    onlink_dev: Some(VXLAN_IFNAME.into()),
+                },
+            ]
+        );
+        assert_eq!(peers.len(), 1);
+        assert_eq!(peers[0].node_ip, ip("192.0.2.2"));
+        assert_eq!(peers[0].mac, [0x0a, 0, 0, 0, 0, 2]);
+    }
+
+    fn pod(node: &str, cid: &str) -> VmAttachment {
+        VmAttachment {
+            node: node.into(),
+            network: "net".into(),
+            container_id: cid.into(),
+            ifname: "eth0".into(),
+            pod_name: None,
+            pod_uid: None,
+            since_unix_ms: UnixMillis::EPOCH,
+        }
+    }
+
+    fn record(
+        vm: &str,
+        ips: &[&str],
+        active: Option<VmAttachment>,
+        alternate: Option<VmAttachment>,
+    ) -> VmRecord {
+        VmRecord {
+            key: VmKey::new("ns", vm, "eth0").unwrap(),
+            ips: ips.iter().map(|s| ip(s)).collect(),
+            mac: "0a:58:0a:00:00:05".parse().unwrap(),
+            origin: Origin::Allocated,
+            active,
+            alternate,
+            generation: 3,
+            created_unix_ms: UnixMillis::EPOCH,
+            last_cutover: None,
+        }
+    }
+
+    fn vms(records: Vec<VmRecord>) -> VmView {
+        VmView {
+            records: records
+                .into_iter()
+                .map(|r| (r.key.clone(), (r, 1)))
+                .collect(),
+            revision: 1,
+            synced: true,
+        }
+    }
+
+    fn local(cids: &[&str]) -> HashMap<AttachmentKey, Attachment> {
+        cids.iter()
+            .map(|cid| {
+                let key = AttachmentKey {
+                    network: "net".into(),
+                    container_id: (*cid).into(),
+                    ifname: "eth0".into(),
+                };
+                let a = Attachment {
+                    key: key.clone(),
+                    netns: format!("/run/netns/{cid}"),
+                    ips: vec![ip("10.0.0.5")],
+                    mac: "0a:58:0a:00:00:05".parse().unwrap(),
+                    host_ifname: format!("tth-{cid}"),
+                    mtu: 1500,
+                    created_unix_nanos: UnixNanos::EPOCH,
+                    pod_namespace: None,
+                    pod_name: None,
+                    pod_uid: None,
+                    vm: Some(VmKey::new("ns", "vm1", "eth0").unwrap()),
+                };
+                (key, a)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_vm_active_here_is_routed_to_its_pod_and_a_local_alternate_waits() {
+        let view = vms(vec![record(
+            "vm1",
+            &["10.0.0.5"],
+            Some(pod("a", "src")),
+            Some(pod("a", "dst")),
+        )]);
+        let plan = vm_routes("a", &view, &local(&["src", "dst"]), None);
+        let key = VmKey::new("ns", "vm1", "eth0").unwrap();
+        assert_eq!(plan.wants[&key].here.as_deref(), Some("tth-src"));
+        assert!(plan.wants[&key].via.is_empty());
+        let mac: Mac = "0a:58:0a:00:00:05".parse().unwrap();
+        assert_eq!(
+            plan.targets[&mac],
+            vec![(
+                key.clone(),
+                local(&["dst"]).into_keys().next().unwrap(),
+                "tth-dst".into(),
+                3
+            )]
+        );
+        // An active pod that is not (yet) in the table gets no route.
+        let plan = vm_routes("a", &view, &local(&[]), None);
+        assert_eq!(plan.wants[&key], Want::default());
+        assert!(plan.targets.is_empty());
+    }
+
+    #[test]
+    fn a_vm_active_elsewhere_is_routed_via_its_node_unless_that_node_holds_the_block() {
+        let view = cluster();
+        let me = view.nodes["a"].0.clone();
+        let overlay = Overlay::HostGw;
+        let side = side(&me, &overlay, &view);
+        // On c, outside c's block: a /32 via c. Inside b's block and on b:
+        // b's block route carries it already.
+        let records = vms(vec![
+            record("vm1", &["10.0.0.5"], Some(pod("c", "x")), None),
+            record("vm2", &["10.0.0.70", "fd00::5"], Some(pod("b", "y")), None),
+        ]);
+        let plan = vm_routes("a", &records, &local(&[]), Some(&side));
+        let vm1 = VmKey::new("ns", "vm1", "eth0").unwrap();
+        let vm2 = VmKey::new("ns", "vm2", "eth0").unwrap();
+        assert_eq!(
+            plan.wants[&vm1].via,
+            vec![ClusterRoute {
+                dst: net("10.0.0.5/32"),
+                via: ip("192.0.2.3"),
+                onlink_dev: None,
+            }]
+        );
+        assert!(plan.wants[&vm1].here.is_none());
+        assert_eq!(plan.wants[&vm2], Want::default());
+        // Without the cluster (--pod-cidr mode) there is nowhere to route.
+        let plan = vm_routes("a", &records, &local(&[]), None);
+        assert!(plan.wants.values().all(|w| *w == Want::default()));
+        // A VM that runs nowhere is routed nowhere.
+        let idle = vms(vec![record("vm1", &["10.0.0.5"], None, None)]);
+        let plan = vm_routes("a", &idle, &local(&["src"]), Some(&side));
+        assert_eq!(plan.wants[&vm1], Want::default());
+    }
+
+    #[test]
+    fn block_holder_finds_the_block_of_an_address() {
+        let view = cluster();
+        assert_eq!(block_holder(&view, ip("10.0.0.70")), Some("b"));
+        assert_eq!(block_holder(&view, ip("fd00::3")), Some("b"));
+        assert_eq!(block_holder(&view, ip("10.0.0.200")), None);
+    }
+}
