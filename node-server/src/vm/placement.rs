@@ -229,7 +229,18 @@ impl Node {
                 Ok(Some((rec, rev)))
                     if rec.active.as_ref() == Some(&p.this) && rec.alternate.is_none() =>
                 {
-                    self.vm.records.delete(&rec, rev).await.map(|_| ())
+                    match self.vm.records.delete(&rec, rev).await {
+                        // The record no longer holds its addresses: the
+                        // caller frees them now, so that the runtime's
+                        // immediate retry can have them, rather than when
+                        // the watch reports the deletion.
+                        Ok(Some(deleted)) => {
+                            self.unmark_vm_held(&rec.ips, deleted);
+                            Ok(())
+                        }
+                        Ok(None) => Ok(()),
+                        Err(e) => Err(e),
+                    }
                 }
                 Ok(_) => Ok(()),
                 Err(e) => Err(e),

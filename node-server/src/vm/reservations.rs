@@ -76,4 +76,16 @@ impl Node {
             }
         }
     }
+
+    /// A record deleted at `revision` no longer holds these addresses:
+    /// their marks go unless a later record (or an unknown outcome) made
+    /// them.
+    pub(crate) fn unmark_vm_held(&self, ips: &[IpAddr], revision: i64) {
+        let mut held = lock(&self.vm.held);
+        for ip in ips {
+            if held.get(ip).is_some_and(|r| *r <= revision) {
+                held.remove(ip);
+            }
+        }
+    }
 }

@@ -1002,7 +1002,10 @@ async fn a_failed_first_pod_deletes_the_record_it_created() {
     assert!(a.kernel.routes().is_empty());
     a.eventually("the addresses go back to the pools", |t| used(t) == 0)
         .await;
-    // The address and its MAC are free for another VM.
+    // The address and its MAC are free for another VM once this node's
+    // view of the records has seen the deletion.
+    a.eventually("the view drops the record", |t| cached(t, "vm1").is_none())
+        .await;
     let result = add(&a, vm_call(&a, "c2", "vm2").arg("IP", "10.1.0.10"))
         .await
         .expect("another VM gets the address");
@@ -1040,9 +1043,6 @@ async fn a_failed_target_leaves_the_record_as_it_was() {
 }
 
 #[tokio::test]
-#[ignore = "bug: the rollback deletes the record but leaves its addresses marked held until \
-            the watch reports the deletion, so the runtime's immediate retry is refused \
-            with 105 naming the VM itself"]
 async fn a_retry_right_after_a_failed_first_pod_gets_its_address() {
     let a = node_a().await;
     a.kernel.fail_nth(K::Wire, 0);
