@@ -30,8 +30,8 @@ pub struct CniArgs {
     /// `K8S_POD_INFRA_CONTAINER_ID`.
     pub infra_container_id: Option<String>,
     /// `IP`: requested address(es), comma-separated as host-local accepts
-    /// them; each part is checked to be an IP address.
-    pub ip: Option<String>,
+    /// them, parsed once here.
+    pub ip: Vec<IpAddr>,
     /// `MAC`: requested pod MAC, parsed once here.
     pub mac: Option<RequestedMac>,
 }
@@ -72,8 +72,8 @@ impl CniArgs {
                 "K8S_POD_UID" => &mut args.pod_uid,
                 "K8S_POD_INFRA_CONTAINER_ID" => &mut args.infra_container_id,
                 "IP" => {
-                    check_ip_list(value)?;
-                    &mut args.ip
+                    args.ip = parse_ip_list(value)?;
+                    continue;
                 }
                 "MAC" => {
                     args.mac = match value {
@@ -120,16 +120,17 @@ fn parse_bool(value: &str) -> Result<bool> {
     }
 }
 
-fn check_ip_list(value: &str) -> Result<()> {
+fn parse_ip_list(value: &str) -> Result<Vec<IpAddr>> {
     if value.is_empty() {
-        return Ok(());
+        return Ok(Vec::new());
     }
-    for part in value.split(',') {
-        if part.parse::<IpAddr>().is_err() {
-            return Err(invalid(format!("IP {part:?} is not an IP address")));
-        }
-    }
-    Ok(())
+    value
+        .split(',')
+        .map(|part| {
+            part.parse::<IpAddr>()
+                .map_err(|_| invalid(format!("IP {part:?} is not an IP address")))
+        })
+        .collect()
 }
 
 /// A MAC a runtime asked for (CNI_ARGS `MAC` or runtimeConfig `mac`),
@@ -187,7 +188,7 @@ mod tests {
                 .unwrap();
         assert!(a.ignore_unknown);
         assert_eq!(a.pod_name.as_deref(), Some("foo"));
-        assert_eq!(a.ip.as_deref(), Some("10.88.0.5"));
+        assert_eq!(a.ip, vec!["10.88.0.5".parse::<IpAddr>().unwrap()]);
         assert_eq!(
             a.mac.as_ref().map(RequestedMac::text),
             Some("0a:58:0a:58:00:05")
@@ -281,7 +282,8 @@ mod tests {
     #[test]
     fn ip_and_mac_are_checked() {
         let a = CniArgs::parse("IP=10.0.0.5,fd00::5").unwrap();
-        assert_eq!(a.ip.as_deref(), Some("10.0.0.5,fd00::5"));
+        let want: Vec<IpAddr> = vec!["10.0.0.5".parse().unwrap(), "fd00::5".parse().unwrap()];
+        assert_eq!(a.ip, want);
         for raw in [
             "IP=10.0.0.256",
             "IP=10.0.0.5/24",

@@ -85,8 +85,10 @@ pub struct AttachmentId {
 /// them for plugins chained after it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RuntimeConfig {
-    /// `ips`: requested addresses, each an IP or an IP/prefix.
-    pub ips: Vec<String>,
+    /// `ips`: requested addresses, each given as an IP or an IP/prefix (the
+    /// prefix is the pod's business: tether routes /32 and /128), parsed
+    /// once here.
+    pub ips: Vec<IpAddr>,
     /// `mac`: the requested pod MAC, parsed once here.
     pub mac: Option<RequestedMac>,
     /// `io.kubernetes.cri.pod-annotations`: the pod's annotations.
@@ -369,12 +371,15 @@ fn parse_runtime_config(v: &Value) -> Result<RuntimeConfig> {
             let s = ip
                 .as_str()
                 .ok_or_else(|| decode(WHAT, "ips: expected a list of strings"))?;
-            if s.parse::<IpAddr>().is_err() && s.parse::<IpNet>().is_err() {
-                return Err(Error::InvalidConfig(format!(
-                    "runtimeConfig.ips: {s:?} is not an IP address or CIDR"
-                )));
-            }
-            rc.ips.push(s.to_string());
+            let ip = s
+                .parse::<IpAddr>()
+                .or_else(|_| s.parse::<IpNet>().map(|n| n.addr()))
+                .map_err(|_| {
+                    Error::InvalidConfig(format!(
+                        "runtimeConfig.ips: {s:?} is not an IP address or CIDR"
+                    ))
+                })?;
+            rc.ips.push(ip);
         }
     }
     if let Some(mac) = present(obj, "mac") {
@@ -711,7 +716,8 @@ mod tests {
             POD_ANNOTATIONS_KEY: {"kubevirt.io/domain": "vm1"}
         });
         let c = conf(with("runtimeConfig", rc)).unwrap();
-        assert_eq!(c.runtime_config.ips, vec!["10.244.1.7", "fd00::7/64"]);
+        let want: Vec<IpAddr> = vec!["10.244.1.7".parse().unwrap(), "fd00::7".parse().unwrap()];
+        assert_eq!(c.runtime_config.ips, want);
         assert_eq!(
             c.runtime_config.mac.as_ref().map(RequestedMac::text),
             Some("0a:58:0a:f4:01:07")

@@ -8,7 +8,6 @@ use crate::error::{Error, Result};
 use crate::ipam::Family;
 use crate::mac::Mac;
 use crate::vm::{VmKey, DOMAIN_ANNOTATION, MIGRATION_JOB_ANNOTATION, TARGET_READY_ANNOTATION};
-use ipnet::IpNet;
 use std::net::IpAddr;
 
 /// A VM pod as its ADD describes it.
@@ -58,29 +57,12 @@ pub struct Requested {
     pub mac: Option<Mac>,
 }
 
-/// Parses "10.1.2.3" or "10.1.2.3/24" (the prefix is the pod's business:
-/// tether routes /32 and /128).
-fn parse_ip(s: &str, what: &str) -> Result<IpAddr> {
-    let s = s.trim();
-    s.parse::<IpAddr>()
-        .or_else(|_| s.parse::<IpNet>().map(|n| n.addr()))
-        .map_err(|_| Error::InvalidConfig(format!("{what}: {s:?} is not an IP address")))
-}
-
 /// The addresses and MAC of CNI_ARGS `IP=`/`MAC=` and `runtimeConfig`
 /// `ips`/`mac`. Both sources may be given if they agree.
 pub fn requested(inv: &Invocation) -> Result<Requested> {
-    let mut from_args = Vec::new();
-    if let Some(list) = &inv.args.ip {
-        for part in list.split(',').filter(|p| !p.is_empty()) {
-            from_args.push(parse_ip(part, "CNI_ARGS IP")?);
-        }
-    }
+    let from_args = inv.args.ip.clone();
     let rc = &inv.conf.runtime_config;
-    let mut from_rc = Vec::new();
-    for s in &rc.ips {
-        from_rc.push(parse_ip(s, "runtimeConfig.ips")?);
-    }
+    let from_rc = rc.ips.clone();
     let ips = match (from_args.is_empty(), from_rc.is_empty()) {
         (true, _) => from_rc,
         (false, true) => from_args,
@@ -90,9 +72,9 @@ pub fn requested(inv: &Invocation) -> Result<Requested> {
             b.sort();
             if a != b {
                 return Err(Error::InvalidConfig(format!(
-                    "CNI_ARGS IP={} and runtimeConfig.ips {:?} ask for different addresses",
-                    inv.args.ip.as_deref().unwrap_or_default(),
-                    rc.ips
+                    "CNI_ARGS IP={} and runtimeConfig.ips [{}] ask for different addresses",
+                    join(&inv.args.ip),
+                    join(&rc.ips)
                 )));
             }
             from_rc
@@ -124,24 +106,82 @@ pub fn requested(inv: &Invocation) -> Result<Requested> {
     })
 }
 
+fn join(ips: &[IpAddr]) -> String {
+    ips.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cni::parse_request;
+    use serde_json::json;
+    use tether_proto::cni::v1::CniRequest;
+    use tether_proto::cni::FORWARDED_VARIABLES;
+
+    fn inv(args: &str, rc: serde_json::Value) -> Invocation {
+        let conf =
+            json!({"cniVersion": "1.1.0", "name": "n", "type": "tether", "runtimeConfig": rc});
+        parse_request(&CniRequest {
+            command: "ADD".into(),
+            container_id: "c1".into(),
+            netns: "/run/netns/p".into(),
+            ifname: "eth0".into(),
+            args: args.into(),
+            path: "/opt/cni/bin".into(),
+            stdin: conf.to_string().into_bytes(),
+            present: FORWARDED_VARIABLES.iter().map(|s| s.to_string()).collect(),
+        })
+        .expect("a valid request")
+    }
+
+    fn ips(list: &[&str]) -> Vec<IpAddr> {
+        list.iter().map(|s| s.parse().unwrap()).collect()
+    }
 
     #[test]
-    fn addresses_parse_with_or_without_a_prefix() {
-        assert_eq!(
-            parse_ip("10.1.2.3", "x").unwrap(),
-            "10.1.2.3".parse::<IpAddr>().unwrap()
+    fn requested_addresses_come_from_either_source_if_they_agree() {
+        let r = requested(&inv("IP=10.1.0.5,fd00::5", json!({}))).unwrap();
+        assert_eq!(r.ips, ips(&["10.1.0.5", "fd00::5"]));
+        let r = requested(&inv("", json!({"ips": ["fd00::5/64", "10.1.0.5/24"]}))).unwrap();
+        assert_eq!(r.ips, ips(&["fd00::5", "10.1.0.5"]));
+        let r = requested(&inv("IP=10.1.0.5", json!({"ips": ["10.1.0.5/32"]}))).unwrap();
+        assert_eq!(r.ips, ips(&["10.1.0.5"]));
+        let err = requested(&inv("IP=10.1.0.5", json!({"ips": ["10.1.0.6"]}))).unwrap_err();
+        assert_eq!(err.code(), 7);
+        assert!(
+            err.to_string()
+                .contains("IP=10.1.0.5 and runtimeConfig.ips [10.1.0.6]"),
+            "{err}"
+        );
+        let err = requested(&inv("IP=10.1.0.5,10.1.0.6", json!({}))).unwrap_err();
+        assert!(
+            err.to_string().contains("more than one IPv4 address"),
+            "{err}"
         );
         assert_eq!(
-            parse_ip("10.1.2.3/24", "x").unwrap(),
-            "10.1.2.3".parse::<IpAddr>().unwrap()
+            requested(&inv("", json!({}))).unwrap(),
+            Requested::default()
         );
-        assert_eq!(
-            parse_ip("fd00::7/64", "x").unwrap(),
-            "fd00::7".parse::<IpAddr>().unwrap()
-        );
-        assert!(parse_ip("10.1.2", "x").is_err());
+    }
+
+    #[test]
+    fn requested_macs_must_agree_and_suit_a_pod() {
+        let r = requested(&inv(
+            "MAC=0a:58:0a:01:00:05",
+            json!({"mac": "0A:58:0A:01:00:05"}),
+        ))
+        .unwrap();
+        assert_eq!(r.mac, Some("0a:58:0a:01:00:05".parse().unwrap()));
+        let err = requested(&inv(
+            "MAC=0a:58:0a:01:00:05",
+            json!({"mac": "0a:58:0a:01:00:06"}),
+        ))
+        .unwrap_err();
+        assert_eq!(err.code(), 7);
+        let err = requested(&inv("MAC=01:00:5e:00:00:01", json!({}))).unwrap_err();
+        assert!(err.to_string().contains("multicast"), "{err}");
     }
 }
