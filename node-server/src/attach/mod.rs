@@ -1,5 +1,5 @@
 //! The attachment lifecycle on this node: ADD, DEL, CHECK, GC and STATUS,
-//! tying the store, the address pools and the dataplane together.
+//! tying the store, the address pools and the kernel together.
 //!
 //! Ordering rules that keep state from being lost:
 //! - ADD reserves addresses in memory, then records the attachment in the
@@ -153,7 +153,7 @@ fn key_of(inv: &Invocation) -> AttachmentKey {
     }
 }
 
-/// What the dataplane needs to wire `a`, whose MAC is `pod_mac`: ADD
+/// What the kernel needs to wire `a`, whose MAC is `pod_mac`: ADD
 /// passes the one it chose, the other callers [`stored_mac`].
 fn wiring<'a>(a: &'a Attachment, pod_mac: Mac, netns: &'a PodNetns, routed: bool) -> PodWiring<'a> {
     PodWiring {

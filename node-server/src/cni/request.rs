@@ -59,7 +59,7 @@
 //! CNI_CONTAINERID, CNI_NETNS, CNI_IFNAME and CNI_ARGS are ignored, whatever
 //! they hold. On DEL an empty or unset CNI_NETNS is `None` (containerd's
 //! `ctr` sends it so). Unknown configuration keys are allowed, as the spec
-//! says, except `ipam`. Whether CNI_NETNS exists is the dataplane's check.
+//! says, except `ipam`. Whether CNI_NETNS exists is the kernel seam's check (`Veths::open_netns`).
 //!
 //! Rule 38 is tether's choice: a GC without the list cannot tell valid from
 //! stale, and reading it as "nothing is valid" would tear down every pod.

@@ -4,7 +4,7 @@
 //!
 //! The bench spawns it the way it spawns a CNI plugin, so its latency is
 //! the process spawn plus the netlink and sysctl work a pod's wiring
-//! cannot avoid. The requests mirror `node-server/src/dataplane`:
+//! cannot avoid. The requests mirror `node-server/src/kernel/netlink`:
 //!
 //! - node netns: one RTM_NEWLINK creating the veth (host end up, named,
 //!   gateway MAC; peer born in the pod netns as its final name, pod MAC),
@@ -45,7 +45,7 @@ use rtnetlink::{
     AddressMessageBuilder, Handle, LinkMessageBuilder, LinkUnspec, LinkVeth, RouteMessageBuilder,
 };
 
-// The same values as node-server/src/dataplane/mod.rs: the floor must ask
+// The same values as node-server/src/kernel/mod.rs: the floor must ask
 // the kernel for exactly what tetherd asks for.
 const GATEWAY_V4: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
 const GATEWAY_V6: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1);

@@ -7,7 +7,7 @@
 //! link, address and route in them: nothing is ever made in the machine's
 //! own netns.
 //!
-//! The netns helpers are `dataplane::tests`'s.
+//! The netns helpers are `netlink::tests`'s.
 
 use std::future::Future;
 use std::net::IpAddr;

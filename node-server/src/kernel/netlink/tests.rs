@@ -824,7 +824,7 @@ fn teardown_removes_everything_and_is_idempotent() {
 }
 
 #[test]
-#[ignore = "micro-benchmark: cargo test -p tether-node-server dataplane::tests::bench -- --ignored --nocapture"]
+#[ignore = "micro-benchmark: cargo test -p tether-node-server kernel::netlink::tests::bench -- --ignored --nocapture"]
 fn bench_wire_200_pods() {
     require_root!();
     in_node_netns(|| async {
