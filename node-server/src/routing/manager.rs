@@ -1,16 +1,13 @@
 //! The route manager: applies the routes the plan wants.
 
-use super::plan::Want;
-use super::plan::{self, ClusterSide, VmPlan};
+use super::plan::{self, ClusterSide, VmPlan, Want};
 use crate::attach::{lock, Node};
 use crate::cluster::{vtep_mac, vtep_underlay, Cluster, ClusterView, Overlay};
 use crate::error::{Error, Result};
 use crate::kernel::{ClusterRoute, NodeRoutes, VxlanConfig};
 use crate::store::{Attachment, AttachmentKey};
 use crate::time::UnixNanos;
-use crate::vm::records::VmView;
-use crate::vm::RouteUpdateTiming;
-use crate::vm::VmKey;
+use crate::vm::{RouteUpdateTiming, VmKey, VmView};
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -50,6 +47,9 @@ impl Node {
         if !view.synced {
             return Ok(());
         }
+        // Taken before the local pods are read, so that a force that comes
+        // in after that (a pod added meanwhile) makes another pass.
+        let forced = self.routes.vm_forced.swap(false, Ordering::SeqCst);
         self.sync_reservations(view);
         let me = self.config.name.as_str();
         let local: HashMap<AttachmentKey, Attachment> = lock(&self.attachments)
@@ -73,9 +73,6 @@ impl Node {
         self.refresh_pending(pending, view).await;
 
         let previous = lock(&self.routes.vm_applied).clone();
-        // Taken before the kernel is read, so that a force that comes in
-        // during this pass makes another one.
-        let forced = self.routes.vm_forced.swap(false, Ordering::SeqCst);
         if !forced && previous.as_ref() == Some(&wants) {
             return Ok(());
         }
