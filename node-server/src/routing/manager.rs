@@ -170,8 +170,8 @@ impl Node {
                     // A stale view must not withdraw routes; the relisting
                     // that makes it current again is a change too.
                     if view.synced {
-                        match program_cluster(c, node.kernel.as_ref(), &view).await {
-                            Ok((added, removed)) => {
+                        let outcome = program_cluster(c, node.kernel.as_ref(), &view).await.map(
+                            |(added, removed)| {
                                 if added + removed > 0 {
                                     tracing::info!(
                                         added,
@@ -180,41 +180,35 @@ impl Node {
                                         "cluster routes updated"
                                     );
                                 }
-                                if cluster_failing {
-                                    tracing::info!("cluster routes programmed again");
-                                }
-                                cluster_failing = false;
-                            }
-                            Err(e) => {
-                                if !cluster_failing {
-                                    tracing::warn!(error = %e, "programming cluster routes failed; retrying every 500 ms");
-                                }
-                                cluster_failing = true;
-                            }
-                        }
+                            },
+                        );
+                        note(&mut cluster_failing, "cluster", &outcome);
                     } else {
                         cluster_failing = false;
                     }
                 }
                 let view = rx.borrow_and_update().clone();
-                match node.sync_vms(&view).await {
-                    Ok(()) => {
-                        if vm_failing {
-                            tracing::info!("VM routes programmed again");
-                        }
-                        vm_failing = false;
-                    }
-                    Err(e) => {
-                        if !vm_failing {
-                            tracing::warn!(error = %e, "programming VM routes failed; retrying every 500 ms");
-                        }
-                        *lock(&node.routes.vm_applied) = None;
-                        vm_failing = true;
-                    }
+                let outcome = node.sync_vms(&view).await;
+                if outcome.is_err() {
+                    *lock(&node.routes.vm_applied) = None;
                 }
+                note(&mut vm_failing, "VM", &outcome);
             }
         });
     }
+}
+
+/// Logs when one kind of route starts or stops failing (once each way),
+/// and records whether it fails now.
+fn note(failing: &mut bool, what: &str, outcome: &Result<()>) {
+    match outcome {
+        Ok(()) if *failing => tracing::info!("{what} routes programmed again"),
+        Err(e) if !*failing => {
+            tracing::warn!(error = %e, "programming {what} routes failed; retrying every 500 ms")
+        }
+        _ => {}
+    }
+    *failing = outcome.is_err();
 }
 
 /// Programs the routes to other nodes' blocks (and the VXLAN peers) that
