@@ -7,6 +7,16 @@ use crate::kernel::host_ifname;
 use std::path::Path;
 
 /// Addresses in use, over every pool.
+/// The fake kernel's veths and routes and the store's records, to show
+/// that a refused call changed none of them.
+fn state(t: &TestNode) -> impl PartialEq + std::fmt::Debug {
+    (
+        t.kernel.links(),
+        t.kernel.routes(),
+        t.store.load().expect("load"),
+    )
+}
+
 fn used(t: &TestNode) -> u128 {
     t.node.pool_usage().iter().map(|(_, used, _)| used).sum()
 }
@@ -209,11 +219,10 @@ async fn add_on_an_exhausted_pool_fails_with_100_until_a_del_frees_an_address() 
     let t = tiny().await;
     t.add("c1", "p1").await.expect("ADD c1");
     t.add("c2", "p2").await.expect("ADD c2");
-    let (links, routes) = (t.kernel.links(), t.kernel.routes());
+    let before = state(&t);
     let err = t.add("c3", "p3").await.expect_err("the pool is full");
     assert_eq!(err.code(), 100, "{err}");
-    assert_eq!(t.kernel.links(), links);
-    assert_eq!(t.kernel.routes(), routes);
+    assert_eq!(state(&t), before);
     assert!(t
         .kernel
         .log()
@@ -282,14 +291,11 @@ async fn add_leaves_nothing_when_the_wiring_and_the_store_both_fail() {
 async fn add_of_an_interface_name_taken_in_the_pod_fails_with_102_and_spares_the_first_pod() {
     let t = TestNode::new().await;
     let first = t.add("c1", "p1").await.expect("ADD c1");
-    let (links, routes) = (t.kernel.links(), t.kernel.routes());
-    let records = t.store.load().expect("load");
+    let before = state(&t);
     // Another container's eth0 in the same netns.
     let err = t.add("c2", "p1").await.expect_err("eth0 is taken");
     assert_eq!(err.code(), 102, "{err}");
-    assert_eq!(t.kernel.links(), links);
-    assert_eq!(t.kernel.routes(), routes);
-    assert_eq!(t.store.load().expect("load"), records);
+    assert_eq!(state(&t), before);
     assert_eq!(known(&t), ["c1"]);
     assert_eq!(used(&t), 2);
     check(&t, "c1", "p1", &first)
@@ -477,14 +483,11 @@ async fn a_repeated_add_rewires_broken_wiring_with_the_same_addresses() {
 async fn a_repeated_add_in_another_netns_is_an_attachment_conflict() {
     let t = TestNode::new().await;
     t.add("c1", "p1").await.expect("ADD");
-    let (links, routes) = (t.kernel.links(), t.kernel.routes());
-    let records = t.store.load().expect("load");
+    let before = state(&t);
     let err = t.add("c1", "p2").await.expect_err("another netns");
     assert_eq!(err.code(), 103, "{err}");
     assert_eq!(t.kernel.calls(K::Wire), 1);
-    assert_eq!(t.kernel.links(), links);
-    assert_eq!(t.kernel.routes(), routes);
-    assert_eq!(t.store.load().expect("load"), records);
+    assert_eq!(state(&t), before);
     assert_eq!(used(&t), 2);
 }
 

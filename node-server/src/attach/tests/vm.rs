@@ -259,35 +259,23 @@ async fn a_second_pod_of_a_running_vm_takes_over() {
     assert!(is(&rec.active, "node-b", "c2"), "{rec:?}");
     assert!(rec.alternate.is_none(), "{rec:?}");
     assert!(routes_to(&b, &rec.ips, "c2"));
-    // The old pod's DEL leaves the new one alone, and takes A's route.
-    a.del("c1").await.expect("DEL of the old pod");
-    let after = record(&a, "vm1").await.expect("a record");
-    assert_eq!(after, rec, "the old pod's DEL changed the record");
-    assert!(routes_to(&b, &rec.ips, "c2"));
-    a.eventually("A has no route to the VM", |t| {
-        rec.ips.iter().all(|ip| t.kernel.route_to(*ip).is_none())
-    })
-    .await;
-    assert_eq!(used(&a), 2);
-}
-
-#[tokio::test]
-async fn the_old_node_withdraws_its_route_when_another_pod_takes_over() {
-    let a = node_a().await;
-    add(&a, vm_call(&a, "c1", "vm1")).await.expect("ADD on A");
-    let b = node_b(&a).await;
-    add(&b, vm_call(&b, "c2", "vm1")).await.expect("ADD on B");
-    let rec = record(&a, "vm1").await.expect("a record");
-    assert!(is(&rec.active, "node-b", "c2"), "{rec:?}");
+    // The old pod still exists on A, but the VM's traffic is B's now: A
+    // withdraws its route before the old pod's DEL.
     a.eventually("A's view has the takeover", |t| {
         cached(t, "vm1").is_some_and(|r| is(&r.active, "node-b", "c2"))
     })
     .await;
-    // The old pod still exists on A, but the VM's traffic is B's now.
     a.eventually("A withdraws its route", |t| {
         rec.ips.iter().all(|ip| t.kernel.route_to(*ip).is_none())
     })
     .await;
+    // The old pod's DEL leaves the new one alone.
+    a.del("c1").await.expect("DEL of the old pod");
+    let after = record(&a, "vm1").await.expect("a record");
+    assert_eq!(after, rec, "the old pod's DEL changed the record");
+    assert!(routes_to(&b, &rec.ips, "c2"));
+    assert!(rec.ips.iter().all(|ip| a.kernel.route_to(*ip).is_none()));
+    assert_eq!(used(&a), 2);
 }
 
 #[tokio::test]
