@@ -23,6 +23,7 @@ use super::{
     PodWiring, Synced, Veths, VxlanConfig, VxlanPeer, CLUSTER_ROUTE_PROTOCOL, HOST_IFNAME_PREFIX,
     ROUTE_PROTOCOL, VM_ROUTE_PROTOCOL,
 };
+use crate::attach::lock;
 use crate::error::{Error, Mismatch, Result};
 use crate::mac::Mac;
 
@@ -107,7 +108,7 @@ impl FakeKernel {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.state)
     }
 
     /// Makes a pod netns exist at `path`.
@@ -558,10 +559,6 @@ impl Default for FakeHost {
     }
 }
 
-fn guard<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 impl FakeHost {
     /// A host on boot "boot-1".
     pub fn new() -> Self {
@@ -570,17 +567,17 @@ impl FakeHost {
 
     /// Reboots the fake node: a new boot id.
     pub fn reboot(&self, boot_id: &str) {
-        *guard(&self.boot_id) = boot_id.to_owned();
+        *lock(&self.boot_id) = boot_id.to_owned();
     }
 
     /// Whether forwarding was turned on.
     pub fn forwarding(&self) -> bool {
-        *guard(&self.forwarding)
+        *lock(&self.forwarding)
     }
 
     /// Makes opening the packet sockets fail.
     pub fn refuse_packet_sockets(&self) {
-        *guard(&self.no_packet_sockets) = true;
+        *lock(&self.no_packet_sockets) = true;
     }
 
     /// Delivers an announcement to the daemon's listener.
@@ -592,19 +589,19 @@ impl FakeHost {
 
 impl Host for FakeHost {
     fn enable_forwarding(&self) -> Result<()> {
-        *guard(&self.forwarding) = true;
+        *lock(&self.forwarding) = true;
         Ok(())
     }
 
     fn boot_id(&self) -> Result<String> {
-        Ok(guard(&self.boot_id).clone())
+        Ok(lock(&self.boot_id).clone())
     }
 
     fn announcements(&self) -> Result<Box<dyn Announcements>> {
-        if *guard(&self.no_packet_sockets) {
+        if *lock(&self.no_packet_sockets) {
             return Err(Error::setup("opening a packet socket", "injected failure"));
         }
-        let rx = guard(&self.rx)
+        let rx = lock(&self.rx)
             .take()
             .ok_or_else(|| Error::Internal("the fake host's listener is taken".into()))?;
         Ok(Box::new(FakeAnnouncements {
