@@ -31,6 +31,12 @@ pub enum Mismatch {
     HostRoute,
     /// The prevResult handed to CHECK does not match the attachment (116).
     PrevResult,
+    /// The `tap` binding's tap is missing or differs: type, owner, group,
+    /// multi-queue, MTU or state (117).
+    Tap,
+    /// Frames do not pass between the pod interface and its tap: an
+    /// ingress redirect is missing (118).
+    TapRedirect,
 }
 
 impl Mismatch {
@@ -44,6 +50,8 @@ impl Mismatch {
             Mismatch::HostInterface => 114,
             Mismatch::HostRoute => 115,
             Mismatch::PrevResult => 116,
+            Mismatch::Tap => 117,
+            Mismatch::TapRedirect => 118,
         }
     }
 }
@@ -58,6 +66,8 @@ impl fmt::Display for Mismatch {
             Mismatch::HostInterface => "host interface mismatch",
             Mismatch::HostRoute => "host route mismatch",
             Mismatch::PrevResult => "prevResult mismatch",
+            Mismatch::Tap => "tap mismatch",
+            Mismatch::TapRedirect => "tap redirect mismatch",
         })
     }
 }

@@ -67,6 +67,10 @@ pub struct Attachment {
     /// of one VM (a migration's source and target) may hold them at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vm: Option<crate::vm::VmKey>,
+    /// For a VM pod of the `tap` or `managedTap` binding: its tap, if
+    /// tether made one, and what its guest's DHCP answers carry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest: Option<crate::vm::guest::GuestNet>,
 }
 
 /// What went wrong in the attachment store. It says what happened; which
@@ -669,6 +673,7 @@ mod tests {
             pod_name: None,
             pod_uid: None,
             vm: None,
+            guest: None,
         }
     }
 

@@ -70,6 +70,7 @@ impl Node {
             pod_name: inv.args.pod_name.clone(),
             pod_uid: inv.args.pod_uid.clone(),
             vm: vm_pod.as_ref().map(|p| p.key.clone()),
+            guest: vm_pod.as_ref().and_then(|p| p.guest.clone()),
         };
         let wiring = wiring(&attachment, mac, &netns, routed);
         let store = self.store.clone();

@@ -16,6 +16,16 @@ impl Node {
             // Nothing recorded. A link of that name can only be a leftover of
             // a failed rollback: remove it in the background.
             let host = kernel::host_ifname(&key.network, &key.container_id, &key.ifname);
+            // So can a tap of an ADD that failed before its record: it is
+            // removed only if its alias names this attachment.
+            let tap = cni::vm_pod(inv)
+                .ok()
+                .flatten()
+                .and_then(|p| p.guest)
+                .and_then(|g| g.tap);
+            if let (Some(tap), Some(netns)) = (tap, inv.netns.as_deref()) {
+                self.remove_tap(netns, &tap.name, &host).await?;
+            }
             self.delete_link_later(host);
             return Ok(cni::empty_result());
         };
@@ -33,6 +43,14 @@ impl Node {
     /// nothing is released and the error is returned (the runtime retries
     /// a DEL).
     pub(crate) async fn release(&self, list: &[Attachment], policy: VmAddressPolicy) -> Result<()> {
+        // A tap outlives its veth (it is persistent): it goes first, so that
+        // a DEL that cannot remove it fails with its record intact.
+        for a in list {
+            if let Some(tap) = a.guest.as_ref().and_then(|g| g.tap.as_ref()) {
+                self.remove_tap(Path::new(&a.netns), &tap.name, &a.host_ifname)
+                    .await?;
+            }
+        }
         let mut ips: Vec<IpAddr> = Vec::new();
         for a in list {
             match &a.vm {
@@ -89,5 +107,16 @@ impl Node {
             self.delete_link_later(a.host_ifname.clone());
         }
         Ok(())
+    }
+}
+
+impl Node {
+    /// Removes an attachment's tap from its pod netns. A netns that is
+    /// gone took the tap with it.
+    async fn remove_tap(&self, netns: &Path, tap: &str, host_ifname: &str) -> Result<()> {
+        let Ok(ns) = self.kernel.open_netns(netns) else {
+            return Ok(());
+        };
+        self.kernel.remove_tap(&ns, tap, host_ifname).await
     }
 }

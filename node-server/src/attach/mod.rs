@@ -164,6 +164,7 @@ fn wiring<'a>(a: &'a Attachment, pod_mac: Mac, netns: &'a PodNetns, routed: bool
         ips: &a.ips,
         mtu: a.mtu,
         routed,
+        tap: a.guest.as_ref().and_then(|g| g.tap.as_ref()),
     }
 }
 
@@ -176,6 +177,11 @@ fn wired(a: &Attachment) -> cni::Wired {
         sandbox: a.netns.clone(),
         mtu: a.mtu,
         ips: a.ips.clone(),
+        tap: a
+            .guest
+            .as_ref()
+            .and_then(|g| g.tap.as_ref())
+            .map(|t| t.name.clone()),
     }
 }
 

@@ -16,6 +16,7 @@ use serde_json::{Map, Value};
 use super::args::RequestedMac;
 use super::version::CniVersion;
 use crate::error::{Error, Result};
+use crate::vm::guest::{BindingKind, KubevirtConf, MAX_QUEUES};
 
 /// The smallest MTU accepted: the IPv4 minimum datagram every host must
 /// reassemble (RFC 791). IPv6's 1280 is the caller's check.
@@ -55,6 +56,8 @@ pub struct NetConf {
     pub valid_attachments: Option<Vec<AttachmentId>>,
     /// `vmAddressPolicy`: when a VM's address is freed.
     pub vm_address_policy: VmAddressPolicy,
+    /// `kubevirt`: how VM pods on this network reach their guest.
+    pub kubevirt: KubevirtConf,
 }
 
 /// `vmAddressPolicy` of a network: when a KubeVirt VM's address record is
@@ -233,6 +236,10 @@ impl NetConf {
                 )))
             }
         };
+        let kubevirt = match present(obj, "kubevirt") {
+            Some(v) => parse_kubevirt(v)?,
+            None => KubevirtConf::default(),
+        };
         let valid_attachments = match obj.get(VALID_ATTACHMENTS_KEY) {
             Some(v) => Some(parse_attachments(VALID_ATTACHMENTS_KEY, v)?),
             None => match obj.get(LEGACY_ATTACHMENTS_KEY) {
@@ -250,6 +257,7 @@ impl NetConf {
             runtime_config,
             valid_attachments,
             vm_address_policy,
+            kubevirt,
         })
     }
 }
@@ -355,6 +363,72 @@ fn check_dns(v: &Value, what: &'static str) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The `kubevirt` object: `binding`, `tapQueues`, `tapOwner`, `tapGroup`,
+/// `leaseSeconds`, each optional. Unknown keys are refused: a misspelt
+/// binding setting would otherwise wire a VM in a way nobody asked for.
+fn parse_kubevirt(v: &Value) -> Result<KubevirtConf> {
+    const WHAT: &str = "kubevirt";
+    let obj = v
+        .as_object()
+        .ok_or_else(|| decode(WHAT, format!("expected an object, got {}", json_type(v))))?;
+    let mut conf = KubevirtConf::default();
+    for (key, value) in obj.iter().filter(|(_, v)| !v.is_null()) {
+        match key.as_str() {
+            "binding" => {
+                let s = value
+                    .as_str()
+                    .ok_or_else(|| decode(WHAT, "binding: expected a string"))?;
+                conf.binding = BindingKind::parse(s).ok_or_else(|| {
+                    Error::InvalidConfig(format!(
+                        "kubevirt.binding {s:?} must be \"veth\", \"tap\" or \"managedTap\""
+                    ))
+                })?;
+            }
+            "tapQueues" => {
+                let n = bounded(value, "tapQueues", 1, u64::from(MAX_QUEUES))?;
+                conf.tap_queues = u16::try_from(n).unwrap_or(MAX_QUEUES);
+            }
+            "tapOwner" => conf.tap_owner = id(value, "tapOwner")?,
+            "tapGroup" => conf.tap_group = id(value, "tapGroup")?,
+            "leaseSeconds" => {
+                // At least a minute, so that renewals cannot flood the
+                // daemon; at most a year, well inside DHCP's 32 bits.
+                let n = bounded(value, "leaseSeconds", 60, 365 * 24 * 3600)?;
+                conf.lease_seconds = u32::try_from(n).unwrap_or(u32::MAX);
+            }
+            other => {
+                return Err(Error::InvalidConfig(format!(
+                    "kubevirt.{other} is not a setting tether knows (binding, tapQueues, \
+                     tapOwner, tapGroup, leaseSeconds)"
+                )))
+            }
+        }
+    }
+    Ok(conf)
+}
+
+/// An integer of the `kubevirt` object within `min..=max`.
+fn bounded(v: &Value, key: &str, min: u64, max: u64) -> Result<u64> {
+    let n = v.as_u64().ok_or_else(|| {
+        decode(
+            "kubevirt",
+            format!("{key}: expected a non-negative integer"),
+        )
+    })?;
+    if !(min..=max).contains(&n) {
+        return Err(Error::InvalidConfig(format!(
+            "kubevirt.{key} {n} is out of range {min}..={max}"
+        )));
+    }
+    Ok(n)
+}
+
+/// A uid or gid: any 32-bit value but -1 (which the kernel reads as "none").
+fn id(v: &Value, key: &str) -> Result<u32> {
+    let n = bounded(v, key, 0, u64::from(u32::MAX - 1))?;
+    u32::try_from(n).map_err(|_| Error::InvalidConfig(format!("kubevirt.{key} {n} is too big")))
 }
 
 fn parse_runtime_config(v: &Value) -> Result<RuntimeConfig> {

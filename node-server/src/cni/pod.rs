@@ -7,7 +7,12 @@ use super::Invocation;
 use crate::error::{Error, Result};
 use crate::ipam::Family;
 use crate::mac::Mac;
+use crate::vm::guest::{
+    self, BindingKind, DhcpOptions, GuestNet, TapSpec, BINDING_ANNOTATION, MAX_QUEUES,
+    QUEUES_ANNOTATION,
+};
 use crate::vm::{VmKey, DOMAIN_ANNOTATION, MIGRATION_JOB_ANNOTATION, TARGET_READY_ANNOTATION};
+use serde_json::Value;
 use std::net::IpAddr;
 
 /// A VM pod as its ADD describes it.
@@ -20,6 +25,9 @@ pub struct VmPod {
     /// The target pod is marked ready
     /// (`kubevirt.io/migration-target-ready-timestamp`).
     pub ready: bool,
+    /// How its guest is connected, for the `tap` and `managedTap`
+    /// bindings; `None` for an ordinary veth.
+    pub guest: Option<GuestNet>,
 }
 
 /// Reads the VM identity from the pod annotations of `runtimeConfig`.
@@ -45,7 +53,87 @@ pub fn vm_pod(inv: &Invocation) -> Result<Option<VmPod>> {
         key: VmKey::new(namespace, domain, &inv.ifname)?,
         target: set(MIGRATION_JOB_ANNOTATION),
         ready: set(TARGET_READY_ANNOTATION),
+        guest: guest_net(inv)?,
     }))
+}
+
+/// The guest connection of a VM pod: the netconf's `kubevirt` settings,
+/// overridden for this pod by its annotations.
+fn guest_net(inv: &Invocation) -> Result<Option<GuestNet>> {
+    let conf = &inv.conf.kubevirt;
+    let ann = &inv.conf.runtime_config.pod_annotations;
+    let binding = match ann.get(BINDING_ANNOTATION) {
+        None => conf.binding,
+        Some(v) => BindingKind::parse(v).ok_or_else(|| {
+            Error::InvalidConfig(format!(
+                "pod annotation {BINDING_ANNOTATION}={v:?} must be \"veth\", \"tap\" or \"managedTap\""
+            ))
+        })?,
+    };
+    let queues = match ann.get(QUEUES_ANNOTATION) {
+        None => conf.tap_queues,
+        Some(v) => v
+            .parse::<u16>()
+            .ok()
+            .filter(|q| (1..=MAX_QUEUES).contains(q))
+            .ok_or_else(|| {
+                Error::InvalidConfig(format!(
+                    "pod annotation {QUEUES_ANNOTATION}={v:?} must be a number from 1 to {MAX_QUEUES}"
+                ))
+            })?,
+    };
+    let tap = match binding {
+        BindingKind::Veth => return Ok(None),
+        BindingKind::ManagedTap => None,
+        BindingKind::Tap => Some(TapSpec {
+            name: guest::tap_name(&inv.ifname)?,
+            queues,
+            owner: conf.tap_owner,
+            group: conf.tap_group,
+        }),
+    };
+    Ok(Some(GuestNet {
+        tap,
+        dhcp: dhcp_options(inv.conf.dns.as_ref(), conf.lease_seconds)?,
+    }))
+}
+
+/// The DHCP options of the netconf's `dns` object (already checked to hold
+/// lists of strings): its nameservers must be addresses, since a guest is
+/// given them as such.
+fn dhcp_options(dns: Option<&Value>, lease_seconds: u32) -> Result<DhcpOptions> {
+    let strings = |key: &str| -> Vec<String> {
+        dns.and_then(|d| d.get(key))
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(Value::as_str)
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let dns_servers = strings("nameservers")
+        .iter()
+        .map(|s| {
+            s.parse::<IpAddr>().map_err(|_| {
+                Error::InvalidConfig(format!(
+                    "dns.nameservers: {s:?} is not an IP address, which a VM's DHCP answer needs"
+                ))
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut search = strings("search");
+    if search.is_empty() {
+        if let Some(domain) = dns.and_then(|d| d.get("domain")).and_then(Value::as_str) {
+            search.push(domain.to_owned());
+        }
+    }
+    Ok(DhcpOptions {
+        lease_seconds,
+        dns: dns_servers,
+        search,
+    })
 }
 
 /// Addresses and a MAC asked for by the runtime.

@@ -53,6 +53,10 @@ pub struct Wired {
     pub mtu: u32,
     /// The pod's addresses; each is held as /32 or /128.
     pub ips: Vec<IpAddr>,
+    /// The `tap` binding's tap, in the pod beside the pod interface. The
+    /// addresses stay on the pod interface's entry: runtimes (containerd's
+    /// go-cni) take the pod IP from the CNI_IFNAME interface.
+    pub tap: Option<String>,
 }
 
 /// The gateway of an address's family.
@@ -126,10 +130,21 @@ pub fn render_add_result(conf: &NetConf, wired: &Wired) -> Result<Vec<u8>> {
         routes.push(json!({"dst": "::/0", "gw": GATEWAY_V6.to_string()}));
     }
 
+    let tap = wired.tap.as_ref().map(|name| {
+        let mut tap = Map::new();
+        tap.insert("name".into(), json!(name));
+        if version.interfaces_carry_mtu() && wired.mtu > 0 {
+            tap.insert("mtu".into(), json!(wired.mtu));
+        }
+        tap.insert("sandbox".into(), json!(wired.sandbox));
+        Value::Object(tap)
+    });
     append(
         &mut out,
         "interfaces",
-        [Value::Object(host), Value::Object(pod)],
+        [Value::Object(host), Value::Object(pod)]
+            .into_iter()
+            .chain(tap),
     );
     append(&mut out, "ips", ips);
     append(&mut out, "routes", routes);
@@ -275,6 +290,7 @@ mod tests {
             runtime_config: Default::default(),
             valid_attachments: None,
             vm_address_policy: Default::default(),
+            kubevirt: Default::default(),
         }
     }
 
@@ -287,6 +303,7 @@ mod tests {
             sandbox: "/run/netns/p1".into(),
             mtu: 1450,
             ips: ips.iter().map(|s| s.parse().unwrap()).collect(),
+            tap: None,
         }
     }
 

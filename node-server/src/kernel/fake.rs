@@ -26,6 +26,7 @@ use super::{
 use crate::attach::lock;
 use crate::error::{Error, Mismatch, Result};
 use crate::mac::Mac;
+use crate::vm::guest::TapSpec;
 
 /// Every call of the kernel traits, for failure injection and the log.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -35,6 +36,7 @@ pub enum Call {
     Check,
     DeleteLink,
     DeleteLinks,
+    RemoveTap,
     RemoveHostRoutes,
     EnsureHostRoutes,
     OurRoutes,
@@ -76,10 +78,21 @@ pub struct FakeRoute {
     pub via: Option<IpAddr>,
 }
 
+/// A tap of the `tap` binding in a pod netns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FakeTap {
+    /// As created.
+    pub spec: TapSpec,
+    /// The node-side veth of the attachment that made it (its alias).
+    pub host_ifname: String,
+}
+
 #[derive(Debug, Default)]
 struct State {
     netns: BTreeSet<PathBuf>,
     links: BTreeMap<String, FakeLink>,
+    /// By (netns, tap name).
+    taps: BTreeMap<(PathBuf, String), FakeTap>,
     routes: BTreeMap<IpNet, FakeRoute>,
     vxlan: Option<VxlanConfig>,
     peers: Vec<VxlanPeer>,
@@ -120,7 +133,22 @@ impl FakeKernel {
     /// as a veth outlives nothing in a real kernel only because the netns
     /// takes the pod end; tests use this for "the pod is gone").
     pub fn remove_netns(&self, path: &Path) {
-        self.state().netns.remove(path);
+        let mut s = self.state();
+        s.netns.remove(path);
+        // A persistent tap lives exactly as long as its netns.
+        s.taps.retain(|(netns, _), _| netns != path);
+    }
+
+    /// The taps of every pod netns, by (netns, name).
+    pub fn taps(&self) -> BTreeMap<(PathBuf, String), FakeTap> {
+        self.state().taps.clone()
+    }
+
+    /// Deletes a tap behind tether's back.
+    pub fn drop_tap(&self, netns: &Path, name: &str) {
+        self.state()
+            .taps
+            .remove(&(netns.to_owned(), name.to_owned()));
     }
 
     /// The `n`-th next call of `call` (0 = the very next) fails, once.
@@ -320,6 +348,22 @@ impl Veths for FakeKernel {
         if taken {
             return Err(Error::InterfaceExists(w.pod_ifname.to_owned()));
         }
+        if let Some(tap) = w.tap {
+            let key = (netns.clone(), tap.name.clone());
+            if s.taps
+                .get(&key)
+                .is_some_and(|t| t.host_ifname != w.host_ifname)
+            {
+                return Err(Error::InterfaceExists(tap.name.clone()));
+            }
+            s.taps.insert(
+                key,
+                FakeTap {
+                    spec: tap.clone(),
+                    host_ifname: w.host_ifname.to_owned(),
+                },
+            );
+        }
         // A stale veth of the same name is replaced, as the real kernel's
         // wiring does.
         s.remove_link(w.host_ifname);
@@ -372,7 +416,15 @@ impl Veths for FakeKernel {
                 format!("{} has MAC {} MTU {}", w.pod_ifname, link.pod_mac, link.mtu),
             ));
         }
-        if link.ips != w.ips {
+        if let Some(tap) = w.tap {
+            let found = s.taps.get(&(link.netns.clone(), tap.name.clone()));
+            if found.is_none_or(|t| t.spec != *tap || t.host_ifname != w.host_ifname) {
+                return Err(Error::check(
+                    Mismatch::Tap,
+                    format!("tap {} is missing or differs", tap.name),
+                ));
+            }
+        } else if link.ips != w.ips {
             return Err(Error::check(
                 Mismatch::PodAddress,
                 format!("{} has {}", w.pod_ifname, join(&link.ips)),
@@ -415,6 +467,20 @@ impl Veths for FakeKernel {
             s.remove_link(name);
         }
         Ok(())
+    }
+
+    async fn remove_tap(&self, netns: &PodNetns, tap: &str, host_ifname: &str) -> Result<()> {
+        self.enter(Call::RemoveTap, format!("{tap} of {host_ifname}"))?;
+        let key = (netns.path().to_owned(), tap.to_owned());
+        let mut s = self.state();
+        match s.taps.get(&key) {
+            None => Ok(()),
+            Some(t) if t.host_ifname == host_ifname => {
+                s.taps.remove(&key);
+                Ok(())
+            }
+            Some(_) => Err(Error::InterfaceExists(tap.to_owned())),
+        }
     }
 
     async fn remove_host_routes(&self, ips: &[IpAddr]) -> Result<()> {

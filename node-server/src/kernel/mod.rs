@@ -29,6 +29,7 @@ use ipnet::IpNet;
 
 use crate::error::{Error, Result};
 use crate::mac::Mac;
+use crate::vm::guest::TapSpec;
 pub use host::LinuxHost;
 pub use packet::{AnnounceKind, Announcement};
 
@@ -161,6 +162,10 @@ pub struct PodWiring<'a> {
     /// False for a VM migration's target until the cutover: it is wired,
     /// but the VM's traffic still goes to the source.
     pub routed: bool,
+    /// The `tap` binding's tap. With one, the pod interface carries no
+    /// addresses or routes: they are the guest's, and every frame passes
+    /// between the pod interface and the tap unchanged.
+    pub tap: Option<&'a TapSpec>,
 }
 
 /// One of tether's routes as found in the kernel.
@@ -252,6 +257,12 @@ pub trait Veths: Send + Sync {
     /// Deletes a node-side veth (both ends go). No such device is success;
     /// a name without our prefix is refused.
     async fn delete_link(&self, host_ifname: &str) -> Result<()>;
+
+    /// Deletes the `tap` binding's tap `tap` from a pod netns if the
+    /// attachment of `host_ifname` made it. No such tap is success; a tap
+    /// of that name that is not this attachment's is
+    /// [`Error::InterfaceExists`].
+    async fn remove_tap(&self, netns: &PodNetns, tap: &str, host_ifname: &str) -> Result<()>;
 
     /// Deletes many node-side veths in one batch; names that no longer
     /// exist are skipped.

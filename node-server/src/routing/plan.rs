@@ -368,6 +368,7 @@ mod tests {
                     pod_name: None,
                     pod_uid: None,
                     vm: Some(VmKey::new("ns", "vm1", "eth0").unwrap()),
+                    guest: None,
                 };
                 (key, a)
             })

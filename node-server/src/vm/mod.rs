@@ -17,6 +17,7 @@
 
 pub mod admin;
 pub mod cutover;
+pub mod guest;
 pub mod placement;
 pub mod records;
 pub mod reservations;

@@ -16,6 +16,7 @@ mod messages;
 mod netns;
 mod overlay;
 mod pod;
+mod tap;
 #[cfg(test)]
 mod tests;
 
@@ -67,6 +68,7 @@ fn pod_side(w: &PodWiring<'_>) -> pod::PodSide {
         mac: w.pod_mac,
         ips: w.ips.to_vec(),
         mtu: w.mtu,
+        tap: w.tap.map(|t| (t.clone(), tap::alias(w.host_ifname))),
     }
 }
 
@@ -346,6 +348,12 @@ impl Veths for Netlink {
         let _ = index_tx.send(created.peer_index);
         let (host, pod) = futures::join!(self.configure_host(w, created.host_index), pod);
         if let Err(e) = host.and(pod) {
+            if let Some(tap) = w.tap {
+                // The veth's deletion takes its pod end, not the tap.
+                if let Err(undo) = self.remove_tap(w.netns, &tap.name, w.host_ifname).await {
+                    tracing::warn!(tap = tap.name, error = %undo, "could not delete the tap of a failed ADD");
+                }
+            }
             if let Err(undo) = self.delete_index(created.host_index).await {
                 tracing::warn!(
                     veth = w.host_ifname,
@@ -366,6 +374,14 @@ impl Veths for Netlink {
         let pod = netns::with_netns_handle(w.netns.file()?, move |handle| pod::check(handle, side));
         let (pod, host) = futures::join!(pod, self.check_host(w));
         pod.and(host)
+    }
+
+    async fn remove_tap(&self, netns: &PodNetns, tap: &str, host_ifname: &str) -> Result<()> {
+        let (name, alias) = (tap.to_owned(), tap::alias(host_ifname));
+        netns::with_netns_handle(netns.file()?, move |handle| async move {
+            tap::remove(&handle, &name, &alias).await.map(|_| ())
+        })
+        .await
     }
 
     /// Deletes a node-side veth (both ends go). Idempotent: no such device is

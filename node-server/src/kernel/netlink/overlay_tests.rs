@@ -379,6 +379,7 @@ impl TestPod {
             ips: &self.ips,
             mtu: 1400,
             routed: true,
+            tap: None,
         }
     }
 

@@ -13,6 +13,7 @@ use super::messages::{self, reason, Step, ACKED, CREATE, REPLACE};
 use super::{mac_text, GATEWAY_MAC};
 use crate::error::{Error, Mismatch, Result};
 use crate::mac::Mac;
+use crate::vm::guest::TapSpec;
 
 /// What the pod side must look like; owned so that it can cross to the netns
 /// thread.
@@ -22,6 +23,8 @@ pub(super) struct PodSide {
     pub mac: Mac,
     pub ips: Vec<IpAddr>,
     pub mtu: u32,
+    /// The `tap` binding's tap, and the alias that marks it ours.
+    pub tap: Option<(TapSpec, String)>,
 }
 
 /// Raises the pod interface, then adds its addresses, gateway neighbours and
@@ -42,6 +45,9 @@ pub(super) async fn configure(handle: Handle, pod: PodSide, index: Option<u32>) 
             })?,
     };
     let name = &pod.ifname;
+    if let Some((tap, alias)) = &pod.tap {
+        return super::tap::configure(&handle, tap, name, index, pod.mtu, alias).await;
+    }
     let gateways = messages::gateways(&pod.ips);
     let mut steps = Vec::with_capacity(1 + pod.ips.len() + 2 * gateways.len());
     steps.push(Step::new(
@@ -123,6 +129,10 @@ pub(super) async fn check(handle: Handle, pod: PodSide) -> Result<()> {
                 pod.mtu
             ),
         ));
+    }
+
+    if let Some((tap, alias)) = &pod.tap {
+        return super::tap::check(&handle, tap, &pod.ifname, index, pod.mtu, alias).await;
     }
 
     let mut request = handle.address().get().set_link_index_filter(index);

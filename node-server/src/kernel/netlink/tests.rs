@@ -92,6 +92,8 @@ fn open_netns_accepts_a_netns_and_refuses_other_namespaces() {
     assert!(err.to_string().contains("not a network namespace"), "{err}");
 }
 
+mod tap_tests;
+
 // ---------------------------------------------------------------- harness
 
 pub(super) fn is_root() -> bool {
@@ -247,6 +249,7 @@ impl TestPod {
             ips: &self.ips,
             mtu: self.mtu,
             routed: true,
+            tap: None,
         }
     }
 
