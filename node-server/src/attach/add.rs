@@ -100,6 +100,15 @@ impl Node {
                         if let Err(e) = self.kernel.delete_link(&host_ifname).await {
                             tracing::error!(%key, error = %e, "rollback of the veth failed");
                         }
+                        if let Some(tap) = attachment.guest.as_ref().and_then(|g| g.tap.as_ref()) {
+                            if let Err(e) = self
+                                .kernel
+                                .remove_tap(&netns, &tap.name, &host_ifname)
+                                .await
+                            {
+                                tracing::error!(%key, error = %e, "rollback of the tap failed");
+                            }
+                        }
                     }
                     Err(e) => first = first.or(Some(e)),
                 }

@@ -165,6 +165,10 @@ fn wiring<'a>(a: &'a Attachment, pod_mac: Mac, netns: &'a PodNetns, routed: bool
         mtu: a.mtu,
         routed,
         tap: a.guest.as_ref().and_then(|g| g.tap.as_ref()),
+        managed_tap: a
+            .guest
+            .as_ref()
+            .is_some_and(|g| g.kind() == crate::vm::guest::BindingKind::ManagedTap),
     }
 }
 

@@ -166,6 +166,10 @@ pub struct PodWiring<'a> {
     /// addresses or routes: they are the guest's, and every frame passes
     /// between the pod interface and the tap unchanged.
     pub tap: Option<&'a TapSpec>,
+    /// KubeVirt's `managedTap` binding may rewrite the pod side after ADD
+    /// (the veth renamed into an in-pod bridge, a dummy in its place):
+    /// CHECK accepts that layout too.
+    pub managed_tap: bool,
 }
 
 /// One of tether's routes as found in the kernel.

@@ -7,6 +7,7 @@
 #![allow(dead_code)]
 
 mod attach;
+mod guest;
 mod vm;
 
 use std::net::IpAddr;
@@ -263,6 +264,12 @@ impl Call {
         }
     }
 
+    /// The same call as another verb.
+    pub fn command(mut self, command: &str) -> Call {
+        self.command = command.into();
+        self
+    }
+
     pub fn netns(mut self, path: &std::path::Path) -> Call {
         self.netns = path.display().to_string();
         self
@@ -301,7 +308,7 @@ impl Call {
         self.annotation(MIGRATION_JOB_ANNOTATION, "job-1")
     }
 
-    fn request(&self) -> CniRequest {
+    pub fn request(&self) -> CniRequest {
         CniRequest {
             command: self.command.clone(),
             container_id: self.cid.clone(),

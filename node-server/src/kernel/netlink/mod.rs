@@ -69,6 +69,7 @@ fn pod_side(w: &PodWiring<'_>) -> pod::PodSide {
         ips: w.ips.to_vec(),
         mtu: w.mtu,
         tap: w.tap.map(|t| (t.clone(), tap::alias(w.host_ifname))),
+        managed_tap_peer: None,
     }
 }
 
@@ -370,7 +371,12 @@ impl Veths for Netlink {
     /// difference, pod side before node side, is an `Error::Check` whose
     /// detail names the object and both values.
     async fn check(&self, w: &PodWiring<'_>) -> Result<()> {
-        let side = pod_side(w);
+        let mut side = pod_side(w);
+        if w.managed_tap {
+            // The veth's pod end is known by its peer, the node side, once
+            // KubeVirt has renamed it.
+            side.managed_tap_peer = self.link_index(w.host_ifname).await?;
+        }
         let pod = netns::with_netns_handle(w.netns.file()?, move |handle| pod::check(handle, side));
         let (pod, host) = futures::join!(pod, self.check_host(w));
         pod.and(host)

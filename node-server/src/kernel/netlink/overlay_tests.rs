@@ -380,6 +380,7 @@ impl TestPod {
             mtu: 1400,
             routed: true,
             tap: None,
+            managed_tap: false,
         }
     }
 

@@ -5,6 +5,7 @@
 use std::net::IpAddr;
 
 use futures::TryStreamExt;
+use rtnetlink::packet_route::link::{InfoKind, LinkAttribute, LinkInfo, LinkMessage};
 use rtnetlink::packet_route::neighbour::{NeighbourAddress, NeighbourAttribute, NeighbourState};
 use rtnetlink::packet_route::{AddressFamily, RouteNetlinkMessage};
 use rtnetlink::Handle;
@@ -25,6 +26,9 @@ pub(super) struct PodSide {
     pub mtu: u32,
     /// The `tap` binding's tap, and the alias that marks it ours.
     pub tap: Option<(TapSpec, String)>,
+    /// For `managedTap`: the node-side veth's index, which the pod end's
+    /// IFLA_LINK names after KubeVirt renamed it.
+    pub managed_tap_peer: Option<u32>,
 }
 
 /// Raises the pod interface, then adds its addresses, gateway neighbours and
@@ -100,6 +104,13 @@ pub(super) async fn check(handle: Handle, pod: PodSide) -> Result<()> {
                 format!("{} not found in {}", pod.ifname, pod.netns),
             )
         })?;
+    if let Some(peer) = pod.managed_tap_peer {
+        // KubeVirt puts a dummy there; any link but tether's veth means the
+        // pod was rewritten.
+        if link_kind(&link) != Some(&InfoKind::Veth) {
+            return check_managed_tap(&handle, &pod, &link, peer).await;
+        }
+    }
     let index = link.header.index;
     let facts = messages::link_facts(&link);
     if !facts.up {
@@ -230,6 +241,79 @@ pub(super) async fn check(handle: Handle, pod: PodSide) -> Result<()> {
                 format!("no default route via {gw} dev {}", pod.ifname),
             ));
         }
+    }
+    Ok(())
+}
+
+/// The kind of a link (veth, dummy, bridge...), if the kernel said.
+fn link_kind(link: &LinkMessage) -> Option<&InfoKind> {
+    link.attributes.iter().find_map(|a| match a {
+        LinkAttribute::LinkInfo(infos) => infos.iter().find_map(|i| match i {
+            LinkInfo::Kind(k) => Some(k),
+            _ => None,
+        }),
+        _ => None,
+    })
+}
+
+/// CHECK of a pod that KubeVirt's `managedTap` rewrote: the pod interface
+/// is now a dummy (any link but a veth) with the VM's MAC and MTU (the domain takes both from
+/// it), and tether's veth, renamed, is up with its MTU in KubeVirt's
+/// in-pod bridge. Addresses and routes are KubeVirt's business there.
+async fn check_managed_tap(
+    handle: &Handle,
+    pod: &PodSide,
+    dummy: &LinkMessage,
+    peer: u32,
+) -> Result<()> {
+    let wrong = |what: String| Error::check(Mismatch::PodInterface, what);
+    let facts = messages::link_facts(dummy);
+    if facts.mac.as_deref() != Some(&pod.mac.octets()[..]) || facts.mtu != Some(pod.mtu) {
+        return Err(wrong(format!(
+            "{} (managedTap's dummy) has MAC {} MTU {}, want {} and {}",
+            pod.ifname,
+            mac_text(facts.mac.as_deref()),
+            facts.mtu.unwrap_or(0),
+            pod.mac,
+            pod.mtu
+        )));
+    }
+    let links: Vec<LinkMessage> = handle
+        .link()
+        .get()
+        .execute()
+        .try_collect()
+        .await
+        .map_err(|e| Error::setup(format!("reading links in {}", pod.netns), reason(&e)))?;
+    let veth = links
+        .iter()
+        .find(|l| {
+            link_kind(l) == Some(&InfoKind::Veth)
+                && l.attributes
+                    .iter()
+                    .any(|a| matches!(a, LinkAttribute::Link(i) if *i == peer))
+        })
+        .ok_or_else(|| {
+            wrong(format!(
+                "the pod end of tether's veth is gone from {} (managedTap)",
+                pod.netns
+            ))
+        })?;
+    let vf = messages::link_facts(veth);
+    let name = vf.name.clone().unwrap_or_default();
+    let bridged = veth
+        .attributes
+        .iter()
+        .any(|a| matches!(a, LinkAttribute::Controller(_)));
+    if !vf.up || vf.mtu != Some(pod.mtu) || !bridged {
+        return Err(wrong(format!(
+            "{name} (tether's veth, renamed by managedTap) is {}, MTU {}, {}; want up, MTU {}, \
+             in KubeVirt's bridge",
+            if vf.up { "up" } else { "down" },
+            vf.mtu.unwrap_or(0),
+            if bridged { "bridged" } else { "not bridged" },
+            pod.mtu
+        )));
     }
     Ok(())
 }

@@ -250,6 +250,7 @@ impl TestPod {
             mtu: self.mtu,
             routed: true,
             tap: None,
+            managed_tap: false,
         }
     }
 

@@ -225,3 +225,68 @@ fn a_single_queue_tap_is_not_multi_queue() {
         assert_eq!(err.code(), 117, "{err}");
     });
 }
+
+/// What KubeVirt's virt-handler does to a `managedTap` pod after tether's
+/// ADD (pkg/network/driver, read from KubeVirt's code): the veth is renamed
+/// and enslaved to a bridge with the tap, and a dummy takes its name, MAC
+/// and MTU. A test double of virt-handler: the commands, not its code. This
+/// kernel has no dummy driver (CONFIG_DUMMY is off), so an empty bridge
+/// stands in for the dummy; CHECK accepts any non-veth link there.
+fn rewrite_like_virt_handler(pod: &TestPod) {
+    let ns = pod.path();
+    let mac = pod.mac.to_string();
+    let mtu = pod.mtu.to_string();
+    for cmd in [
+        &["ip", "link", "set", "eth0", "down"][..],
+        &["ip", "addr", "flush", "dev", "eth0"],
+        &["ip", "link", "set", "eth0", "name", "eth0-nic"],
+        &["ip", "link", "add", "k6t-eth0", "type", "bridge"],
+        &["ip", "link", "set", "eth0-nic", "master", "k6t-eth0"],
+        &[
+            "ip", "tuntap", "add", "tap0", "mode", "tap", "user", "107", "group", "107",
+        ],
+        &["ip", "link", "set", "tap0", "master", "k6t-eth0"],
+        &["ip", "link", "add", "eth0", "type", "bridge"],
+        &["ip", "link", "set", "eth0", "address", &mac, "mtu", &mtu],
+        &["ip", "link", "set", "eth0-nic", "up"],
+        &["ip", "link", "set", "k6t-eth0", "up"],
+        &["ip", "link", "set", "eth0", "up"],
+    ] {
+        run_in(ns, cmd);
+    }
+}
+
+#[test]
+fn check_accepts_a_pod_that_managed_tap_rewrote_and_nothing_else() {
+    require_root!();
+    in_node_netns(|| async {
+        let dp = connect();
+        let pod = TestPod::new("mtap", &["10.1.0.11"]);
+        let mut w = pod.wiring();
+        w.managed_tap = true;
+        dp.wire(&w).await.expect("wire");
+        dp.check(&w).await.expect("check before KubeVirt's rewrite");
+        rewrite_like_virt_handler(&pod);
+        dp.check(&w).await.expect("check after KubeVirt's rewrite");
+        // The same rewrite is a broken pod for any other binding.
+        w.managed_tap = false;
+        let err = dp.check(&w).await.expect_err("not managedTap");
+        assert!((111..=113).contains(&err.code()), "{err}");
+        w.managed_tap = true;
+        // Taken out of the bridge, the veth carries nothing to the guest.
+        run_in(pod.path(), &["ip", "link", "set", "eth0-nic", "nomaster"]);
+        let err = dp.check(&w).await.expect_err("veth out of the bridge");
+        assert_eq!(err.code(), 111, "{err}");
+        assert!(err.to_string().contains("not bridged"), "{err}");
+        run_in(
+            pod.path(),
+            &["ip", "link", "set", "eth0-nic", "master", "k6t-eth0"],
+        );
+        run_in(
+            pod.path(),
+            &["ip", "link", "set", "eth0", "address", "52:54:00:00:00:01"],
+        );
+        let err = dp.check(&w).await.expect_err("dummy with another MAC");
+        assert_eq!(err.code(), 111, "{err}");
+    });
+}
