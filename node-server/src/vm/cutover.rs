@@ -252,6 +252,7 @@ impl Node {
     pub(crate) fn spawn_announce_loop(self: &Arc<Self>, listener: Box<dyn Announcements>) {
         let node = self.clone();
         tokio::spawn(async move {
+            let mut warned = HashSet::new();
             loop {
                 let ann = match listener.next().await {
                     Ok(a) => a,
@@ -271,6 +272,7 @@ impl Node {
                     hit
                 };
                 let Some(target) = target else {
+                    node.foreign_announcement(&ann, &mut warned);
                     continue;
                 };
                 let local = lock(&node.attachments).get(&target.attachment).cloned();
@@ -292,5 +294,35 @@ impl Node {
                 });
             }
         });
+    }
+}
+
+impl Node {
+    /// An announcement on a waiting target's interface from a MAC that is
+    /// not its VM's: the guest runs with a MAC the record does not know (a
+    /// VMI `macAddress` on the primary network never reaches the CNI), so
+    /// no cutover can follow it. Said loudly, once per interface and MAC.
+    fn foreign_announcement(
+        &self,
+        ann: &kernel::Announcement,
+        warned: &mut HashSet<(u32, [u8; 6])>,
+    ) {
+        let expected = lock(&self.vm.pending).iter().find_map(|(mac, list)| {
+            list.iter()
+                .find(|p| p.ifindex == ann.ifindex)
+                .map(|p| (*mac, p.vm.clone()))
+        });
+        if let Some((mac, vm)) = expected {
+            if warned.insert((ann.ifindex, ann.mac)) {
+                tracing::warn!(
+                    %vm,
+                    seen = %Mac::from(ann.mac),
+                    expected = %mac,
+                    "a migration target's guest announced itself with a MAC its record does not \
+                     have: remove the VMI's macAddress or set it to the record's; the cutover waits \
+                     for the annotation or the admin call"
+                );
+            }
+        }
     }
 }
