@@ -6,6 +6,7 @@
 //! `store` (durable state), `attach` (the attachment lifecycle that ties
 //! them together), `vm` (KubeVirt VM records and pods), `routing` (route
 //! planning and the route manager), `cluster` (membership and blocks),
+//! `dhcp` (DHCP and router advertisements for the guests of tap bindings),
 //! and `api`, everything that faces a caller: the CNI and admin gRPC
 //! services, the socket, the HTTP/2 `:authority` fix for grpcurl 1.8.6, and
 //! the shim's pending-DEL queue.
@@ -15,6 +16,7 @@ pub mod attach;
 pub mod cluster;
 pub mod cni;
 pub mod control;
+pub mod dhcp;
 pub mod error;
 pub mod ipam;
 pub mod kernel;

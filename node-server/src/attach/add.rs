@@ -127,6 +127,7 @@ impl Node {
             (Some(pod), Some(p)) => {
                 // In the table before the listener can see the VM announce.
                 lock(&self.attachments).insert(key, attachment.clone());
+                self.serve_guest(&attachment);
                 self.after_vm_add(pod, &attachment, p).await;
                 // The route manager may have planned this VM from its record
                 // before the pod was in the table ("not routed here"): a
@@ -173,6 +174,7 @@ impl Node {
             }
             Err(e) => return Err(e),
         }
+        self.serve_guest(&a);
         if let Some(pod) = vm_pod {
             self.ready_annotation(pod, &a).await;
         }

@@ -104,6 +104,7 @@ impl Node {
             self.force_vm_resync();
         }
         for a in list {
+            self.stop_guest(a);
             self.delete_link_later(a.host_ifname.clone());
         }
         Ok(())

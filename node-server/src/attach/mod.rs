@@ -18,6 +18,7 @@ mod addresses;
 mod check;
 mod del;
 mod gc;
+mod guest;
 mod link_reaper;
 mod reconcile;
 mod status;
@@ -107,6 +108,8 @@ pub struct Node {
     pub(crate) vm: VmState,
     /// The route manager's state.
     pub(crate) routes: RouteState,
+    /// DHCP and router advertisements for the guests of tap bindings.
+    pub(crate) dhcp: Arc<dyn kernel::GuestDhcp>,
 }
 
 /// Holds an attachment's lock; frees the table entry when nobody else waits.
@@ -277,6 +280,7 @@ impl Node {
             store,
             cluster,
             kernel,
+            dhcp: host.guest_dhcp(),
             host,
             pools: Mutex::new(pools),
             attachments: Mutex::new(attachments),

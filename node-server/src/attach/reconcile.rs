@@ -60,11 +60,17 @@ impl Node {
         }
         let owned_links: HashSet<&str> = snapshot.iter().map(|a| a.host_ifname.as_str()).collect();
         let orphans: Vec<String> = links
-            .into_iter()
+            .iter()
             .filter(|l| !owned_links.contains(l.as_str()))
+            .cloned()
             .collect();
         self.kernel.delete_links(&orphans).await?;
         done.links_removed = orphans.len();
+        // The guests of tap bindings are answered again (a restarted daemon
+        // starts with no sockets).
+        for a in snapshot.iter().filter(|a| links.contains(&a.host_ifname)) {
+            self.serve_guest(a);
+        }
         // The VM routes are checked against the kernel again too.
         self.force_vm_resync();
         Ok(done)

@@ -19,9 +19,9 @@ use ipnet::IpNet;
 use tokio::sync::mpsc;
 
 use super::{
-    Announcement, Announcements, ClusterRoute, Host, HostRoute, Kernel, NodeRoutes, PodNetns,
-    PodWiring, Synced, Veths, VxlanConfig, VxlanPeer, CLUSTER_ROUTE_PROTOCOL, HOST_IFNAME_PREFIX,
-    ROUTE_PROTOCOL, VM_ROUTE_PROTOCOL,
+    Announcement, Announcements, ClusterRoute, GuestDhcp, GuestLease, Host, HostRoute, Kernel,
+    NodeRoutes, PodNetns, PodWiring, Synced, Veths, VxlanConfig, VxlanPeer, CLUSTER_ROUTE_PROTOCOL,
+    HOST_IFNAME_PREFIX, ROUTE_PROTOCOL, VM_ROUTE_PROTOCOL,
 };
 use crate::attach::lock;
 use crate::error::{Error, Mismatch, Result};
@@ -610,6 +610,49 @@ pub struct FakeHost {
     rx: Mutex<Option<mpsc::UnboundedReceiver<Announcement>>>,
     /// Whether opening the packet sockets fails (no CAP_NET_RAW).
     no_packet_sockets: Mutex<bool>,
+    /// The guest DHCP service, shared with every node opened on this host.
+    dhcp: Arc<FakeDhcp>,
+}
+
+/// The fake guest DHCP service: what is served where, and the router
+/// advertisements asked for.
+#[derive(Debug, Default)]
+pub struct FakeDhcp {
+    served: Mutex<BTreeMap<String, GuestLease>>,
+    announced: Mutex<Vec<String>>,
+}
+
+impl FakeDhcp {
+    /// The lease served on each node-side veth.
+    pub fn served(&self) -> BTreeMap<String, GuestLease> {
+        lock(&self.served).clone()
+    }
+
+    /// The veths an unsolicited router advertisement was sent on, in order.
+    pub fn announced(&self) -> Vec<String> {
+        lock(&self.announced).clone()
+    }
+
+    /// Forgets everything, as a daemon restart does.
+    pub fn reset(&self) {
+        lock(&self.served).clear();
+        lock(&self.announced).clear();
+    }
+}
+
+impl GuestDhcp for FakeDhcp {
+    fn serve(&self, ifname: &str, lease: GuestLease) -> Result<()> {
+        lock(&self.served).insert(ifname.to_owned(), lease);
+        Ok(())
+    }
+
+    fn stop(&self, ifname: &str) {
+        lock(&self.served).remove(ifname);
+    }
+
+    fn announce_router(&self, ifname: &str) {
+        lock(&self.announced).push(ifname.to_owned());
+    }
 }
 
 impl Default for FakeHost {
@@ -621,6 +664,7 @@ impl Default for FakeHost {
             tx,
             rx: Mutex::new(Some(rx)),
             no_packet_sockets: Mutex::new(false),
+            dhcp: Arc::default(),
         }
     }
 }
@@ -629,6 +673,11 @@ impl FakeHost {
     /// A host on boot "boot-1".
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The guest DHCP service.
+    pub fn dhcp(&self) -> Arc<FakeDhcp> {
+        self.dhcp.clone()
     }
 
     /// Reboots the fake node: a new boot id.
@@ -673,6 +722,10 @@ impl Host for FakeHost {
         Ok(Box::new(FakeAnnouncements {
             rx: tokio::sync::Mutex::new(rx),
         }))
+    }
+
+    fn guest_dhcp(&self) -> Arc<dyn GuestDhcp> {
+        self.dhcp.clone()
     }
 }
 

@@ -3,8 +3,10 @@
 
 use super::netlink::write_sysctl;
 use super::packet::AnnounceListener;
-use super::{Announcements, Host};
+use super::{Announcements, GuestDhcp, Host};
+use crate::dhcp::DhcpServer;
 use crate::error::{Error, Result};
+use std::sync::Arc;
 
 /// The node this daemon runs on, in the daemon's own netns.
 #[derive(Debug, Default, Clone, Copy)]
@@ -34,5 +36,9 @@ impl Host for LinuxHost {
 
     fn announcements(&self) -> Result<Box<dyn Announcements>> {
         Ok(Box::new(AnnounceListener::open()?))
+    }
+
+    fn guest_dhcp(&self) -> Arc<dyn GuestDhcp> {
+        Arc::new(DhcpServer::new())
     }
 }

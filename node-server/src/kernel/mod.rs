@@ -29,7 +29,7 @@ use ipnet::IpNet;
 
 use crate::error::{Error, Result};
 use crate::mac::Mac;
-use crate::vm::guest::TapSpec;
+use crate::vm::guest::{DhcpOptions, TapSpec};
 pub use host::LinuxHost;
 pub use packet::{AnnounceKind, Announcement};
 
@@ -335,6 +335,42 @@ pub trait Host: Send + Sync {
     /// Starts seeing VM announcements (RARP and gratuitous ARP) on every
     /// node interface.
     fn announcements(&self) -> Result<Box<dyn Announcements>>;
+
+    /// The node's DHCP and router-advertisement service for guests.
+    fn guest_dhcp(&self) -> Arc<dyn GuestDhcp>;
+}
+
+/// What a guest behind one node-side veth is told: its addresses and MAC
+/// from the VM's record, its name, MTU and the network's options. The same
+/// on every node, so that a renewal after a migration or a restart gets the
+/// same lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuestLease {
+    /// The only MAC answered: the VM's.
+    pub mac: Mac,
+    /// At most one per family.
+    pub ips: Vec<IpAddr>,
+    /// The VM's name.
+    pub hostname: String,
+    /// The pod interface's MTU.
+    pub mtu: u32,
+    /// Lease time, DNS servers and search domains.
+    pub options: DhcpOptions,
+}
+
+/// DHCPv4, DHCPv6 and router advertisements for the guests of the `tap`
+/// and `managedTap` bindings, answered on the node-side veths, where the
+/// guest's frames arrive. The daemon serves them itself: no process per
+/// pod.
+pub trait GuestDhcp: Send + Sync {
+    /// Starts answering the guest behind node-side veth `ifname`, or
+    /// replaces its lease.
+    fn serve(&self, ifname: &str, lease: GuestLease) -> Result<()>;
+    /// Stops answering on `ifname`. Not serving it is success.
+    fn stop(&self, ifname: &str);
+    /// Sends one unsolicited router advertisement on `ifname` now: the
+    /// guest has just arrived on this node.
+    fn announce_router(&self, ifname: &str);
 }
 
 /// A source of VM announcements.

@@ -142,6 +142,9 @@ impl Node {
             return Ok(rec);
         }
         let committed_after = seen.0.elapsed();
+        if let Some(a) = only {
+            self.welcome_guest(a);
+        }
         // An admin cutover to a pod of this node: route it now rather than
         // when the watch reports the change.
         if only.is_none() {
@@ -157,6 +160,7 @@ impl Node {
                         .ensure_host_routes(&a.host_ifname, &a.ips)
                         .await?;
                     local_route = Some(seen.0.elapsed());
+                    self.welcome_guest(&a);
                 }
             }
         }

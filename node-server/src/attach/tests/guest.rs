@@ -190,3 +190,95 @@ async fn the_kubevirt_object_refuses_what_it_does_not_know() {
         assert_eq!(err.code(), 7, "{bad}: {err}");
     }
 }
+
+// ---- The guest's DHCP ------------------------------------------------------
+
+#[tokio::test]
+async fn the_guest_is_answered_from_the_record_until_its_pod_goes() {
+    let t = TestNode::new().await;
+    let inv = t.inv(vm_add(&t, "c1", "tap"));
+    let result = parse_json(&t.node.add(&inv).await.expect("ADD"));
+    let host = host_ifname("tether", "c1", "eth0");
+    let served = t.host.dhcp().served();
+    let lease = served
+        .get(&host)
+        .expect("the guest is answered on its veth");
+    let a = the_record(&t, "c1");
+    assert_eq!(lease.mac, a.mac);
+    assert_eq!(lease.ips, a.ips);
+    assert_eq!(lease.hostname, "vm1");
+    assert_eq!(lease.mtu, a.mtu);
+    assert_eq!(lease.options.dns, vec![ip("10.96.0.10")]);
+    assert_eq!(
+        result["interfaces"][1]["mac"],
+        a.mac.to_string(),
+        "the pod interface carries the MAC the guest is answered for"
+    );
+
+    // A restarted daemon answers again, with the same lease.
+    t.host.dhcp().reset();
+    let (t, _) = t.restart(|_| {}).await.expect("restart");
+    assert_eq!(t.host.dhcp().served().get(&host), Some(lease));
+
+    let del = t.inv(vm_add(&t, "c1", "tap").command("DEL"));
+    t.node.del(&del, None).await.expect("DEL");
+    assert!(t.host.dhcp().served().is_empty());
+}
+
+#[tokio::test]
+async fn a_plain_vm_pod_gets_no_dhcp_and_managed_tap_does() {
+    let t = TestNode::new().await;
+    let plain = Call::new("ADD", "c1").netns(&t.netns("c1")).vm("vm1");
+    t.node.add(&t.inv(plain)).await.expect("ADD");
+    assert!(
+        t.host.dhcp().served().is_empty(),
+        "KubeVirt's own binding serves DHCP"
+    );
+    let inv = t.inv(vm_add(&t, "c2", "managedTap").vm("vm2"));
+    t.node.add(&inv).await.expect("ADD");
+    assert!(t
+        .host
+        .dhcp()
+        .served()
+        .contains_key(&host_ifname("tether", "c2", "eth0")));
+}
+
+#[tokio::test]
+async fn a_migrated_guest_is_told_its_router_on_the_new_node() {
+    use crate::kernel::{AnnounceKind, Announcement};
+    let a = TestNode::new().await;
+    let b = TestNode::with(Options {
+        name: "node-b".into(),
+        cidrs: vec![net("10.2.0.0/24"), net("fd00:2::/120")],
+        control: Some(a.control.clone()),
+        ..Default::default()
+    })
+    .await;
+    a.node
+        .add(&a.inv(vm_add(&a, "c1", "tap")))
+        .await
+        .expect("source ADD");
+    b.node
+        .add(&b.inv(vm_add(&b, "c2", "tap").target()))
+        .await
+        .expect("target ADD");
+    let host_b = host_ifname("tether", "c2", "eth0");
+    let lease_a = a.host.dhcp().served()[&host_ifname("tether", "c1", "eth0")].clone();
+    assert_eq!(
+        b.host.dhcp().served().get(&host_b),
+        Some(&lease_a),
+        "the target answers the guest exactly as the source does"
+    );
+    let ifindex = b.kernel.links()[&host_b].index;
+    b.host.announce(Announcement {
+        ifindex,
+        mac: lease_a.mac.octets(),
+        kind: AnnounceKind::Rarp,
+        seen: std::time::Instant::now(),
+    });
+    b.eventually("the router advertisement on B", |b| {
+        b.host.dhcp().announced() == vec![host_b.clone()]
+    })
+    .await;
+    assert!(a.host.dhcp().announced().is_empty());
+}
