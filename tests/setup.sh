@@ -24,6 +24,7 @@ etcd-server
 etcd-client
 protobuf-compiler
 libprotobuf-dev
+qemu-system-x86
 "
 # iproute2, iputils-ping: netns, links, routes, ping between pods
 # util-linux: nsenter (podman's netns, plugins run inside the node netns)
@@ -40,6 +41,10 @@ libprotobuf-dev
 #   build runs, and the well-known .proto files (google/protobuf/*.proto) that
 #   etcd's protos import; protoc recommends the latter, and --no-install-recommends
 #   would otherwise leave them out (README, "Dependencies": why protoc at all)
+# qemu-system-x86: the real guests of the VM suites (tests/tests/vm_guest.rs),
+#   run under TCG; its SeaBIOS comes with it as a dependency. The guest's
+#   kernel and dhcpcd are downloaded and unpacked, never installed
+#   (tests/guest/build.sh, below)
 
 if [ "$(id -u)" -ne 0 ]; then
     echo "setup.sh: must run as root" >&2
@@ -75,7 +80,7 @@ fi
 
 # The cluster-mode suites and the build call these by path or name: fail here,
 # not in the middle of a test, if a package did not provide them.
-for tool in /usr/bin/etcd /usr/bin/etcdctl protoc; do
+for tool in /usr/bin/etcd /usr/bin/etcdctl protoc qemu-system-x86_64; do
     if ! command -v "$tool" >/dev/null 2>&1; then
         echo "setup.sh: $tool is missing after installing the packages" >&2
         exit 1
@@ -112,3 +117,8 @@ if [ "$(readlink /usr/local/bin/grpcurl 2>/dev/null || true)" != "$bin" ]; then
     ln -sf "$bin" /usr/local/bin/grpcurl
 fi
 echo "setup.sh: grpcurl: /usr/local/bin/grpcurl -> $bin ($(/usr/local/bin/grpcurl -version 2>&1))"
+
+# The test guest of the VM suites: a Debian cloud kernel and a busybox
+# initramfs with dhcpcd, built once and cached (tests/guest/build.sh).
+guest=$(sh "$(dirname "$0")/guest/build.sh")
+echo "setup.sh: test guest in $guest"

@@ -16,7 +16,9 @@
 //! - [`wait_until`], [`assert_distinct`]: polling and a common assertion;
 //! - [`mod@reference`]: netconfs for Debian's reference plugins;
 //! - [`mod@cluster`]: a multi-node topology (fabric bridge, etcd cluster,
-//!   nodes running tetherd in cluster mode, pods and ping between them).
+//!   nodes running tetherd in cluster mode, pods and ping between them);
+//! - [`mod@qemu`]: real QEMU guests on a pod's tap, leasing with real DHCP
+//!   clients, driven over QMP and their serial console.
 //!
 //! Safety rules the harness keeps so that tests need not think about them:
 //! every name carries [`run_prefix`], unique per process; every address,
@@ -34,6 +36,7 @@ mod cni;
 mod daemon;
 pub mod migration;
 mod netns;
+pub mod qemu;
 pub mod reference;
 pub mod runtime;
 pub mod view;

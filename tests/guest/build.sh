@@ -1,0 +1,85 @@
+#!/bin/sh
+# Builds the test guest: a Debian cloud kernel (unpacked, never installed)
+# and an initramfs of busybox-static, the virtio-net modules and dhcpcd,
+# whose init (tests/guest/init) asks for a lease with a real DHCP client.
+# The result is cached in $TETHER_GUEST_DIR (default /var/tmp/tether-guest),
+# keyed by the kernel package version and the guest's own files; a cached
+# guest is reused at once. Prints the directory holding vmlinuz and
+# initramfs.gz. Run as root (apt-get download).
+set -eu
+here=$(cd "$(dirname "$0")" && pwd)
+base=${TETHER_GUEST_DIR:-/var/tmp/tether-guest}
+
+kernel_pkg() {
+    apt-cache depends linux-image-cloud-amd64 2>/dev/null |
+        awk '/Depends: linux-image-[0-9]/ { print $2; exit }'
+}
+pkg=$(kernel_pkg)
+if [ -z "$pkg" ]; then
+    apt-get update >&2
+    pkg=$(kernel_pkg)
+fi
+[ -n "$pkg" ] || { echo "build.sh: no linux-image-cloud-amd64 in apt" >&2; exit 1; }
+kver=$(apt-cache policy "$pkg" | awk '/Candidate:/ { print $2 }')
+dver=$(apt-cache policy dhcpcd-base | awk '/Candidate:/ { print $2 }')
+inputs=$(cat "$here/build.sh" "$here/init" "$here/udhcpc.script" "$here/dhcpcd.script" /bin/busybox |
+    sha256sum | cut -c1-16)
+out="$base/$pkg-$kver-$dver-$inputs"
+if [ -f "$out/done" ]; then
+    echo "$out"
+    exit 0
+fi
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+cd "$work"
+if ! apt-get download "$pkg" dhcpcd-base >&2; then
+    apt-get update >&2
+    apt-get download "$pkg" dhcpcd-base >&2
+fi
+dpkg-deb -x "$pkg"_*.deb kernel
+dpkg-deb -x dhcpcd-base_*.deb dhcpcd
+
+root=$work/root
+mkdir -p "$root/bin" "$root/etc" "$root/proc" "$root/sys" "$root/dev" "$root/run" \
+    "$root/tmp" "$root/lib/modules" "$root/var/lib/dhcpcd" "$root/sbin"
+cp /bin/busybox "$root/bin/busybox"
+ln -s busybox "$root/bin/sh"
+for m in virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev virtio_pci \
+         failover net_failover virtio_net; do
+    ko=$(find kernel/lib/modules -name "$m.ko*" | head -n1)
+    [ -n "$ko" ] || { echo "build.sh: module $m not in $pkg" >&2; exit 1; }
+    case "$ko" in
+    *.xz) busybox unxz -c "$ko" > "$root/lib/modules/$m.ko" ;;
+    *.ko) cp "$ko" "$root/lib/modules/$m.ko" ;;
+    *) echo "build.sh: cannot unpack $ko" >&2; exit 1 ;;
+    esac
+done
+
+# dhcpcd and the shared libraries it needs, from this (Debian 12) host.
+dhcpcd_bin=$(find dhcpcd -type f -name dhcpcd -perm -u+x | head -n1)
+[ -n "$dhcpcd_bin" ] || { echo "build.sh: no dhcpcd binary in dhcpcd-base" >&2; exit 1; }
+cp "$dhcpcd_bin" "$root/sbin/dhcpcd"
+for lib in $(ldd "$dhcpcd_bin" | awk '/=> \// { print $3 } /^\t\/lib/ { print $1 }'); do
+    mkdir -p "$root$(dirname "$lib")"
+    cp -L "$lib" "$root$lib"
+done
+# dhcpcd drops privileges to this user when it exists.
+echo "root:x:0:0:root:/:/bin/sh" > "$root/etc/passwd"
+echo "dhcpcd:x:100:65534::/var/lib/dhcpcd:/bin/false" >> "$root/etc/passwd"
+echo "root:x:0:" > "$root/etc/group"
+printf 'nohook resolv.conf\n' > "$root/etc/dhcpcd.conf"
+
+install -m 0755 "$here/init" "$root/init"
+install -m 0755 "$here/udhcpc.script" "$root/etc/udhcpc.script"
+install -m 0755 "$here/dhcpcd.script" "$root/etc/dhcpcd.script"
+
+mkdir -p "$out.tmp"
+cp kernel/boot/vmlinuz-* "$out.tmp/vmlinuz"
+(cd "$root" && find . | busybox cpio -o -H newc 2>/dev/null) | gzip -9 > "$out.tmp/initramfs.gz"
+chmod 0644 "$out.tmp/vmlinuz" "$out.tmp/initramfs.gz"
+chmod 0755 "$out.tmp"
+rm -rf "$out"
+mv "$out.tmp" "$out"
+touch "$out/done"
+echo "$out"
