@@ -151,6 +151,8 @@ impl Guest {
             opts.tap
         );
         let mut device = format!("virtio-net-pci,netdev=n0,mac={},romfile=", opts.mac);
+        // The guest's driver uses as many queue pairs as it has vCPUs.
+        let cpus = opts.queues.max(1).to_string();
         if opts.queues > 1 {
             netdev.push_str(&format!(",queues={}", opts.queues));
             device.push_str(&format!(",mq=on,vectors={}", 2 * opts.queues + 2));
@@ -171,7 +173,7 @@ impl Guest {
             .arg("qemu-system-x86_64")
             .args(["-nodefaults", "-no-user-config", "-display", "none"])
             .args(["-serial", "stdio", "-no-reboot", "-accel", "tcg"])
-            .args(["-m", &opts.memory_mb.to_string()])
+            .args(["-m", &opts.memory_mb.to_string(), "-smp", &cpus])
             .arg("-kernel")
             .arg(guest.join("vmlinuz"))
             .arg("-initrd")

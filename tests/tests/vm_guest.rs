@@ -390,3 +390,112 @@ fn a_migration_cuts_over_though_the_target_daemon_restarted_in_the_middle() {
     );
     assert_ping_within(observer.netns(), ip, CONVERGE);
 }
+
+/// CHECK through the plugin, with the ADD's result as prevResult.
+fn check_pod(node: &ClusterNode, spec: &VmPodSpec, pod: &Pod) -> tether_e2e::CniOutput {
+    let mut conf = spec.netconf(node);
+    conf["prevResult"] = pod.result().clone();
+    node.call_with(
+        "CHECK",
+        pod.netns(),
+        pod.id(),
+        &conf,
+        Some(&spec.args(pod.id())),
+    )
+}
+
+#[test]
+fn a_multi_queue_tap_and_a_managed_tap_pod_both_serve_a_real_guest() {
+    require_root();
+    let cluster = Cluster::new(ClusterOpts {
+        nodes: 1,
+        etcd_members: 1,
+        ..Default::default()
+    });
+    let a = cluster.node(0);
+
+    // Multi-queue: QEMU opens two queues on tether's tap.
+    let mut mq = spec("vm1", "virt-launcher-vm1-aaaaa");
+    mq.extra_conf
+        .push(("kubevirt".into(), json!({"binding": "tap", "tapQueues": 2})));
+    let pod = add_vm_pod(a, &mq);
+    let ip = pod.v4().expect("IPv4");
+    let mut opts = GuestOptions::new("tap0", &pod_interface_mac(&pod));
+    opts.queues = 2;
+    let guest = Guest::start(pod.netns(), opts);
+    let lease = guest.wait_line("TETHER-LEASE4", BOOT_TIMEOUT);
+    check_lease4(&lease, ip);
+    let queues = guest.run_ok("ls /sys/class/net/eth0/queues/");
+    assert!(
+        queues.contains("rx-1") && queues.contains("tx-1"),
+        "{queues}"
+    );
+    assert!(
+        check_pod(a, &mq, &pod).success(),
+        "CHECK of a healthy tap pod"
+    );
+    drop(guest);
+
+    // managedTap: tether gives a veth; KubeVirt's virt-handler (a test
+    // double: its commands, not its code) bridges it to its own tap in the
+    // pod. The guest's DHCP reaches tether on the node side of the veth.
+    let mut managed = spec("vm2", "virt-launcher-vm2-aaaaa");
+    managed.extra_conf[0] = ("kubevirt".into(), json!({"binding": "managedTap"}));
+    let pod2 = add_vm_pod(a, &managed);
+    let ip2 = pod2.v4().expect("IPv4");
+    let mac2 = pod_interface_mac(&pod2);
+    for cmd in [
+        &["ip", "link", "set", "eth0", "down"][..],
+        &["ip", "addr", "flush", "dev", "eth0"],
+        &["ip", "link", "set", "eth0", "name", "eth0-nic"],
+        // The guest takes the VM's MAC; a bridge port keeping it would make
+        // it one of the bridge's own addresses, and the bridge would drop
+        // the guest's frames as its own. So the renamed veth gets another.
+        &[
+            "ip",
+            "link",
+            "set",
+            "eth0-nic",
+            "address",
+            "02:00:00:00:00:01",
+        ],
+        &["ip", "link", "add", "k6t-eth0", "type", "bridge"],
+        &["ip", "link", "set", "eth0-nic", "master", "k6t-eth0"],
+        &[
+            "ip", "tuntap", "add", "tap0", "mode", "tap", "vnet_hdr", "user", "107", "group", "107",
+        ],
+        &["ip", "link", "set", "tap0", "master", "k6t-eth0"],
+        // KubeVirt makes a dummy here; this kernel has no dummy driver, so
+        // an empty bridge stands in for it.
+        &["ip", "link", "add", "eth0", "type", "bridge"],
+        &["ip", "link", "set", "eth0", "address", &mac2],
+        &["ip", "link", "set", "eth0-nic", "up"],
+        &["ip", "link", "set", "tap0", "up"],
+        &["ip", "link", "set", "k6t-eth0", "up"],
+        &["ip", "link", "set", "eth0", "up"],
+    ] {
+        let out = pod2.netns().exec(cmd);
+        assert!(
+            out.status.success(),
+            "{cmd:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let guest2 = Guest::start(pod2.netns(), GuestOptions::new("tap0", &mac2));
+    let lease2 = guest2.wait_line("TETHER-LEASE4", BOOT_TIMEOUT);
+    let l = parse_lease(&lease2);
+    assert_eq!(l.get("ip"), Some(&ip2.to_string()), "{lease2}");
+    assert_eq!(
+        l.get("hostname").map(String::as_str),
+        Some("vm2"),
+        "{lease2}"
+    );
+    let out = check_pod(a, &managed, &pod2);
+    assert!(out.success(), "CHECK accepts KubeVirt's rewrite: {out}");
+    // The node reaches the guest through the in-pod bridge.
+    let ping = a.netns().exec(&["ping", "-c1", "-W2", &ip2.to_string()]);
+    assert!(
+        ping.status.success(),
+        "the node reaches the managedTap guest"
+    );
+}
