@@ -30,7 +30,8 @@ shim-size: release
 	  test $$size -le 1048576 || { echo "FAIL: tether is larger than 1 MiB"; exit 1; }
 
 ## demo: a node daemon in a node netns plus two pods wired through the real
-## plugin binary; ping, CHECK, admin state, DEL, cleanup.
+## plugin binary; ping, CHECK, admin state, DEL, cleanup; a KubeVirt VM that
+## keeps its address; a real QEMU guest on the tap binding leasing it.
 demo: setup release
 	bash tests/demo.sh $(RELEASE_DIR)
 
@@ -40,17 +41,20 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 ## test: the whole suite (unit, integration against real netns, real
-## runtimes, chaining, concurrency, crash, bad input, security). Root only.
+## runtimes, chaining, concurrency, crash, bad input, security, real QEMU
+## guests). Root only.
 test: setup lint build shim-size
 	@test "$$(id -u)" = 0 || { echo "make test must run as root (it creates network namespaces)"; exit 1; }
 	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test --workspace --no-fail-fast -- --test-threads=2
 
 ## bench: tether vs the reference ptp/bridge + host-local, side by side; then
-## cluster mode (3 nodes on etcd) vs one node, block claims, claim to route.
+## cluster mode (3 nodes on etcd) vs one node, block claims, claim to route;
+## scripted migrations; real QEMU migrations and the tap binding's ADD.
 bench: setup release
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench -- --write BENCHMARKS.md
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_cluster -- --write BENCHMARKS.md
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_migration -- --write BENCHMARKS.md
+	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_vm -- --write BENCHMARKS.md
 
 clean:
 	$(CARGO) clean

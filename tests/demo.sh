@@ -17,14 +17,20 @@ NODE=$P-node POD1=$P-pod1 POD2=$P-pod2
 WORK=$(mktemp -d "/tmp/tether-demo.XXXXXX")
 SOCK=$WORK/tether.sock STATE=$WORK/state
 DAEMON_PID=
+QEMU_PID=
+POD3=$P-vm
 
 cleanup() {
   local rc=$?
+  if [ -n "$QEMU_PID" ] && kill -0 "$QEMU_PID" 2>/dev/null; then
+    kill -KILL "$QEMU_PID" 2>/dev/null || true
+    wait "$QEMU_PID" 2>/dev/null || true
+  fi
   if [ -n "$DAEMON_PID" ] && kill -0 "$DAEMON_PID" 2>/dev/null; then
     kill -TERM "$DAEMON_PID" 2>/dev/null || true
     wait "$DAEMON_PID" 2>/dev/null || true
   fi
-  for ns in "$POD1" "$POD2" "$NODE"; do ip netns del "$ns" 2>/dev/null || true; done
+  for ns in "$POD1" "$POD2" "$POD3" "$NODE"; do ip netns del "$ns" 2>/dev/null || true; done
   rm -rf "$WORK"
   [ $rc = 0 ] && echo "demo: done, everything removed" || echo "demo: FAILED (rc=$rc), everything removed"
 }
@@ -113,4 +119,40 @@ fi
 cni DEL "${P}-vm-b" "/run/netns/$POD2" "$VMCONF" >/dev/null
 if command -v grpcurl >/dev/null; then
   grpcurl -plaintext -unix -d '{"vm":{"namespace":"default","vm":"vm1"}}' "$SOCK" tether.admin.v1.Admin/ReleaseVm >/dev/null && echo "ReleaseVm: the VM's address is free again"
+fi
+
+step "a real VM on the tap binding: QEMU (TCG) boots a guest on the tap tether made; the guest leases its address from tetherd"
+GUEST=$(sh "$(dirname "$0")/guest/build.sh")
+ip netns add "$POD3"
+TAPCONF=$(printf '{"cniVersion":"1.1.0","name":"demo","type":"tether","socket":"%s","kubevirt":{"binding":"tap"},"dns":{"nameservers":["10.96.0.10"],"search":["default.svc.cluster.local"]},"runtimeConfig":{"io.kubernetes.cri.pod-annotations":{"kubevirt.io/domain":"vm2"}}}' "$SOCK")
+T1=$(cni ADD "${P}-vm-t" "/run/netns/$POD3" "$TAPCONF") || { echo "tap ADD failed: $T1"; exit 1; }
+echo "$T1" | pretty
+ip -n "$POD3" -d link show tap0 | head -3
+VMIP=$(python3 -c 'import json,sys; print([i["address"].split("/")[0] for i in json.load(sys.stdin)["ips"] if ":" not in i["address"]][0])' <<<"$T1")
+# KubeVirt gives the domain the pod interface's MAC.
+VMMAC=$(ip netns exec "$POD3" cat /sys/class/net/eth0/address)
+# QEMU runs as uid/gid 107, as in virt-launcher; /dev/net/tun is 0600 here,
+# so it gets a private mount namespace with a 0666 tun node bound over it.
+mknod -m 666 "$WORK/tun" c 10 200
+START=$(date +%s.%N)
+ip netns exec "$POD3" unshare --mount --propagation private sh -c \
+  'mount --bind "$0" /dev/net/tun && exec setpriv --reuid 107 --regid 107 --clear-groups -- "$@"' \
+  "$WORK/tun" qemu-system-x86_64 -nodefaults -no-user-config -display none -serial stdio \
+  -no-reboot -accel tcg -m 128 -kernel "$GUEST/vmlinuz" -initrd "$GUEST/initramfs.gz" \
+  -append "console=ttyS0 quiet loglevel=1 panic=-1 tether.dhcp4=udhcpc" \
+  -netdev tap,id=n0,ifname=tap0,script=no,downscript=no,vhost=off \
+  -device "virtio-net-pci,netdev=n0,mac=$VMMAC,romfile=" </dev/null >"$WORK/guest.log" 2>&1 &
+QEMU_PID=$!
+for _ in $(seq 600); do grep -q '^TETHER-LEASE4' "$WORK/guest.log" && break; sleep 0.1; done
+grep '^TETHER-LEASE4' "$WORK/guest.log" || { cat "$WORK/guest.log"; echo "the guest got no lease"; exit 1; }
+python3 -c 'import sys; print("QEMU start to lease: %.1f s" % (float(sys.argv[2]) - float(sys.argv[1])))' "$START" "$(date +%s.%N)"
+grep -q "ip=$VMIP " "$WORK/guest.log" || { echo "the guest leased another address than $VMIP"; exit 1; }
+R3=$(cni ADD "${P}-c3" "/run/netns/$POD1") || { echo "ADD failed: $R3"; exit 1; }
+ip netns exec "$POD1" ping -c 3 -i 0.2 -W 2 "$VMIP"
+kill -KILL "$QEMU_PID"; wait "$QEMU_PID" 2>/dev/null || true; QEMU_PID=
+cni DEL "${P}-vm-t" "/run/netns/$POD3" "$TAPCONF" >/dev/null && echo "DEL ok"
+echo "taps left in the pod: $(ip -n "$POD3" -o link show type tun 2>/dev/null | wc -l)"
+cni DEL "${P}-c3" "/run/netns/$POD1" >/dev/null
+if command -v grpcurl >/dev/null; then
+  grpcurl -plaintext -unix -d '{"vm":{"namespace":"default","vm":"vm2"}}' "$SOCK" tether.admin.v1.Admin/ReleaseVm >/dev/null && echo "ReleaseVm: vm2's address is free again"
 fi
