@@ -151,6 +151,8 @@ R3=$(cni ADD "${P}-c3" "/run/netns/$POD1") || { echo "ADD failed: $R3"; exit 1; 
 ip netns exec "$POD1" ping -c 3 -i 0.2 -W 2 "$VMIP"
 kill -KILL "$QEMU_PID"; wait "$QEMU_PID" 2>/dev/null || true; QEMU_PID=
 cni DEL "${P}-vm-t" "/run/netns/$POD3" "$TAPCONF" >/dev/null && echo "DEL ok"
+# The tap's deletion finishes just after the DEL's answer.
+for _ in $(seq 50); do [ "$(ip -n "$POD3" -o link show type tun | wc -l)" = 0 ] && break; sleep 0.1; done
 echo "taps left in the pod: $(ip -n "$POD3" -o link show type tun 2>/dev/null | wc -l)"
 cni DEL "${P}-c3" "/run/netns/$POD1" >/dev/null
 if command -v grpcurl >/dev/null; then

@@ -245,7 +245,10 @@ fn a_real_guest_leases_migrates_by_its_own_rarp_restarts_and_leaves_nothing() {
     drop(guest_b);
     let target_spec = first.target("virt-launcher-vm1-bbbbb");
     assert!(del_vm_pod(b, &target_spec, &target).success());
-    assert!(!target.netns().has_link("tap0"), "DEL removes the tap");
+    assert!(
+        wait_until(Duration::from_secs(5), || !target.netns().has_link("tap0")),
+        "DEL removes the tap"
+    );
     drop(target);
     let again = spec("vm1", "virt-launcher-vm1-ccccc");
     let on_c = add_vm_pod(c, &again);
@@ -258,7 +261,9 @@ fn a_real_guest_leases_migrates_by_its_own_rarp_restarts_and_leaves_nothing() {
     // 6. Released: no tap, no route, no record anywhere.
     drop(guest_c);
     assert!(del_vm_pod(c, &again, &on_c).success());
-    assert!(!on_c.netns().has_link("tap0"));
+    assert!(wait_until(Duration::from_secs(5), || !on_c
+        .netns()
+        .has_link("tap0")));
     release_vm(socket(a), "tenant", "vm1", false).expect("ReleaseVm");
     assert!(
         wait_until(CONVERGE, || routes_to(&cluster, ip).is_empty()
@@ -389,6 +394,11 @@ fn a_migration_cuts_over_though_the_target_daemon_restarted_in_the_middle() {
         "{rec:?}"
     );
     assert_ping_within(observer.netns(), ip, CONVERGE);
+    // The restarted daemon answers the guest's renewal with the same lease.
+    let mark = guest_b.mark();
+    guest_b.run_ok("kill -USR1 $(cat /run/udhcpc.pid)");
+    let (_, renewed) = guest_b.wait_line_after("TETHER-LEASE4", mark, BOOT_TIMEOUT);
+    check_lease4(&renewed, ip);
 }
 
 /// CHECK through the plugin, with the ADD's result as prevResult.

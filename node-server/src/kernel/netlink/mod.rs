@@ -382,12 +382,34 @@ impl Veths for Netlink {
         pod.and(host)
     }
 
+    /// Answers once the tap is found to be ours (or absent); the deletion
+    /// itself, which costs the kernel about 25 ms here (a tun device's
+    /// unregistration waits for an RCU grace period), finishes on the
+    /// netns thread after the answer. It deletes by index, so a tap of the
+    /// same name made later (a new ADD of the same attachment) is never
+    /// the one deleted.
     async fn remove_tap(&self, netns: &PodNetns, tap: &str, host_ifname: &str) -> Result<()> {
         let (name, alias) = (tap.to_owned(), tap::alias(host_ifname));
-        netns::with_netns_handle(netns.file()?, move |handle| async move {
-            tap::remove(&handle, &name, &alias).await.map(|_| ())
-        })
-        .await
+        let (found_tx, found_rx) = tokio::sync::oneshot::channel::<Result<()>>();
+        let done = netns::spawn_with_handle(netns.file()?, move |handle| async move {
+            let index = match tap::find(&handle, &name, &alias).await {
+                Ok(Some(index)) => index,
+                other => {
+                    let _ = found_tx.send(other.map(|_| ()));
+                    return Ok(());
+                }
+            };
+            let _ = found_tx.send(Ok(()));
+            if let Err(e) = tap::delete(&handle, index, &name).await {
+                tracing::warn!(tap = name, error = %e, "deleting a released tap failed");
+            }
+            Ok(())
+        })?;
+        // The thread's own end is not awaited: it outlives this call.
+        drop(done);
+        found_rx
+            .await
+            .map_err(|_| Error::Internal("the tap's netns thread ended without an answer".into()))?
     }
 
     /// Deletes a node-side veth (both ends go). Idempotent: no such device is

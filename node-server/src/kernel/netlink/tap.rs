@@ -138,24 +138,40 @@ fn link_alias(link: &LinkMessage) -> Option<&str> {
     })
 }
 
-/// Deletes the tap named `name` if it carries `alias`. True if one was
-/// deleted; a tap that is not ours is left alone and reported.
-pub(super) async fn remove(handle: &Handle, name: &str, alias: &str) -> Result<bool> {
+/// The index of the tap named `name` if it carries `alias`; `None` if
+/// there is no such link. A link of that name that is not ours is
+/// [`Error::InterfaceExists`].
+pub(super) async fn find(handle: &Handle, name: &str, alias: &str) -> Result<Option<u32>> {
     let link = messages::link_by_name_get(handle, name)
         .await
         .map_err(|e| Error::setup(format!("looking up tap {name}"), reason(&e)))?;
     let Some(link) = link else {
-        return Ok(false);
+        return Ok(None);
     };
     if link_alias(&link) != Some(alias) {
         return Err(Error::InterfaceExists(name.to_owned()));
     }
+    Ok(Some(link.header.index))
+}
+
+/// Deletes the link `index` (a tap [`find`] found); gone already is
+/// success.
+pub(super) async fn delete(handle: &Handle, index: u32, name: &str) -> Result<()> {
     let mut message = LinkMessage::default();
-    message.header.index = link.header.index;
+    message.header.index = index;
     match messages::request(handle, RouteNetlinkMessage::DelLink(message), ACKED).await {
-        Ok(_) => Ok(true),
-        Err(e) if errno(&e) == Some(libc::ENODEV) => Ok(true),
+        Ok(_) => Ok(()),
+        Err(e) if errno(&e) == Some(libc::ENODEV) => Ok(()),
         Err(e) => Err(Error::setup(format!("deleting tap {name}"), reason(&e))),
+    }
+}
+
+/// Deletes the tap named `name` if it carries `alias`. True if one was
+/// deleted; a tap that is not ours is left alone and reported.
+pub(super) async fn remove(handle: &Handle, name: &str, alias: &str) -> Result<bool> {
+    match find(handle, name, alias).await? {
+        Some(index) => delete(handle, index, name).await.map(|()| true),
+        None => Ok(false),
     }
 }
 
