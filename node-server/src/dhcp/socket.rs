@@ -11,11 +11,10 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use tokio::io::unix::AsyncFd;
 
 use crate::error::{Error, Result};
+use crate::kernel::packet::recv_frame;
 
 /// `ETH_P_ALL`, in the byte order the socket calls want.
 const ETH_P_ALL_BE: u16 = 0x0003u16.to_be();
-/// `sll_pkttype` of a frame this host sent.
-const PACKET_OUTGOING: u8 = 4;
 /// The largest frame read: an Ethernet frame at the largest MTU tether
 /// allows. Anything longer is truncated, and the responder then drops it.
 const MAX_FRAME: usize = 65_535 + 14;
@@ -137,35 +136,7 @@ impl GuestSocket {
     /// The next frame that arrived on the interface (frames this host sent
     /// are skipped).
     pub(super) async fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
-        loop {
-            let mut guard = self.fd.readable().await?;
-            let got = guard.try_io(|inner| {
-                // SAFETY: sockaddr_ll is plain data; zeroed is a valid value.
-                let mut from: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-                let mut from_len = std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t;
-                // SAFETY: buf and from are valid for the lengths given.
-                let n = unsafe {
-                    libc::recvfrom(
-                        inner.get_ref().as_raw_fd(),
-                        buf.as_mut_ptr().cast(),
-                        buf.len(),
-                        0,
-                        std::ptr::addr_of_mut!(from).cast(),
-                        &mut from_len,
-                    )
-                };
-                if n < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                Ok((from.sll_pkttype, n as usize))
-            });
-            match got {
-                Ok(Ok((PACKET_OUTGOING, _))) => continue,
-                Ok(Ok((_, n))) => return Ok(n),
-                Ok(Err(e)) => return Err(e),
-                Err(_would_block) => continue,
-            }
-        }
+        recv_frame(&self.fd, buf).await.map(|(_, n)| n)
     }
 
     /// Sends one whole Ethernet frame out of the bound interface.

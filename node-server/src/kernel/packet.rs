@@ -154,10 +154,18 @@ fn watched(fd: OwnedFd) -> Result<AsyncFd<OwnedFd>> {
 /// Reads one frame: (ifindex, length, buffer). Frames this host sent are
 /// skipped.
 async fn read_one(fd: &AsyncFd<OwnedFd>) -> io::Result<(u32, usize, [u8; 64])> {
+    let mut buf = [0u8; 64];
+    let (ifindex, n) = recv_frame(fd, &mut buf).await?;
+    Ok((ifindex, n, buf))
+}
+
+/// Reads the next frame into `buf` from a packet socket: (ifindex, length).
+/// Frames this host sent (`PACKET_OUTGOING`) are skipped; a frame longer
+/// than `buf` is truncated to it.
+pub(crate) async fn recv_frame(fd: &AsyncFd<OwnedFd>, buf: &mut [u8]) -> io::Result<(u32, usize)> {
     loop {
         let mut guard = fd.readable().await?;
         let got = guard.try_io(|inner| {
-            let mut buf = [0u8; 64];
             // SAFETY: sockaddr_ll is plain data; zeroed is a valid value.
             let mut from: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
             let mut from_len = std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t;
@@ -177,14 +185,14 @@ async fn read_one(fd: &AsyncFd<OwnedFd>) -> io::Result<(u32, usize, [u8; 64])> {
             if n < 0 {
                 return Err(io::Error::last_os_error());
             }
-            Ok((from, n as usize, buf))
+            Ok((from, n as usize))
         });
         match got {
-            Ok(Ok((from, n, buf))) => {
+            Ok(Ok((from, n))) => {
                 if from.sll_pkttype == PACKET_OUTGOING {
                     continue;
                 }
-                return Ok((from.sll_ifindex as u32, n, buf));
+                return Ok((from.sll_ifindex as u32, n));
             }
             Ok(Err(e)) => return Err(e),
             Err(_would_block) => continue,

@@ -50,7 +50,14 @@ pub(super) async fn configure(handle: Handle, pod: PodSide, index: Option<u32>) 
     };
     let name = &pod.ifname;
     if let Some((tap, alias)) = &pod.tap {
-        return super::tap::configure(&handle, tap, name, index, pod.mtu, alias).await;
+        let site = super::tap::TapSite {
+            spec: tap,
+            eth: name,
+            eth_index: index,
+            mtu: pod.mtu,
+            alias,
+        };
+        return super::tap::configure(&handle, &site).await;
     }
     let gateways = messages::gateways(&pod.ips);
     let mut steps = Vec::with_capacity(1 + pod.ips.len() + 2 * gateways.len());
@@ -143,7 +150,14 @@ pub(super) async fn check(handle: Handle, pod: PodSide) -> Result<()> {
     }
 
     if let Some((tap, alias)) = &pod.tap {
-        return super::tap::check(&handle, tap, &pod.ifname, index, pod.mtu, alias).await;
+        let site = super::tap::TapSite {
+            spec: tap,
+            eth: &pod.ifname,
+            eth_index: index,
+            mtu: pod.mtu,
+            alias,
+        };
+        return super::tap::check(&handle, &site).await;
     }
 
     let mut request = handle.address().get().set_link_index_filter(index);

@@ -60,6 +60,24 @@ nix::ioctl_write_int_bad!(
     nix::request_code_write!(b'T', 206, std::mem::size_of::<libc::c_int>())
 );
 
+/// Where a tap goes: its spec, the pod interface it is joined to, the MTU
+/// and the alias that marks it ours.
+pub(super) struct TapSite<'a> {
+    pub spec: &'a TapSpec,
+    /// The pod interface (CNI_IFNAME) and its index.
+    pub eth: &'a str,
+    pub eth_index: u32,
+    pub mtu: u32,
+    pub alias: &'a str,
+}
+
+/// The link named `name`, if there is one.
+async fn link_named(handle: &Handle, name: &str) -> Result<Option<LinkMessage>> {
+    messages::link_by_name_get(handle, name)
+        .await
+        .map_err(|e| Error::setup(format!("looking up tap {name}"), reason(&e)))
+}
+
 /// The alias that marks a tap as tether's, for the attachment whose
 /// node-side veth is `host_ifname`: DEL and a retried ADD remove only a
 /// tap that carries it.
@@ -142,10 +160,7 @@ fn link_alias(link: &LinkMessage) -> Option<&str> {
 /// there is no such link. A link of that name that is not ours is
 /// [`Error::InterfaceExists`].
 pub(super) async fn find(handle: &Handle, name: &str, alias: &str) -> Result<Option<u32>> {
-    let link = messages::link_by_name_get(handle, name)
-        .await
-        .map_err(|e| Error::setup(format!("looking up tap {name}"), reason(&e)))?;
-    let Some(link) = link else {
+    let Some(link) = link_named(handle, name).await? else {
         return Ok(None);
     };
     if link_alias(&link) != Some(alias) {
@@ -181,17 +196,11 @@ pub(super) async fn remove(handle: &Handle, name: &str, alias: &str) -> Result<b
 /// interface (the addresses are the guest's: the pod must not send from
 /// the guest's MAC) and redirects every frame each way. On failure the tap
 /// is deleted again.
-pub(super) async fn configure(
-    handle: &Handle,
-    spec: &TapSpec,
-    eth: &str,
-    eth_index: u32,
-    mtu: u32,
-    alias: &str,
-) -> Result<()> {
+pub(super) async fn configure(handle: &Handle, site: &TapSite<'_>) -> Result<()> {
+    let (spec, alias) = (site.spec, site.alias);
     remove(handle, &spec.name, alias).await?;
     create_persistent(spec)?;
-    let done = join(handle, spec, eth, eth_index, mtu, alias).await;
+    let done = join(handle, site).await;
     if done.is_err() {
         if let Err(e) = remove(handle, &spec.name, alias).await {
             tracing::warn!(tap = spec.name, error = %e, "could not delete the tap of a failed ADD");
@@ -200,18 +209,17 @@ pub(super) async fn configure(
     done
 }
 
-async fn join(
-    handle: &Handle,
-    spec: &TapSpec,
-    eth: &str,
-    eth_index: u32,
-    mtu: u32,
-    alias: &str,
-) -> Result<()> {
+async fn join(handle: &Handle, site: &TapSite<'_>) -> Result<()> {
+    let TapSite {
+        spec,
+        eth,
+        eth_index,
+        mtu,
+        alias,
+    } = *site;
     let tap = &spec.name;
-    let tap_index = messages::link_by_name_get(handle, tap)
-        .await
-        .map_err(|e| Error::setup(format!("looking up tap {tap}"), reason(&e)))?
+    let tap_index = link_named(handle, tap)
+        .await?
         .map(|l| l.header.index)
         .ok_or_else(|| Error::setup(format!("configuring tap {tap}"), "it vanished"))?;
     // Neither end may speak for itself: the guest's frames are the only
@@ -338,19 +346,18 @@ fn tun_facts(link: &LinkMessage) -> Option<TunFacts> {
 
 /// CHECK of the tap binding: the tap as [`configure`] made it, then both
 /// redirects.
-pub(super) async fn check(
-    handle: &Handle,
-    spec: &TapSpec,
-    eth: &str,
-    eth_index: u32,
-    mtu: u32,
-    alias: &str,
-) -> Result<()> {
+pub(super) async fn check(handle: &Handle, site: &TapSite<'_>) -> Result<()> {
+    let TapSite {
+        spec,
+        eth,
+        eth_index,
+        mtu,
+        alias,
+    } = *site;
     let tap = &spec.name;
     let wrong = |what: String| Error::check(Mismatch::Tap, format!("tap {tap}: {what}"));
-    let link = messages::link_by_name_get(handle, tap)
-        .await
-        .map_err(|e| Error::setup(format!("looking up tap {tap}"), reason(&e)))?
+    let link = link_named(handle, tap)
+        .await?
         .ok_or_else(|| wrong("not found in the pod".into()))?;
     let facts = tun_facts(&link).ok_or_else(|| wrong("is not a tun device".into()))?;
     let link_facts = messages::link_facts(&link);
