@@ -114,10 +114,22 @@ impl Node {
 impl Node {
     /// Removes an attachment's tap from its pod netns. A netns that is
     /// gone took the tap with it.
+    /// A tap of that name that is not this attachment's is left alone: a
+    /// DEL must not fail forever over something tether did not make.
     async fn remove_tap(&self, netns: &Path, tap: &str, host_ifname: &str) -> Result<()> {
         let Ok(ns) = self.kernel.open_netns(netns) else {
             return Ok(());
         };
-        self.kernel.remove_tap(&ns, tap, host_ifname).await
+        match self.kernel.remove_tap(&ns, tap, host_ifname).await {
+            Err(Error::InterfaceExists(_)) => {
+                tracing::warn!(
+                    tap,
+                    netns = %netns.display(),
+                    "a tap of this name in the pod is not this attachment's; left alone"
+                );
+                Ok(())
+            }
+            other => other,
+        }
     }
 }

@@ -282,3 +282,25 @@ async fn a_migrated_guest_is_told_its_router_on_the_new_node() {
     .await;
     assert!(a.host.dhcp().announced().is_empty());
 }
+
+#[tokio::test]
+async fn a_del_leaves_a_tap_it_did_not_make_and_succeeds() {
+    let t = TestNode::new().await;
+    let other = t.inv(vm_add(&t, "c2", "tap"));
+    t.node.add(&other).await.expect("ADD c2");
+    let taps = t.kernel.taps();
+    let c2 = taps
+        .get(&(t.netns("c2"), "tap0".to_owned()))
+        .expect("c2's tap")
+        .clone();
+    // c3's DEL points at c2's netns: the tap there is c2's, not c3's.
+    let del = t.inv(vm_add(&t, "c3", "tap").command("DEL").netns(&t.netns("c2")));
+    t.node
+        .del(&del, None)
+        .await
+        .expect("DEL of an unknown attachment");
+    assert_eq!(
+        t.kernel.taps().get(&(t.netns("c2"), "tap0".to_owned())),
+        Some(&c2)
+    );
+}
