@@ -245,6 +245,7 @@ async fn answer_loop(
         let current = lease.borrow().clone();
         match responder::respond(frame, &current) {
             Outcome::Reply(kind, frames) => {
+                tracing::debug!(veth = ifname, ?kind, "answering the guest");
                 for f in frames {
                     match socket.send(&f) {
                         Ok(()) => Counters::add(match kind {
@@ -262,6 +263,7 @@ async fn answer_loop(
             }
             Outcome::Ignored => {}
             Outcome::Dropped(why) => {
+                tracing::debug!(veth = ifname, ?why, "not answering a guest frame");
                 Counters::add(match why {
                     Dropped::Malformed => &counters.malformed,
                     Dropped::ForeignMac => &counters.foreign_mac,
