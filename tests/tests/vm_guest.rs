@@ -288,6 +288,20 @@ fn a_real_guest_leases_migrates_by_its_own_rarp_restarts_and_leaves_nothing() {
     drop(source);
     renew(&guest_b, b, ip);
     assert!(observer.ping(ip), "the guest answers on B");
+    let on_b = tether_e2e::admin::stats(socket(b))
+        .guest_dhcp
+        .expect("B's DHCP stats");
+    assert!(
+        on_b.dhcp4 >= 1 && on_b.served == 1 && on_b.malformed == 0 && on_b.foreign_mac == 0,
+        "{on_b:?}"
+    );
+    let on_a = tether_e2e::admin::stats(socket(a))
+        .guest_dhcp
+        .expect("A's DHCP stats");
+    assert!(
+        on_a.dhcp4 >= 2 && on_a.served == 0,
+        "A served the boot, then stopped: {on_a:?}"
+    );
 
     // 3. The VM stops, and starts again on C in a new pod: the same lease.
     drop(guest_b);

@@ -322,6 +322,20 @@ impl admin_server::Admin for AdminService {
             link_deletions_in_flight: self.node.link_deletions_in_flight(),
             block_claims,
             last_block_claim_ms,
+            guest_dhcp: Some({
+                let (d, served) = self.node.guest_dhcp_stats();
+                pb::GuestDhcpStats {
+                    dhcp4: d.dhcp4,
+                    dhcp6: d.dhcp6,
+                    router_adverts: d.router_adverts,
+                    arp: d.arp,
+                    malformed: d.malformed,
+                    foreign_mac: d.foreign_mac,
+                    unanswered: d.unanswered,
+                    send_errors: d.send_errors,
+                    served: served as u64,
+                }
+            }),
         }))
     }
 

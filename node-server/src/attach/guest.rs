@@ -40,6 +40,11 @@ impl Node {
         }
     }
 
+    /// The guest DHCP service's counters, and the veths it serves now.
+    pub fn guest_dhcp_stats(&self) -> (crate::dhcp::DhcpStats, usize) {
+        self.dhcp.stats()
+    }
+
     /// The guest of `a` has just arrived on this node (a cutover): tell it
     /// its router at once rather than at the next periodic advertisement.
     pub(crate) fn welcome_guest(&self, a: &Attachment) {

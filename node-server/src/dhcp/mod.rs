@@ -186,6 +186,10 @@ impl GuestDhcp for DhcpServer {
         }
     }
 
+    fn stats(&self) -> (DhcpStats, usize) {
+        (self.counters.snapshot(), lock(&self.served).len())
+    }
+
     fn announce_router(&self, ifname: &str) {
         let served = lock(&self.served);
         let Some(s) = served.get(ifname) else {

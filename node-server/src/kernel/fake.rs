@@ -653,6 +653,10 @@ impl GuestDhcp for FakeDhcp {
     fn announce_router(&self, ifname: &str) {
         lock(&self.announced).push(ifname.to_owned());
     }
+
+    fn stats(&self) -> (crate::dhcp::DhcpStats, usize) {
+        (Default::default(), lock(&self.served).len())
+    }
 }
 
 impl Default for FakeHost {

@@ -371,6 +371,8 @@ pub trait GuestDhcp: Send + Sync {
     /// Sends one unsolicited router advertisement on `ifname` now: the
     /// guest has just arrived on this node.
     fn announce_router(&self, ifname: &str);
+    /// The counters since start, and how many veths are served now.
+    fn stats(&self) -> (crate::dhcp::DhcpStats, usize);
 }
 
 /// A source of VM announcements.
