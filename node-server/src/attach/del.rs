@@ -113,9 +113,9 @@ impl Node {
 
 impl Node {
     /// Removes an attachment's tap from its pod netns. A netns that is
-    /// gone took the tap with it.
-    /// A tap of that name that is not this attachment's is left alone: a
-    /// DEL must not fail forever over something tether did not make.
+    /// gone took the tap with it. A tap of that name that is not this
+    /// attachment's is left alone: a DEL must not fail forever over
+    /// something tether did not make.
     async fn remove_tap(&self, netns: &Path, tap: &str, host_ifname: &str) -> Result<()> {
         let Ok(ns) = self.kernel.open_netns(netns) else {
             return Ok(());
