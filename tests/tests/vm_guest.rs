@@ -514,19 +514,20 @@ fn a_multi_queue_tap_and_a_managed_tap_pod_both_serve_a_real_guest() {
         &["ip", "link", "set", "eth0", "down"][..],
         &["ip", "addr", "flush", "dev", "eth0"],
         &["ip", "link", "set", "eth0", "name", "eth0-nic"],
-        // The guest takes the VM's MAC; a bridge port keeping it would make
-        // it one of the bridge's own addresses, and the bridge would drop
-        // the guest's frames as its own. So the renamed veth gets another.
-        &[
-            "ip",
-            "link",
-            "set",
-            "eth0-nic",
-            "address",
-            "02:00:00:00:00:01",
-        ],
         &["ip", "link", "add", "k6t-eth0", "type", "bridge"],
+        // KubeVirt's managedTapSpec (pkg/network/setup/netpod) gives the
+        // renamed veth the bridge's MAC (CopyMacFrom) and turns learning
+        // off: the guest takes the VM's MAC, and a port keeping it would
+        // make the bridge drop the guest's frames as its own.
+        &[
+            "sh",
+            "-c",
+            "ip link set eth0-nic address $(cat /sys/class/net/k6t-eth0/address)",
+        ],
         &["ip", "link", "set", "eth0-nic", "master", "k6t-eth0"],
+        &[
+            "bridge", "link", "set", "dev", "eth0-nic", "learning", "off",
+        ],
         &[
             "ip", "tuntap", "add", "tap0", "mode", "tap", "vnet_hdr", "user", "107", "group", "107",
         ],
