@@ -92,7 +92,8 @@ impl ShimConfig {
     /// Extracts the shim's fields from the configuration text, which must be
     /// a JSON object. An absent or `null` field takes its default (as in the
     /// daemon); one of the wrong type is refused with code 7.
-    pub fn parse(stdin: &str) -> Result<ShimConfig, ShimError> {
+    /// `name` is the file name the shim ran as ([`plugin_name`]).
+    pub fn parse(stdin: &str, name: &str) -> Result<ShimConfig, ShimError> {
         let object: Map<String, Value> =
             serde_json::from_str(stdin).map_err(|e| ShimError::ConfigNotObject(e.to_string()))?;
         let text = |field: &'static str| -> Result<Option<&str>, ShimError> {
@@ -106,7 +107,21 @@ impl ShimConfig {
             }
         };
         let cni_version = text("cniVersion")?.unwrap_or(DEFAULT_CNI_VERSION);
-        let socket = match text("socket")? {
+        // Run as another plugin's IPAM, tether's settings are in `ipam`.
+        let socket = match ipam_section(&object, name) {
+            Some(ipam) => match ipam.get("socket") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(s)) => Some(s.as_str()),
+                Some(other) => {
+                    return Err(ShimError::InvalidField {
+                        field: "ipam.socket",
+                        reason: format!("expected a string, got {}", json_type(other)),
+                    })
+                }
+            },
+            None => text("socket")?,
+        };
+        let socket = match socket {
             None => PathBuf::from(DEFAULT_SOCKET),
             Some(s) if s.starts_with('/') && !s.contains('\0') => PathBuf::from(s),
             // The runtime's working directory is no one's choice: a relative
@@ -124,6 +139,34 @@ impl ShimConfig {
         })
     }
 }
+
+/// The `ipam` object when tether runs as another plugin's IPAM: the
+/// configuration is that plugin's, its `ipam.type` is the name this binary
+/// ran as (`name`) and its `type` is not. The daemon applies the same rule
+/// (`cni::config::ipam_only`) to the name the request carries.
+fn ipam_section<'a>(object: &'a Map<String, Value>, name: &str) -> Option<&'a Map<String, Value>> {
+    let ipam = object.get("ipam")?.as_object()?;
+    let ipam_type = ipam.get("type")?.as_str()?;
+    (ipam_type == name && object.get("type").and_then(Value::as_str) != Some(name)).then_some(ipam)
+}
+
+/// The file name this binary ran as: the `type` the runtime or a main
+/// plugin found it by, since both exec `<CNI_PATH dir>/<type>`. "tether"
+/// when argv[0] is missing or not UTF-8.
+pub fn plugin_name(argv0: Option<OsString>) -> String {
+    argv0
+        .as_deref()
+        .map(std::path::Path::new)
+        .and_then(std::path::Path::file_name)
+        .and_then(|n| n.to_str())
+        .filter(|n| !n.is_empty())
+        .unwrap_or(DEFAULT_PLUGIN_NAME)
+        .to_owned()
+}
+
+/// The name the binary is installed as, and what the daemon assumes when a
+/// request carries none.
+pub const DEFAULT_PLUGIN_NAME: &str = "tether";
 
 /// The JSON type of `v`, for messages.
 fn json_type(v: &Value) -> &'static str {
@@ -174,6 +217,7 @@ pub fn command(env: &dyn Fn(&str) -> Option<OsString>) -> Result<Option<String>,
 pub fn request(
     env: &dyn Fn(&str) -> Option<OsString>,
     stdin: Vec<u8>,
+    name: &str,
 ) -> Result<CniRequest, ShimError> {
     let mut values: [String; 6] = Default::default();
     let mut present = Vec::with_capacity(CNI_VARS.len());
@@ -193,6 +237,7 @@ pub fn request(
         path,
         stdin,
         present,
+        plugin_name: name.to_owned(),
     })
 }
 
@@ -226,7 +271,7 @@ mod tests {
         ]);
         let stdin = br#"{"cniVersion":"1.0.0","name":"k8s","type":"tether"}"#.to_vec();
 
-        let req = request(&env, stdin.clone()).unwrap();
+        let req = request(&env, stdin.clone(), "tether").unwrap();
 
         assert_eq!(req.command, "ADD");
         assert_eq!(req.container_id, "0123abcd");
@@ -253,7 +298,7 @@ mod tests {
             ("CNI_ARGS", ""),
         ]);
 
-        let req = request(&env, Vec::new()).unwrap();
+        let req = request(&env, Vec::new(), "tether").unwrap();
 
         assert_eq!(req.netns, "");
         assert_eq!(req.args, "");
@@ -272,7 +317,7 @@ mod tests {
 
     #[test]
     fn nothing_set_gives_empty_fields_and_nothing_present() {
-        let req = request(&env_of(&[]), Vec::new()).unwrap();
+        let req = request(&env_of(&[]), Vec::new(), "").unwrap();
         assert_eq!(req, CniRequest::default());
     }
 
@@ -281,9 +326,48 @@ mod tests {
         let env = |name: &str| {
             (name == "CNI_NETNS").then(|| OsString::from_vec(b"/run/netns/\xff".to_vec()))
         };
-        let err = request(&env, Vec::new()).unwrap_err();
+        let err = request(&env, Vec::new(), "tether").unwrap_err();
         assert_eq!(err, ShimError::EnvNotUtf8("CNI_NETNS"));
         assert_eq!(err.code(), 4);
+    }
+
+    #[test]
+    fn as_another_plugins_ipam_the_socket_is_read_from_ipam() {
+        let macvlan = r#"{"cniVersion":"1.0.0","type":"macvlan","socket":"/top.sock",
+            "ipam":{"type":"tether","socket":"/ipam.sock"}}"#;
+        assert_eq!(
+            ShimConfig::parse(macvlan, "tether").unwrap().socket,
+            PathBuf::from("/ipam.sock")
+        );
+        // Installed under another name, the rule follows the name.
+        assert_eq!(
+            ShimConfig::parse(macvlan, "tether-ipam").unwrap().socket,
+            PathBuf::from("/top.sock")
+        );
+        // tether as the main plugin, with someone else's ipam: the top level.
+        let main = r#"{"cniVersion":"1.0.0","type":"tether","socket":"/top.sock",
+            "ipam":{"type":"host-local","socket":"/other.sock"}}"#;
+        assert_eq!(
+            ShimConfig::parse(main, "tether").unwrap().socket,
+            PathBuf::from("/top.sock")
+        );
+        let no_socket = r#"{"cniVersion":"1.0.0","type":"bridge","ipam":{"type":"tether"}}"#;
+        assert_eq!(
+            ShimConfig::parse(no_socket, "tether").unwrap().socket,
+            PathBuf::from(DEFAULT_SOCKET)
+        );
+        let bad = r#"{"cniVersion":"1.0.0","type":"bridge","ipam":{"type":"tether","socket":7}}"#;
+        assert_eq!(ShimConfig::parse(bad, "tether").unwrap_err().code(), 7);
+    }
+
+    #[test]
+    fn plugin_name_is_argv0s_file_name() {
+        assert_eq!(plugin_name(Some("/opt/cni/bin/tether".into())), "tether");
+        assert_eq!(plugin_name(Some("tether-ipam".into())), "tether-ipam");
+        assert_eq!(plugin_name(None), "tether");
+        assert_eq!(plugin_name(Some("/".into())), "tether");
+        let req = request(&env_of(&[]), Vec::new(), "tether-ipam").unwrap();
+        assert_eq!(req.plugin_name, "tether-ipam");
     }
 
     #[test]
@@ -300,8 +384,11 @@ mod tests {
 
     #[test]
     fn config_fields_and_defaults() {
-        let full = ShimConfig::parse(r#"{"cniVersion":"0.4.0","socket":"/tmp/t.sock","ipam":{}}"#)
-            .unwrap();
+        let full = ShimConfig::parse(
+            r#"{"cniVersion":"0.4.0","socket":"/tmp/t.sock","ipam":{}}"#,
+            "tether",
+        )
+        .unwrap();
         assert_eq!(
             full,
             ShimConfig {
@@ -313,14 +400,17 @@ mod tests {
             cni_version: DEFAULT_CNI_VERSION.into(),
             socket: DEFAULT_SOCKET.into(),
         };
-        assert_eq!(ShimConfig::parse("{}").unwrap(), defaults);
+        assert_eq!(ShimConfig::parse("{}", "tether").unwrap(), defaults);
         // null reads as absent, as in the daemon.
         assert_eq!(
-            ShimConfig::parse(r#"{"cniVersion":null,"socket":null}"#).unwrap(),
+            ShimConfig::parse(r#"{"cniVersion":null,"socket":null}"#, "tether").unwrap(),
             defaults
         );
         // The shim no longer reads stateDir: the queue follows the socket.
-        assert_eq!(ShimConfig::parse(r#"{"stateDir":42}"#).unwrap(), defaults);
+        assert_eq!(
+            ShimConfig::parse(r#"{"stateDir":42}"#, "tether").unwrap(),
+            defaults
+        );
     }
 
     #[test]
@@ -339,7 +429,7 @@ mod tests {
             (r#"{"cniVersion":1}"#, "cniVersion", "got a number"),
             (r#"{"cniVersion":["1.0.0"]}"#, "cniVersion", "got an array"),
         ] {
-            let err = ShimConfig::parse(config).unwrap_err();
+            let err = ShimConfig::parse(config, "tether").unwrap_err();
             assert_eq!(err.code(), 7, "{config}");
             let msg = err.msg();
             assert!(msg.contains(field) && msg.contains(says), "{config}: {msg}");
@@ -349,7 +439,7 @@ mod tests {
     #[test]
     fn config_must_be_an_object() {
         for bad in ["", "[]", "\"x\"", "{", "null", "{} {}"] {
-            let err = ShimConfig::parse(bad).unwrap_err();
+            let err = ShimConfig::parse(bad, "tether").unwrap_err();
             assert!(matches!(err, ShimError::ConfigNotObject(_)), "{bad:?}");
             assert_eq!(err.code(), 6);
         }

@@ -32,7 +32,8 @@ enum Reply {
 
 fn main() -> ExitCode {
     let env = |name: &str| std::env::var_os(name);
-    let reply = run(&env, &mut io::stdin().lock());
+    let name = invocation::plugin_name(std::env::args_os().next());
+    let reply = run(&env, &name, &mut io::stdin().lock());
     let (bytes, status) = match reply {
         Reply::Success(bytes) => (bytes, ExitCode::SUCCESS),
         Reply::Failure(error) => (error.to_json_line(), ExitCode::FAILURE),
@@ -48,8 +49,8 @@ fn main() -> ExitCode {
 }
 
 /// Handles one invocation: `env` looks up environment variables, `stdin`
-/// is the network configuration.
-fn run(env: &dyn Fn(&str) -> Option<OsString>, stdin: &mut dyn Read) -> Reply {
+/// is the network configuration, `name` the file name the binary ran as.
+fn run(env: &dyn Fn(&str) -> Option<OsString>, name: &str, stdin: &mut dyn Read) -> Reply {
     // The verb comes first and stdin is not read before it is known: VERSION
     // must succeed whatever else is there (podman sends dummy values), and a
     // bad CNI_COMMAND is reported at once instead of waiting on a stdin that
@@ -71,11 +72,11 @@ fn run(env: &dyn Fn(&str) -> Option<OsString>, stdin: &mut dyn Read) -> Reply {
         Ok(text) => text,
         Err(e) => return fail(e, DEFAULT_CNI_VERSION),
     };
-    let config = match ShimConfig::parse(&text) {
+    let config = match ShimConfig::parse(&text, name) {
         Ok(config) => config,
         Err(e) => return fail(e, DEFAULT_CNI_VERSION),
     };
-    let request = match invocation::request(env, text.as_bytes().to_vec()) {
+    let request = match invocation::request(env, text.as_bytes().to_vec(), name) {
         Ok(request) => request,
         Err(e) => return fail(e, &config.cni_version),
     };
@@ -182,7 +183,7 @@ mod tests {
                 Err(io::Error::other("must not be read"))
             }
         }
-        let reply = run(&env, &mut Broken);
+        let reply = run(&env, "tether", &mut Broken);
         assert_eq!(
             reply,
             Reply::Success(tether_proto::cni::version_reply().into_bytes())
@@ -191,7 +192,7 @@ mod tests {
 
     #[test]
     fn missing_command_is_code_4() {
-        let Reply::Failure(error) = run(&no_env, &mut &b"{}"[..]) else {
+        let Reply::Failure(error) = run(&no_env, "tether", &mut &b"{}"[..]) else {
             panic!("expected a failure");
         };
         assert_eq!(error.code, 4);

@@ -77,6 +77,7 @@ mod tests {
             path: "/opt/cni/bin".into(),
             stdin: br#"{"cniVersion":"1.0.0","name":"tether","type":"tether"}"#.to_vec(),
             present: vec!["CNI_COMMAND".into(), "CNI_CONTAINERID".into()],
+            plugin_name: String::new(),
         }
     }
 

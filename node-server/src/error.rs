@@ -143,6 +143,14 @@ pub enum Error {
     /// A requested address lies outside every pool of this node.
     #[error("address outside the pools: {0}")]
     AddressNotInPool(String),
+    /// A requested address lies in a pool but is excluded from it (its
+    /// `exclude`, its gateway, or outside its `rangeStart`..`rangeEnd`).
+    #[error("address excluded from its pool: {0}")]
+    AddressExcluded(String),
+    /// A pool named by the configuration or an annotation does not exist,
+    /// or cannot serve this network.
+    #[error("unknown pool: {0}")]
+    UnknownPool(String),
     /// No VM record of that key (admin calls).
     #[error("no VM record {0}")]
     UnknownVm(String),
@@ -184,6 +192,8 @@ impl Error {
             Error::AddressNotInPool(_) => 106,
             Error::UnknownVm(_) => 107,
             Error::VmState(_) => 108,
+            Error::AddressExcluded(_) => 109,
+            Error::UnknownPool(_) => 119,
             Error::Check { kind, .. } => kind.code(),
             Error::Internal(_) => 199,
         }
@@ -208,6 +218,8 @@ impl Error {
             Error::Store(_) => "state store failure",
             Error::AddressInUse(_) => "address in use",
             Error::AddressNotInPool(_) => "address outside the pools",
+            Error::AddressExcluded(_) => "address excluded",
+            Error::UnknownPool(_) => "unknown pool",
             Error::UnknownVm(_) => "unknown VM",
             Error::VmState(_) => "VM record not ready",
             Error::Check { .. } => "check failed",

@@ -20,13 +20,42 @@ pub struct Pool {
     used: BTreeSet<u128>,
     /// The last address handed out.
     cursor: u128,
+    /// Addresses never handed out (a named pool's exclusions, its gateway,
+    /// what lies outside its range): sorted, disjoint, inclusive intervals
+    /// inside `first..=last`. Held addresses in them (recorded before the
+    /// exclusion was added) stay held.
+    holes: Vec<(u128, u128)>,
 }
 
-fn to_u128(ip: IpAddr) -> u128 {
+/// An address as a number.
+pub(crate) fn to_u128(ip: IpAddr) -> u128 {
     match ip {
-        IpAddr::V4(v4) => u32::from(v4) as u128,
+        IpAddr::V4(v4) => u128::from(u32::from(v4)),
         IpAddr::V6(v6) => u128::from(v6),
     }
+}
+
+/// The address numbered `n`, of the family of `like`.
+pub(crate) fn from_u128(like: IpAddr, n: u128) -> IpAddr {
+    match like {
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::from(n as u32)),
+        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::from(n)),
+    }
+}
+
+/// 32 or 128.
+pub(crate) fn max_len(net: &IpNet) -> u8 {
+    match net {
+        IpNet::V4(_) => 32,
+        IpNet::V6(_) => 128,
+    }
+}
+
+/// Block number `index` of prefix length `len` inside `cidr`.
+pub(crate) fn nth_block(cidr: &IpNet, len: u8, index: u128) -> Result<IpNet> {
+    let shift = u32::from(max_len(cidr) - len);
+    let base = to_u128(cidr.network()) + (index << shift);
+    IpNet::new(from_u128(cidr.network(), base), len).map_err(|e| Error::Internal(e.to_string()))
 }
 
 impl Pool {
@@ -51,7 +80,76 @@ impl Pool {
             last,
             used: BTreeSet::new(),
             cursor: last,
+            holes: Vec::new(),
         })
+    }
+
+    /// A block of a named pool: every address of `block` may be handed
+    /// out (the pool's own network and broadcast addresses are among the
+    /// `holes` its owner passes), except those in `holes`.
+    pub fn block(block: IpNet, holes: &[(IpAddr, IpAddr)]) -> Self {
+        let cidr = block.trunc();
+        let (first, last) = (to_u128(cidr.network()), to_u128(cidr.broadcast()));
+        let mut pool = Pool {
+            cidr,
+            first,
+            last,
+            used: BTreeSet::new(),
+            cursor: last,
+            holes: Vec::new(),
+        };
+        pool.set_holes(holes);
+        pool
+    }
+
+    /// Replaces the excluded intervals. Addresses in use stay in use.
+    pub fn set_holes(&mut self, holes: &[(IpAddr, IpAddr)]) {
+        let mut v: Vec<(u128, u128)> = holes
+            .iter()
+            .map(|&(a, b)| (to_u128(a).max(self.first), to_u128(b).min(self.last)))
+            .filter(|(a, b)| a <= b)
+            .collect();
+        v.sort_unstable();
+        let mut merged: Vec<(u128, u128)> = Vec::with_capacity(v.len());
+        for (a, b) in v {
+            match merged.last_mut() {
+                Some(last) if a <= last.1.saturating_add(1) => last.1 = last.1.max(b),
+                _ => merged.push((a, b)),
+            }
+        }
+        self.holes = merged;
+    }
+
+    /// The excluded interval holding `n`, if any.
+    fn hole_of(&self, n: u128) -> Option<(u128, u128)> {
+        let i = self.holes.partition_point(|&(_, hi)| hi < n);
+        self.holes.get(i).copied().filter(|&(lo, _)| lo <= n)
+    }
+
+    /// True when `ip` lies in the pool but must not be handed out.
+    pub fn is_excluded(&self, ip: IpAddr) -> bool {
+        self.contains(ip) && self.hole_of(to_u128(ip)).is_some()
+    }
+
+    /// Addresses in use that are excluded now (the exclusion came after
+    /// them): reported, never taken away.
+    pub fn excluded_in_use(&self) -> Vec<IpAddr> {
+        self.used
+            .iter()
+            .filter(|&&n| self.hole_of(n).is_some())
+            .map(|&n| self.addr(n))
+            .collect()
+    }
+
+    /// Addresses that may ever be handed out: the pool minus its holes.
+    pub fn size(&self) -> u128 {
+        let holes: u128 = self.holes.iter().map(|(a, b)| b - a + 1).sum();
+        (self.last - self.first + 1) - holes
+    }
+
+    /// The addresses in use, in order.
+    pub fn used_addresses(&self) -> Vec<IpAddr> {
+        self.used.iter().map(|&n| self.addr(n)).collect()
     }
 
     /// The CIDR.
@@ -60,10 +158,7 @@ impl Pool {
     }
 
     fn addr(&self, n: u128) -> IpAddr {
-        match self.cidr {
-            IpNet::V4(_) => IpAddr::V4(Ipv4Addr::from(n as u32)),
-            IpNet::V6(_) => IpAddr::V6(Ipv6Addr::from(n)),
-        }
+        from_u128(self.cidr.network(), n)
     }
 
     /// True when `ip` is an address this pool may hand out.
@@ -76,9 +171,15 @@ impl Pool {
         self.used.len() as u128
     }
 
-    /// Addresses still free.
+    /// Addresses still free: the size less the addresses in use outside
+    /// the holes.
     pub fn free(&self) -> u128 {
-        (self.last - self.first + 1) - self.used()
+        let excluded_used = self
+            .used
+            .iter()
+            .filter(|&&n| self.hole_of(n).is_some())
+            .count() as u128;
+        self.size() - (self.used() - excluded_used)
     }
 
     /// Marks an address in use; false if it was already.
@@ -93,8 +194,20 @@ impl Pool {
         } else {
             self.cursor + 1
         };
-        Self::first_gap(&self.used, start, self.last)
-            .or_else(|| Self::first_gap(&self.used, self.first, start.saturating_sub(1)))
+        self.free_in(start, self.last)
+            .or_else(|| self.free_in(self.first, start.saturating_sub(1)))
+    }
+
+    /// The lowest address in [from, to] neither used nor excluded.
+    fn free_in(&self, mut from: u128, to: u128) -> Option<u128> {
+        loop {
+            let candidate = Self::first_gap(&self.used, from, to)?;
+            match self.hole_of(candidate) {
+                None => return Some(candidate),
+                Some((_, hi)) if hi < to => from = hi + 1,
+                Some(_) => return None,
+            }
+        }
     }
 
     /// The lowest address in [from, to] not in `used`.
@@ -125,6 +238,8 @@ pub enum Take {
     InUse,
     /// No pool holds it (or it is a pool's network or broadcast address).
     NotInPool,
+    /// A pool holds it, but it is excluded from allocation.
+    Excluded,
 }
 
 /// An address family.
@@ -234,6 +349,34 @@ impl Pools {
         Ok(())
     }
 
+    /// Adds a named pool's block (see [`Pool::block`]). Adding a block
+    /// already present is a no-op.
+    pub fn add_pool(&mut self, pool: Pool) -> Result<()> {
+        let cidr = pool.cidr;
+        if self.pools.iter().any(|p| p.cidr == cidr) {
+            return Ok(());
+        }
+        if let Some(p) = self
+            .pools
+            .iter()
+            .find(|p| p.cidr.contains(&cidr.network()) || cidr.contains(&p.cidr.network()))
+        {
+            return Err(Error::Internal(format!(
+                "block {cidr} overlaps the pool {}",
+                p.cidr
+            )));
+        }
+        self.pools.push(pool);
+        Ok(())
+    }
+
+    /// Replaces the excluded intervals of every pool.
+    pub fn set_holes(&mut self, holes: &[(IpAddr, IpAddr)]) {
+        for p in &mut self.pools {
+            p.set_holes(holes);
+        }
+    }
+
     /// The pools, in the order they were configured or claimed.
     pub fn pools(&self) -> &[Pool] {
         &self.pools
@@ -328,6 +471,7 @@ impl Pools {
     pub fn take(&mut self, ip: IpAddr) -> Take {
         match self.pools.iter_mut().find(|p| p.contains(ip)) {
             None => Take::NotInPool,
+            Some(p) if p.is_excluded(ip) => Take::Excluded,
             Some(p) => {
                 if p.claim(ip) {
                     Take::Taken

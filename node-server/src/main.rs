@@ -19,6 +19,7 @@ use tetherd::cluster::{Cluster, ClusterConfig, Overlay};
 use tetherd::control::etcd::{EtcdOptions, EtcdStore};
 use tetherd::control::{embedded::EmbeddedStore, ControlStore};
 use tetherd::error::Error;
+use tetherd::pools::PoolDef;
 use tetherd::store::{Fsync, LocalStore, Store};
 use tetherd::vm::VmRegistry;
 
@@ -51,6 +52,13 @@ struct Args {
     /// fd00:10:244::/56. Every node of a cluster must be given the same.
     #[arg(long = "cluster-cidr", value_name = "CIDR")]
     cluster_cidrs: Vec<IpNet>,
+
+    /// Named pools: a JSON file of subnets with ranges, exclusions, a
+    /// gateway and routes, which networks select by name (`pool` in the
+    /// netconf, `ipam.pool` when tether is another plugin's IPAM, or the
+    /// pod annotation tether.dev/pool). Read again on SIGHUP.
+    #[arg(long = "pools", value_name = "FILE")]
+    pools_file: Option<PathBuf>,
 
     /// Prefix length of the IPv4 blocks claimed from the cluster CIDR.
     #[arg(long, default_value_t = 26, value_parser = clap::value_parser!(u8).range(8..=30))]
@@ -230,6 +238,10 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
     // (the socket already accepts before the server loop runs) must stop it
     // cleanly, not kill it by the default action.
     let stop = stop_on_signal();
+    let pools = match &args.pools_file {
+        Some(path) => load_pools(path, &args)?,
+        None => Vec::new(),
+    };
     let config = NodeConfig {
         name: args.node_name.clone().unwrap_or_else(hostname),
         pod_cidrs: args.pod_cidrs.clone(),
@@ -237,6 +249,7 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
         state_dir: args.state_dir.clone(),
         allowed_uids: args.allowed_uids.clone(),
         test_delete_delay: Duration::from_millis(args.test_delete_delay_ms),
+        pools,
     };
     let store: Arc<dyn Store> = {
         let dir = args.state_dir.clone();
@@ -269,6 +282,14 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
     tracing::info!(?reconciled, "reconciled the kernel against the store");
     let node = Arc::new(node);
     node.start_vm_tasks();
+    if let Some(path) = args.pools_file.clone() {
+        reload_pools_on_sighup(
+            node.clone(),
+            path,
+            args.pod_cidrs.clone(),
+            args.cluster_cidrs.clone(),
+        );
+    }
     let stats = Arc::new(Stats::default());
     // The plugin queues DELs through a path beside the socket; point it at
     // this daemon's state dir before the first replay, taking in what a
@@ -420,6 +441,55 @@ async fn join_cluster(
         overlay,
     };
     Ok(Some(Cluster::join(store, config).await?))
+}
+
+/// Reads the pools file and checks that no pool overlaps the pod CIDRs.
+fn load_pools(path: &Path, args: &Args) -> tetherd::error::Result<Vec<PoolDef>> {
+    let defs = tetherd::pools::def::load(path)?;
+    check_pools(&defs, &args.pod_cidrs, &args.cluster_cidrs)?;
+    tracing::info!(file = %path.display(), pools = ?defs.iter().map(|d| format!("{} {}", d.name, d.cidr)).collect::<Vec<_>>(), "named pools");
+    Ok(defs)
+}
+
+fn check_pools(defs: &[PoolDef], pod: &[IpNet], cluster: &[IpNet]) -> tetherd::error::Result<()> {
+    for d in defs {
+        if let Some(c) = pod
+            .iter()
+            .chain(cluster)
+            .find(|c| tetherd::pools::def::overlaps(c, &d.cidr))
+        {
+            return Err(Error::InvalidConfig(format!(
+                "pool {} ({}) overlaps the pod CIDR {c}: an address must have one pool",
+                d.name, d.cidr
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Reads the pools file again on every SIGHUP. A file that does not parse
+/// changes nothing (the error is logged).
+fn reload_pools_on_sighup(node: Arc<Node>, path: PathBuf, pod: Vec<IpNet>, cluster: Vec<IpNet>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        tracing::warn!("cannot install the SIGHUP handler: the pools file is read at start only");
+        return;
+    };
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            let loaded = tetherd::pools::def::load(&path)
+                .and_then(|defs| check_pools(&defs, &pod, &cluster).map(|()| defs));
+            match loaded {
+                Ok(defs) => {
+                    tracing::info!(file = %path.display(), count = defs.len(), "SIGHUP: pools read again");
+                    node.reload_pools(defs);
+                }
+                Err(e) => {
+                    tracing::error!(file = %path.display(), "SIGHUP: the pools file is refused, nothing changed: {e}")
+                }
+            }
+        }
+    });
 }
 
 /// Installs the SIGTERM and SIGINT handlers now; the receiver turns true

@@ -71,6 +71,15 @@ pub struct Attachment {
     /// tether made one, and what its guest's DHCP answers carry.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest: Option<crate::vm::guest::GuestNet>,
+    /// The named pools its addresses came from; empty for the node's pod
+    /// CIDRs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pools: Vec<String>,
+    /// Addresses only: tether ran as another plugin's IPAM, and that plugin
+    /// made the interface. Nothing of it is in the kernel for tether to
+    /// route, check or remove.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ipam_only: bool,
 }
 
 /// What went wrong in the attachment store. It says what happened; which
@@ -674,6 +683,8 @@ mod tests {
             pod_uid: None,
             vm: None,
             guest: None,
+            pools: Vec::new(),
+            ipam_only: false,
         }
     }
 

@@ -107,6 +107,10 @@ pub struct PendingDel {
     /// "unset" from "empty" as it would for a live request.
     #[serde(default)]
     pub present: Vec<String>,
+    /// The name the shim ran as; absent in entries of older shims, which
+    /// the daemon reads as "tether".
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub plugin_name: String,
 }
 
 impl PendingDel {
@@ -126,6 +130,7 @@ impl PendingDel {
             path: request.path.clone(),
             stdin: stdin.to_owned(),
             present: request.present.clone(),
+            plugin_name: request.plugin_name.clone(),
         }
     }
 
@@ -145,6 +150,7 @@ impl PendingDel {
             path: self.path.clone(),
             stdin: self.stdin.clone().into_bytes(),
             present: self.present.clone(),
+            plugin_name: self.plugin_name.clone(),
         }
     }
 }
@@ -172,6 +178,7 @@ mod tests {
             path: "/opt/cni/bin".into(),
             stdin: br#"{"cniVersion":"1.0.0","name":"tether","type":"tether"}"#.to_vec(),
             present: vec!["CNI_COMMAND".into(), "CNI_CONTAINERID".into()],
+            plugin_name: String::new(),
         }
     }
 

@@ -7,6 +7,9 @@ impl Node {
     /// ADD: wires the attachment, or returns the recorded result when the
     /// same attachment is added again and its kernel state is intact.
     pub async fn add(&self, inv: &Invocation) -> Result<Vec<u8>> {
+        if inv.conf.ipam.is_some() {
+            return self.add_ipam_only(inv).await;
+        }
         let started = UnixNanos::now();
         let key = key_of(inv);
         let netns_path = inv.netns.clone().ok_or_else(|| Error::InvalidEnv {
@@ -15,6 +18,13 @@ impl Node {
         })?;
         let vm_pod = cni::vm_pod(inv)?;
         let requested = cni::requested(inv)?;
+        let pools = cni::pools(inv)?;
+        if vm_pod.is_some() && !pools.is_empty() {
+            return Err(Error::InvalidConfig(format!(
+                "named pools ({}) do not serve KubeVirt VM pods yet: a VM's addresses come from the pod CIDRs",
+                pools.join(", ")
+            )));
+        }
         let _sweep = self.sweep.read().await;
         let _key = self.lock_key(&key).await;
         let netns = self.kernel.open_netns(&netns_path)?;
@@ -45,11 +55,16 @@ impl Node {
                 (p.rec.ips.clone(), p.rec.mac, Some(p))
             }
             None => {
-                let ips = self.addresses_for(&requested).await?;
+                let ips = if pools.is_empty() {
+                    self.addresses_for(&requested).await?
+                } else {
+                    self.named_addresses(&pools, &requested.ips).await?
+                };
                 match self.mac_for(&requested, &ips) {
                     Ok(mac) => (ips, mac, None),
                     Err(e) => {
                         self.free_ips(&ips);
+                        self.named.release(&ips);
                         return Err(e);
                     }
                 }
@@ -71,6 +86,8 @@ impl Node {
             pod_uid: inv.args.pod_uid.clone(),
             vm: vm_pod.as_ref().map(|p| p.key.clone()),
             guest: vm_pod.as_ref().and_then(|p| p.guest.clone()),
+            pools,
+            ipam_only: false,
         };
         let wiring = wiring(&attachment, mac, &netns, routed);
         let store = self.store.clone();
@@ -117,7 +134,10 @@ impl Node {
                         self.undo_placement(p).await;
                         self.free_ips(&ips);
                     }
-                    None => lock(&self.pools).release(&ips),
+                    None => {
+                        lock(&self.pools).release(&ips);
+                        self.named.release(&ips);
+                    }
                 }
                 return Err(first.unwrap_or_else(|| Error::Internal("rollback".into())));
             }

@@ -89,7 +89,7 @@ impl Node {
     pub(crate) fn check_mac_free(&self, mac: Mac, vm: Option<&VmKey>) -> Result<()> {
         if let Some(a) = lock(&self.attachments)
             .values()
-            .find(|a| a.mac == mac && (a.vm.is_none() || a.vm.as_ref() != vm))
+            .find(|a| !a.ipam_only && a.mac == mac && (a.vm.is_none() || a.vm.as_ref() != vm))
         {
             return Err(Error::AddressInUse(match &a.vm {
                 Some(holder) => format!("MAC {mac} is held by VM {holder} (attachment {})", a.key),
@@ -127,6 +127,11 @@ impl Node {
             match took {
                 Take::Taken => return Ok(()),
                 Take::InUse => return Err(Error::AddressInUse(self.holder_of(ip))),
+                Take::Excluded => {
+                    return Err(Error::AddressExcluded(format!(
+                        "{ip} is excluded from this node's pod CIDRs"
+                    )))
+                }
                 Take::NotInPool => {}
             }
             let pools: Vec<String> = lock(&self.pools)

@@ -13,6 +13,10 @@ impl Node {
         let _key = self.lock_key(&key).await;
         let existing = lock(&self.attachments).get(&key).cloned();
         let Some(a) = existing else {
+            if inv.conf.ipam.is_some() {
+                // Addresses only: nothing of it was ever in the kernel.
+                return Ok(cni::empty_result());
+            }
             // Nothing recorded. A link of that name can only be a leftover of
             // a failed rollback: remove it in the background.
             let host = kernel::host_ifname(&key.network, &key.container_id, &key.ifname);
@@ -54,6 +58,7 @@ impl Node {
         let mut ips: Vec<IpAddr> = Vec::new();
         for a in list {
             match &a.vm {
+                None if a.ipam_only => {}
                 None => ips.extend(a.ips.iter().copied()),
                 Some(vm) => {
                     // Its routes follow the record unless the VM now runs
@@ -98,12 +103,13 @@ impl Node {
             list.iter().partition(|a| a.vm.is_some());
         let plain_ips: Vec<IpAddr> = plain.iter().flat_map(|a| a.ips.clone()).collect();
         lock(&self.pools).release(&plain_ips);
+        self.named.release(&plain_ips);
         if !vm_pods.is_empty() {
             let vm_ips: Vec<IpAddr> = vm_pods.iter().flat_map(|a| a.ips.clone()).collect();
             self.free_ips(&vm_ips);
             self.force_vm_resync();
         }
-        for a in list {
+        for a in list.iter().filter(|a| !a.ipam_only) {
             self.stop_guest(a);
             self.delete_link_later(a.host_ifname.clone());
         }

@@ -19,6 +19,7 @@ mod check;
 mod del;
 mod gc;
 mod guest;
+mod ipam_only;
 mod link_reaper;
 mod reconcile;
 mod status;
@@ -38,6 +39,7 @@ use crate::error::{Error, Mismatch, Result};
 use crate::ipam::{Family, Pools};
 use crate::kernel::{self, Host, Kernel, PodNetns, PodWiring};
 use crate::mac::Mac;
+use crate::pools::NamedPools;
 use crate::store::{Attachment, AttachmentKey, Store};
 use crate::time::UnixNanos;
 use crate::vm::{VmRegistry, VmState};
@@ -67,6 +69,8 @@ pub struct NodeConfig {
     /// Test hook: holds background link deletions back this long, so tests
     /// can prove that nothing depends on their timing. Zero in production.
     pub test_delete_delay: Duration,
+    /// The named pools (`--pools`).
+    pub pools: Vec<crate::pools::PoolDef>,
 }
 
 /// What startup reconciliation did, for the log and for tests.
@@ -110,6 +114,9 @@ pub struct Node {
     pub(crate) routes: RouteState,
     /// DHCP and router advertisements for the guests of tap bindings.
     pub(crate) dhcp: Arc<dyn kernel::GuestDhcp>,
+    /// The named pools, for attachments that select one and for IPAM-only
+    /// attachments.
+    pub(crate) named: NamedPools,
 }
 
 /// Holds an attachment's lock; frees the table entry when nobody else waits.
@@ -251,6 +258,9 @@ impl Node {
                 }
             }
         }
+        let (control, root) = vms.control();
+        let (named, all_ips) =
+            NamedPools::open(&config.name, control, &root, config.pools.clone(), &all_ips).await?;
         let mut strays = pools.restore(&all_ips);
         if let (Some(c), false) = (&cluster, strays.is_empty()) {
             // Recorded addresses outside the blocks the control plane says
@@ -289,6 +299,7 @@ impl Node {
             reaper: LinkReaper::default(),
             vm: VmState::new(vms),
             routes: RouteState::default(),
+            named,
         };
         node.sync_reservations(&vm_view);
         node.spawn_deletion_worker()?;
@@ -348,6 +359,17 @@ impl Node {
         let mut v: Vec<_> = lock(&self.attachments).values().cloned().collect();
         v.sort_by(|a, b| a.key.cmp(&b.key));
         v
+    }
+
+    /// The named pools as this node sees them.
+    pub fn named_pools(&self) -> &NamedPools {
+        &self.named
+    }
+
+    /// Takes new pool definitions (SIGHUP). Running pods keep their
+    /// addresses.
+    pub fn reload_pools(&self, defs: Vec<crate::pools::PoolDef>) {
+        self.named.reload(defs);
     }
 
     /// Pool usage: (cidr, used, free).

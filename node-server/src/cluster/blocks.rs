@@ -4,35 +4,12 @@
 
 use super::*;
 
+use crate::ipam::{max_len, nth_block, to_u128};
+
 /// The index of `block` inside `cidr` for blocks of `len`.
 fn block_index(cidr: &IpNet, block: &IpNet, len: u8) -> u128 {
     let shift = u32::from(max_len(cidr) - len);
     (to_u128(block.network()).wrapping_sub(to_u128(cidr.network()))) >> shift
-}
-
-fn max_len(net: &IpNet) -> u8 {
-    match net {
-        IpNet::V4(_) => 32,
-        IpNet::V6(_) => 128,
-    }
-}
-
-fn to_u128(ip: IpAddr) -> u128 {
-    match ip {
-        IpAddr::V4(v4) => u128::from(u32::from(v4)),
-        IpAddr::V6(v6) => u128::from(v6),
-    }
-}
-
-/// Block number `index` of `len` inside `cidr`.
-fn nth_block(cidr: &IpNet, len: u8, index: u128) -> Result<IpNet> {
-    let shift = u32::from(max_len(cidr) - len);
-    let base = to_u128(cidr.network()) + (index << shift);
-    let ip = match cidr {
-        IpNet::V4(_) => IpAddr::V4(Ipv4Addr::from(base as u32)),
-        IpNet::V6(_) => IpAddr::V6(Ipv6Addr::from(base)),
-    };
-    IpNet::new(ip, len).map_err(|e| Error::Internal(e.to_string()))
 }
 
 /// The first index not in `taken`, scanning from `start` and wrapping.

@@ -58,6 +58,41 @@ pub struct NetConf {
     pub vm_address_policy: VmAddressPolicy,
     /// `kubevirt`: how VM pods on this network reach their guest.
     pub kubevirt: KubevirtConf,
+    /// `pool` (or `ipam.pool`): the named pools the addresses come from,
+    /// at most one per family; empty for the node's pod CIDRs.
+    pub pools: Vec<String>,
+    /// Set when tether runs as another plugin's IPAM: the `ipam` section.
+    pub ipam: Option<IpamConf>,
+}
+
+/// The `ipam` section of another plugin's configuration, when that plugin
+/// runs tether as its IPAM (`"ipam": {"type": "tether", ...}`). tether then
+/// creates no interface: it answers with addresses, routes and DNS.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct IpamConf {
+    /// `routes`: added after the pool's own routes.
+    pub routes: Vec<ResultRoute>,
+    /// `dns`: replaces the pool's.
+    pub dns: Option<Value>,
+}
+
+/// The name tether's binary is installed as; a request that carries no
+/// `plugin_name` (an older shim, grpcurl) was run as this.
+pub const DEFAULT_PLUGIN_NAME: &str = "tether";
+
+/// True when `obj` is another plugin's configuration that runs tether as
+/// its IPAM: its `ipam.type` is `name`, the file name the shim ran as, and
+/// its `type` is not. The runtime ran the main plugin (`type`), and that
+/// plugin ran its IPAM's `type`, which is this binary. tether as the main
+/// plugin with another IPAM (`ipam.type` is not `name`) is refused (2).
+/// The shim applies the same rule to find the socket.
+pub fn ipam_only(obj: &Map<String, Value>, name: &str) -> bool {
+    let ipam_type = obj
+        .get("ipam")
+        .and_then(Value::as_object)
+        .and_then(|i| i.get("type"))
+        .and_then(Value::as_str);
+    ipam_type == Some(name) && obj.get("type").and_then(Value::as_str) != Some(name)
 }
 
 /// `vmAddressPolicy` of a network: when a KubeVirt VM's address record is
@@ -193,6 +228,16 @@ impl NetConf {
     /// them through and plugins may ignore them), except `ipam`: tether does
     /// its own IPAM and must not silently ignore a delegated one (2).
     pub fn parse(obj: &Map<String, Value>, version: CniVersion) -> Result<Self> {
+        Self::parse_as(obj, version, DEFAULT_PLUGIN_NAME)
+    }
+
+    /// [`NetConf::parse`] for a binary that ran as `plugin_name`, which
+    /// decides whether tether is the main plugin or another's IPAM.
+    pub fn parse_as(
+        obj: &Map<String, Value>,
+        version: CniVersion,
+        plugin_name: &str,
+    ) -> Result<Self> {
         let name = required_string(obj, "name")?;
         if !is_cni_name(&name) {
             return Err(Error::InvalidConfig(format!(
@@ -205,12 +250,19 @@ impl NetConf {
                 "type {plugin_type:?} must be a non-empty file name"
             )));
         }
+        if ipam_only(obj, plugin_name) {
+            return Self::parse_ipam_only(obj, version, name, plugin_type);
+        }
         if let Some(ipam) = obj.get("ipam") {
             return Err(Error::UnsupportedField {
                 key: "ipam".into(),
                 value: ipam.to_string(),
             });
         }
+        let pools = match present(obj, "pool") {
+            Some(v) => parse_pools("pool", v)?,
+            None => Vec::new(),
+        };
         let mtu = present(obj, "mtu").map(parse_mtu).transpose()?;
         let dns = match present(obj, "dns") {
             Some(dns) => {
@@ -258,8 +310,118 @@ impl NetConf {
             valid_attachments,
             vm_address_policy,
             kubevirt,
+            pools,
+            ipam: None,
         })
     }
+
+    /// The configuration of another plugin that runs tether as its IPAM.
+    /// Of the top level only what every plugin shares is read (the rest is
+    /// the main plugin's: a macvlan `mtu` is not tether's); tether's
+    /// settings are in `ipam`, whose unknown keys are refused so that a
+    /// misspelt one is not silently ignored.
+    fn parse_ipam_only(
+        obj: &Map<String, Value>,
+        version: CniVersion,
+        name: String,
+        plugin_type: String,
+    ) -> Result<Self> {
+        const WHAT: &str = "ipam";
+        let ipam = obj
+            .get("ipam")
+            .and_then(Value::as_object)
+            .ok_or_else(|| decode(WHAT, "expected an object"))?;
+        let mut conf = IpamConf::default();
+        let mut pools = Vec::new();
+        for (key, value) in ipam.iter().filter(|(_, v)| !v.is_null()) {
+            match key.as_str() {
+                // `socket` is the shim's.
+                "type" | "socket" => {}
+                "pool" => pools = parse_pools("ipam.pool", value)?,
+                "routes" => {
+                    conf.routes = value
+                        .as_array()
+                        .ok_or_else(|| decode(WHAT, "routes: expected an array"))?
+                        .iter()
+                        .enumerate()
+                        .map(|(i, v)| parse_route(i, v))
+                        .collect::<Result<_>>()?;
+                }
+                "dns" => {
+                    check_dns(value, "ipam.dns")?;
+                    conf.dns = Some(value.clone());
+                }
+                other => {
+                    return Err(Error::InvalidConfig(format!(
+                    "ipam.{other} is not a setting tether knows (type, socket, pool, routes, dns)"
+                )))
+                }
+            }
+        }
+        let prev_result = present(obj, "prevResult")
+            .map(|v| PrevResult::parse(v, version))
+            .transpose()?;
+        let runtime_config = match present(obj, "runtimeConfig") {
+            Some(v) => parse_runtime_config(v)?,
+            None => RuntimeConfig::default(),
+        };
+        let valid_attachments = match obj.get(VALID_ATTACHMENTS_KEY) {
+            Some(v) => Some(parse_attachments(VALID_ATTACHMENTS_KEY, v)?),
+            None => match obj.get(LEGACY_ATTACHMENTS_KEY) {
+                Some(v) => Some(parse_attachments(LEGACY_ATTACHMENTS_KEY, v)?),
+                None => None,
+            },
+        };
+        Ok(NetConf {
+            cni_version: version,
+            name,
+            plugin_type,
+            mtu: None,
+            dns: None,
+            prev_result,
+            runtime_config,
+            valid_attachments,
+            vm_address_policy: VmAddressPolicy::default(),
+            kubevirt: KubevirtConf::default(),
+            pools,
+            ipam: Some(conf),
+        })
+    }
+}
+
+/// A pool selection: one name, or a list of names (one per family).
+pub(crate) fn parse_pools(what: &str, v: &Value) -> Result<Vec<String>> {
+    let names: Vec<String> = match v {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(items) => items
+            .iter()
+            .map(|i| {
+                i.as_str().map(str::to_owned).ok_or_else(|| {
+                    Error::InvalidConfig(format!("{what}: expected pool names, got {i}"))
+                })
+            })
+            .collect::<Result<_>>()?,
+        other => {
+            return Err(Error::InvalidConfig(format!(
+                "{what}: expected a pool name or a list of them, got {}",
+                json_type(other)
+            )))
+        }
+    };
+    if names.is_empty() || names.len() > 2 {
+        return Err(Error::InvalidConfig(format!(
+            "{what}: name one pool, or two (one IPv4 and one IPv6)"
+        )));
+    }
+    if let Some(bad) = names.iter().find(|n| !is_cni_name(n)) {
+        return Err(Error::InvalidConfig(format!(
+            "{what}: {bad:?} is not a pool name"
+        )));
+    }
+    if names.len() == 2 && names[0] == names[1] {
+        return Err(Error::InvalidConfig(format!("{what}: {} twice", names[0])));
+    }
+    Ok(names)
 }
 
 /// `^[a-zA-Z0-9][a-zA-Z0-9_.\-]*$`, the spec's rule for network names and
@@ -731,6 +893,64 @@ mod tests {
         // Even an empty or null ipam is refused: the admin wrote the key.
         assert_eq!(conf(with("ipam", json!({}))).unwrap_err().code(), 2);
         assert_eq!(conf(with("ipam", json!(null))).unwrap_err().code(), 2);
+    }
+
+    #[test]
+    fn tether_as_another_plugins_ipam() {
+        let macvlan = json!({"cniVersion": "1.1.0", "name": "migration", "type": "macvlan",
+            "master": "eth1", "mode": "bridge", "mtu": 9000,
+            "ipam": {"type": "tether", "pool": "migration", "socket": "/run/t.sock",
+                     "routes": [{"dst": "10.9.0.0/16"}],
+                     "dns": {"nameservers": ["10.0.0.53"]}}});
+        let c = conf(macvlan.clone()).unwrap();
+        assert_eq!(c.plugin_type, "macvlan");
+        assert_eq!(c.pools, vec!["migration".to_owned()]);
+        // macvlan's mtu is macvlan's.
+        assert_eq!(c.mtu, None);
+        let ipam = c.ipam.unwrap();
+        assert_eq!(ipam.routes.len(), 1);
+        assert_eq!(ipam.routes[0].dst, "10.9.0.0/16".parse::<IpNet>().unwrap());
+        assert!(ipam.dns.is_some());
+        // Two pools, one per family.
+        let mut two = macvlan.clone();
+        two["ipam"]["pool"] = json!(["m4", "m6"]);
+        assert_eq!(conf(two).unwrap().pools.len(), 2);
+        // A misspelt key of tether's section is refused, not ignored.
+        let mut typo = macvlan.clone();
+        typo["ipam"]["pools"] = json!("migration");
+        let err = conf(typo).unwrap_err();
+        assert_eq!(err.code(), 7);
+        assert!(err.to_string().contains("ipam.pools"), "{err}");
+        for bad in [
+            json!(""),
+            json!([]),
+            json!(["a", "b", "c"]),
+            json!(["a", "a"]),
+            json!(3),
+        ] {
+            let mut b = macvlan.clone();
+            b["ipam"]["pool"] = bad.clone();
+            assert_eq!(conf(b).unwrap_err().code(), 7, "{bad}");
+        }
+        // Installed under another name, the rule follows the name the
+        // shim ran as.
+        let Value::Object(obj) = macvlan else {
+            unreachable!()
+        };
+        assert!(ipam_only(&obj, "tether"));
+        assert!(!ipam_only(&obj, "tether-ipam"));
+        let err = NetConf::parse_as(&obj, CniVersion::V1_1_0, "macvlan").unwrap_err();
+        assert_eq!(err.code(), 2);
+    }
+
+    #[test]
+    fn pool_of_tether_as_main_plugin() {
+        assert_eq!(
+            conf(with("pool", json!("blue"))).unwrap().pools,
+            vec!["blue".to_owned()]
+        );
+        assert_eq!(conf(with("pool", json!("bad name"))).unwrap_err().code(), 7);
+        assert!(conf(base()).unwrap().pools.is_empty());
     }
 
     #[test]

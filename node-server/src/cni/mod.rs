@@ -20,11 +20,11 @@ pub mod result;
 pub mod version;
 
 pub use args::{CniArgs, RequestedMac};
-pub use config::{AttachmentId, NetConf, PrevResult, RuntimeConfig, VmAddressPolicy};
-pub use pod::{requested, vm_pod, Requested, VmPod};
+pub use config::{AttachmentId, IpamConf, NetConf, PrevResult, RuntimeConfig, VmAddressPolicy};
+pub use pod::{pools, requested, vm_pod, Requested, VmPod, POOL_ANNOTATION};
 pub use request::{parse_request, Invocation, MAX_STDIN};
 pub use result::{
-    check_prev_result, empty_result, error_to_proto, error_version, parse_result,
-    render_add_result, Wired,
+    check_ipam_prev_result, check_prev_result, empty_result, error_to_proto, error_version,
+    parse_result, render_add_result, render_ipam_result, Leased, Wired,
 };
 pub use version::{CniVersion, Command, SUPPORTED_VERSIONS};

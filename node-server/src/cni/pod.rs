@@ -201,6 +201,39 @@ fn join(ips: &[IpAddr]) -> String {
         .join(",")
 }
 
+/// The pod annotation that selects its named pools (one name, or two
+/// separated by a comma) on tether's own network. `<this>.<network>`
+/// selects them on that network only, IPAM-only networks included.
+pub const POOL_ANNOTATION: &str = "tether.dev/pool";
+
+/// The named pools the attachment's addresses come from: the pod's
+/// annotation for this network, else its annotation for tether's own
+/// network (not for IPAM-only ones: one annotation must not move a pod's
+/// secondary networks into its primary's pool), else the configuration's
+/// `pool`. Empty: the node's pod CIDRs.
+pub fn pools(inv: &Invocation) -> Result<Vec<String>> {
+    let ann = &inv.conf.runtime_config.pod_annotations;
+    let specific = format!("{POOL_ANNOTATION}.{}", inv.conf.name);
+    let chosen = ann
+        .get(&specific)
+        .map(|v| (specific.as_str(), v))
+        .or_else(|| {
+            ann.get(POOL_ANNOTATION)
+                .filter(|_| inv.conf.ipam.is_none())
+                .map(|v| (POOL_ANNOTATION, v))
+        });
+    match chosen {
+        None => Ok(inv.conf.pools.clone()),
+        Some((key, v)) => {
+            let names: Vec<Value> = v
+                .split(',')
+                .map(|n| Value::String(n.trim().to_owned()))
+                .collect();
+            super::config::parse_pools(&format!("pod annotation {key}"), &Value::Array(names))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -210,8 +243,13 @@ mod tests {
     use tether_proto::cni::FORWARDED_VARIABLES;
 
     fn inv(args: &str, rc: serde_json::Value) -> Invocation {
-        let conf =
-            json!({"cniVersion": "1.1.0", "name": "n", "type": "tether", "runtimeConfig": rc});
+        inv_of(
+            args,
+            json!({"cniVersion": "1.1.0", "name": "n", "type": "tether", "runtimeConfig": rc}),
+        )
+    }
+
+    fn inv_of(args: &str, conf: serde_json::Value) -> Invocation {
         parse_request(&CniRequest {
             command: "ADD".into(),
             container_id: "c1".into(),
@@ -221,6 +259,7 @@ mod tests {
             path: "/opt/cni/bin".into(),
             stdin: conf.to_string().into_bytes(),
             present: FORWARDED_VARIABLES.iter().map(|s| s.to_string()).collect(),
+            plugin_name: String::new(),
         })
         .expect("a valid request")
     }
@@ -271,5 +310,51 @@ mod tests {
         assert_eq!(err.code(), 7);
         let err = requested(&inv("MAC=01:00:5e:00:00:01", json!({}))).unwrap_err();
         assert!(err.to_string().contains("multicast"), "{err}");
+    }
+
+    #[test]
+    fn pools_come_from_the_annotation_for_this_network_first() {
+        let ann = |a: serde_json::Value| json!({"io.kubernetes.cri.pod-annotations": a});
+        let main = |rc: serde_json::Value| {
+            inv_of(
+                "",
+                json!({"cniVersion": "1.1.0", "name": "n", "type": "tether", "pool": "conf",
+                       "runtimeConfig": rc}),
+            )
+        };
+        let ipam = |rc: serde_json::Value| {
+            inv_of(
+                "",
+                json!({"cniVersion": "1.1.0", "name": "mig", "type": "macvlan",
+                       "ipam": {"type": "tether", "pool": "conf"}, "runtimeConfig": rc}),
+            )
+        };
+        assert_eq!(pools(&main(json!({}))).unwrap(), ["conf"]);
+        assert_eq!(
+            pools(&main(ann(json!({POOL_ANNOTATION: "a"})))).unwrap(),
+            ["a"]
+        );
+        assert_eq!(
+            pools(&main(ann(
+                json!({POOL_ANNOTATION: "a", "tether.dev/pool.n": "b4, b6"})
+            )))
+            .unwrap(),
+            ["b4", "b6"]
+        );
+        // The plain annotation is the primary network's only.
+        assert_eq!(
+            pools(&ipam(ann(json!({POOL_ANNOTATION: "a"})))).unwrap(),
+            ["conf"]
+        );
+        assert_eq!(
+            pools(&ipam(ann(json!({"tether.dev/pool.mig": "m"})))).unwrap(),
+            ["m"]
+        );
+        let err = pools(&main(ann(json!({POOL_ANNOTATION: "bad name"})))).unwrap_err();
+        assert_eq!(err.code(), 7);
+        assert!(
+            err.to_string().contains("pod annotation tether.dev/pool"),
+            "{err}"
+        );
     }
 }

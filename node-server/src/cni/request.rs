@@ -159,7 +159,11 @@ pub fn parse_request(req: &CniRequest) -> Result<Invocation> {
         )));
     }
 
-    let conf = NetConf::parse(&obj, version)?;
+    let plugin_name = match req.plugin_name.as_str() {
+        "" => super::config::DEFAULT_PLUGIN_NAME,
+        name => name,
+    };
+    let conf = NetConf::parse_as(&obj, version, plugin_name)?;
     match command {
         Command::Check if conf.prev_result.is_none() => {
             return Err(Error::InvalidConfig(
@@ -310,6 +314,7 @@ mod tests {
             path: "/opt/cni/bin".into(),
             stdin: stdin.to_string().into_bytes(),
             present: ALL_VARS.iter().map(|s| s.to_string()).collect(),
+            plugin_name: String::new(),
         }
     }
 

@@ -165,6 +165,81 @@ pub fn render_add_result(conf: &NetConf, wired: &Wired) -> Result<Vec<u8>> {
         .map_err(|e| Error::Internal(format!("encoding the ADD result: {e}")))
 }
 
+/// What an IPAM-only ADD gives the plugin that ran tether as its IPAM.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Leased {
+    /// Each address with its pool's prefix length (the main plugin puts it
+    /// on its interface as given), and the pool's gateway.
+    pub ips: Vec<(IpNet, Option<IpAddr>)>,
+    /// The pools' routes, then the `ipam` section's.
+    pub routes: Vec<super::config::ResultRoute>,
+    /// The `ipam` section's `dns`, else the pool's.
+    pub dns: Option<Value>,
+}
+
+/// The result of an IPAM plugin (SPEC "IP Allocation"): `ips` without
+/// `interface`, `routes` and `dns`, and no `interfaces`: the main plugin
+/// adds its own interface and points the addresses at it.
+pub fn render_ipam_result(conf: &NetConf, leased: &Leased) -> Result<Vec<u8>> {
+    let version = conf.cni_version;
+    let mut out = Map::new();
+    out.insert("cniVersion".into(), json!(version.as_str()));
+    let ips: Vec<Value> = leased
+        .ips
+        .iter()
+        .map(|(net, gw)| {
+            let mut entry = Map::new();
+            if version.ips_carry_version() {
+                let v = if matches!(net, IpNet::V4(_)) {
+                    "4"
+                } else {
+                    "6"
+                };
+                entry.insert("version".into(), json!(v));
+            }
+            entry.insert("address".into(), json!(net.to_string()));
+            if let Some(gw) = gw {
+                entry.insert("gateway".into(), json!(gw.to_string()));
+            }
+            Value::Object(entry)
+        })
+        .collect();
+    append(&mut out, "ips", ips);
+    let routes = leased.routes.iter().map(|r| {
+        let mut entry = Map::new();
+        entry.insert("dst".into(), json!(r.dst.to_string()));
+        if let Some(gw) = r.gw {
+            entry.insert("gw".into(), json!(gw.to_string()));
+        }
+        Value::Object(entry)
+    });
+    append(&mut out, "routes", routes);
+    out.insert(
+        "dns".into(),
+        leased.dns.clone().unwrap_or_else(|| json!({})),
+    );
+    serde_json::to_vec(&Value::Object(out))
+        .map_err(|e| Error::Internal(format!("encoding the IPAM result: {e}")))
+}
+
+/// CHECK of an IPAM-only attachment: each of its addresses must be among
+/// the prevResult's `ips` (any prefix; the main plugin's interface is the
+/// main plugin's to check).
+pub fn check_ipam_prev_result(conf: &NetConf, ips: &[IpAddr]) -> Result<()> {
+    let prev = conf.prev_result.as_ref().ok_or_else(|| {
+        Error::InvalidConfig("CHECK needs prevResult, the result of the attachment's ADD".into())
+    })?;
+    for ip in ips {
+        if !prev.ips.iter().any(|p| p.address.addr() == *ip) {
+            return Err(Error::check(
+                Mismatch::PrevResult,
+                format!("prevResult does not list {ip}, which tether gave this attachment"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Appends to the array at `key`, creating it; omits it when both are empty,
 /// as libcni's `omitempty` does.
 fn append(out: &mut Map<String, Value>, key: &str, items: impl IntoIterator<Item = Value>) {
@@ -291,6 +366,8 @@ mod tests {
             valid_attachments: None,
             vm_address_policy: Default::default(),
             kubevirt: Default::default(),
+            pools: Vec::new(),
+            ipam: None,
         }
     }
 

@@ -369,6 +369,8 @@ mod tests {
                     pod_uid: None,
                     vm: Some(VmKey::new("ns", "vm1", "eth0").unwrap()),
                     guest: None,
+                    pools: Vec::new(),
+                    ipam_only: false,
                 };
                 (key, a)
             })

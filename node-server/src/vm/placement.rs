@@ -61,6 +61,10 @@ impl Node {
     /// True when the node should route the attachment's addresses to it:
     /// every plain pod, and a VM pod that its record names active.
     pub(crate) fn routed_here(&self, a: &Attachment) -> bool {
+        if a.ipam_only {
+            // The main plugin made the interface; nothing to route.
+            return false;
+        }
         let Some(key) = &a.vm else {
             return true;
         };

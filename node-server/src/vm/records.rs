@@ -331,6 +331,12 @@ impl VmRegistry {
         Ok(registry)
     }
 
+    /// The control plane the records live in, and the root of tether's
+    /// keys there (named pools keep their blocks beside the records).
+    pub fn control(&self) -> (Arc<dyn ControlStore>, String) {
+        (self.store.clone(), self.keys.root.clone())
+    }
+
     /// The latest view.
     pub fn view(&self) -> watch::Ref<'_, VmView> {
         self.view.borrow()

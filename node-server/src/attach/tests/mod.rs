@@ -43,6 +43,7 @@ pub(super) struct TestNode {
     pub store: Arc<dyn Store>,
     pub node: Arc<Node>,
     pub cidrs: Vec<IpNet>,
+    pub pools: Vec<crate::pools::PoolDef>,
 }
 
 /// What a test may vary about a node.
@@ -57,6 +58,8 @@ pub(super) struct Options {
     /// Failures to inject into the local store ([`FlakyStore`]); a
     /// restarted node's store is reliable again.
     pub store_faults: Option<Arc<StoreFaults>>,
+    /// Named pools (`--pools`).
+    pub pools: Vec<crate::pools::PoolDef>,
 }
 
 impl Default for Options {
@@ -67,6 +70,7 @@ impl Default for Options {
             control: None,
             vm_tasks: true,
             store_faults: None,
+            pools: Vec::new(),
         }
     }
 }
@@ -117,6 +121,7 @@ impl TestNode {
             control: Some(self.control.clone()),
             vm_tasks: true,
             store_faults: None,
+            pools: self.pools.clone(),
         };
         before(&self);
         let TestNode {
@@ -204,6 +209,7 @@ impl Parts {
             state_dir: self.dir.path().join("state"),
             allowed_uids: Vec::new(),
             test_delete_delay: Duration::ZERO,
+            pools: opts.pools.clone(),
         };
         let vms = VmRegistry::open(self.control.clone(), "/tether").await?;
         let (node, reconciled) = Node::open(
@@ -228,6 +234,7 @@ impl Parts {
             store,
             node,
             cidrs: opts.cidrs,
+            pools: opts.pools,
         };
         Ok((t, reconciled))
     }
@@ -322,6 +329,7 @@ impl Call {
                 .filter(|v| **v != "CNI_NETNS" || !self.netns.is_empty())
                 .map(|s| s.to_string())
                 .collect(),
+            plugin_name: String::new(),
         }
     }
 }
