@@ -8,6 +8,7 @@
 
 mod attach;
 mod guest;
+mod pools;
 mod vm;
 
 use std::net::IpAddr;
