@@ -6,6 +6,7 @@ use crate::api::cni::{verb_name, Stats, VERBS};
 use crate::api::pending_del;
 use crate::attach::Node;
 use crate::error::Error;
+use crate::pools::PoolUsage;
 use crate::store::Attachment;
 use crate::time::UnixNanos;
 use crate::vm::{Trigger, VmAttachment, VmKey, VmRecord};
@@ -62,13 +63,65 @@ fn to_pb(a: &Attachment) -> pb::Attachment {
         created: a.created_unix_nanos.to_string(),
         pod_namespace: a.pod_namespace.clone().unwrap_or_default(),
         pod_name: a.pod_name.clone().unwrap_or_default(),
+        pools: a.pools.clone(),
+        ipam_only: a.ipam_only,
     }
+}
+
+fn sat(n: u128) -> u64 {
+    u64::try_from(n).unwrap_or(u64::MAX)
+}
+
+/// A named pool as the admin API shows it: its definition, this node's
+/// usage and blocks (each with its holders when `holders` lists the
+/// node's attachments).
+fn pool_pb(u: &PoolUsage, holders: Option<&[Attachment]>) -> pb::NamedPool {
+    let text = |ip: Option<std::net::IpAddr>| ip.map(|i| i.to_string()).unwrap_or_default();
+    let mut p = pb::NamedPool {
+        name: u.name.clone(),
+        defined: u.def.is_some(),
+        size: sat(u.size),
+        used: sat(u.used),
+        free: sat(u.free),
+        excluded_in_use: u.excluded_in_use.iter().map(|i| i.to_string()).collect(),
+        ..Default::default()
+    };
+    if let Some(d) = &u.def {
+        p.cidr = d.cidr.to_string();
+        p.range_start = text(d.range_start);
+        p.range_end = text(d.range_end);
+        p.exclude = d.exclude.iter().map(|e| e.to_string()).collect();
+        p.gateway = text(d.gateway);
+        p.block_size = u32::from(d.block_len);
+    }
+    p.blocks = u
+        .blocks
+        .iter()
+        .map(|(cidr, used, free)| pb::PoolBlock {
+            cidr: cidr.to_string(),
+            local: true,
+            used: sat(*used),
+            free: sat(*free),
+            holders: holders
+                .unwrap_or_default()
+                .iter()
+                .flat_map(|a| {
+                    a.ips
+                        .iter()
+                        .filter(|ip| cidr.contains(*ip))
+                        .map(move |ip| format!("{ip} {}", a.key))
+                })
+                .collect(),
+            ..Default::default()
+        })
+        .collect();
+    p
 }
 
 fn to_status(e: Error) -> Status {
     let text = format!("{e} (code {})", e.code());
     match e {
-        Error::UnknownVm(_) => Status::not_found(text),
+        Error::UnknownVm(_) | Error::UnknownPool(_) => Status::not_found(text),
         Error::VmState(_) => Status::failed_precondition(text),
         Error::AddressInUse(_) => Status::already_exists(text),
         Error::AddressNotInPool(_) | Error::InvalidConfig(_) => Status::invalid_argument(text),
@@ -408,5 +461,56 @@ impl admin_server::Admin for AdminService {
             .await
             .map_err(to_status)?;
         Ok(Response::new(vm_pb(&rec)))
+    }
+
+    async fn list_pools(
+        &self,
+        _: Request<pb::ListPoolsRequest>,
+    ) -> Result<Response<pb::ListPoolsResponse>, Status> {
+        let me = &self.node.config().name;
+        let pools = self
+            .node
+            .named_pools()
+            .usage()
+            .iter()
+            .map(|u| {
+                let mut p = pool_pb(u, None);
+                for b in &mut p.blocks {
+                    b.node = me.clone();
+                }
+                p
+            })
+            .collect();
+        Ok(Response::new(pb::ListPoolsResponse { pools }))
+    }
+
+    async fn get_pool(
+        &self,
+        r: Request<pb::GetPoolRequest>,
+    ) -> Result<Response<pb::NamedPool>, Status> {
+        let name = r.into_inner().name;
+        let named = self.node.named_pools();
+        let usage = named
+            .usage()
+            .into_iter()
+            .find(|u| u.name == name)
+            .ok_or_else(|| to_status(named.unknown(&name)))?;
+        let attachments = self.node.attachments();
+        let mut pool = pool_pb(&usage, Some(&attachments));
+        let me = self.node.config().name.clone();
+        for b in &mut pool.blocks {
+            b.node = me.clone();
+        }
+        // Other nodes' blocks, from the control plane.
+        let records = named.blocks(&name).await.map_err(to_status)?;
+        for r in records.iter().filter(|r| r.node != me) {
+            pool.blocks.push(pb::PoolBlock {
+                cidr: r.cidr.to_string(),
+                node: r.node.clone(),
+                ..Default::default()
+            });
+        }
+        pool.blocks.sort_by(|a, b| a.cidr.cmp(&b.cidr));
+        Ok(Response::new(pool))
     }
 }

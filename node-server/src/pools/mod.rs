@@ -330,7 +330,7 @@ impl NamedPools {
     }
 
     /// The error of a request for a pool this node does not define.
-    pub(crate) fn unknown(&self, name: &str) -> Error {
+    pub fn unknown(&self, name: &str) -> Error {
         let known: Vec<String> = self.defs().into_iter().map(|d| d.name).collect();
         Error::UnknownPool(format!(
             "no pool {name:?} is defined on node {} (pools: {})",
