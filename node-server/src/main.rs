@@ -56,7 +56,8 @@ struct Args {
     /// Named pools: a JSON file of subnets with ranges, exclusions, a
     /// gateway and routes, which networks select by name (`pool` in the
     /// netconf, `ipam.pool` when tether is another plugin's IPAM, or the
-    /// pod annotation tether.dev/pool). Read again on SIGHUP.
+    /// pod annotation tether.dev/pool). Read again on SIGHUP and when its
+    /// content changes (looked at every 10 s).
     #[arg(long = "pools", value_name = "FILE")]
     pools_file: Option<PathBuf>,
 
@@ -467,25 +468,52 @@ fn check_pools(defs: &[PoolDef], pod: &[IpNet], cluster: &[IpNet]) -> tetherd::e
     Ok(())
 }
 
-/// Reads the pools file again on every SIGHUP. A file that does not parse
-/// changes nothing (the error is logged).
+/// How often the pools file is looked at for a changed content: a
+/// ConfigMap volume is updated in place, and no one sends a signal then.
+const POOLS_POLL: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Reads the pools file again on every SIGHUP, and when its content
+/// changes (looked at every [`POOLS_POLL`]). A file that does not parse
+/// changes nothing (the error is logged, once per content).
 fn reload_pools_on_sighup(node: Arc<Node>, path: PathBuf, pod: Vec<IpNet>, cluster: Vec<IpNet>) {
     use tokio::signal::unix::{signal, SignalKind};
-    let Ok(mut hup) = signal(SignalKind::hangup()) else {
-        tracing::warn!("cannot install the SIGHUP handler: the pools file is read at start only");
-        return;
+    let mut hup = match signal(SignalKind::hangup()) {
+        Ok(hup) => Some(hup),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot install the SIGHUP handler: the pools file is reloaded when it changes only");
+            None
+        }
     };
     tokio::spawn(async move {
-        while hup.recv().await.is_some() {
+        let mut seen = std::fs::read(&path).ok();
+        let mut tick = tokio::time::interval(POOLS_POLL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let why = tokio::select! {
+                Some(()) = async {
+                    match hup.as_mut() {
+                        Some(h) => h.recv().await,
+                        None => std::future::pending().await,
+                    }
+                } => "SIGHUP",
+                _ = tick.tick() => {
+                    let now = std::fs::read(&path).ok();
+                    if now == seen || now.is_none() {
+                        continue;
+                    }
+                    "the file changed"
+                }
+            };
+            seen = std::fs::read(&path).ok();
             let loaded = tetherd::pools::def::load(&path)
                 .and_then(|defs| check_pools(&defs, &pod, &cluster).map(|()| defs));
             match loaded {
                 Ok(defs) => {
-                    tracing::info!(file = %path.display(), count = defs.len(), "SIGHUP: pools read again");
+                    tracing::info!(file = %path.display(), count = defs.len(), why, "pools read again");
                     node.reload_pools(defs);
                 }
                 Err(e) => {
-                    tracing::error!(file = %path.display(), "SIGHUP: the pools file is refused, nothing changed: {e}")
+                    tracing::error!(file = %path.display(), why, "the pools file is refused, nothing changed: {e}")
                 }
             }
         }
