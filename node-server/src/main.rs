@@ -283,13 +283,14 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
     tracing::info!(?reconciled, "reconciled the kernel against the store");
     let node = Arc::new(node);
     node.start_vm_tasks();
-    if let Some(path) = args.pools_file.clone() {
-        reload_pools_on_sighup(
+    match args.pools_file.clone() {
+        Some(path) => reload_pools_on_sighup(
             node.clone(),
             path,
             args.pod_cidrs.clone(),
             args.cluster_cidrs.clone(),
-        );
+        ),
+        None => ignore_sighup(),
     }
     let stats = Arc::new(Stats::default());
     // The plugin queues DELs through a path beside the socket; point it at
@@ -466,6 +467,22 @@ fn check_pools(defs: &[PoolDef], pod: &[IpNet], cluster: &[IpNet]) -> tetherd::e
         }
     }
     Ok(())
+}
+
+/// Without `--pools` there is nothing to reload: SIGHUP, whose default
+/// action would end the daemon, is logged and otherwise ignored.
+fn ignore_sighup() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::hangup()) {
+        Ok(mut hup) => {
+            tokio::spawn(async move {
+                while hup.recv().await.is_some() {
+                    tracing::info!("SIGHUP: no --pools file to read again; ignored");
+                }
+            });
+        }
+        Err(e) => tracing::warn!(error = %e, "cannot install the SIGHUP handler"),
+    }
 }
 
 /// How often the pools file is looked at for a changed content: a
