@@ -21,6 +21,7 @@ pub mod error;
 pub mod ipam;
 pub mod kernel;
 pub mod mac;
+pub mod metrics;
 pub mod pools;
 pub mod routing;
 pub mod store;

@@ -61,6 +61,11 @@ struct Args {
     #[arg(long = "pools", value_name = "FILE")]
     pools_file: Option<PathBuf>,
 
+    /// Serve Prometheus metrics over HTTP at /metrics on this address
+    /// (IP:PORT, e.g. 10.0.0.5:9654 or [fd00::5]:9654). Off when unset.
+    #[arg(long = "metrics-address", value_name = "ADDR")]
+    metrics_address: Option<std::net::SocketAddr>,
+
     /// Prefix length of the IPv4 blocks claimed from the cluster CIDR.
     #[arg(long, default_value_t = 26, value_parser = clap::value_parser!(u8).range(8..=30))]
     block_size: u8,
@@ -239,6 +244,10 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
     // (the socket already accepts before the server loop runs) must stop it
     // cleanly, not kill it by the default action.
     let stop = stop_on_signal();
+    let metrics_listener = match args.metrics_address {
+        Some(addr) => Some(tetherd::metrics::bind(addr).await?),
+        None => None,
+    };
     let pools = match &args.pools_file {
         Some(path) => load_pools(path, &args)?,
         None => Vec::new(),
@@ -263,7 +272,7 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
             .map_err(|e| tetherd::error::Error::Internal(e.to_string()))??
             .into_arc()
     };
-    let control = open_control_store(&args).await?;
+    let control = tetherd::metrics::TimedControl::wrap(open_control_store(&args).await?);
     // Joining can wait a long time for etcd; a signal ends the wait.
     let joined = tokio::select! {
         joined = async {
@@ -291,6 +300,9 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
             args.cluster_cidrs.clone(),
         ),
         None => ignore_sighup(),
+    }
+    if let Some(listener) = metrics_listener {
+        tetherd::metrics::serve(listener, node.clone());
     }
     let stats = Arc::new(Stats::default());
     // The plugin queues DELs through a path beside the socket; point it at

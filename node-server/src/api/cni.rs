@@ -112,10 +112,12 @@ impl CniService {
             Ok(inv) => inv.conf.cni_version.as_str().to_string(),
             Err(_) => cni::error_version(&req.stdin),
         };
+        let in_flight = crate::metrics::get().cni_started(verb_name(rpc));
         let outcome = match parsed {
             Ok(inv) => dispatch(&self.node, &inv, None).await,
             Err(e) => Err(e),
         };
+        in_flight.finish(outcome.as_ref().map_or_else(|e| e.code(), |_| 0));
         self.stats.record(rpc, outcome.is_ok());
         let outcome = match outcome {
             Ok(bytes) => Outcome::Result(bytes),
@@ -211,6 +213,7 @@ pub async fn drain_pending_dels(node: &Node, stats: &Stats) -> u64 {
                 }
                 processed += 1;
                 stats.pending_del_processed.fetch_add(1, Ordering::Relaxed);
+                crate::metrics::get().pending_del_replayed();
                 stats.record(Command::Del, true);
                 tracing::info!(container = %queued.container_id, ifname = %queued.ifname, "replayed pending DEL");
             }

@@ -58,6 +58,7 @@ impl Cluster {
             c.0 += 1;
             c.1 = took;
         }
+        crate::metrics::get().block_claimed("pod", took);
         tracing::info!(%block, took_ms = took.as_secs_f64() * 1000.0, "claimed an address block");
         Ok(Some(block))
     }

@@ -514,6 +514,7 @@ impl NamedPools {
                 }
                 let took = started.elapsed();
                 self.claims.fetch_add(1, Ordering::Relaxed);
+                crate::metrics::get().block_claimed("pool", took);
                 self.last_claim_nanos
                     .store(took.as_nanos() as u64, Ordering::Relaxed);
                 tracing::info!(pool = %name, %block, took_ms = took.as_secs_f64() * 1000.0, "claimed a block of a named pool");

@@ -172,6 +172,7 @@ impl Node {
             committed_ms = committed_after.as_secs_f64() * 1e3,
             "VM cut over"
         );
+        crate::metrics::get().cutover(trigger.name(), local_route.unwrap_or(committed_after));
         let mut stats = lock(&self.vm.stats);
         stats.cutovers += 1;
         stats.last_cutover = Some(CutoverTiming {
