@@ -25,6 +25,8 @@ etcd-client
 protobuf-compiler
 libprotobuf-dev
 qemu-system-x86
+prometheus
+curl
 "
 # iproute2, iputils-ping: netns, links, routes, ping between pods
 # util-linux: nsenter (podman's netns, plugins run inside the node netns)
@@ -45,6 +47,9 @@ qemu-system-x86
 #   run under TCG; its SeaBIOS comes with it as a dependency. The guest's
 #   kernel and dhcpcd are downloaded and unpacked, never installed
 #   (tests/guest/build.sh, below)
+# prometheus: promtool, which checks a real scrape of tetherd's metrics
+#   (tests/tests/metrics.rs); the server it also installs is stopped below
+# curl: scrapes the metrics endpoint from inside the node's netns
 
 if [ "$(id -u)" -ne 0 ]; then
     echo "setup.sh: must run as root" >&2
@@ -74,13 +79,23 @@ if [ -n "$missing" ]; then
         fi
         ;;
     esac
+    # Likewise the prometheus package starts a server on :9090; only
+    # promtool is wanted.
+    case "$missing" in
+    *prometheus*)
+        if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet prometheus 2>/dev/null; then
+            echo "setup.sh: stopping and disabling the system prometheus that the package started"
+            systemctl disable --now prometheus
+        fi
+        ;;
+    esac
 else
     echo "setup.sh: all Debian packages present"
 fi
 
 # The cluster-mode suites and the build call these by path or name: fail here,
 # not in the middle of a test, if a package did not provide them.
-for tool in /usr/bin/etcd /usr/bin/etcdctl protoc qemu-system-x86_64; do
+for tool in /usr/bin/etcd /usr/bin/etcdctl protoc qemu-system-x86_64 promtool curl; do
     if ! command -v "$tool" >/dev/null 2>&1; then
         echo "setup.sh: $tool is missing after installing the packages" >&2
         exit 1
