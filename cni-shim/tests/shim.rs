@@ -512,7 +512,8 @@ fn absent_daemon_del_is_queued_in_the_documented_format() {
         concat!(
             r#"{{"version":1,"queuedAtUnixNanos":{},"command":"DEL","containerId":"default-c1","#,
             r#""netns":"","ifname":"eth0","args":"IgnoreUnknown=1;K8S_POD_NAME=web","path":"","#,
-            r#""stdin":{},"present":["CNI_COMMAND","CNI_CONTAINERID","CNI_NETNS","CNI_IFNAME","CNI_ARGS"]}}"#
+            r#""stdin":{},"present":["CNI_COMMAND","CNI_CONTAINERID","CNI_NETNS","CNI_IFNAME","CNI_ARGS"],"#,
+            r#""pluginName":"tether"}}"#
         ),
         nanos,
         serde_json::to_string(std::str::from_utf8(&stdin).unwrap()).unwrap()

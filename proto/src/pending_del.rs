@@ -32,9 +32,11 @@
 //!   `{"version":1,"queuedAtUnixNanos":<u128 as a JSON number>,"command":"DEL",
 //!   "containerId":"...","netns":"...","ifname":"...","args":"...",
 //!   "path":"...","stdin":"<the network configuration as a UTF-8 string>",
-//!   "present":["CNI_COMMAND",...]}`. The string fields are the `CniRequest`
-//!   fields of the same meaning; `present` lists the CNI_* variables that
-//!   were set at all.
+//!   "present":["CNI_COMMAND",...],"pluginName":"tether"}`. The string
+//!   fields are the `CniRequest` fields of the same meaning; `present` lists
+//!   the CNI_* variables that were set at all; `pluginName`, the name the
+//!   shim ran as, is left out when empty, and an entry without it (an older
+//!   shim's) is read as "tether".
 //! - Crash safety: the writer writes `.<name>.tmp` in the same directory
 //!   (created exclusively, never through an existing file or symlink),
 //!   fsyncs it, renames it to `<name>`, then fsyncs the directory. A reader
