@@ -271,13 +271,11 @@ impl NetConf {
             }
             None => None,
         };
-        let prev_result = present(obj, "prevResult")
-            .map(|v| PrevResult::parse(v, version))
-            .transpose()?;
-        let runtime_config = match present(obj, "runtimeConfig") {
-            Some(v) => parse_runtime_config(v)?,
-            None => RuntimeConfig::default(),
-        };
+        let Shared {
+            prev_result,
+            runtime_config,
+            valid_attachments,
+        } = Shared::parse(obj, version)?;
         let vm_address_policy = match present(obj, "vmAddressPolicy") {
             None => VmAddressPolicy::default(),
             Some(Value::String(p)) if p == "persistent" => VmAddressPolicy::Persistent,
@@ -291,13 +289,6 @@ impl NetConf {
         let kubevirt = match present(obj, "kubevirt") {
             Some(v) => parse_kubevirt(v)?,
             None => KubevirtConf::default(),
-        };
-        let valid_attachments = match obj.get(VALID_ATTACHMENTS_KEY) {
-            Some(v) => Some(parse_attachments(VALID_ATTACHMENTS_KEY, v)?),
-            None => match obj.get(LEGACY_ATTACHMENTS_KEY) {
-                Some(v) => Some(parse_attachments(LEGACY_ATTACHMENTS_KEY, v)?),
-                None => None,
-            },
         };
         Ok(NetConf {
             cni_version: version,
@@ -358,6 +349,38 @@ impl NetConf {
                 }
             }
         }
+        let Shared {
+            prev_result,
+            runtime_config,
+            valid_attachments,
+        } = Shared::parse(obj, version)?;
+        Ok(NetConf {
+            cni_version: version,
+            name,
+            plugin_type,
+            mtu: None,
+            dns: None,
+            prev_result,
+            runtime_config,
+            valid_attachments,
+            vm_address_policy: VmAddressPolicy::default(),
+            kubevirt: KubevirtConf::default(),
+            pools,
+            ipam: Some(conf),
+        })
+    }
+}
+
+/// The keys tether reads in both of its roles (main plugin and IPAM):
+/// the runtime's, not a plugin's.
+struct Shared {
+    prev_result: Option<PrevResult>,
+    runtime_config: RuntimeConfig,
+    valid_attachments: Option<Vec<AttachmentId>>,
+}
+
+impl Shared {
+    fn parse(obj: &Map<String, Value>, version: CniVersion) -> Result<Shared> {
         let prev_result = present(obj, "prevResult")
             .map(|v| PrevResult::parse(v, version))
             .transpose()?;
@@ -372,19 +395,10 @@ impl NetConf {
                 None => None,
             },
         };
-        Ok(NetConf {
-            cni_version: version,
-            name,
-            plugin_type,
-            mtu: None,
-            dns: None,
+        Ok(Shared {
             prev_result,
             runtime_config,
             valid_attachments,
-            vm_address_policy: VmAddressPolicy::default(),
-            kubevirt: KubevirtConf::default(),
-            pools,
-            ipam: Some(conf),
         })
     }
 }
