@@ -335,18 +335,7 @@ impl Pools {
         if self.pools.iter().any(|p| p.cidr == cidr.trunc()) {
             return Ok(());
         }
-        if let Some(p) = self
-            .pools
-            .iter()
-            .find(|p| p.cidr.contains(&cidr.network()) || cidr.contains(&p.cidr.network()))
-        {
-            return Err(Error::Internal(format!(
-                "block {cidr} overlaps the pool {}",
-                p.cidr
-            )));
-        }
-        self.pools.push(Pool::new(cidr)?);
-        Ok(())
+        self.add_pool(Pool::new(cidr)?)
     }
 
     /// Adds a named pool's block (see [`Pool::block`]). Adding a block
