@@ -214,14 +214,18 @@ impl<'a> Side<'a> {
     }
 }
 
-/// `n` calls at once, each from its own thread in `node`, released
+/// One call of a burst: the netns it runs from, the plugin, its
+/// environment and its stdin.
+type BurstCall<'a> = (&'a Netns, PathBuf, CniEnv, Vec<u8>);
+
+/// Every call at once, each from its own thread in its netns, released
 /// together; the wall time from the release to the last answer.
-fn burst(node: &Netns, calls: &[(PathBuf, CniEnv, Vec<u8>)]) -> (Duration, Vec<CniOutput>) {
+fn burst(calls: &[BurstCall]) -> (Duration, Vec<CniOutput>) {
     let gate = Barrier::new(calls.len() + 1);
     std::thread::scope(|s| {
         let handles: Vec<_> = calls
             .iter()
-            .map(|(bin, env, stdin)| {
+            .map(|(node, bin, env, stdin)| {
                 let gate = &gate;
                 s.spawn(move || {
                     node.enter_current_thread();
@@ -258,12 +262,19 @@ struct Throughput {
 fn throughput(side: &Side, n: usize, f: &mut Failures) -> Throughput {
     let pods: Vec<Netns> = (0..n).map(|_| Netns::new("bc")).collect();
     let bin = side.plugins.join("macvlan");
-    let calls = |command: &str| -> Vec<(PathBuf, CniEnv, Vec<u8>)> {
+    let calls = |command: &str| -> Vec<BurstCall> {
         pods.iter()
-            .map(|p| (bin.clone(), side.env(command, p), side.netconf.clone()))
+            .map(|p| {
+                (
+                    side.node,
+                    bin.clone(),
+                    side.env(command, p),
+                    side.netconf.clone(),
+                )
+            })
             .collect()
     };
-    let (adds, outs) = burst(side.node, &calls("ADD"));
+    let (adds, outs) = burst(&calls("ADD"));
     let mut ips = BTreeSet::new();
     let mut ok = 0;
     for o in &outs {
@@ -279,7 +290,7 @@ fn throughput(side: &Side, n: usize, f: &mut Failures) -> Throughput {
             Err(e) => f.fail(format!("{} concurrent ADD: {e}", side.label)),
         }
     }
-    let (dels, outs) = burst(side.node, &calls("DEL"));
+    let (dels, outs) = burst(&calls("DEL"));
     for o in &outs {
         if let Err(e) = judge("DEL", o) {
             f.fail(format!("{} concurrent DEL: {e}", side.label));
@@ -473,41 +484,21 @@ fn cluster_phase(bin_dir: &Path, args: &Args, f: &mut Failures) -> ClusterRun {
         "bench_ipam: {} concurrent ADDs over 3 nodes",
         args.concurrency
     );
-    let mut calls: Vec<Vec<(PathBuf, CniEnv, Vec<u8>)>> = vec![Vec::new(); 3];
+    // The three nodes' calls start together.
+    let mut calls: Vec<BurstCall> = Vec::new();
     let mut burst_pods = Vec::new();
     for i in 0..args.concurrency {
         let n = i % 3;
         let pod = Netns::new("bk");
-        calls[n].push((
+        calls.push((
+            sides[n].node,
             plugins.path().join("macvlan"),
             sides[n].env("ADD", &pod),
             sides[n].netconf.clone(),
         ));
         burst_pods.push((n, pod));
     }
-    // The three nodes' bursts start together: one barrier over all.
-    let gate = Barrier::new(args.concurrency + 1);
-    let (burst, outs) = std::thread::scope(|s| {
-        let mut handles = Vec::new();
-        for (n, list) in calls.iter().enumerate() {
-            for (bin, env, stdin) in list {
-                let gate = &gate;
-                let node = sides[n].node;
-                handles.push(s.spawn(move || {
-                    node.enter_current_thread();
-                    gate.wait();
-                    cni(bin, env, stdin)
-                }));
-            }
-        }
-        gate.wait();
-        let start = Instant::now();
-        let outs: Vec<CniOutput> = handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .collect();
-        (start.elapsed(), outs)
-    });
+    let (burst_time, outs) = burst(&calls);
     let mut burst_ok = 0;
     for o in &outs {
         match judge("ADD", o) {
@@ -531,7 +522,7 @@ fn cluster_phase(bin_dir: &Path, args: &Args, f: &mut Failures) -> ClusterRun {
     ClusterRun {
         seq,
         claims,
-        burst,
+        burst: burst_time,
         burst_n: burst_ok,
         distinct: ips.len(),
     }
