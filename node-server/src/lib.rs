@@ -7,6 +7,8 @@
 //! them together), `vm` (KubeVirt VM records and pods), `routing` (route
 //! planning and the route manager), `cluster` (membership and blocks),
 //! `dhcp` (DHCP and router advertisements for the guests of tap bindings),
+//! `kube` (the optional Kubernetes API: the migration-target watch,
+//! IPAMClaims, the node's pod CIDRs, events),
 //! and `api`, everything that faces a caller: the CNI and admin gRPC
 //! services, the socket, the HTTP/2 `:authority` fix for grpcurl 1.8.6, and
 //! the shim's pending-DEL queue.
@@ -20,6 +22,7 @@ pub mod dhcp;
 pub mod error;
 pub mod ipam;
 pub mod kernel;
+pub mod kube;
 pub mod mac;
 pub mod metrics;
 pub mod pools;

@@ -42,10 +42,26 @@ struct Args {
     #[arg(
         long = "pod-cidr",
         value_name = "CIDR",
-        required_unless_present = "cluster_cidrs",
-        conflicts_with = "cluster_cidrs"
+        required_unless_present_any = ["cluster_cidrs", "pod_cidr_from_node"],
+        conflicts_with_all = ["cluster_cidrs", "pod_cidr_from_node"]
     )]
     pod_cidrs: Vec<IpNet>,
+
+    /// Take this node's pod CIDRs from its Node object's spec.podCIDRs
+    /// (needs the Kubernetes API: --kubeconfig, or the in-cluster service
+    /// account), instead of --pod-cidr: one DaemonSet for every node. The
+    /// daemon waits for them at start-up; a later change applies at the
+    /// next restart, and never re-addresses a running pod.
+    #[arg(long, conflicts_with = "cluster_cidrs")]
+    pod_cidr_from_node: bool,
+
+    /// A kubeconfig for the Kubernetes API: the migration-target watch on
+    /// this node's pods, IPAMClaims, --pod-cidr-from-node, and events on
+    /// pods. Without it, the in-cluster service account is used when the
+    /// daemon runs in a pod; with neither, the daemon runs without the API
+    /// (cutovers then follow the VM's RARP and the admin call only).
+    #[arg(long, value_name = "FILE", env = "TETHER_KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
 
     /// Cluster mode: the CIDR every node claims address blocks from, once
     /// per family, e.g. --cluster-cidr 10.244.0.0/16 --cluster-cidr
@@ -248,12 +264,40 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
         Some(addr) => Some(tetherd::metrics::bind(addr).await?),
         None => None,
     };
+    let node_name = args.node_name.clone().unwrap_or_else(hostname);
+    let kube = match tetherd::kube::Source::find(args.kubeconfig.as_deref()) {
+        Some(source) => {
+            tracing::info!(?source, "Kubernetes API: on");
+            Some(tetherd::kube::client(&source).await?)
+        }
+        None if args.pod_cidr_from_node => {
+            return Err(Error::InvalidConfig(
+                "--pod-cidr-from-node needs the Kubernetes API: give --kubeconfig, or run in a pod with a service account".into(),
+            ))
+        }
+        None => {
+            tracing::info!("Kubernetes API: off (no --kubeconfig, not in a pod)");
+            None
+        }
+    };
+    let mut args = args;
+    if let (true, Some(client)) = (args.pod_cidr_from_node, &kube) {
+        tokio::select! {
+            cidrs = tetherd::kube::node_cidrs::wait_for(client.clone(), &node_name) => {
+                args.pod_cidrs = cidrs?;
+            }
+            () = stopped(&stop) => {
+                tracing::info!("stopped while waiting for the Node's pod CIDRs");
+                return Ok(());
+            }
+        }
+    }
     let pools = match &args.pools_file {
         Some(path) => load_pools(path, &args)?,
         None => Vec::new(),
     };
     let config = NodeConfig {
-        name: args.node_name.clone().unwrap_or_else(hostname),
+        name: node_name.clone(),
         pod_cidrs: args.pod_cidrs.clone(),
         mtu: args.mtu,
         state_dir: args.state_dir.clone(),
@@ -292,6 +336,9 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
     tracing::info!(?reconciled, "reconciled the kernel against the store");
     let node = Arc::new(node);
     node.start_vm_tasks();
+    if let Some(client) = kube {
+        tetherd::kube::start(&node, client);
+    }
     match args.pools_file.clone() {
         Some(path) => reload_pools_on_sighup(
             node.clone(),

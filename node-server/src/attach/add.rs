@@ -2,11 +2,59 @@
 //! side, rolled back together), and a repeated ADD.
 
 use super::*;
+use crate::cni::VmPod;
+use crate::kube::{PodEvent, PodRef};
 
 impl Node {
     /// ADD: wires the attachment, or returns the recorded result when the
     /// same attachment is added again and its kernel state is intact.
+    /// With the Kubernetes API, the outcome is also told there (queued,
+    /// never waited for): an event on the pod when it failed for want of
+    /// an address, and the IPAMClaim's status when the pod has one.
     pub async fn add(&self, inv: &Invocation) -> Result<Vec<u8>> {
+        let out = self.add_here(inv).await;
+        if self.kube.get().is_some() {
+            self.tell_api_of_add(inv, out.as_ref().err());
+        }
+        out
+    }
+
+    /// ADD's outcome, told to the Kubernetes API.
+    fn tell_api_of_add(&self, inv: &Invocation, failed: Option<&Error>) {
+        let Some(k) = self.kube.get() else { return };
+        if let Some(e) = failed {
+            let event = match e {
+                Error::PoolExhausted(m) => Some(PodEvent::PoolExhausted(m.clone())),
+                Error::AddressInUse(m) | Error::AddressExcluded(m) => {
+                    Some(PodEvent::AddressConflict(m.clone()))
+                }
+                _ => None,
+            };
+            if let (Some(event), Some(ns), Some(name)) =
+                (event, &inv.args.pod_namespace, &inv.args.pod_name)
+            {
+                k.events.emit(
+                    PodRef {
+                        namespace: ns.clone(),
+                        name: name.clone(),
+                        uid: inv.args.pod_uid.clone(),
+                    },
+                    event,
+                );
+            }
+        }
+        if let Ok(Some(VmPod {
+            claim: Some(claim), ..
+        })) = cni::vm_pod(inv)
+        {
+            match failed {
+                None => k.claims.allocated(&claim),
+                Some(e) => k.claims.failed(&claim, e, inv.args.pod_name.clone()),
+            }
+        }
+    }
+
+    async fn add_here(&self, inv: &Invocation) -> Result<Vec<u8>> {
         if inv.conf.ipam.is_some() {
             return self.add_ipam_only(inv).await;
         }

@@ -15,7 +15,12 @@ impl Node {
             ips: a.ips.clone(),
             // The VM's name, as KubeVirt's own DHCP gives it; a VM pod
             // always has one.
-            hostname: a.vm.as_ref().map(|v| v.vm.clone()).unwrap_or_default(),
+            hostname: guest
+                .dhcp
+                .hostname
+                .clone()
+                .or_else(|| a.vm.as_ref().map(|v| v.vm.clone()))
+                .unwrap_or_default(),
             mtu: a.mtu,
             options: guest.dhcp.clone(),
         })

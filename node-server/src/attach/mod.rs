@@ -117,6 +117,9 @@ pub struct Node {
     /// The named pools, for attachments that select one and for IPAM-only
     /// attachments.
     pub(crate) named: NamedPools,
+    /// The Kubernetes API (events, IPAMClaims), once its client is up;
+    /// unset when the daemon runs without one.
+    pub(crate) kube: std::sync::OnceLock<Arc<crate::kube::KubeLink>>,
 }
 
 /// Holds an attachment's lock; frees the table entry when nobody else waits.
@@ -300,6 +303,7 @@ impl Node {
             vm: VmState::new(vms),
             routes: RouteState::default(),
             named,
+            kube: std::sync::OnceLock::new(),
         };
         node.sync_reservations(&vm_view);
         node.spawn_deletion_worker()?;
@@ -342,6 +346,24 @@ impl Node {
     /// The cluster membership, in cluster mode.
     pub fn cluster(&self) -> Option<&Arc<Cluster>> {
         self.cluster.as_ref()
+    }
+
+    /// Connects the node to the Kubernetes API (once; later calls are
+    /// ignored).
+    pub fn set_kube(&self, link: Arc<crate::kube::KubeLink>) {
+        let _ = self.kube.set(link);
+    }
+
+    /// The Kubernetes API link, if the daemon has one.
+    pub fn kube(&self) -> Option<&Arc<crate::kube::KubeLink>> {
+        self.kube.get()
+    }
+
+    /// Queues an event on a pod, when the daemon has the Kubernetes API.
+    pub(crate) fn emit_event(&self, pod: crate::kube::PodRef, event: crate::kube::PodEvent) {
+        if let Some(k) = self.kube.get() {
+            k.events.emit(pod, event);
+        }
     }
 
     /// The node's settings.

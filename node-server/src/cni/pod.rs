@@ -6,6 +6,7 @@
 use super::Invocation;
 use crate::error::{Error, Result};
 use crate::ipam::Family;
+use crate::kube::ClaimRef;
 use crate::mac::Mac;
 use crate::vm::guest::{
     self, BindingKind, DhcpOptions, GuestNet, TapSpec, BINDING_ANNOTATION, MAX_QUEUES,
@@ -28,7 +29,17 @@ pub struct VmPod {
     /// How its guest is connected, for the `tap` and `managedTap`
     /// bindings; `None` for an ordinary veth.
     pub guest: Option<GuestNet>,
+    /// The IPAMClaim its network-selection element references: the VM's
+    /// addresses are then keyed by the claim ([`VmKey::claim`]).
+    pub claim: Option<ClaimRef>,
 }
+
+/// The annotation of a pod's secondary networks (Multus): a JSON list of
+/// network-selection elements.
+pub const NETWORKS_ANNOTATION: &str = "k8s.v1.cni.cncf.io/networks";
+/// The annotation of a pod's primary network element (Multus; KubeVirt's
+/// ipam-extensions writes it for the primary network).
+pub const DEFAULT_NETWORK_ANNOTATION: &str = "v1.multus-cni.io/default-network";
 
 /// Reads the VM identity from the pod annotations of `runtimeConfig`.
 /// `None` for a pod that is not a KubeVirt VM pod.
@@ -49,12 +60,70 @@ pub fn vm_pod(inv: &Invocation) -> Result<Option<VmPod>> {
             ),
         })?;
     let set = |name: &str| ann.get(name).is_some_and(|v| !v.is_empty());
+    let claim = claim_reference(inv).map(|name| ClaimRef {
+        namespace: namespace.to_owned(),
+        name,
+    });
+    let key = match &claim {
+        Some(c) => c.key()?,
+        None => VmKey::new(namespace, domain, &inv.ifname)?,
+    };
+    let mut guest = guest_net(inv)?;
+    if let Some(g) = guest.as_mut() {
+        g.dhcp.hostname = Some(domain.to_owned());
+    }
     Ok(Some(VmPod {
-        key: VmKey::new(namespace, domain, &inv.ifname)?,
+        key,
         target: set(MIGRATION_JOB_ANNOTATION),
         ready: set(TARGET_READY_ANNOTATION),
-        guest: guest_net(inv)?,
+        guest,
+        claim,
     }))
+}
+
+/// The `ipam-claim-reference` of this attachment's network-selection
+/// element: for `eth0`, the primary network's element
+/// ([`DEFAULT_NETWORK_ANNOTATION`]); otherwise the element of
+/// [`NETWORKS_ANNOTATION`] that names this network (by the netconf's
+/// `name`) and, if it names one, this interface. An annotation that is
+/// not a JSON list (Multus also takes "net1,net2") references no claim.
+pub fn claim_reference(inv: &Invocation) -> Option<String> {
+    let ann = &inv.conf.runtime_config.pod_annotations;
+    let elements = |key: &str| -> Vec<Value> {
+        ann.get(key)
+            .and_then(|v| serde_json::from_str::<Value>(v).ok())
+            .map(|v| match v {
+                Value::Array(list) => list,
+                one @ Value::Object(_) => vec![one],
+                _ => Vec::new(),
+            })
+            .unwrap_or_default()
+    };
+    let claim_of = |e: &Value| {
+        e.get(crate::kube::claims::NSE_CLAIM_KEY)
+            .and_then(Value::as_str)
+            .filter(|c| !c.is_empty())
+            .map(str::to_owned)
+    };
+    if inv.ifname == "eth0" {
+        if let Some(c) = elements(DEFAULT_NETWORK_ANNOTATION)
+            .first()
+            .and_then(claim_of)
+        {
+            return Some(c);
+        }
+    }
+    elements(NETWORKS_ANNOTATION)
+        .iter()
+        .filter(|e| {
+            let name = e.get("name").and_then(Value::as_str).unwrap_or("");
+            let name = name.rsplit('/').next().unwrap_or(name);
+            name == inv.conf.name
+                && e.get("interface")
+                    .and_then(Value::as_str)
+                    .is_none_or(|i| i == inv.ifname)
+        })
+        .find_map(claim_of)
 }
 
 /// The guest connection of a VM pod: the netconf's `kubevirt` settings,
@@ -133,6 +202,7 @@ fn dhcp_options(dns: Option<&Value>, lease_seconds: u32) -> Result<DhcpOptions> 
         lease_seconds,
         dns: dns_servers,
         search,
+        hostname: None,
     })
 }
 
@@ -310,6 +380,62 @@ mod tests {
         assert_eq!(err.code(), 7);
         let err = requested(&inv("MAC=01:00:5e:00:00:01", json!({}))).unwrap_err();
         assert!(err.to_string().contains("multicast"), "{err}");
+    }
+
+    #[test]
+    fn a_claim_reference_keys_the_vm_by_its_claim() {
+        let ann = |a: serde_json::Value| json!({"io.kubernetes.cri.pod-annotations": a});
+        let nse = |list: serde_json::Value| list.to_string();
+        let args = "K8S_POD_NAMESPACE=vms;K8S_POD_NAME=virt-launcher-vm1-a";
+        // The primary network's element (eth0).
+        let pod = vm_pod(&inv(
+            args,
+            ann(json!({
+                DOMAIN_ANNOTATION: "vm1",
+                DEFAULT_NETWORK_ANNOTATION: nse(json!([{"name": "n", "ipam-claim-reference": "vm1.default"}])),
+            })),
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(pod.key, VmKey::claim("vms", "vm1.default").unwrap());
+        assert_eq!(pod.key.claim_name(), Some("vm1.default"));
+        assert_eq!(
+            pod.claim,
+            Some(ClaimRef {
+                namespace: "vms".into(),
+                name: "vm1.default".into()
+            })
+        );
+        // Without one, the VM and interface key it, as before.
+        let pod = vm_pod(&inv(args, ann(json!({DOMAIN_ANNOTATION: "vm1"}))))
+            .unwrap()
+            .unwrap();
+        assert_eq!(pod.key, VmKey::new("vms", "vm1", "eth0").unwrap());
+        assert_eq!(pod.claim, None);
+    }
+
+    #[test]
+    fn secondary_network_elements_match_by_network_and_interface() {
+        let call = |ifname: &str, networks: &str| {
+            let mut i = inv_of(
+                "",
+                json!({"cniVersion": "1.1.0", "name": "blue", "type": "tether",
+                       "runtimeConfig": {"io.kubernetes.cri.pod-annotations":
+                           {NETWORKS_ANNOTATION: networks}}}),
+            );
+            i.ifname = ifname.into();
+            claim_reference(&i)
+        };
+        let list = json!([
+            {"name": "red", "ipam-claim-reference": "vm1.red"},
+            {"name": "vms/blue", "interface": "pod1234", "ipam-claim-reference": "vm1.blue"},
+        ])
+        .to_string();
+        assert_eq!(call("pod1234", &list).as_deref(), Some("vm1.blue"));
+        assert_eq!(call("pod9999", &list), None, "another interface");
+        // Multus's short form names networks and no claim.
+        assert_eq!(call("net1", "blue,red"), None);
+        assert_eq!(call("net1", "not json ["), None);
     }
 
     #[test]

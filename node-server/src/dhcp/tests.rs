@@ -27,6 +27,7 @@ fn lease() -> GuestLease {
             lease_seconds: 3600,
             dns: vec!["10.96.0.10".parse().unwrap(), "fd00:96::a".parse().unwrap()],
             search: vec!["default.svc.cluster.local".into(), "cluster.local".into()],
+            hostname: None,
         },
     }
 }

@@ -2,7 +2,17 @@
 //! node, the listener that sees a migrated VM announce itself, and the
 //! compare-and-swap that makes the target active.
 
+use super::placement::join;
 use super::*;
+use crate::kube::PodEvent;
+
+/// True when `alt` was placed before the record's last cutover, i.e. it
+/// is the pod the VM left, not a new migration's target.
+pub(crate) fn placed_before_last_cutover(alt: &VmAttachment, r: &VmRecord) -> bool {
+    r.last_cutover
+        .as_ref()
+        .is_some_and(|c| UnixNanos::from(alt.since_unix_ms) < c.seen_unix_nanos)
+}
 
 impl Node {
     /// After a VM pod's ADD: a migration target starts listening for its
@@ -94,6 +104,13 @@ impl Node {
                         return Ok(false);
                     }
                 }
+                if trigger == Trigger::Annotation && placed_before_last_cutover(alt, r) {
+                    // The alternate was placed before the last cutover: it
+                    // is the demoted source, whose ready marker is left
+                    // from the migration that made it active once. A
+                    // stale marker never steals the VM back.
+                    return Ok(false);
+                }
                 let to_node = alt.node.clone();
                 let from_node = r.active.as_ref().map(|a| a.node.clone());
                 std::mem::swap(&mut r.active, &mut r.alternate);
@@ -173,6 +190,20 @@ impl Node {
             "VM cut over"
         );
         crate::metrics::get().cutover(trigger.name(), local_route.unwrap_or(committed_after));
+        if let Some(act) = rec.active.as_ref() {
+            let took = local_route.unwrap_or(committed_after);
+            self.pod_event(
+                &vm.namespace,
+                act,
+                PodEvent::CutoverDone(format!(
+                    "VM {vm} ({}) now runs in this pod on node {}: cut over on {} in {:.1} ms",
+                    join(&rec.ips),
+                    act.node,
+                    trigger.name(),
+                    took.as_secs_f64() * 1e3
+                )),
+            );
+        }
         let mut stats = lock(&self.vm.stats);
         stats.cutovers += 1;
         stats.last_cutover = Some(CutoverTiming {

@@ -113,6 +113,11 @@ pub struct DhcpOptions {
     /// Search domains (`dns.search`, else `dns.domain`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub search: Vec<String>,
+    /// The guest's hostname (option 12): the VM's name
+    /// (`kubevirt.io/domain`). Unset in records of older versions, whose
+    /// VM key names the VM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hostname: Option<String>,
 }
 
 /// A VM pod interface that tether connects to its guest: recorded with the

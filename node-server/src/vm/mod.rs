@@ -21,6 +21,7 @@ pub mod guest;
 pub mod placement;
 pub mod records;
 pub mod reservations;
+pub mod signals;
 
 pub use records::*;
 

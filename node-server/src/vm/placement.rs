@@ -159,6 +159,18 @@ impl Node {
         req: &Requested,
         this: &VmAttachment,
     ) -> Result<Option<Placement>> {
+        // A claim that already holds addresses (written before, by tether
+        // or another CNI) gives them to its first record.
+        let seeded = self.claim_addresses(pod)?.filter(|_| req.ips.is_empty());
+        let from_claim;
+        let req = match seeded {
+            Some(ips) => {
+                tracing::info!(vm = %pod.key, ?ips, "the IPAMClaim's status gives the VM's addresses");
+                from_claim = Requested { ips, mac: req.mac };
+                &from_claim
+            }
+            None => req,
+        };
         let ips = self.addresses_for(req).await?;
         let mac = req.mac.unwrap_or_else(|| kernel::pod_mac(&ips));
         if let Err(e) = self.check_mac_free(mac, Some(&pod.key)) {
@@ -223,6 +235,30 @@ impl Node {
                 }
             }
         }
+    }
+
+    /// The addresses in the status of the pod's IPAMClaim, as the claims
+    /// cache last saw it; `None` without a claim, the API, or addresses.
+    /// Before the claims have been listed once, a claim's status cannot be
+    /// known: the ADD fails with code 11 (the runtime retries) rather than
+    /// give the VM new addresses and write them over the ones its claim
+    /// may hold.
+    fn claim_addresses(&self, pod: &VmPod) -> Result<Option<Vec<IpAddr>>> {
+        let (Some(claim), Some(k)) = (pod.claim.as_ref(), self.kube.get()) else {
+            return Ok(None);
+        };
+        if !k.claims.listed() {
+            return Err(Error::TryAgain(format!(
+                "IPAMClaim {claim} of VM {} cannot be read yet (the claims have not been listed                  from the API server since tetherd started): its addresses are not known",
+                pod.key
+            )));
+        }
+        let ips = k
+            .claims
+            .get(claim)
+            .map(|c| c.addresses())
+            .unwrap_or_default();
+        Ok((!ips.is_empty()).then_some(ips))
     }
 
     /// Undoes a placement whose wiring failed.
@@ -297,7 +333,11 @@ impl Node {
         if rev.is_some() {
             tracing::info!(vm = %vm, attachment = %a.key, generation = rec.generation, "VM pod left its record");
         }
-        if policy == VmAddressPolicy::Ephemeral && rec.attachments().next().is_none() {
+        // A claim's addresses go with the claim only.
+        if policy == VmAddressPolicy::Ephemeral
+            && vm.claim_name().is_none()
+            && rec.attachments().next().is_none()
+        {
             let rev = match rev {
                 Some(r) => Some(r),
                 None => self.vm.records.read(vm).await?.map(|(_, r)| r),

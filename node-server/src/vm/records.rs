@@ -39,6 +39,10 @@ pub const TARGET_READY_ANNOTATION: &str = "kubevirt.io/migration-target-ready-ti
 /// The longest namespace, VM or interface name accepted in a key.
 const MAX_NAME: usize = 253;
 
+/// The interface part of a key that an IPAMClaim holds ([`VmKey::claim`]).
+/// No network interface can have this name: the kernel refuses ':'.
+pub const CLAIM_INTERFACE: &str = ":ipamclaim";
+
 /// Identifies one VM interface across its pods: (namespace, VM, interface).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct VmKey {
@@ -69,6 +73,23 @@ impl VmKey {
             vm: vm.to_owned(),
             interface: interface.to_owned(),
         })
+    }
+}
+
+impl VmKey {
+    /// The key of the addresses an IPAMClaim holds: (namespace, claim
+    /// name, [`CLAIM_INTERFACE`]). A VM pod whose network-selection
+    /// element references a claim is keyed by it, not by its VM and
+    /// interface.
+    pub fn claim(namespace: &str, claim: &str) -> Result<VmKey> {
+        let mut key = VmKey::new(namespace, claim, "claim")?;
+        key.interface = CLAIM_INTERFACE.to_owned();
+        Ok(key)
+    }
+
+    /// The claim's name, for a key an IPAMClaim holds.
+    pub fn claim_name(&self) -> Option<&str> {
+        (self.interface == CLAIM_INTERFACE).then_some(self.vm.as_str())
     }
 }
 
@@ -155,6 +176,13 @@ pub enum Trigger {
     Annotation,
     /// The admin call `Cutover`.
     Admin,
+    /// The promoted target pod went away (deleted or failed) while its
+    /// source still ran: a migration that failed after its cutover, seen
+    /// through the Kubernetes API. The VM went back to its source.
+    TargetFailed,
+    /// A trigger this version does not know (written by a newer one).
+    #[serde(other)]
+    Other,
 }
 
 impl Trigger {
@@ -165,6 +193,8 @@ impl Trigger {
             Trigger::Garp => "garp",
             Trigger::Annotation => "annotation",
             Trigger::Admin => "admin",
+            Trigger::TargetFailed => "target-failed",
+            Trigger::Other => "other",
         }
     }
 }

@@ -1039,3 +1039,120 @@ async fn a_retry_right_after_a_failed_first_pod_gets_its_address() {
     let result = add(&a, call).await.expect("the retry");
     assert_eq!(result_ips(&result)[0], ip("10.1.0.10"));
 }
+
+// ---- Signals from the Kubernetes API -------------------------------------
+
+/// What the pod watch reports of container `cid`'s pod, a migration's
+/// target unless it is `c1` (the VM's first pod).
+fn seen(cid: &str, ready: bool, gone: bool) -> crate::kube::pods::VmPodSeen {
+    crate::kube::pods::VmPodSeen {
+        namespace: "default".into(),
+        name: format!("web-{cid}"),
+        uid: format!("uid-{cid}"),
+        target: cid != "c1",
+        ready,
+        gone,
+    }
+}
+
+#[tokio::test]
+async fn the_ready_marker_seen_through_the_api_cuts_over() {
+    let (_a, b, _) = migrating().await;
+    assert!(b
+        .node
+        .vm_pod_seen(&seen("c2", false, false))
+        .await
+        .is_empty());
+    assert_eq!(b.node.vm_stats().cutovers, 0, "cut over before the marker");
+    let reverts = b.node.vm_pod_seen(&seen("c2", true, false)).await;
+    assert!(reverts.is_empty());
+    let rec = record(&b, "vm1").await.expect("a record");
+    assert!(is(&rec.active, "node-b", "c2"), "{rec:?}");
+    assert_eq!(
+        rec.last_cutover.as_ref().map(|c| c.trigger),
+        Some(Trigger::Annotation)
+    );
+    assert!(routes_to(&b, &rec.ips, "c2"));
+    // Seen again (a relist): nothing more happens.
+    b.node.vm_pod_seen(&seen("c2", true, false)).await;
+    assert_eq!(b.node.vm_stats().cutovers, 1);
+    assert_eq!(
+        record(&b, "vm1").await.map(|r| r.generation),
+        Some(rec.generation)
+    );
+}
+
+#[tokio::test]
+async fn a_stale_ready_marker_on_the_demoted_source_never_steals_the_vm_back() {
+    // c1 on A was itself a migration's target once (its marker stays on
+    // its pod); the VM then moved on to c2 on B, and c1 is the alternate.
+    let (a, _b, before) = migrated().await;
+    assert!(is(&before.alternate, "node-a", "c1"), "{before:?}");
+    let stale = crate::kube::pods::VmPodSeen {
+        target: true,
+        ..seen("c1", true, false)
+    };
+    let reverts = a.node.vm_pod_seen(&stale).await;
+    assert!(reverts.is_empty());
+    let c1 = a
+        .node
+        .attachments()
+        .into_iter()
+        .find(|x| x.key.container_id == "c1")
+        .expect("c1's attachment");
+    let rec = a
+        .node
+        .cutover(
+            &key("vm1"),
+            Some(&c1),
+            Trigger::Annotation,
+            (Instant::now(), UnixNanos::now()),
+        )
+        .await
+        .expect("no error: nothing to do");
+    assert!(
+        is(&rec.active, "node-b", "c2"),
+        "the VM was stolen back: {rec:?}"
+    );
+    assert_eq!(rec.generation, before.generation);
+    assert_eq!(a.node.vm_stats().cutovers, 0);
+}
+
+#[tokio::test]
+async fn a_promoted_target_that_goes_away_gives_the_vm_back_to_its_source() {
+    let (a, b, before) = migrated().await;
+    // The source pod (alternate) is not a target: its going away is the
+    // end of a successful migration, not a failure.
+    assert!(a
+        .node
+        .vm_pod_seen(&seen("c1", false, true))
+        .await
+        .is_empty());
+    let reverts = b.node.vm_pod_seen(&seen("c2", true, true)).await;
+    assert_eq!(
+        reverts,
+        vec![crate::vm::signals::Revert {
+            vm: key("vm1"),
+            target: AttachmentKey {
+                network: "tether".into(),
+                container_id: "c2".into(),
+                ifname: "eth0".into(),
+            },
+            source_pod: "web-c1".into(),
+        }]
+    );
+    assert!(b.node.revert_cutover(&reverts[0]).await.expect("revert"));
+    let rec = record(&a, "vm1").await.expect("a record");
+    assert!(is(&rec.active, "node-a", "c1"), "{rec:?}");
+    assert!(is(&rec.alternate, "node-b", "c2"), "{rec:?}");
+    assert_eq!(rec.generation, before.generation + 1);
+    let last = rec.last_cutover.expect("the revert is recorded");
+    assert_eq!(last.trigger, Trigger::TargetFailed);
+    assert_eq!(last.to_node, "node-a");
+    // Done once: asked again, nothing changes.
+    assert!(!b.node.revert_cutover(&reverts[0]).await.expect("revert"));
+    // The failed target's ready marker cannot promote it again.
+    b.node.vm_pod_seen(&seen("c2", true, false)).await;
+    let again = record(&a, "vm1").await.expect("a record");
+    assert!(is(&again.active, "node-a", "c1"), "{again:?}");
+}
