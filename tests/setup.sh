@@ -27,6 +27,7 @@ libprotobuf-dev
 qemu-system-x86
 prometheus
 curl
+openssl
 "
 # iproute2, iputils-ping: netns, links, routes, ping between pods
 # util-linux: nsenter (podman's netns, plugins run inside the node netns)
@@ -50,6 +51,10 @@ curl
 # prometheus: promtool, which checks a real scrape of tetherd's metrics
 #   (tests/tests/metrics.rs); the server it also installs is stopped below
 # curl: scrapes the metrics endpoint from inside the node's netns
+# openssl: the test CA and certificates of the real kube-apiserver
+#   (tests/src/kube.rs); kube-apiserver and kubectl themselves are built
+#   from the k8s.io/kubernetes Go module (tests/k8s/build.sh, below) with
+#   the machine's own Go (1.26 or newer), never with Debian's golang-go
 
 if [ "$(id -u)" -ne 0 ]; then
     echo "setup.sh: must run as root" >&2
@@ -95,7 +100,7 @@ fi
 
 # The cluster-mode suites and the build call these by path or name: fail here,
 # not in the middle of a test, if a package did not provide them.
-for tool in /usr/bin/etcd /usr/bin/etcdctl protoc qemu-system-x86_64 promtool curl; do
+for tool in /usr/bin/etcd /usr/bin/etcdctl protoc qemu-system-x86_64 promtool curl openssl; do
     if ! command -v "$tool" >/dev/null 2>&1; then
         echo "setup.sh: $tool is missing after installing the packages" >&2
         exit 1
@@ -137,3 +142,8 @@ echo "setup.sh: grpcurl: /usr/local/bin/grpcurl -> $bin ($(/usr/local/bin/grpcur
 # initramfs with dhcpcd, built once and cached (tests/guest/build.sh).
 guest=$(sh "$(dirname "$0")/guest/build.sh")
 echo "setup.sh: test guest in $guest"
+
+# kube-apiserver and kubectl for the Kubernetes API suites, built once from
+# the Go module proxy and cached (tests/k8s/build.sh prints the build time).
+k8s=$(sh "$(dirname "$0")/k8s/build.sh")
+echo "setup.sh: kube-apiserver and kubectl in $k8s ($("$k8s/kube-apiserver" --version))"

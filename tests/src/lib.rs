@@ -34,6 +34,7 @@ pub mod benchkit;
 pub mod cluster;
 mod cni;
 mod daemon;
+pub mod kube;
 pub mod migration;
 mod netns;
 pub mod qemu;

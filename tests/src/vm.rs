@@ -31,6 +31,13 @@ pub struct VmPodSpec {
     pub extra_args: Vec<String>,
     /// Extra netconf keys (e.g. `vmAddressPolicy`).
     pub extra_conf: Vec<(String, Value)>,
+    /// K8S_POD_UID (default `uid-<pod name>`): the API's, when the pod
+    /// exists there.
+    pub uid: Option<String>,
+    /// The IPAMClaim named in the pod's primary network-selection element
+    /// (`v1.multus-cni.io/default-network`, `ipam-claim-reference`), as
+    /// KubeVirt's ipam-extensions webhook writes it.
+    pub claim: Option<String>,
 }
 
 impl VmPodSpec {
@@ -44,6 +51,8 @@ impl VmPodSpec {
             ready: false,
             extra_args: Vec::new(),
             extra_conf: Vec::new(),
+            uid: None,
+            claim: None,
         }
     }
 
@@ -59,6 +68,16 @@ impl VmPodSpec {
     /// The netconf of `node` with this pod's annotations.
     pub fn netconf(&self, node: &ClusterNode) -> Value {
         let mut conf = node.netconf();
+        conf["runtimeConfig"] = json!({ "io.kubernetes.cri.pod-annotations": self.annotations() });
+        for (k, v) in &self.extra_conf {
+            conf[k.as_str()] = v.clone();
+        }
+        conf
+    }
+
+    /// The pod's annotations as containerd passes them
+    /// (`io.kubernetes.cri.pod-annotations`).
+    pub fn annotations(&self) -> Value {
         let mut annotations = json!({
             "kubevirt.io/domain": self.vm,
             "kubevirt.io/migrationTransportUnix": "true",
@@ -71,18 +90,26 @@ impl VmPodSpec {
             annotations["kubevirt.io/migration-target-ready-timestamp"] =
                 json!("2026-11-21T12:00:00Z");
         }
-        conf["runtimeConfig"] = json!({ "io.kubernetes.cri.pod-annotations": annotations });
-        for (k, v) in &self.extra_conf {
-            conf[k.as_str()] = v.clone();
+        if let Some(claim) = &self.claim {
+            annotations["v1.multus-cni.io/default-network"] = json!(json!([{
+                "name": crate::cluster::CLUSTER_NETWORK,
+                "namespace": "kube-system",
+                "ipam-claim-reference": claim,
+            }])
+            .to_string());
         }
-        conf
+        annotations
     }
 
     /// CNI_ARGS as containerd sends them, plus the extras.
     pub fn args(&self, container_id: &str) -> String {
+        let uid = self
+            .uid
+            .clone()
+            .unwrap_or_else(|| format!("uid-{}", self.pod_name));
         let mut args = format!(
-            "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={};K8S_POD_INFRA_CONTAINER_ID={container_id};K8S_POD_UID=uid-{}",
-            self.namespace, self.pod_name, self.pod_name
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={};K8S_POD_INFRA_CONTAINER_ID={container_id};K8S_POD_UID={uid}",
+            self.namespace, self.pod_name
         );
         for extra in &self.extra_args {
             args.push(';');
@@ -156,6 +183,22 @@ pub fn vm_ref(namespace: &str, vm: &str) -> pb::VmRef {
         vm: vm.into(),
         interface: "eth0".into(),
     }
+}
+
+/// GetVm of the record an IPAMClaim holds (interface `:ipamclaim`).
+pub fn get_claimed_vm(
+    socket: &Path,
+    namespace: &str,
+    claim: &str,
+) -> Result<pb::Vm, tonic::Status> {
+    let r = pb::VmRef {
+        namespace: namespace.into(),
+        vm: claim.into(),
+        interface: ":ipamclaim".into(),
+    };
+    with_client(socket, |mut c| async move {
+        c.get_vm(r).await.map(tonic::Response::into_inner)
+    })
 }
 
 /// GetVm on the daemon at `socket`: the record, or the status.

@@ -1,0 +1,81 @@
+#!/bin/sh
+# Builds the Kubernetes parts the tests run: kube-apiserver and kubectl,
+# from the k8s.io/kubernetes module of tests/k8s/go.mod (served by the Go
+# module proxy). The product stays Rust: this Go module exists for the
+# tests only.
+#
+# k8s.io/kubernetes cannot be required as it is: its go.mod points every
+# k8s.io/<staging> module at ./staging/src/..., which a module download does
+# not have. go.mod therefore replaces each staging module with its published
+# v0.X.Y of the same minor (v1.37.2 -> v0.37.2).
+#
+# The binaries are cached in $TETHER_K8S_DIR (default /var/tmp/tether-k8s),
+# keyed by go.mod, go.sum, this script and the Go version; a cached build is
+# reused at once. Prints the directory holding the binaries. The build's
+# own time is printed on stderr.
+set -eu
+here=$(cd "$(dirname "$0")" && pwd)
+base=${TETHER_K8S_DIR:-/var/tmp/tether-k8s}
+
+# go.mod says `go 1.26.0`: take the first Go on the PATH or in the usual
+# places that is at least that (Debian's golang-go, 1.19, is installed for
+# tests/runtimes/cnitool and must not be picked).
+pick_go() {
+    for g in "$(command -v go 2>/dev/null || true)" /usr/local/go/bin/go /opt/go/bin/go /usr/lib/go/bin/go; do
+        [ -n "$g" ] && [ -x "$g" ] || continue
+        v=$("$g" env GOVERSION 2>/dev/null || true)
+        minor=$(echo "$v" | sed -n 's/^go1\.\([0-9]*\).*/\1/p')
+        if [ -n "$minor" ] && [ "$minor" -ge 26 ]; then
+            echo "$g"
+            return 0
+        fi
+    done
+    return 1
+}
+GO=$(pick_go) || {
+    echo "k8s/build.sh: no Go 1.26 or newer found (PATH, /usr/local/go, /opt/go); the machine's Go is needed to build kube-apiserver" >&2
+    exit 1
+}
+goversion=$("$GO" env GOVERSION)
+inputs=$(cat "$here/go.mod" "$here/go.sum" "$here/build.sh" | sha256sum | cut -c1-16)
+out="$base/$inputs-$goversion"
+if [ -x "$out/kube-apiserver" ] && [ -x "$out/kubectl" ] && [ -f "$out/done" ]; then
+    echo "$out"
+    exit 0
+fi
+
+mkdir -p "$base"
+tmp=$(mktemp -d "$base/build.XXXXXX")
+trap 'rm -rf "$tmp"' EXIT
+start=$(date +%s)
+echo "k8s/build.sh: building kube-apiserver and kubectl with $goversion (once; cached in $out)" >&2
+(
+    cd "$here"
+    # -mod=mod: go.sum is committed, but the module cache starts empty on a
+    # new machine; downloads are checked against go.sum.
+    # A module build has no git data: stamp the version the way the
+    # Kubernetes release build does, so that `kubectl version` and clients
+    # that read /version see the real one.
+    v=$(awk '{ for (i = 1; i < NF; i++) if ($i == "k8s.io/kubernetes" && $(i + 1) ~ /^v1\./) { print $(i + 1); exit } }' go.mod)
+    [ -n "$v" ] || { echo "k8s/build.sh: no k8s.io/kubernetes version in go.mod" >&2; exit 1; }
+    major=$(echo "$v" | cut -d. -f1 | tr -d v)
+    minor=$(echo "$v" | cut -d. -f2)
+    pkgs="k8s.io/component-base/version k8s.io/client-go/pkg/version"
+    ldflags="-s -w"
+    for p in $pkgs; do
+        ldflags="$ldflags -X $p.gitVersion=$v -X $p.gitMajor=$major -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
+    done
+    "$GO" build -mod=mod -trimpath -ldflags="$ldflags" -o "$tmp/" \
+        k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubectl
+) >&2
+"$tmp/kube-apiserver" --version >&2
+echo "k8s/build.sh: built in $(($(date +%s) - start)) s" >&2
+rm -rf "$out"
+mv "$tmp" "$out"
+trap - EXIT
+touch "$out/done"
+# Older builds of other inputs are of no more use.
+for old in "$base"/*; do
+    [ "$old" = "$out" ] || case "$old" in "$base"/build.*) ;; *) rm -rf "$old" ;; esac
+done
+echo "$out"

@@ -1,0 +1,404 @@
+//! A real Kubernetes API server for the suites: `kube-apiserver` built
+//! from the `k8s.io/kubernetes` Go module by `tests/k8s/build.sh` (cached),
+//! on Debian's etcd 3.4, started as a cluster would start it:
+//! - TLS, with a CA this harness makes (openssl) for the serving
+//!   certificate and the admin's client certificate (`system:masters`);
+//! - a service-account signing key, so that `kubectl create token` gives
+//!   tetherd a real service-account token;
+//! - RBAC authorisation, so that tetherd's token can do exactly what
+//!   `install/rbac.yaml` grants.
+//!
+//! It runs in a netns of its own on the test fabric (host [`API_HOST`]),
+//! its etcd on that netns's loopback; node daemons reach it over the
+//! fabric, and `kubectl` runs inside that netns. Nothing is bound in the
+//! machine's own netns. Dropping it kills both processes (by their
+//! handles) and removes the netns and the directory.
+
+use std::fs::File;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::cluster::Fabric;
+use crate::{wait_until, workspace_dir, Netns, TempDir};
+
+/// The API server's host number on the fabric (10.77.0.5).
+pub const API_HOST: u8 = 5;
+/// Its secure port.
+pub const API_PORT: u16 = 6443;
+/// The service account tetherd runs as (install/daemonset.yaml).
+pub const TETHER_SA: (&str, &str) = ("kube-system", "tether");
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The directory holding kube-apiserver and kubectl (built once per
+/// process by tests/k8s/build.sh, which caches across runs).
+pub fn k8s_bin_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let script = workspace_dir().join("tests/k8s/build.sh");
+        let out = Command::new("sh")
+            .arg(&script)
+            .stderr(Stdio::inherit())
+            .output()
+            .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
+        assert!(out.status.success(), "tests/k8s/build.sh failed");
+        PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+    })
+}
+
+/// A running API server (see the module doc).
+#[derive(Debug)]
+pub struct KubeApi {
+    etcd: Option<Child>,
+    apiserver: Option<Child>,
+    address: Ipv4Addr,
+    // Dropped after the processes: the netns, then the dir.
+    netns: Netns,
+    dir: TempDir,
+}
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("running openssl");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl KubeApi {
+    /// Starts etcd and kube-apiserver on `fabric`, and waits until the
+    /// server is ready and its default namespaces exist.
+    pub fn start(fabric: &Fabric) -> KubeApi {
+        // Build (or find) the binaries before anything is set up.
+        k8s_bin_dir();
+        let netns = Netns::new("kapi");
+        let underlay = fabric.attach_host(&netns, API_HOST);
+        let dir = TempDir::new("kapi");
+        let d = dir.path();
+        let ip = underlay.v4;
+        // The CA, the serving certificate, the admin's client certificate
+        // and the service-account key pair.
+        openssl(
+            d,
+            &[
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                "ca.key",
+                "-out",
+                "ca.crt",
+                "-days",
+                "2",
+                "-subj",
+                "/CN=tether-test-ca",
+            ],
+        );
+        let sign = |name: &str, subj: &str, ext: &str| {
+            std::fs::write(d.join(format!("{name}.ext")), ext)
+                .expect("writing an openssl ext file");
+            openssl(
+                d,
+                &[
+                    "req",
+                    "-newkey",
+                    "rsa:2048",
+                    "-nodes",
+                    "-keyout",
+                    &format!("{name}.key"),
+                    "-out",
+                    &format!("{name}.csr"),
+                    "-subj",
+                    subj,
+                ],
+            );
+            openssl(
+                d,
+                &[
+                    "x509",
+                    "-req",
+                    "-in",
+                    &format!("{name}.csr"),
+                    "-CA",
+                    "ca.crt",
+                    "-CAkey",
+                    "ca.key",
+                    "-CAcreateserial",
+                    "-out",
+                    &format!("{name}.crt"),
+                    "-days",
+                    "2",
+                    "-extfile",
+                    &format!("{name}.ext"),
+                ],
+            );
+        };
+        sign(
+            "apiserver",
+            "/CN=kube-apiserver",
+            &format!("subjectAltName=IP:{ip},IP:10.96.0.1,DNS:kubernetes.default.svc\nextendedKeyUsage=serverAuth\n"),
+        );
+        sign(
+            "admin",
+            "/O=system:masters/CN=tether-test-admin",
+            "extendedKeyUsage=clientAuth\n",
+        );
+        openssl(d, &["genrsa", "-out", "sa.key", "2048"]);
+        openssl(d, &["rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub"]);
+        let server = format!("https://{ip}:{API_PORT}");
+        std::fs::write(
+            d.join("admin.kubeconfig"),
+            kubeconfig(
+                &server,
+                &d.join("ca.crt"),
+                &format!(
+                    "client-certificate: {}\n    client-key: {}",
+                    d.join("admin.crt").display(),
+                    d.join("admin.key").display()
+                ),
+            ),
+        )
+        .expect("writing the admin kubeconfig");
+        let mut api = KubeApi {
+            etcd: None,
+            apiserver: None,
+            address: ip,
+            netns,
+            dir,
+        };
+        api.etcd = Some(api.spawn(
+            "etcd",
+            Path::new(crate::cluster::ETCD_BIN),
+            &[
+                "--data-dir",
+                &api.path("etcd").display().to_string(),
+                "--listen-client-urls",
+                "http://127.0.0.1:2379",
+                "--advertise-client-urls",
+                "http://127.0.0.1:2379",
+                "--listen-peer-urls",
+                "http://127.0.0.1:2380",
+            ],
+        ));
+        api.start_apiserver();
+        api
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn spawn(&self, name: &str, program: &Path, args: &[&str]) -> Child {
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .open(self.path(&format!("{name}.log")))
+            .expect("opening a log");
+        let err = log.try_clone().expect("duplicating the log fd");
+        Command::new("ip")
+            .args(["netns", "exec", self.netns.name()])
+            .arg(program)
+            .args(args)
+            .current_dir(self.dir.path())
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning {}: {e}", program.display()))
+    }
+
+    /// (Re)starts kube-apiserver and waits until it is ready.
+    pub fn start_apiserver(&mut self) {
+        assert!(self.apiserver.is_none(), "kube-apiserver already runs");
+        let ip = self.address.to_string();
+        let child = self.spawn(
+            "apiserver",
+            &k8s_bin_dir().join("kube-apiserver"),
+            &[
+                "--etcd-servers=http://127.0.0.1:2379",
+                &format!("--bind-address={ip}"),
+                &format!("--advertise-address={ip}"),
+                &format!("--secure-port={API_PORT}"),
+                "--tls-cert-file=apiserver.crt",
+                "--tls-private-key-file=apiserver.key",
+                "--client-ca-file=ca.crt",
+                "--service-account-key-file=sa.pub",
+                "--service-account-signing-key-file=sa.key",
+                "--service-account-issuer=https://kubernetes.default.svc",
+                "--authorization-mode=Node,RBAC",
+                "--service-cluster-ip-range=10.96.0.0/16",
+                "--allow-privileged=true",
+                // Watch caches are on, as in a real cluster; a short
+                // event TTL keeps etcd small.
+                "--event-ttl=10m",
+            ],
+        );
+        self.apiserver = Some(child);
+        let started = Instant::now();
+        let ready = wait_until(READY_TIMEOUT, || {
+            if let Some(c) = self.apiserver.as_mut() {
+                if let Ok(Some(status)) = c.try_wait() {
+                    panic!("kube-apiserver exited ({status})\n{}", self.log_tail());
+                }
+            }
+            self.kubectl(&["get", "--raw", "/readyz"]).status.success()
+                && self
+                    .kubectl(&["get", "namespace", "kube-system"])
+                    .status
+                    .success()
+        });
+        assert!(
+            ready,
+            "kube-apiserver not ready in {READY_TIMEOUT:?}\n{}",
+            self.log_tail()
+        );
+        eprintln!("harness: kube-apiserver ready in {:?}", started.elapsed());
+    }
+
+    /// Stops kube-apiserver (SIGKILL; etcd keeps the data), as an outage.
+    pub fn stop_apiserver(&mut self) {
+        if let Some(mut c) = self.apiserver.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// The server's URL, as the nodes reach it.
+    pub fn server(&self) -> String {
+        format!("https://{}:{API_PORT}", self.address)
+    }
+
+    /// The netns the server runs in.
+    pub fn netns(&self) -> &Netns {
+        &self.netns
+    }
+
+    /// The last lines of the server's log.
+    pub fn log_tail(&self) -> String {
+        crate::log_tail(&self.path("apiserver.log"), 40)
+    }
+
+    /// kubectl as the admin, inside the server's netns.
+    pub fn kubectl(&self, args: &[&str]) -> Output {
+        self.kubectl_as(&self.path("admin.kubeconfig"), args)
+    }
+
+    /// kubectl with another kubeconfig (e.g. tetherd's).
+    pub fn kubectl_as(&self, kubeconfig: &Path, args: &[&str]) -> Output {
+        Command::new("ip")
+            .args(["netns", "exec", self.netns.name()])
+            .arg(k8s_bin_dir().join("kubectl"))
+            .arg(format!("--kubeconfig={}", kubeconfig.display()))
+            .args(["--request-timeout=10s"])
+            .args(args)
+            .output()
+            .expect("running kubectl")
+    }
+
+    /// kubectl as the admin; panics unless it succeeds; its stdout.
+    pub fn kubectl_ok(&self, args: &[&str]) -> String {
+        let out = self.kubectl(args);
+        assert!(
+            out.status.success(),
+            "kubectl {args:?} failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// `kubectl apply` of a manifest given as text.
+    pub fn apply(&self, manifest: &str) {
+        let file = self.path(&format!("m{}.yaml", crate::unique_name("")));
+        std::fs::write(&file, manifest).expect("writing a manifest");
+        self.kubectl_ok(&["apply", "-f", &file.display().to_string()]);
+    }
+
+    /// `kubectl apply -f` of a file of the repository (e.g.
+    /// `install/rbac.yaml`).
+    pub fn apply_file(&self, relative: &str) {
+        let path = workspace_dir().join(relative);
+        self.kubectl_ok(&["apply", "-f", &path.display().to_string()]);
+    }
+
+    /// An object as JSON (`kubectl get -o json`), `None` if not found.
+    pub fn get(&self, args: &[&str]) -> Option<Value> {
+        let mut a = vec!["get", "-o", "json"];
+        a.extend_from_slice(args);
+        let out = self.kubectl(&a);
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                err.contains("NotFound") || err.contains("not found"),
+                "kubectl {a:?}: {err}"
+            );
+            return None;
+        }
+        Some(serde_json::from_slice(&out.stdout).expect("kubectl printed JSON"))
+    }
+
+    /// A kubeconfig file for a token of service account `ns/name` (made
+    /// with the TokenRequest API, valid for an hour).
+    pub fn token_kubeconfig(&self, ns: &str, name: &str) -> PathBuf {
+        let token = self.kubectl_ok(&["-n", ns, "create", "token", name, "--duration=1h"]);
+        let path = self.path(&format!("{name}.kubeconfig"));
+        std::fs::write(
+            &path,
+            kubeconfig(
+                &self.server(),
+                &self.path("ca.crt"),
+                &format!("token: {}", token.trim()),
+            ),
+        )
+        .expect("writing a kubeconfig");
+        path
+    }
+
+    /// Installs what tether's install/ defines for the API (the IPAMClaim
+    /// CRD and the RBAC), the service account, and waits for the CRD.
+    pub fn install_tether(&self) {
+        self.kubectl_ok(&["-n", TETHER_SA.0, "create", "serviceaccount", TETHER_SA.1]);
+        self.apply_file("install/ipamclaims-crd.yaml");
+        self.apply_file("install/rbac.yaml");
+        self.kubectl_ok(&[
+            "wait",
+            "--for=condition=Established",
+            "--timeout=30s",
+            "crd/ipamclaims.k8s.cni.cncf.io",
+        ]);
+    }
+}
+
+fn kubeconfig(server: &str, ca: &Path, user: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {server}\n    certificate-authority: {}\nusers:\n- name: user\n  user:\n    {user}\ncontexts:\n- name: test\n  context: {{cluster: test, user: user}}\ncurrent-context: test\n",
+        ca.display()
+    )
+}
+
+impl Drop for KubeApi {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("harness: kube-apiserver:\n{}", self.log_tail());
+        }
+        for child in [self.apiserver.take(), self.etcd.take()]
+            .into_iter()
+            .flatten()
+        {
+            let mut c = child;
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}

@@ -1,0 +1,590 @@
+//! tetherd against a real kube-apiserver (built from the k8s.io/kubernetes
+//! module, TLS, RBAC on; see `tether_e2e::kube`), authenticating with a
+//! token of the service account that `install/rbac.yaml` binds: a rule
+//! missing from the install's ClusterRole fails these tests.
+//!
+//! - IPAMClaims: a claim made as KubeVirt's ipam-extensions makes it; its
+//!   VM pod gets addresses and the claim's status is filled; the VM
+//!   restarts on another node and keeps them; a claim with addresses
+//!   seeds a new VM; deleting the claim, and only that, releases them.
+//! - The migration-target watch: a cutover triggered only by the ready
+//!   annotation arriving through the API (no RARP); a stale marker on the
+//!   demoted source never steals the VM back; a migration that fails
+//!   after its cutover is given back to its source.
+//! - Events on pods; an API server outage (ADD and DEL go on, the watch
+//!   resumes, nothing is done twice); `--pod-cidr-from-node`; what the
+//!   service account may and may not do.
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tether_e2e::cluster::{Cluster, ClusterNode, ClusterOpts, Fabric, NodeOpts};
+use tether_e2e::kube::{KubeApi, TETHER_SA};
+use tether_e2e::vm::{active_node, add_vm_pod, del_vm_pod, get_claimed_vm, get_vm, VmPodSpec};
+use tether_e2e::{
+    admin, cni, pb, require_root, tether_bin, wait_until, CniEnv, Daemon, DaemonOpts, Netns,
+};
+
+/// The API's changes reach the daemons through watches: allow for it.
+const CONVERGE: Duration = Duration::from_secs(20);
+const NS: &str = "vms";
+
+/// A cluster of `nodes` nodes on etcd whose daemons use the API with the
+/// install's service account; the API server on the same fabric.
+fn cluster_with_api(nodes: usize) -> (Cluster, KubeApi, PathBuf) {
+    let mut cluster = Cluster::new(ClusterOpts {
+        nodes: 0,
+        ..ClusterOpts::default()
+    });
+    let api = KubeApi::start(cluster.fabric());
+    api.install_tether();
+    let kubeconfig = api.token_kubeconfig(TETHER_SA.0, TETHER_SA.1);
+    let opts = NodeOpts {
+        extra_args: vec!["--kubeconfig".into(), kubeconfig.display().to_string()],
+        ..NodeOpts::default()
+    };
+    for _ in 0..nodes {
+        cluster.add_node_with(&opts);
+    }
+    api.kubectl_ok(&["create", "namespace", NS]);
+    // No controller-manager runs to make it: pods need their namespace's
+    // default service account (the ServiceAccount admission plugin).
+    api.kubectl_ok(&["-n", NS, "create", "serviceaccount", "default"]);
+    (cluster, api, kubeconfig)
+}
+
+/// Creates a virt-launcher pod in the API, on `node`, as KubeVirt would
+/// (labels, annotations; a target's markers), marks it Running (no kubelet
+/// runs here), and returns the spec for its CNI calls, with the API's UID.
+fn api_pod(api: &KubeApi, node: &str, spec: &VmPodSpec) -> VmPodSpec {
+    let mut labels = json!({"kubevirt.io": "virt-launcher", "vm.kubevirt.io/name": spec.vm});
+    let mut annotations = json!({"kubevirt.io/domain": spec.vm});
+    if spec.target {
+        labels["kubevirt.io/migrationJobUID"] = json!(format!("uid-{}", spec.pod_name));
+        annotations["kubevirt.io/migrationJobName"] = json!(format!("{}-migration", spec.pod_name));
+    }
+    if let Some(claim) = &spec.claim {
+        annotations["v1.multus-cni.io/default-network"] = json!(json!([{
+            "name": tether_e2e::cluster::CLUSTER_NETWORK,
+            "namespace": "kube-system",
+            "ipam-claim-reference": claim,
+        }])
+        .to_string());
+    }
+    let pod = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": spec.pod_name, "namespace": spec.namespace,
+                     "labels": labels, "annotations": annotations},
+        "spec": {"nodeName": node, "automountServiceAccountToken": false,
+                 "containers": [{"name": "compute", "image": "virt-launcher"}]},
+    });
+    api.apply(&pod.to_string());
+    api.kubectl_ok(&[
+        "-n",
+        &spec.namespace,
+        "patch",
+        "pod",
+        &spec.pod_name,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        r#"{"status":{"phase":"Running"}}"#,
+    ]);
+    let uid = api
+        .get(&["-n", &spec.namespace, "pod", &spec.pod_name])
+        .expect("the pod just created")["metadata"]["uid"]
+        .as_str()
+        .expect("a uid")
+        .to_owned();
+    VmPodSpec {
+        uid: Some(uid),
+        ..spec.clone()
+    }
+}
+
+/// Sets the target-ready annotation on a pod, as virt-handler does once
+/// the target domain runs.
+fn mark_ready(api: &KubeApi, pod: &str) {
+    api.kubectl_ok(&[
+        "-n",
+        NS,
+        "annotate",
+        "pod",
+        pod,
+        "--overwrite",
+        "kubevirt.io/migration-target-ready-timestamp=2026-11-25T08:00:00Z",
+    ]);
+}
+
+/// An IPAMClaim as KubeVirt's ipam-extensions creates it: `<vm>.<network>`,
+/// the VM label, its finalizer, and only `spec.network` (its Go client
+/// sends `interface` empty).
+fn create_claim(api: &KubeApi, name: &str, vm: &str) {
+    let claim = json!({
+        "apiVersion": "k8s.cni.cncf.io/v1alpha1", "kind": "IPAMClaim",
+        "metadata": {"name": name, "namespace": NS, "labels": {"kubevirt.io/vm": vm},
+                     "finalizers": ["kubevirt.io/persistent-ipam"]},
+        "spec": {"network": tether_e2e::cluster::CLUSTER_NETWORK, "interface": ""},
+    });
+    api.apply(&claim.to_string());
+}
+
+fn claim(api: &KubeApi, name: &str) -> Option<Value> {
+    api.get(&["-n", NS, "ipamclaims.k8s.cni.cncf.io", name])
+}
+
+fn status_ips(ips: &[IpAddr]) -> Vec<String> {
+    ips.iter()
+        .map(|ip| match ip {
+            IpAddr::V4(a) => format!("{a}/32"),
+            IpAddr::V6(a) => format!("{a}/128"),
+        })
+        .collect()
+}
+
+/// Waits until the claim's status has `ips`, owner `owner` and the True
+/// condition; panics with the claim as it is otherwise.
+fn wait_claim_filled(api: &KubeApi, name: &str, ips: &[IpAddr], owner: &str) {
+    let want: Vec<String> = status_ips(ips);
+    let mut last = Value::Null;
+    let ok = wait_until(CONVERGE, || {
+        last = claim(api, name).unwrap_or(Value::Null);
+        let st = &last["status"];
+        let got: Vec<String> = st["ips"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let cond = st["conditions"]
+            .as_array()
+            .and_then(|c| c.iter().find(|c| c["type"] == "IPsAllocated").cloned())
+            .unwrap_or(Value::Null);
+        got == want
+            && st["ownerPod"]["name"] == owner
+            && cond["status"] == "True"
+            && cond["reason"] == "SuccessfulAllocation"
+            && cond["observedGeneration"].is_i64()
+    });
+    assert!(
+        ok,
+        "claim {name} not filled with {want:?} owned by {owner}: {last:#}"
+    );
+}
+
+/// The events.k8s.io events on pod `pod` with `reason`.
+fn events(api: &KubeApi, ns: &str, pod: &str, reason: &str) -> Vec<Value> {
+    api.get(&["-n", ns, "events.v1.events.k8s.io"])
+        .and_then(|l| l["items"].as_array().cloned())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| e["regarding"]["name"] == pod && e["reason"] == reason)
+        .collect()
+}
+
+fn wait_event(api: &KubeApi, ns: &str, pod: &str, reason: &str) -> Value {
+    let mut found = Vec::new();
+    let ok = wait_until(CONVERGE, || {
+        found = events(api, ns, pod, reason);
+        !found.is_empty()
+    });
+    assert!(ok, "no {reason} event on pod {ns}/{pod}");
+    let e = found.remove(0);
+    assert_eq!(e["reportingController"], "tether.dev/tetherd", "{e:#}");
+    e
+}
+
+fn socket(n: &ClusterNode) -> &Path {
+    n.daemon().socket()
+}
+
+fn wait_active(n: &ClusterNode, claim: &str, node: &str, trigger: &str) -> pb::Vm {
+    let mut last = None;
+    let ok = wait_until(CONVERGE, || {
+        last = get_claimed_vm(socket(n), NS, claim).ok();
+        last.as_ref().is_some_and(|v| {
+            active_node(v) == node
+                && v.last_cutover
+                    .as_ref()
+                    .is_some_and(|c| c.trigger == trigger)
+        })
+    });
+    assert!(
+        ok,
+        "VM {claim} not active on {node} by {trigger}: {last:#?}"
+    );
+    last.expect("checked")
+}
+
+/// Whether `n` routes `ip` to a local pod (protocol 201).
+fn routes_locally(n: &ClusterNode, ip: IpAddr) -> bool {
+    n.netns()
+        .routes_with_protocol(201)
+        .iter()
+        .any(|r| r["dst"] == ip.to_string() || r["dst"] == format!("{ip}/32"))
+}
+
+#[test]
+fn ipamclaims_and_the_migration_target_watch_against_a_real_api_server() {
+    require_root();
+    let (cluster, api, _) = cluster_with_api(2);
+    let (a, b) = (cluster.node(0), cluster.node(1));
+
+    // 1. A claim made as KubeVirt makes it; the VM's first pod on A.
+    create_claim(&api, "vm1.default", "vm1");
+    let mut first = VmPodSpec::new(NS, "vm1", "virt-launcher-vm1-aaaaa");
+    first.claim = Some("vm1.default".into());
+    let first = api_pod(&api, a.name(), &first);
+    let source = add_vm_pod(a, &first);
+    let ips = source.ips().to_vec();
+    let rec = get_claimed_vm(socket(a), NS, "vm1.default").expect("a record keyed by the claim");
+    assert_eq!(rec.interface, ":ipamclaim");
+    wait_claim_filled(&api, "vm1.default", &ips, "virt-launcher-vm1-aaaaa");
+    eprintln!("claim filled: {ips:?}");
+
+    // 3. A migration to B cut over by the annotation alone: no RARP is
+    // sent, and the target's ADD carries no ready marker.
+    let t1 = api_pod(&api, b.name(), &first.target("virt-launcher-vm1-bbbbb"));
+    let target = add_vm_pod(b, &t1);
+    assert_eq!(target.ips(), &ips[..]);
+    let rec = get_claimed_vm(socket(b), NS, "vm1.default").expect("record");
+    assert_eq!(
+        active_node(&rec),
+        a.name(),
+        "cut over before the annotation"
+    );
+    let t0 = Instant::now();
+    mark_ready(&api, "virt-launcher-vm1-bbbbb");
+    wait_active(b, "vm1.default", b.name(), "annotation");
+    eprintln!("annotation to record on B: {:?}", t0.elapsed());
+    assert!(wait_until(CONVERGE, || routes_locally(b, ips[0])
+        && !routes_locally(a, ips[0])));
+    wait_event(&api, NS, "virt-launcher-vm1-bbbbb", "CutoverDone");
+    wait_claim_filled(&api, "vm1.default", &ips, "virt-launcher-vm1-bbbbb");
+
+    // The source pod leaves (its DEL), as after a successful migration.
+    del_vm_pod(a, &first, &source).assert_success();
+
+    // A stale marker: migrate back to A; the old target on B (ready
+    // marker and all) becomes the demoted source, and an update of that
+    // pod must not steal the VM back.
+    let t2 = api_pod(&api, a.name(), &first.target("virt-launcher-vm1-ccccc"));
+    let back = add_vm_pod(a, &t2);
+    mark_ready(&api, "virt-launcher-vm1-ccccc");
+    wait_active(a, "vm1.default", a.name(), "annotation");
+    api.kubectl_ok(&[
+        "-n",
+        NS,
+        "label",
+        "pod",
+        "virt-launcher-vm1-bbbbb",
+        "touched=yes",
+    ]);
+    std::thread::sleep(Duration::from_secs(3));
+    let rec = get_claimed_vm(socket(a), NS, "vm1.default").expect("record");
+    assert_eq!(
+        active_node(&rec),
+        a.name(),
+        "a stale marker stole the VM back: {rec:#?}"
+    );
+    assert_eq!(
+        rec.last_cutover.as_ref().map(|c| c.trigger.as_str()),
+        Some("annotation")
+    );
+    del_vm_pod(b, &t1, &target).assert_success();
+
+    // 4. A migration that fails after its cutover: the target on B is
+    // promoted, then deleted while the source on A still runs. No RARP
+    // and no DEL yet: the API's signal alone gives the VM back.
+    let t3 = api_pod(&api, b.name(), &first.target("virt-launcher-vm1-ddddd"));
+    let late = add_vm_pod(b, &t3);
+    mark_ready(&api, "virt-launcher-vm1-ddddd");
+    wait_active(b, "vm1.default", b.name(), "annotation");
+    api.kubectl_ok(&[
+        "-n",
+        NS,
+        "delete",
+        "pod",
+        "virt-launcher-vm1-ddddd",
+        "--wait=false",
+    ]);
+    let rec = wait_active(a, "vm1.default", a.name(), "target-failed");
+    assert_eq!(
+        rec.active.as_ref().map(|p| p.pod_name.as_str()),
+        Some("virt-launcher-vm1-ccccc")
+    );
+    assert!(wait_until(CONVERGE, || routes_locally(a, ips[0])
+        && !routes_locally(b, ips[0])));
+    wait_event(&api, NS, "virt-launcher-vm1-ccccc", "CutoverReverted");
+    // The failed target's DEL then frees nothing.
+    del_vm_pod(b, &t3, &late).assert_success();
+    let rec = get_claimed_vm(socket(a), NS, "vm1.default").expect("record");
+    assert_eq!(rec.ips.len(), ips.len());
+
+    // 2. The VM stops, and starts again on B: the claim's addresses.
+    del_vm_pod(a, &t2, &back).assert_success();
+    api.kubectl_ok(&["-n", NS, "delete", "pod", "--all", "--wait=false"]);
+    let again = api_pod(&api, b.name(), &{
+        let mut s = VmPodSpec::new(NS, "vm1", "virt-launcher-vm1-eeeee");
+        s.claim = Some("vm1.default".into());
+        s
+    });
+    let restarted = add_vm_pod(b, &again);
+    assert_eq!(
+        restarted.ips(),
+        &ips[..],
+        "the restarted VM lost its addresses"
+    );
+    wait_claim_filled(&api, "vm1.default", &ips, "virt-launcher-vm1-eeeee");
+
+    // A claim that already holds addresses gives them to a new VM.
+    create_claim(&api, "vm2.default", "vm2");
+    let seeded: Vec<IpAddr> = vec!["10.244.250.7".parse().unwrap()];
+    api.kubectl_ok(&[
+        "-n",
+        NS,
+        "patch",
+        "ipamclaims.k8s.cni.cncf.io",
+        "vm2.default",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        &json!({"status": {"ips": status_ips(&seeded)}}).to_string(),
+    ]);
+    // The cache must have seen it before the pod comes.
+    assert!(wait_until(CONVERGE, || claim(&api, "vm2.default")
+        .is_some_and(|c| c["status"]["ips"][0] == "10.244.250.7/32")));
+    std::thread::sleep(Duration::from_secs(1));
+    let mut vm2 = VmPodSpec::new(NS, "vm2", "virt-launcher-vm2-aaaaa");
+    vm2.claim = Some("vm2.default".into());
+    let vm2 = api_pod(&api, a.name(), &vm2);
+    let pod2 = add_vm_pod(a, &vm2);
+    assert!(
+        pod2.ips().contains(&seeded[0]),
+        "the claim's address was not used: {:?}",
+        pod2.ips()
+    );
+    wait_claim_filled(&api, "vm2.default", pod2.ips(), "virt-launcher-vm2-aaaaa");
+
+    // Deleting pods never releases a claim's addresses; deleting the claim
+    // does, once no pod is left.
+    del_vm_pod(b, &again, &restarted).assert_success();
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        get_claimed_vm(socket(a), NS, "vm1.default").is_ok(),
+        "released without the claim's deletion"
+    );
+    api.kubectl_ok(&[
+        "-n",
+        NS,
+        "patch",
+        "ipamclaims.k8s.cni.cncf.io",
+        "vm1.default",
+        "--type=merge",
+        "-p",
+        r#"{"metadata":{"finalizers":null}}"#,
+    ]);
+    api.kubectl_ok(&[
+        "-n",
+        NS,
+        "delete",
+        "ipamclaims.k8s.cni.cncf.io",
+        "vm1.default",
+    ]);
+    assert!(
+        wait_until(CONVERGE, || get_claimed_vm(socket(a), NS, "vm1.default")
+            .is_err_and(|s| s.code() == tonic::Code::NotFound)),
+        "the deleted claim's record is still there"
+    );
+    // vm2's claim stays, and so does its record.
+    assert!(get_claimed_vm(socket(b), NS, "vm2.default").is_ok());
+    del_vm_pod(a, &vm2, &pod2).assert_success();
+}
+
+/// The ADD/DEL environment of a pod on a plain daemon.
+fn call(
+    daemon: &Daemon,
+    command: &str,
+    pod: &Netns,
+    spec: &VmPodSpec,
+    vm: bool,
+) -> tether_e2e::CniOutput {
+    let mut conf = daemon.netconf("1.1.0", "tether-k8s");
+    if vm {
+        conf["runtimeConfig"] = json!({"io.kubernetes.cri.pod-annotations": spec.annotations()});
+    }
+    let mut env = CniEnv::new(command, pod.name(), pod);
+    env.args = Some(spec.args(pod.name()));
+    cni(
+        &tether_bin(),
+        &env,
+        &serde_json::to_vec(&conf).expect("JSON"),
+    )
+}
+
+#[test]
+fn outage_pod_cidr_from_node_events_and_least_privilege() {
+    require_root();
+    let fabric = Fabric::new();
+    let mut api = KubeApi::start(&fabric);
+    api.install_tether();
+    let kubeconfig = api.token_kubeconfig(TETHER_SA.0, TETHER_SA.1);
+    api.kubectl_ok(&["create", "namespace", NS]);
+    api.kubectl_ok(&["-n", NS, "create", "serviceaccount", "default"]);
+
+    // 6. The node's pod CIDRs come from its Node object: a /29 and a /125.
+    let node_ns = Netns::new("node");
+    fabric.attach_host(&node_ns, 21);
+    let node_name = node_ns.name().to_owned();
+    api.apply(
+        &json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": node_name},
+            "spec": {"podCIDR": "10.250.3.0/29", "podCIDRs": ["10.250.3.0/29", "fd00:250:3::/125"]},
+        })
+        .to_string(),
+    );
+    let daemon = Daemon::start_in(
+        node_ns,
+        DaemonOpts {
+            extra_args: vec![
+                "--pod-cidr-from-node".into(),
+                "--kubeconfig".into(),
+                kubeconfig.display().to_string(),
+            ],
+            ..DaemonOpts::default()
+        },
+    );
+    assert!(
+        daemon.log().contains("pod CIDRs from the Node object"),
+        "{}",
+        daemon.log()
+    );
+    let mut pods = Vec::new();
+    let mut exhausted = None;
+    for i in 0..10 {
+        let ns = Netns::new("pod");
+        let spec = VmPodSpec::new(NS, "none", &format!("web-{i}"));
+        let out = call(&daemon, "ADD", &ns, &spec, false);
+        if !out.success() {
+            exhausted = Some((out, spec.pod_name.clone()));
+            break;
+        }
+        let ip = out.result()["ips"][0]["address"]
+            .as_str()
+            .expect("an address")
+            .to_owned();
+        assert!(
+            ip.starts_with("10.250.3."),
+            "{ip} is not in the Node's pod CIDR"
+        );
+        pods.push((ns, spec));
+    }
+    // 7. The /29 runs out: code 100, and a PoolExhausted event on the pod.
+    let (out, name) = exhausted.expect("a /29 ran out within 10 pods");
+    assert_eq!(out.error_code(), Some(100), "{out}");
+    let ev = wait_event(&api, NS, &name, "PoolExhausted");
+    assert_eq!(ev["type"], "Warning");
+    assert_eq!(ev["regarding"]["kind"], "Pod");
+    eprintln!("{} pods fitted the /29; event: {}", pods.len(), ev["note"]);
+
+    // The service account can do what the code needs, and no more.
+    let sa = format!("--as=system:serviceaccount:{}:{}", TETHER_SA.0, TETHER_SA.1);
+    for (verb, what, yes) in [
+        ("watch", "pods", true),
+        ("get", "nodes", true),
+        ("patch", "ipamclaims.k8s.cni.cncf.io/status", true),
+        ("create", "events.events.k8s.io", true),
+        ("delete", "pods", false),
+        ("update", "nodes", false),
+        ("get", "secrets", false),
+        ("update", "ipamclaims.k8s.cni.cncf.io", false),
+    ] {
+        let mut args = vec!["auth", "can-i", verb, &sa, "-A"];
+        match what.split_once('/') {
+            Some((resource, sub)) => {
+                args.push(resource);
+                args.push(if sub == "status" {
+                    "--subresource=status"
+                } else {
+                    sub
+                });
+            }
+            None => args.push(what),
+        }
+        let out = api.kubectl(&args);
+        let said = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        assert_eq!(said == "yes", yes, "can-i {verb} {what}: {said}");
+    }
+
+    // 5. The API server goes away: ADD and DEL keep working. The VM's pods
+    // exist in the API already (as a kubelet would have them); their CNI
+    // calls come while it is away.
+    let source = api_pod(
+        &api,
+        &node_name,
+        &VmPodSpec::new(NS, "vm9", "virt-launcher-vm9-aaaaa"),
+    );
+    let target = api_pod(&api, &node_name, &source.target("virt-launcher-vm9-bbbbb"));
+    let (free_ns, free_spec) = pods.pop().expect("at least one pod");
+    call(&daemon, "DEL", &free_ns, &free_spec, false).assert_success();
+    api.stop_apiserver();
+    let source_ns = Netns::new("vm");
+    let t = Instant::now();
+    call(&daemon, "ADD", &source_ns, &source, true).assert_success();
+    eprintln!("VM pod ADD while the API server is down: {:?}", t.elapsed());
+    let (del_ns, del_spec) = pods.pop().expect("a second pod");
+    let t = Instant::now();
+    call(&daemon, "DEL", &del_ns, &del_spec, false).assert_success();
+    eprintln!("DEL while the API server is down: {:?}", t.elapsed());
+    // The migration's target, on the same node, added while it is away.
+    let target_ns = Netns::new("vm");
+    call(&daemon, "ADD", &target_ns, &target, true).assert_success();
+    std::thread::sleep(Duration::from_secs(2));
+
+    // It comes back; the target's marker arrives, and the resumed watch
+    // cuts over, once.
+    api.start_apiserver();
+    mark_ready(&api, "virt-launcher-vm9-bbbbb");
+    let sock = daemon.socket();
+    let mut last = None;
+    assert!(
+        wait_until(CONVERGE, || {
+            last = get_vm(sock, NS, "vm9").ok();
+            last.as_ref().is_some_and(|v| {
+                v.active
+                    .as_ref()
+                    .is_some_and(|p| p.pod_name == "virt-launcher-vm9-bbbbb")
+                    && v.last_cutover
+                        .as_ref()
+                        .is_some_and(|c| c.trigger == "annotation")
+            })
+        }),
+        "the resumed watch did not cut over: {last:#?}\n{}",
+        daemon.log()
+    );
+    let generation = last.as_ref().map(|v| v.generation).unwrap_or_default();
+    // Nothing is done twice: the watch's relists and later updates of the
+    // pod leave the record as it is.
+    api.kubectl_ok(&[
+        "-n",
+        NS,
+        "label",
+        "pod",
+        "virt-launcher-vm9-bbbbb",
+        "touched=yes",
+    ]);
+    std::thread::sleep(Duration::from_secs(3));
+    let now = get_vm(sock, NS, "vm9").expect("record");
+    assert_eq!(
+        now.generation, generation,
+        "the record changed again: {now:#?}"
+    );
+    let stats = admin::stats(sock);
+    assert_eq!(stats.vm_cutovers, 1, "cutovers: {stats:#?}");
+    let _ = (&source_ns, &target_ns);
+}
