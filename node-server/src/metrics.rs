@@ -134,7 +134,7 @@ impl Metrics {
             drop(m.block_claims.get_or_create(&k));
             drop(m.block_claim_duration.get_or_create(&k));
         }
-        for trigger in ["rarp", "garp", "annotation", "admin"] {
+        for trigger in ["rarp", "garp", "annotation", "admin", "target-failed"] {
             let t = Trigger {
                 trigger: trigger.into(),
             };

@@ -246,25 +246,25 @@ impl Claims {
     }
 
     fn apply(&self, obj: &DynamicObject) {
-        if let (Some(ns), Some(name)) = (&obj.metadata.namespace, &obj.metadata.name) {
-            let r = ClaimRef {
-                namespace: ns.clone(),
-                name: name.clone(),
-            };
+        if let Some(r) = claim_ref(obj) {
             lock(&self.seen).insert(r, ClaimSeen::of(obj));
         }
     }
 
     fn delete(&self, obj: &DynamicObject) {
-        if let (Some(ns), Some(name)) = (&obj.metadata.namespace, &obj.metadata.name) {
-            let r = ClaimRef {
-                namespace: ns.clone(),
-                name: name.clone(),
-            };
+        if let Some(r) = claim_ref(obj) {
             lock(&self.seen).remove(&r);
             lock(&self.failures).remove(&r);
         }
     }
+}
+
+/// The namespace and name of a claim object.
+fn claim_ref(obj: &DynamicObject) -> Option<ClaimRef> {
+    Some(ClaimRef {
+        namespace: obj.metadata.namespace.clone()?,
+        name: obj.metadata.name.clone()?,
+    })
 }
 
 /// The status a claim should have, given its record: `None` when it has
@@ -358,14 +358,28 @@ pub fn start(client: kube::Client, node: Arc<Node>) -> Arc<Claims> {
                 .default_backoff()
                 .boxed();
             let mut failing = false;
+            // A (re)list in progress: what it has returned so far. It
+            // replaces the cache when it is done, so that a claim deleted
+            // while the watch was down (which no Delete event reports)
+            // leaves the cache too.
+            let mut relist: Option<HashMap<ClaimRef, ClaimSeen>> = None;
             while let Some(item) = stream.next().await {
                 match item {
-                    Ok(Event::Init) => {}
-                    Ok(Event::InitApply(o)) | Ok(Event::Apply(o)) => claims.apply(&o),
+                    Ok(Event::Init) => relist = Some(HashMap::new()),
+                    Ok(Event::InitApply(o)) => match (relist.as_mut(), claim_ref(&o)) {
+                        (Some(r), Some(c)) => {
+                            r.insert(c, ClaimSeen::of(&o));
+                        }
+                        _ => claims.apply(&o),
+                    },
+                    Ok(Event::Apply(o)) => claims.apply(&o),
                     Ok(Event::Delete(o)) => claims.delete(&o),
                     Ok(Event::InitDone) => {
-                        // Claims that vanished while the watch was down
-                        // are found by the writer's GET before release.
+                        if let Some(r) = relist.take() {
+                            *lock(&claims.seen) = r;
+                        }
+                        // A claim missing now is confirmed gone by the
+                        // writer's GET before anything is released.
                         claims.synced.store(true, Ordering::Release);
                         if failing {
                             tracing::info!("the IPAMClaims watch is back");

@@ -86,7 +86,7 @@ impl Node {
     /// target is still the active pod. The routes follow the record.
     pub async fn revert_cutover(&self, r: &Revert) -> Result<bool> {
         let me = self.config.name.clone();
-        let seen = UnixNanos::now();
+        let (started, seen) = (Instant::now(), UnixNanos::now());
         let t = &r.target;
         let (rec, rev) = self
             .vm
@@ -114,7 +114,9 @@ impl Node {
             return Ok(false);
         }
         tracing::warn!(vm = %r.vm, generation = rec.generation, source = %r.source_pod, "a migration failed after its cutover: the VM's traffic goes back to its source");
-        crate::metrics::get().cutover(Trigger::TargetFailed.name(), Duration::ZERO);
+        // Timed from the decision to the record committed: the source's
+        // node routes it when its watch sees the record.
+        crate::metrics::get().cutover(Trigger::TargetFailed.name(), started.elapsed());
         self.force_vm_resync();
         if let Some(act) = rec.active.as_ref() {
             self.pod_event(
