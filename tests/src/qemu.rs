@@ -303,8 +303,13 @@ impl Guest {
         let mark = self.mark();
         {
             let mut stdin = self.stdin.lock().unwrap_or_else(|e| e.into_inner());
-            writeln!(stdin, "RUN {id} {command}").expect("writing to the guest console");
-            stdin.flush().expect("flush");
+            if let Err(e) = writeln!(stdin, "RUN {id} {command}").and_then(|()| stdin.flush()) {
+                // QEMU is gone: say what it printed before it went.
+                panic!(
+                    "writing {command:?} to the guest console: {e} (QEMU exited?)\nconsole and QEMU's stderr:\n{}",
+                    self.console_text()
+                );
+            }
         }
         let (end, line) = self.wait_line_after(&format!("END {id} "), mark, limit);
         let status = line

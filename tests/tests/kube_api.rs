@@ -60,19 +60,11 @@ fn cluster_with_api(nodes: usize) -> (Cluster, KubeApi, PathBuf) {
 /// runs here), and returns the spec for its CNI calls, with the API's UID.
 fn api_pod(api: &KubeApi, node: &str, spec: &VmPodSpec) -> VmPodSpec {
     let mut labels = json!({"kubevirt.io": "virt-launcher", "vm.kubevirt.io/name": spec.vm});
-    let mut annotations = json!({"kubevirt.io/domain": spec.vm});
     if spec.target {
         labels["kubevirt.io/migrationJobUID"] = json!(format!("uid-{}", spec.pod_name));
-        annotations["kubevirt.io/migrationJobName"] = json!(format!("{}-migration", spec.pod_name));
     }
-    if let Some(claim) = &spec.claim {
-        annotations["v1.multus-cni.io/default-network"] = json!(json!([{
-            "name": tether_e2e::cluster::CLUSTER_NETWORK,
-            "namespace": "kube-system",
-            "ipam-claim-reference": claim,
-        }])
-        .to_string());
-    }
+    // The same annotations as its CNI calls carry.
+    let annotations = spec.annotations();
     let pod = json!({
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": spec.pod_name, "namespace": spec.namespace,
@@ -116,6 +108,11 @@ fn mark_ready(api: &KubeApi, pod: &str) {
         "--overwrite",
         "kubevirt.io/migration-target-ready-timestamp=2026-11-25T08:00:00Z",
     ]);
+}
+
+/// Changes a pod's labels, so that every watch on it sees an update.
+fn touch(api: &KubeApi, pod: &str) {
+    api.kubectl_ok(&["-n", NS, "label", "pod", pod, "--overwrite", "touched=yes"]);
 }
 
 /// An IPAMClaim as KubeVirt's ipam-extensions creates it: `<vm>.<network>`,
@@ -276,14 +273,7 @@ fn ipamclaims_and_the_migration_target_watch_against_a_real_api_server() {
     let back = add_vm_pod(a, &t2);
     mark_ready(&api, "virt-launcher-vm1-ccccc");
     wait_active(a, "vm1.default", a.name(), "annotation");
-    api.kubectl_ok(&[
-        "-n",
-        NS,
-        "label",
-        "pod",
-        "virt-launcher-vm1-bbbbb",
-        "touched=yes",
-    ]);
+    touch(&api, "virt-launcher-vm1-bbbbb");
     std::thread::sleep(Duration::from_secs(3));
     let rec = get_claimed_vm(socket(a), NS, "vm1.default").expect("record");
     assert_eq!(
@@ -405,6 +395,15 @@ fn ipamclaims_and_the_migration_target_watch_against_a_real_api_server() {
     del_vm_pod(a, &vm2, &pod2).assert_success();
 }
 
+/// The IPv4 address of a pod's eth0 (without its prefix length).
+fn pod_ipv4(pod: &Netns) -> String {
+    pod.addrs_of("eth0")
+        .into_iter()
+        .find(|a| !a.contains(':'))
+        .and_then(|a| a.split('/').next().map(str::to_owned))
+        .expect("an IPv4 address on eth0")
+}
+
 /// The ADD/DEL environment of a pod on a plain daemon.
 fn call(
     daemon: &Daemon,
@@ -491,6 +490,19 @@ fn outage_pod_cidr_from_node_events_and_least_privilege() {
     assert_eq!(ev["type"], "Warning");
     assert_eq!(ev["regarding"]["kind"], "Pod");
     eprintln!("{} pods fitted the /29; event: {}", pods.len(), ev["note"]);
+    // A pod that asks for an address another pod holds: code 105, and an
+    // AddressConflict event on it.
+    let taken = pod_ipv4(&pods[0].0);
+    let mut greedy = VmPodSpec::new(NS, "none", "greedy");
+    greedy.extra_args = vec![format!("IP={taken}")];
+    let greedy_ns = Netns::new("pod");
+    let out = call(&daemon, "ADD", &greedy_ns, &greedy, false);
+    assert_eq!(out.error_code(), Some(105), "{out}");
+    let ev = wait_event(&api, NS, "greedy", "AddressConflict");
+    assert!(
+        ev["note"].as_str().is_some_and(|n| n.contains(&taken)),
+        "{ev:#}"
+    );
 
     // The service account can do what the code needs, and no more.
     let sa = format!("--as=system:serviceaccount:{}:{}", TETHER_SA.0, TETHER_SA.1);
@@ -570,14 +582,7 @@ fn outage_pod_cidr_from_node_events_and_least_privilege() {
     let generation = last.as_ref().map(|v| v.generation).unwrap_or_default();
     // Nothing is done twice: the watch's relists and later updates of the
     // pod leave the record as it is.
-    api.kubectl_ok(&[
-        "-n",
-        NS,
-        "label",
-        "pod",
-        "virt-launcher-vm9-bbbbb",
-        "touched=yes",
-    ]);
+    touch(&api, "virt-launcher-vm9-bbbbb");
     std::thread::sleep(Duration::from_secs(3));
     let now = get_vm(sock, NS, "vm9").expect("record");
     assert_eq!(

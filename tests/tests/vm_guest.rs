@@ -236,10 +236,6 @@ fn a_real_guest_leases_migrates_by_its_own_rarp_restarts_and_leaves_nothing() {
     let m = guest_a.migrate_to(&guest_b, MIGRATION_LIMIT);
     assert_eq!(m.status, "completed", "{m:?}\n{}", guest_b.console_text());
     if !resumed(&prober, m.finished) {
-        let (_, inside) = guest_b.run(
-            "ip neigh; ip route; ip -s link show eth0",
-            Duration::from_secs(20),
-        );
         let route = |n: &ClusterNode| {
             let out = n.netns().exec(&["ip", "route", "get", &ip.to_string()]);
             let neigh = n.netns().exec(&["ip", "neigh"]);
@@ -250,13 +246,23 @@ fn a_real_guest_leases_migrates_by_its_own_rarp_restarts_and_leaves_nothing() {
                 String::from_utf8_lossy(&neigh.stdout)
             )
         };
-        panic!(
-            "probes never resumed after the migration ({m:?});\n{}\n{}\n{}\nguest:\n{inside}\nconsole:\n{}\ntarget pod: {:?}",
+        // The nodes' side first: asking the guest panics if QEMU is gone.
+        eprintln!(
+            "probes never resumed after the migration ({m:?});\n{}\n{}\n{}\ntarget pod: {:?}",
             route(a),
             route(b),
             route(c),
-            guest_b.console_text(),
-            target.netns().exec(&["tc", "-s", "filter", "show", "dev", "eth0", "ingress"])
+            target
+                .netns()
+                .exec(&["tc", "-s", "filter", "show", "dev", "eth0", "ingress"])
+        );
+        let (_, inside) = guest_b.run(
+            "ip neigh; ip route; ip -s link show eth0",
+            Duration::from_secs(20),
+        );
+        panic!(
+            "probes never resumed after the migration;\nguest:\n{inside}\nconsole:\n{}",
+            guest_b.console_text()
         );
     }
     let report = prober.stop();
