@@ -23,8 +23,11 @@ release:
 	$(CARGO) build --release -p tether-cni-shim
 	$(CARGO) build --release -p tether-node-server
 
-## shim-size: the release plugin binary must stay at or below 1 MiB.
-shim-size: release
+## shim-size: the release plugin binary must stay at or below 1 MiB. Only
+## the shim is built for it: the daemon's release build (LTO) is not needed
+## by the tests and would add minutes to `make test`.
+shim-size:
+	$(CARGO) build --release -p tether-cni-shim
 	@size=$$(stat -c %s $(RELEASE_DIR)/tether); \
 	  echo "tether (release, stripped): $$size bytes"; \
 	  test $$size -le 1048576 || { echo "FAIL: tether is larger than 1 MiB"; exit 1; }
