@@ -49,6 +49,10 @@ impl Node {
         {
             match failed {
                 None => k.claims.allocated(&claim),
+                // Try-again errors (the claims not listed yet, the
+                // control plane away) are the runtime's to retry, not the
+                // claim's to report.
+                Some(Error::TryAgain(_)) => {}
                 Some(e) => k.claims.failed(&claim, e, inv.args.pod_name.clone()),
             }
         }
