@@ -53,7 +53,8 @@ test: setup lint build shim-size
 ## bench: tether vs the reference ptp/bridge + host-local, side by side; then
 ## cluster mode (3 nodes on etcd) vs one node, block claims, claim to route;
 ## scripted migrations; real QEMU migrations and the tap binding's ADD;
-## macvlan with tether as IPAM vs with host-local, one node and 3 nodes.
+## macvlan with tether as IPAM vs with host-local and whereabouts (on a
+## real kube-apiserver), one node; tether on 3 nodes.
 bench: setup release
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench -- --write BENCHMARKS.md
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_cluster -- --write BENCHMARKS.md

@@ -1,25 +1,39 @@
 #!/bin/sh
-# Builds the Kubernetes parts the tests run: kube-apiserver and kubectl,
-# from the k8s.io/kubernetes module of tests/k8s/go.mod (served by the Go
-# module proxy). The product stays Rust: this Go module exists for the
-# tests only.
+# Builds the Kubernetes parts the tests and benchmarks run, from Go modules
+# served by the Go module proxy. The product stays Rust: these Go modules
+# exist for the tests only.
+#
+#   build.sh              kube-apiserver and kubectl, from the k8s.io/kubernetes
+#                         module of tests/k8s/go.mod (the API suites; setup.sh)
+#   build.sh whereabouts  whereabouts v0.9.2 and its CRDs, from
+#                         tests/k8s/whereabouts/go.mod (bench_ipam only)
 #
 # k8s.io/kubernetes cannot be required as it is: its go.mod points every
 # k8s.io/<staging> module at ./staging/src/..., which a module download does
 # not have. go.mod therefore replaces each staging module with its published
 # v0.X.Y of the same minor (v1.37.2 -> v0.37.2).
 #
-# The binaries are cached in $TETHER_K8S_DIR (default /var/tmp/tether-k8s),
-# keyed by go.mod, go.sum, this script and the Go version; a cached build is
-# reused at once. Prints the directory holding the binaries. The build's
-# own time is printed on stderr.
+# The results are cached in $TETHER_K8S_DIR (default /var/tmp/tether-k8s),
+# keyed by what is built, its go.mod and go.sum, this script and the Go
+# version; a cached build is reused at once. Prints the directory holding
+# the binaries. The build's own time is printed on stderr.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 base=${TETHER_K8S_DIR:-/var/tmp/tether-k8s}
+what=${1:-kube}
+case "$what" in
+kube) mod=$here ;;
+whereabouts) mod=$here/whereabouts ;;
+*)
+    echo "k8s/build.sh: nothing called $what to build (kube or whereabouts)" >&2
+    exit 2
+    ;;
+esac
 
-# go.mod says `go 1.26.0`: take the first Go on the PATH or in the usual
-# places that is at least that (Debian's golang-go, 1.19, is installed for
-# tests/runtimes/cnitool and must not be picked).
+# The modules want Go 1.26 (k8s.io/kubernetes v1.37): take the first Go on
+# the PATH or in the usual places that is at least that (Debian's
+# golang-go, 1.19, is installed for tests/runtimes/cnitool and must not be
+# picked).
 pick_go() {
     for g in "$(command -v go 2>/dev/null || true)" /usr/local/go/bin/go /opt/go/bin/go /usr/lib/go/bin/go; do
         [ -n "$g" ] && [ -x "$g" ] || continue
@@ -33,13 +47,13 @@ pick_go() {
     return 1
 }
 GO=$(pick_go) || {
-    echo "k8s/build.sh: no Go 1.26 or newer found (PATH, /usr/local/go, /opt/go); the machine's Go is needed to build kube-apiserver" >&2
+    echo "k8s/build.sh: no Go 1.26 or newer found (PATH, /usr/local/go, /opt/go); the machine's Go is needed to build $what" >&2
     exit 1
 }
 goversion=$("$GO" env GOVERSION)
-inputs=$(cat "$here/go.mod" "$here/go.sum" "$here/build.sh" | sha256sum | cut -c1-16)
-out="$base/$inputs-$goversion"
-if [ -x "$out/kube-apiserver" ] && [ -x "$out/kubectl" ] && [ -f "$out/done" ]; then
+inputs=$(cat "$mod/go.mod" "$mod/go.sum" "$here/build.sh" | sha256sum | cut -c1-16)
+out="$base/$what-$inputs-$goversion"
+if [ -f "$out/done" ]; then
     echo "$out"
     exit 0
 fi
@@ -48,11 +62,12 @@ mkdir -p "$base"
 tmp=$(mktemp -d "$base/build.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 start=$(date +%s)
-echo "k8s/build.sh: building kube-apiserver and kubectl with $goversion (once; cached in $out)" >&2
-(
-    cd "$here"
-    # -mod=mod: go.sum is committed, but the module cache starts empty on a
-    # new machine; downloads are checked against go.sum.
+echo "k8s/build.sh: building $what with $goversion (once; cached in $out)" >&2
+# -mod=mod: go.sum is committed, but the module cache starts empty on a new
+# machine; downloads are checked against go.sum.
+cd "$mod"
+case "$what" in
+kube)
     # A module build has no git data: stamp the version the way the
     # Kubernetes release build does, so that `kubectl version` and clients
     # that read /version see the real one.
@@ -60,22 +75,31 @@ echo "k8s/build.sh: building kube-apiserver and kubectl with $goversion (once; c
     [ -n "$v" ] || { echo "k8s/build.sh: no k8s.io/kubernetes version in go.mod" >&2; exit 1; }
     major=$(echo "$v" | cut -d. -f1 | tr -d v)
     minor=$(echo "$v" | cut -d. -f2)
-    pkgs="k8s.io/component-base/version k8s.io/client-go/pkg/version"
     ldflags="-s -w"
-    for p in $pkgs; do
+    for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
         ldflags="$ldflags -X $p.gitVersion=$v -X $p.gitMajor=$major -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
     done
     "$GO" build -mod=mod -trimpath -ldflags="$ldflags" -o "$tmp/" \
-        k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubectl
-) >&2
-"$tmp/kube-apiserver" --version >&2
-echo "k8s/build.sh: built in $(($(date +%s) - start)) s" >&2
+        k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubectl >&2
+    "$tmp/kube-apiserver" --version >&2
+    ;;
+whereabouts)
+    "$GO" build -mod=mod -trimpath -ldflags="-s -w" -o "$tmp/whereabouts" \
+        github.com/k8snetworkplumbingwg/whereabouts/cmd >&2
+    # Its CRDs, as the module ships them (doc/crds), beside the binary.
+    src=$("$GO" list -mod=mod -m -f '{{.Dir}}' github.com/k8snetworkplumbingwg/whereabouts)
+    mkdir "$tmp/crds"
+    cp "$src"/doc/crds/whereabouts.cni.cncf.io_ippools.yaml \
+        "$src"/doc/crds/whereabouts.cni.cncf.io_overlappingrangeipreservations.yaml "$tmp/crds/"
+    ;;
+esac
+echo "k8s/build.sh: built $what in $(($(date +%s) - start)) s" >&2
 rm -rf "$out"
 mv "$tmp" "$out"
 trap - EXIT
 touch "$out/done"
-# Older builds of other inputs are of no more use.
-for old in "$base"/*; do
-    [ "$old" = "$out" ] || case "$old" in "$base"/build.*) ;; *) rm -rf "$old" ;; esac
+# Older builds of the same thing are of no more use.
+for old in "$base/$what"-*; do
+    [ "$old" = "$out" ] || rm -rf "$old"
 done
 echo "$out"

@@ -38,16 +38,26 @@ const READY_TIMEOUT: Duration = Duration::from_secs(60);
 /// process by tests/k8s/build.sh, which caches across runs).
 pub fn k8s_bin_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let script = workspace_dir().join("tests/k8s/build.sh");
-        let out = Command::new("sh")
-            .arg(&script)
-            .stderr(Stdio::inherit())
-            .output()
-            .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
-        assert!(out.status.success(), "tests/k8s/build.sh failed");
-        PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-    })
+    DIR.get_or_init(|| go_build("kube"))
+}
+
+/// The directory holding whereabouts and its CRDs (`crds/`), for the
+/// benchmark (tests/k8s/build.sh whereabouts, cached across runs).
+pub fn whereabouts_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| go_build("whereabouts"))
+}
+
+fn go_build(what: &str) -> PathBuf {
+    let script = workspace_dir().join("tests/k8s/build.sh");
+    let out = Command::new("sh")
+        .arg(&script)
+        .arg(what)
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
+    assert!(out.status.success(), "tests/k8s/build.sh {what} failed");
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
 /// A running API server (see the module doc).
@@ -289,9 +299,15 @@ impl KubeApi {
         crate::log_tail(&self.path("apiserver.log"), 40)
     }
 
+    /// The admin's kubeconfig (a client certificate of `system:masters`);
+    /// usable from any netns on the fabric.
+    pub fn admin_kubeconfig(&self) -> PathBuf {
+        self.path("admin.kubeconfig")
+    }
+
     /// kubectl as the admin, inside the server's netns.
     pub fn kubectl(&self, args: &[&str]) -> Output {
-        self.kubectl_as(&self.path("admin.kubeconfig"), args)
+        self.kubectl_as(&self.admin_kubeconfig(), args)
     }
 
     /// kubectl with another kubeconfig (e.g. tetherd's).
