@@ -5,13 +5,19 @@ CARGO ?= cargo
 RELEASE_DIR := target/release
 DEBUG_DIR := target/debug
 
-.PHONY: all setup build release demo test unit integration lint bench clean shim-size
+.PHONY: all setup k8s build release demo test unit integration lint bench clean shim-size
 
 all: build
 
 ## setup: install the Debian packages and tools the demo and tests need.
 setup:
 	bash tests/setup.sh
+
+## k8s: kube-apiserver and kubectl for the Kubernetes API suites, built
+## from the k8s.io/kubernetes Go module (about 7 minutes on a fresh
+## machine) and cached in /var/tmp/tether-k8s (tests/k8s/build.sh).
+k8s: setup
+	@dir=$$(sh tests/k8s/build.sh) && echo "k8s: $$($$dir/kube-apiserver --version) in $$dir"
 
 ## build: debug build of every crate (the integration tests use it).
 build:
@@ -46,7 +52,7 @@ lint:
 ## test: the whole suite (unit, integration against real netns, real
 ## runtimes, chaining, concurrency, crash, bad input, security, real QEMU
 ## guests). Root only.
-test: setup lint build shim-size
+test: setup k8s lint build shim-size
 	@test "$$(id -u)" = 0 || { echo "make test must run as root (it creates network namespaces)"; exit 1; }
 	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test --workspace --no-fail-fast -- --test-threads=2
 
@@ -55,7 +61,7 @@ test: setup lint build shim-size
 ## scripted migrations; real QEMU migrations and the tap binding's ADD;
 ## macvlan with tether as IPAM vs with host-local and whereabouts (on a
 ## real kube-apiserver), one node; tether on 3 nodes.
-bench: setup release
+bench: setup k8s release
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench -- --write BENCHMARKS.md
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_cluster -- --write BENCHMARKS.md
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_migration -- --write BENCHMARKS.md

@@ -53,7 +53,7 @@ openssl
 # curl: scrapes the metrics endpoint from inside the node's netns
 # openssl: the test CA and certificates of the real kube-apiserver
 #   (tests/src/kube.rs); kube-apiserver and kubectl themselves are built
-#   from the k8s.io/kubernetes Go module (tests/k8s/build.sh, below) with
+#   from the k8s.io/kubernetes Go module (tests/k8s/build.sh, `make k8s`) with
 #   the machine's own Go (1.26 or newer), never with Debian's golang-go
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -143,7 +143,6 @@ echo "setup.sh: grpcurl: /usr/local/bin/grpcurl -> $bin ($(/usr/local/bin/grpcur
 guest=$(sh "$(dirname "$0")/guest/build.sh")
 echo "setup.sh: test guest in $guest"
 
-# kube-apiserver and kubectl for the Kubernetes API suites, built once from
-# the Go module proxy and cached (tests/k8s/build.sh prints the build time).
-k8s=$(sh "$(dirname "$0")/k8s/build.sh")
-echo "setup.sh: kube-apiserver and kubectl in $k8s ($("$k8s/kube-apiserver" --version))"
+# kube-apiserver and kubectl (Go, from the module proxy) are built by
+# `make k8s` (tests/k8s/build.sh), which `make test` and `make bench` run
+# and `make demo` does not need.

@@ -485,14 +485,8 @@ async fn write_pass(client: &kube::Client, node: &Arc<Node>, claims: &Claims) {
 async fn patch_status(client: &kube::Client, claim: &ClaimRef, status: Value) -> bool {
     let api: Api<DynamicObject> =
         Api::namespaced_with(client.clone(), &claim.namespace, &resource());
-    match api
-        .patch_status(
-            &claim.name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({ "status": status })),
-        )
-        .await
-    {
+    let patch = Patch::Merge(json!({ "status": status }));
+    match super::bounded(api.patch_status(&claim.name, &PatchParams::default(), &patch)).await {
         Ok(_) => {
             tracing::info!(%claim, status = %status, "IPAMClaim status written");
             true
@@ -519,7 +513,7 @@ async fn release_if_gone(
     }
     let api: Api<DynamicObject> =
         Api::namespaced_with(client.clone(), &claim.namespace, &resource());
-    match api.get_opt(&claim.name).await {
+    match super::bounded(api.get_opt(&claim.name)).await {
         Ok(None) => match node.release_claimed(rec, rev).await {
             Ok(true) => {
                 tracing::info!(%claim, ips = ?rec.ips, mac = %rec.mac, "IPAMClaim deleted: its addresses are released")

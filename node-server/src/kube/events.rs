@@ -214,7 +214,7 @@ pub fn start(client: kube::Client, node: String) -> EventSink {
             let reference = pod.object_ref();
             // One retry: an event is worth little once it is late.
             for attempt in 0..2 {
-                match recorder.publish(&event, &reference).await {
+                match super::bounded(recorder.publish(&event, &reference)).await {
                     Ok(()) => {
                         tracing::debug!(pod = %pod.name, reason = ev.reason(), at = %UnixMillis::now(), "event written");
                         break;

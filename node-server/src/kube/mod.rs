@@ -96,6 +96,21 @@ pub fn start(node: &Arc<Node>, client: ::kube::Client) -> Arc<KubeLink> {
     link
 }
 
+/// How long one request (not a watch) may take before it is given up:
+/// the connection may be up while the server does not answer.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Runs one API request with [`REQUEST_TIMEOUT`]; a timeout is an error
+/// like the request's own.
+pub(crate) async fn bounded<T, E: std::fmt::Display>(
+    request: impl std::future::Future<Output = std::result::Result<T, E>>,
+) -> std::result::Result<T, String> {
+    match tokio::time::timeout(REQUEST_TIMEOUT, request).await {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(_) => Err(format!("no answer within {REQUEST_TIMEOUT:?}")),
+    }
+}
+
 /// The delay before the `attempt`-th retry of a failed API call or watch:
 /// 0.5 s doubling to 30 s. The watches use kube's own backoff; this is for
 /// the writers.

@@ -48,7 +48,7 @@ pub async fn wait_for(client: kube::Client, node_name: &str) -> Result<Vec<IpNet
     let started = std::time::Instant::now();
     let mut said = std::time::Instant::now() - Duration::from_secs(3600);
     loop {
-        let why = match api.get_opt(node_name).await {
+        let why = match super::bounded(api.get_opt(node_name)).await {
             Ok(Some(node)) => {
                 let cidrs = from_spec(&node)?;
                 if !cidrs.is_empty() {

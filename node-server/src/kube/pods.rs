@@ -119,7 +119,7 @@ async fn handle(client: &kube::Client, node: &Arc<Node>, seen: &VmPodSeen) {
         // The source must still run to take the traffic back; the API
         // says whether it does (it may be on another node).
         let api: Api<Pod> = Api::namespaced(client.clone(), &seen.namespace);
-        let alive = match api.get_opt(&revert.source_pod).await {
+        let alive = match super::bounded(api.get_opt(&revert.source_pod)).await {
             Ok(Some(p)) => still_running(&p),
             Ok(None) => false,
             Err(e) => {
