@@ -414,22 +414,24 @@ fn one_node(bin_dir: &Path, args: &Args, f: &mut Failures) -> OneNode {
     let plugins = plugin_dir(bin_dir);
     let node = daemon.node();
     let host_local_dir = files.path().join("host-local");
-    let tether = Side::new(
+    let macvlan = |label: &'static str, name: &str, ipam: Value| {
+        Side::new(
+            label,
+            node,
+            plugins.path(),
+            json!({"cniVersion": "1.0.0", "name": name, "type": "macvlan",
+                   "master": master(node), "mode": "bridge", "ipam": ipam}),
+        )
+    };
+    let tether = macvlan(
         "macvlan + tether",
-        node,
-        plugins.path(),
-        json!({"cniVersion": "1.0.0", "name": "bench-t", "type": "macvlan",
-               "master": master(node), "mode": "bridge",
-               "ipam": {"type": "tether", "pool": "bench", "socket": daemon.socket()}}),
+        "bench-t",
+        json!({"type": "tether", "pool": "bench", "socket": daemon.socket()}),
     );
-    let host_local = Side::new(
+    let host_local = macvlan(
         "macvlan + host-local",
-        node,
-        plugins.path(),
-        json!({"cniVersion": "1.0.0", "name": "bench-h", "type": "macvlan",
-               "master": master(node), "mode": "bridge",
-               "ipam": {"type": "host-local", "subnet": HOST_LOCAL_SUBNET,
-                        "dataDir": host_local_dir}}),
+        "bench-h",
+        json!({"type": "host-local", "subnet": HOST_LOCAL_SUBNET, "dataDir": host_local_dir}),
     );
     // whereabouts insists on its flat configuration file as well
     // (`configuration_path`, else /etc/cni/net.d/whereabouts.d/): the
@@ -442,15 +444,11 @@ fn one_node(bin_dir: &Path, args: &Args, f: &mut Failures) -> OneNode {
         .to_string(),
     )
     .expect("writing whereabouts' configuration");
-    let mut whereabouts = Side::new(
+    let mut whereabouts = macvlan(
         "macvlan + whereabouts",
-        node,
-        plugins.path(),
-        json!({"cniVersion": "1.0.0", "name": "bench-w", "type": "macvlan",
-               "master": master(node), "mode": "bridge",
-               "ipam": {"type": "whereabouts", "range": WHEREABOUTS_RANGE,
-                        "configuration_path": flat,
-                        "kubernetes": {"kubeconfig": api.admin_kubeconfig()}}}),
+        "bench-w",
+        json!({"type": "whereabouts", "range": WHEREABOUTS_RANGE, "configuration_path": flat,
+               "kubernetes": {"kubeconfig": api.admin_kubeconfig()}}),
     );
     whereabouts.tolerant = true;
     let mut sides = [tether, host_local, whereabouts];
