@@ -11,6 +11,11 @@
 #   CNI_BIN_DIR   host CNI bin dir, mounted          [/host/opt/cni/bin]
 #   CNI_CONF_DIR  host CNI config dir, mounted       [/host/etc/cni/net.d]
 #   CONFLIST_NAME name of the installed conflist     [10-tether.conflist]
+#   TETHER_SOCKET the daemon's socket as the host sees it, written into the
+#                 installed conflist's "socket"      [the conflist's own]
+#                 Set it when the DaemonSet moves the socket's hostPath away
+#                 from /run/tether; the daemon's --socket must then be the
+#                 same path (mount the directory at the same path inside).
 set -eu
 
 SRC_DIR=${SRC_DIR:-/tether}
@@ -26,6 +31,23 @@ atomic_copy() { # atomic_copy SRC DEST_DIR NAME MODE
   mv -f "$tmp" "$2/$3"
 }
 
+# Everything that can fail on bad input is checked before anything is installed.
+conflist="$SRC_DIR/$CONFLIST_NAME"
+if [ -n "${TETHER_SOCKET:-}" ]; then
+  case "$TETHER_SOCKET" in
+  /*) ;;
+  *) echo "TETHER_SOCKET must be an absolute path: $TETHER_SOCKET" >&2; exit 1 ;;
+  esac
+  case "$TETHER_SOCKET" in
+  *[\"\\#]*) echo "TETHER_SOCKET may not hold '\"', '\\' or '#': $TETHER_SOCKET" >&2; exit 1 ;;
+  esac
+  conflist=$(mktemp)
+  trap 'rm -f "$conflist"' EXIT
+  sed 's#"socket": *"[^"]*"#"socket": "'"$TETHER_SOCKET"'"#' "$SRC_DIR/$CONFLIST_NAME" > "$conflist"
+  grep -q "\"socket\": \"$TETHER_SOCKET\"" "$conflist" || {
+    echo "no \"socket\" in $SRC_DIR/$CONFLIST_NAME to set to $TETHER_SOCKET" >&2; exit 1; }
+fi
+
 mkdir -p "$CNI_BIN_DIR" "$CNI_CONF_DIR"
 for plugin in tether portmap; do
   if [ -f "$SRC_DIR/$plugin" ]; then
@@ -33,5 +55,5 @@ for plugin in tether portmap; do
     echo "installed $CNI_BIN_DIR/$plugin"
   fi
 done
-atomic_copy "$SRC_DIR/$CONFLIST_NAME" "$CNI_CONF_DIR" "$CONFLIST_NAME" 0644
+atomic_copy "$conflist" "$CNI_CONF_DIR" "$CONFLIST_NAME" 0644
 echo "installed $CNI_CONF_DIR/$CONFLIST_NAME"

@@ -228,6 +228,63 @@ fn installs_without_portmap_and_under_another_name() {
 }
 
 #[test]
+fn tether_socket_is_written_into_the_conflist_and_a_bad_one_installs_nothing() {
+    require_root();
+    let layout = Layout::new(true);
+    layout.run_ok(&[("TETHER_SOCKET", "/var/run/tether-test/node.sock")]);
+    let conf = listing(&layout.conf());
+    assert_conflist(&conf[CONFLIST].1);
+    let installed: Value = serde_json::from_slice(&conf[CONFLIST].1).expect("JSON");
+    let source: Value =
+        serde_json::from_slice(&std::fs::read(layout.src().join(CONFLIST)).expect("source"))
+            .expect("JSON");
+    assert_eq!(
+        installed["plugins"][0]["socket"],
+        "/var/run/tether-test/node.sock"
+    );
+    // Nothing else changed.
+    let mut expected = source.clone();
+    expected["plugins"][0]["socket"] = installed["plugins"][0]["socket"].clone();
+    assert_eq!(installed, expected);
+
+    for bad in ["relative/tether.sock", "/run/a\"b.sock", "/run/a#b.sock"] {
+        let layout = Layout::new(true);
+        let out = layout.run(&[("TETHER_SOCKET", bad)]);
+        assert!(!out.status.success(), "TETHER_SOCKET={bad} was taken");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("TETHER_SOCKET"),
+            "the error names TETHER_SOCKET: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for dir in [layout.bin(), layout.conf()] {
+            assert!(
+                !dir.exists() || listing(&dir).is_empty(),
+                "{bad}: something was installed in {}",
+                dir.display()
+            );
+        }
+    }
+}
+
+/// containerd 1.6 and 1.7 (libcni 1.1) read only `cniVersion` and cannot
+/// parse a 1.1.0 result; libcni 1.2 (containerd 2, CRI-O 1.31) picks the
+/// highest of `cniVersions` it knows, and only then calls GC and STATUS.
+#[test]
+fn the_conflist_serves_old_and_new_runtimes() {
+    let conf: Value = serde_json::from_slice(
+        &std::fs::read(tether_e2e::workspace_dir().join("install").join(CONFLIST))
+            .expect("install's conflist"),
+    )
+    .expect("JSON");
+    assert_eq!(conf["cniVersion"], "1.0.0", "{conf}");
+    assert_eq!(
+        conf["cniVersions"],
+        serde_json::json!(["1.0.0", "1.1.0"]),
+        "{conf}"
+    );
+}
+
+#[test]
 fn a_missing_conflist_fails_without_leaving_temp_files() {
     require_root();
     let layout = Layout::new(false);
