@@ -3,8 +3,11 @@
 # served by the Go module proxy. The product stays Rust: these Go modules
 # exist for the tests only.
 #
-#   build.sh              kube-apiserver and kubectl, from the k8s.io/kubernetes
-#                         module of tests/k8s/go.mod (the API suites; setup.sh)
+#   build.sh              kube-apiserver, kubectl, kube-controller-manager,
+#                         kube-scheduler and kubelet, from the k8s.io/kubernetes
+#                         module of tests/k8s/go.mod (the API and kubelet
+#                         suites). One `go build` for all five, so that the
+#                         packages they share are compiled once.
 #   build.sh whereabouts  whereabouts v0.9.2 and its CRDs, from
 #                         tests/k8s/whereabouts/go.mod (bench_ipam only)
 #
@@ -80,8 +83,12 @@ kube)
         ldflags="$ldflags -X $p.gitVersion=$v -X $p.gitMajor=$major -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
     done
     "$GO" build -mod=mod -trimpath -ldflags="$ldflags" -o "$tmp/" \
-        k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubectl >&2
-    "$tmp/kube-apiserver" --version >&2
+        k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubectl \
+        k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler \
+        k8s.io/kubernetes/cmd/kubelet >&2
+    for b in kube-apiserver kube-controller-manager kube-scheduler kubelet; do
+        "$tmp/$b" --version >&2
+    done
     ;;
 whereabouts)
     "$GO" build -mod=mod -trimpath -ldflags="-s -w" -o "$tmp/whereabouts" \

@@ -115,45 +115,7 @@ impl KubeApi {
                 "/CN=tether-test-ca",
             ],
         );
-        let sign = |name: &str, subj: &str, ext: &str| {
-            std::fs::write(d.join(format!("{name}.ext")), ext)
-                .expect("writing an openssl ext file");
-            openssl(
-                d,
-                &[
-                    "req",
-                    "-newkey",
-                    "rsa:2048",
-                    "-nodes",
-                    "-keyout",
-                    &format!("{name}.key"),
-                    "-out",
-                    &format!("{name}.csr"),
-                    "-subj",
-                    subj,
-                ],
-            );
-            openssl(
-                d,
-                &[
-                    "x509",
-                    "-req",
-                    "-in",
-                    &format!("{name}.csr"),
-                    "-CA",
-                    "ca.crt",
-                    "-CAkey",
-                    "ca.key",
-                    "-CAcreateserial",
-                    "-out",
-                    &format!("{name}.crt"),
-                    "-days",
-                    "2",
-                    "-extfile",
-                    &format!("{name}.ext"),
-                ],
-            );
-        };
+        let sign = |name: &str, subj: &str, ext: &str| sign_cert(d, name, subj, ext);
         sign(
             "apiserver",
             "/CN=kube-apiserver",
@@ -209,7 +171,10 @@ impl KubeApi {
         self.dir.path().join(name)
     }
 
-    fn spawn(&self, name: &str, program: &Path, args: &[&str]) -> Child {
+    /// Starts `program` in the server's netns, logging to `<name>.log` in
+    /// its directory (a control-plane component such as
+    /// kube-controller-manager). The caller owns the child.
+    pub fn spawn(&self, name: &str, program: &Path, args: &[&str]) -> Child {
         let log = File::options()
             .create(true)
             .append(true)
@@ -249,6 +214,9 @@ impl KubeApi {
                 "--authorization-mode=Node,RBAC",
                 "--service-cluster-ip-range=10.96.0.0/16",
                 "--allow-privileged=true",
+                // Nodes are reached (exec, logs) at their InternalIP: their
+                // host names resolve nowhere here.
+                "--kubelet-preferred-address-types=InternalIP",
                 // Watch caches are on, as in a real cluster; a short
                 // event TTL keeps etcd small.
                 "--event-ttl=10m",
@@ -364,6 +332,38 @@ impl KubeApi {
         Some(serde_json::from_slice(&out.stdout).expect("kubectl printed JSON"))
     }
 
+    /// A kubeconfig file for a client certificate, signed by the cluster's
+    /// CA, of subject `subj` (e.g. `/O=system:nodes/CN=system:node:n1`).
+    pub fn cert_kubeconfig(&self, name: &str, subj: &str) -> PathBuf {
+        let d = self.dir.path();
+        sign_cert(d, name, subj, "extendedKeyUsage=clientAuth\n");
+        let path = self.path(&format!("{name}.kubeconfig"));
+        std::fs::write(
+            &path,
+            kubeconfig(
+                &self.server(),
+                &self.path("ca.crt"),
+                &format!(
+                    "client-certificate: {}\n    client-key: {}",
+                    d.join(format!("{name}.crt")).display(),
+                    d.join(format!("{name}.key")).display()
+                ),
+            ),
+        )
+        .expect("writing a kubeconfig");
+        path
+    }
+
+    /// The directory of the server's files (its logs among them).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The cluster CA's certificate.
+    pub fn ca_cert(&self) -> PathBuf {
+        self.path("ca.crt")
+    }
+
     /// A kubeconfig file for a token of service account `ns/name` (made
     /// with the TokenRequest API, valid for an hour).
     pub fn token_kubeconfig(&self, ns: &str, name: &str) -> PathBuf {
@@ -394,6 +394,47 @@ impl KubeApi {
             "crd/ipamclaims.k8s.cni.cncf.io",
         ]);
     }
+}
+
+/// Signs `<name>.crt` (key `<name>.key`) in `d` with the CA there, for
+/// subject `subj`, with the openssl extensions `ext`.
+fn sign_cert(d: &Path, name: &str, subj: &str, ext: &str) {
+    std::fs::write(d.join(format!("{name}.ext")), ext).expect("writing an openssl ext file");
+    openssl(
+        d,
+        &[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            &format!("{name}.key"),
+            "-out",
+            &format!("{name}.csr"),
+            "-subj",
+            subj,
+        ],
+    );
+    openssl(
+        d,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            &format!("{name}.csr"),
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            &format!("{name}.crt"),
+            "-days",
+            "2",
+            "-extfile",
+            &format!("{name}.ext"),
+        ],
+    );
 }
 
 fn kubeconfig(server: &str, ca: &Path, user: &str) -> String {
