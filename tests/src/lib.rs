@@ -17,6 +17,8 @@
 //! - [`mod@reference`]: netconfs for Debian's reference plugins;
 //! - [`mod@cluster`]: a multi-node topology (fabric bridge, etcd cluster,
 //!   nodes running tetherd in cluster mode, pods and ping between them);
+//! - [`mod@kubelet`], [`mod@oci`]: a one-node Kubernetes (control plane,
+//!   containerd, kubelet) and the registry-free images its pods run;
 //! - [`mod@qemu`]: real QEMU guests on a pod's tap, leasing with real DHCP
 //!   clients, driven over QMP and their serial console.
 //!
@@ -35,8 +37,10 @@ pub mod cluster;
 mod cni;
 mod daemon;
 pub mod kube;
+pub mod kubelet;
 pub mod migration;
 mod netns;
+pub mod oci;
 pub mod qemu;
 pub mod reference;
 pub mod runtime;

@@ -1,0 +1,459 @@
+//! The kubelet calls tether: a one-node Kubernetes on this machine
+//! (`tether_e2e::kubelet`: kube-apiserver, kube-controller-manager,
+//! kube-scheduler and kubelet v1.37.2, Debian's containerd 1.6 and runc),
+//! where install/'s manifests install tether through its DaemonSet and the
+//! kubelet wires pods through containerd's CRI plugin and the plugin
+//! binary the init container put in the node's CNI bin dir.
+//!
+//! One test, in steps on one cluster (it takes about 40 s to start):
+//! 1. the node is NotReady until the init container has written tether's
+//!    conflist (the kubelet's NetworkReady; containerd 1.6 does not call
+//!    CNI STATUS), then Ready;
+//! 2. pods get addresses of the node's CIDR from tether, `eth0` inside
+//!    (seen by `kubectl exec`) is what tether says it built, they ping each
+//!    other, and deleting a pod releases its address;
+//! 3. restarting the kubelet, then containerd, loses nothing;
+//! 4. `kubectl delete` of the DaemonSet's pod while pods run loses nothing,
+//!    and a DEL made while no tetherd runs is queued and replayed;
+//! 5. VM pods (KubeVirt's virt-launcher labels and annotations, passed by
+//!    containerd as `io.kubernetes.cri.pod-annotations`) get the VM's
+//!    address and MAC, keep them across pods, and a simulated migration on
+//!    this node (a target pod, then the ready annotation through the API)
+//!    moves the VM's route;
+//! 6. rolling the DaemonSet to a new image keeps pods reachable and loses
+//!    no DEL.
+//!
+//! KubeVirt itself does not run here (it needs its own images and
+//! virt-handler's privileges): the VM pods are busybox pods that carry
+//! what virt-launcher pods carry.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use ipnet::IpNet;
+use serde_json::{json, Value};
+use tether_e2e::kubelet::OneNode;
+use tether_e2e::vm::VmPodSpec;
+use tether_e2e::{admin, require_root, wait_until};
+
+const CONVERGE: Duration = Duration::from_secs(30);
+
+/// The tether attachments of pod `default/name`.
+fn attachments_of(k: &OneNode, name: &str) -> Vec<tether_e2e::pb::Attachment> {
+    admin::attachments(&k.tether_socket())
+        .into_iter()
+        .filter(|a| a.pod_namespace == "default" && a.pod_name == name)
+        .collect()
+}
+
+/// The one attachment of a running pod, checked against the API's pod IP.
+fn attachment(k: &OneNode, name: &str, pod_ip: &str) -> tether_e2e::pb::Attachment {
+    let mut list = attachments_of(k, name);
+    assert_eq!(list.len(), 1, "pod {name}: {list:?}");
+    let a = list.remove(0);
+    assert!(
+        a.ips.iter().any(|ip| ip.split('/').next() == Some(pod_ip)),
+        "the API says {name} has {pod_ip}, tether says {:?}",
+        a.ips
+    );
+    a
+}
+
+/// Every attachment's (pod, container id, ips): what must survive restarts.
+fn attachment_set(k: &OneNode) -> BTreeSet<(String, String, Vec<String>)> {
+    admin::attachments(&k.tether_socket())
+        .into_iter()
+        .map(|a| (a.pod_name, a.container_id, a.ips))
+        .collect()
+}
+
+fn ping(k: &OneNode, from: &str, to: &str) {
+    k.exec_ok(from, &["ping", "-c", "1", "-W", "3", to]);
+}
+
+/// `eth0` of pod `name` as the pod sees it: its addresses and its MAC.
+fn eth0(k: &OneNode, name: &str) -> (String, String) {
+    let addrs = k.exec_ok(name, &["ip", "-o", "addr", "show", "dev", "eth0"]);
+    let mac = k.exec_ok(name, &["cat", "/sys/class/net/eth0/address"]);
+    (addrs, mac.trim().to_string())
+}
+
+/// The node's route to `ip`: its device.
+fn route_dev(k: &OneNode, ip: &str) -> String {
+    let out = k.netns().exec_ok(&["ip", "-j", "route", "get", ip]);
+    let v: Value = serde_json::from_str(&out).expect("ip -j route get");
+    v[0]["dev"].as_str().unwrap_or_default().to_string()
+}
+
+/// A counter of tetherd's metrics endpoint (the DaemonSet's
+/// `--metrics-address=$(HOST_IP):9654`, on the node).
+fn metric(k: &OneNode, name: &str) -> f64 {
+    let url = format!("http://{}:9654/metrics", k.underlay().v4);
+    let out = k.netns().exec_ok(&["curl", "-sf", "--max-time", "5", &url]);
+    out.lines()
+        .find_map(|l| {
+            l.strip_prefix(name)
+                .filter(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+                .and_then(|rest| rest.rsplit(' ').next())
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0.0)
+}
+
+fn pod_cidr(k: &OneNode) -> IpNet {
+    let node = k.api.get(&["node", k.name()]).expect("the node");
+    node["spec"]["podCIDR"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no podCIDR: {}", node["spec"]))
+        .parse()
+        .expect("a CIDR")
+}
+
+fn assert_in(cidr: &IpNet, ip: &str) {
+    let addr: IpAddr = ip.parse().expect("an IP");
+    assert!(cidr.contains(&addr), "{ip} is not in the node's {cidr}");
+}
+
+#[test]
+fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
+    require_root();
+    let mut k = OneNode::start();
+
+    // 1. NotReady without a CNI config; Ready once the init container has
+    //    written tether's.
+    let (status, message) = k.ready_condition();
+    assert_ne!(status, "True", "Ready before any CNI config: {message}");
+    assert!(
+        message.contains("cni") || message.contains("network"),
+        "NotReady for another reason than the network: {message}"
+    );
+    let v1 = k.build_tether_image("1", "v1");
+    let v2 = k.build_tether_image("2", "v2");
+    k.install_tether(&v1);
+    let first_ds_pod = k.wait_tether_ready(&v1);
+    k.wait_ready();
+    let conf: Vec<String> = std::fs::read_dir(k.cni_conf_dir())
+        .expect("the CNI conf dir")
+        .map(|e| {
+            e.expect("an entry")
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    assert_eq!(
+        conf,
+        ["10-tether.conflist"],
+        "exactly the conflist, no temp file"
+    );
+    let conflist: Value = serde_json::from_slice(
+        &std::fs::read(k.cni_conf_dir().join("10-tether.conflist")).expect("the conflist"),
+    )
+    .expect("JSON");
+    assert_eq!(
+        conflist["plugins"][0]["socket"],
+        k.tether_socket().display().to_string(),
+        "the installer wrote TETHER_SOCKET into the conflist"
+    );
+    let mut bins: Vec<String> = std::fs::read_dir(k.cni_bin_dir())
+        .expect("the CNI bin dir")
+        .map(|e| {
+            e.expect("an entry")
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    bins.sort();
+    assert_eq!(bins, ["loopback", "portmap", "tether"], "no temp files");
+    let cidr = pod_cidr(&k);
+    eprintln!("step 1: node Ready with tether's conflist; its pod CIDR {cidr}");
+
+    // 2. Pods through the kubelet.
+    for name in ["a", "b", "c"] {
+        k.create_pod(&k.pod_manifest(name, json!({"app": "web"}), json!({})));
+    }
+    let ip_a = k.wait_running("a");
+    let ip_b = k.wait_running("b");
+    let ip_c = k.wait_running("c");
+    tether_e2e::assert_distinct("pod IPs", [&ip_a, &ip_b, &ip_c]);
+    for (name, ip) in [("a", &ip_a), ("b", &ip_b), ("c", &ip_c)] {
+        assert_in(&cidr, ip);
+        let att = attachment(&k, name, ip);
+        let (addrs, mac) = eth0(&k, name);
+        assert!(addrs.contains(&format!("{ip}/")), "{name}'s eth0: {addrs}");
+        assert_eq!(mac, att.mac, "{name}'s eth0 MAC is the one tether gave");
+        assert_eq!(att.ifname, "eth0");
+    }
+    let netns_a = attachment(&k, "a", &ip_a).netns;
+    ping(&k, "a", &ip_b);
+    ping(&k, "b", &ip_c);
+    ping(&k, "c", &ip_a);
+    k.delete_pod("c");
+    assert!(
+        attachments_of(&k, "c").is_empty(),
+        "c's attachment released"
+    );
+    let used: u64 = admin::pools_used(&k.tether_socket()).values().sum();
+    assert_eq!(used, 2, "a and b hold the only addresses");
+    eprintln!("step 2: pods a {ip_a}, b {ip_b}, c {ip_c} (deleted, released)");
+
+    // 3. Restarting the kubelet, then containerd, loses nothing.
+    let before = attachment_set(&k);
+    k.stop_kubelet();
+    k.start_kubelet();
+    k.wait_ready();
+    assert_eq!(k.wait_running("a"), ip_a);
+    assert_eq!(k.wait_running("b"), ip_b);
+    k.wait_exec("a");
+    ping(&k, "a", &ip_b);
+    assert_eq!(
+        attachment_set(&k),
+        before,
+        "the kubelet's restart changed tether's state"
+    );
+    k.stop_containerd();
+    ping_from_netns(&netns_a, &ip_b);
+    k.start_containerd();
+    k.wait_ready();
+    k.wait_exec("b");
+    ping(&k, "b", &ip_a);
+    assert_eq!(
+        attachment_set(&k),
+        before,
+        "containerd's restart changed tether's state"
+    );
+    for name in ["a", "b"] {
+        let pod = k.pod(name).expect("the pod");
+        assert_eq!(
+            pod["status"]["containerStatuses"][0]["restartCount"], 0,
+            "{name} restarted"
+        );
+    }
+    eprintln!("step 3: the kubelet and containerd restarted; nothing changed");
+
+    // 4. Deleting the DaemonSet's pod while pods run, and a DEL with no
+    //    tetherd running.
+    k.create_pod(&k.pod_manifest("d", json!({}), json!({})));
+    let ip_d = k.wait_running("d");
+    let before = attachment_set(&k);
+    k.api.kubectl_ok(&[
+        "-n",
+        "kube-system",
+        "delete",
+        "pod",
+        &first_ds_pod,
+        "--wait=false",
+    ]);
+    let second = wait_until(CONVERGE, || {
+        k.tether_pods()
+            .iter()
+            .any(|(n, phase, ready)| *n != first_ds_pod && phase == "Running" && *ready)
+    });
+    assert!(second, "no new tether pod: {:?}", k.tether_pods());
+    let ds_pod = k.wait_tether_ready(&v1);
+    assert_ne!(ds_pod, first_ds_pod);
+    assert_eq!(
+        attachment_set(&k),
+        before,
+        "the DaemonSet pod's restart changed tether's state"
+    );
+    ping(&k, "d", &ip_a);
+    ping(&k, "a", &ip_d);
+    // No tetherd at all: the DaemonSet selects no node for a while.
+    k.api.kubectl_ok(&[
+        "-n",
+        "kube-system",
+        "patch",
+        "daemonset",
+        "tether",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"template":{"spec":{"nodeSelector":{"tether.dev/test-no-node":"true"}}}}}"#,
+    ]);
+    let none = wait_until(CONVERGE, || k.tether_pods().is_empty());
+    assert!(none, "the tether pod did not go: {:?}", k.tether_pods());
+    k.delete_pod("d");
+    let queued = std::fs::read_dir(k.tether_state_dir().join("pending-del"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    assert!(
+        queued >= 1,
+        "d's DEL, made while no tetherd ran, is not queued"
+    );
+    ping_from_netns(&netns_a, &ip_b);
+    k.api.kubectl_ok(&[
+        "-n",
+        "kube-system",
+        "patch",
+        "daemonset",
+        "tether",
+        "--type=json",
+        "-p",
+        r#"[{"op":"remove","path":"/spec/template/spec/nodeSelector"}]"#,
+    ]);
+    k.wait_tether_ready(&v1);
+    let replayed = wait_until(CONVERGE, || attachments_of(&k, "d").is_empty());
+    assert!(
+        replayed,
+        "d's queued DEL was not replayed: {:?}",
+        attachments_of(&k, "d")
+    );
+    assert!(metric(&k, "tether_pending_del_replayed_total") >= 1.0);
+    ping(&k, "a", &ip_b);
+    eprintln!("step 4: the DaemonSet's pod deleted and gone; d's DEL queued and replayed");
+
+    // 5. VM pods.
+    let vm = VmPodSpec::new("default", "vm1", "virt-launcher-vm1-aaaaa");
+    let labels = |spec: &VmPodSpec| {
+        let mut l = json!({"kubevirt.io": "virt-launcher", "vm.kubevirt.io/name": spec.vm});
+        if spec.target {
+            l["kubevirt.io/migrationJobUID"] = json!("job-uid-1");
+        }
+        l
+    };
+    k.create_pod(&k.pod_manifest(&vm.pod_name, labels(&vm), vm.annotations()));
+    let vm_ip = k.wait_running(&vm.pod_name);
+    assert_in(&cidr, &vm_ip);
+    let src = attachment(&k, &vm.pod_name, &vm_ip);
+    let (_, vm_mac) = eth0(&k, &vm.pod_name);
+    assert_eq!(vm_mac, src.mac);
+    assert_eq!(route_dev(&k, &vm_ip), src.host_interface);
+    ping(&k, "a", &vm_ip);
+    // The migration's target, on this node: same address and MAC; the
+    // route stays with the source until the target is ready.
+    let target = vm.target("virt-launcher-vm1-bbbbb");
+    k.create_pod(&k.pod_manifest(&target.pod_name, labels(&target), target.annotations()));
+    assert_eq!(
+        k.wait_running(&target.pod_name),
+        vm_ip,
+        "the target has the VM's address"
+    );
+    let tgt = attachment(&k, &target.pod_name, &vm_ip);
+    assert_eq!(
+        eth0(&k, &target.pod_name).1,
+        vm_mac,
+        "the target has the VM's MAC"
+    );
+    assert_eq!(
+        route_dev(&k, &vm_ip),
+        src.host_interface,
+        "cut over before ready"
+    );
+    k.api.kubectl_ok(&[
+        "-n",
+        "default",
+        "annotate",
+        "pod",
+        &target.pod_name,
+        "kubevirt.io/migration-target-ready-timestamp=2026-11-25T12:00:00Z",
+    ]);
+    let moved = wait_until(CONVERGE, || route_dev(&k, &vm_ip) == tgt.host_interface);
+    assert!(
+        moved,
+        "the ready annotation did not move the VM's route to the target ({}): via {}",
+        tgt.host_interface,
+        route_dev(&k, &vm_ip)
+    );
+    k.delete_pod(&vm.pod_name);
+    assert_eq!(
+        route_dev(&k, &vm_ip),
+        tgt.host_interface,
+        "the source's DEL took the route"
+    );
+    ping(&k, "a", &vm_ip);
+    // The VM stops and starts again in a new pod: same address and MAC.
+    k.delete_pod(&target.pod_name);
+    let again = VmPodSpec::new("default", "vm1", "virt-launcher-vm1-ccccc");
+    k.create_pod(&k.pod_manifest(&again.pod_name, labels(&again), again.annotations()));
+    assert_eq!(
+        k.wait_running(&again.pod_name),
+        vm_ip,
+        "the VM's address is kept"
+    );
+    assert_eq!(eth0(&k, &again.pod_name).1, vm_mac, "the VM's MAC is kept");
+    eprintln!("step 5: VM vm1 at {vm_ip} {vm_mac}: migrated on the node, restarted, kept both");
+
+    // 6. Rolling the DaemonSet to a new image, with pings across it and a
+    //    DEL during it.
+    k.create_pod(&k.pod_manifest("e", json!({}), json!({})));
+    k.wait_running("e");
+    let before: BTreeSet<_> = attachment_set(&k)
+        .into_iter()
+        .filter(|(pod, _, _)| pod != "e")
+        .collect();
+    // 120 pings, 4 a second, from a to b while the DaemonSet rolls.
+    let mut pings = std::process::Command::new("ip");
+    pings
+        .args(["netns", "exec", k.api.netns().name()])
+        .arg(tether_e2e::kube::k8s_bin_dir().join("kubectl"))
+        .arg(format!(
+            "--kubeconfig={}",
+            k.api.admin_kubeconfig().display()
+        ))
+        .args(["-n", "default", "exec", "a", "--"])
+        .args(["ping", "-c", "120", "-i", "0.25", "-W", "1", &ip_b]);
+    let pinger = std::thread::spawn(move || pings.output());
+    k.api.kubectl_ok(&[
+        "-n",
+        "kube-system",
+        "set",
+        "image",
+        "daemonset/tether",
+        &format!("install={v2}"),
+        &format!("tetherd={v2}"),
+    ]);
+    k.api
+        .kubectl_ok(&["-n", "default", "delete", "pod", "e", "--wait=false"]);
+    k.wait_tether_ready(&v2);
+    k.api.kubectl_ok(&[
+        "-n",
+        "kube-system",
+        "rollout",
+        "status",
+        "daemonset/tether",
+        "--timeout=60s",
+    ]);
+    let released = wait_until(CONVERGE, || {
+        k.pod("e").is_none() && attachments_of(&k, "e").is_empty()
+    });
+    assert!(
+        released,
+        "e's DEL during the upgrade was lost: {:?}",
+        attachments_of(&k, "e")
+    );
+    let pinged = pinger
+        .join()
+        .expect("the pinger")
+        .expect("running kubectl exec ping");
+    let summary = String::from_utf8_lossy(&pinged.stdout).into_owned();
+    assert!(
+        summary.contains("120 packets transmitted, 120 packets received"),
+        "pings from a to b were lost while the DaemonSet rolled: {summary}"
+    );
+    let after: BTreeSet<_> = attachment_set(&k);
+    assert_eq!(
+        after, before,
+        "the upgrade changed the running pods' attachments"
+    );
+    ping(&k, "a", &ip_b);
+    ping(&k, "b", &vm_ip);
+    eprintln!("step 6: rolled to {v2}; pods kept, e's DEL not lost");
+}
+
+/// Pings `to` from the pod netns `netns` (a pin of containerd's, as
+/// tether's attachment names it), without the kubelet, containerd or
+/// tetherd: for when one of them is down.
+fn ping_from_netns(netns: &str, to: &str) {
+    let out = std::process::Command::new("nsenter")
+        .arg(format!("--net={netns}"))
+        .args(["ping", "-c", "1", "-W", "3", to])
+        .output()
+        .expect("running ping");
+    assert!(
+        out.status.success(),
+        "ping {to} from {netns}: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
