@@ -25,6 +25,10 @@
 //!   `/var/lib` is under a temp dir of this run, and the DaemonSet's
 //!   hostPaths are moved there ([`OneNode::tether_manifest`]).
 //!
+//! The kubelet also sets a few sysctls that are the whole machine's
+//! (`kernel.panic`, `vm.overcommit_memory`, ...): their values from before
+//! are put back.
+//!
 //! Dropping it deletes the pods it can, stops the kubelet, kills every
 //! container task of its containerd and their shims (found by its socket
 //! in their command lines), stops containerd and the control plane,
@@ -59,10 +63,28 @@ pub const TETHER_IMAGE: &str = "localhost/tether-test/tether";
 /// The one Debian containerd is started from.
 pub const CONTAINERD_BIN: &str = "/usr/bin/containerd";
 const READY: Duration = Duration::from_secs(90);
+/// The sysctls that are not per netns which the kubelet sets at start
+/// (its container manager's kernel tunables: `kernel.panic` 10,
+/// `kernel.panic_on_oops` 1, `vm.overcommit_memory` 1, ...); they are
+/// put back when the node is dropped.
+const KUBELET_SYSCTLS: &[&str] = &[
+    "vm.overcommit_memory",
+    "vm.panic_on_oom",
+    "kernel.panic",
+    "kernel.panic_on_oops",
+    "kernel.keys.root_maxkeys",
+    "kernel.keys.root_maxbytes",
+];
+
+fn sysctl_path(key: &str) -> PathBuf {
+    Path::new("/proc/sys").join(key.replace('.', "/"))
+}
 
 /// The one-node cluster (see the module doc).
 #[derive(Debug)]
 pub struct OneNode {
+    /// The machine-wide sysctls the kubelet sets, as they were before it.
+    sysctls: Vec<(&'static str, String)>,
     kubelet: Option<Child>,
     containerd: Option<Child>,
     controller_manager: Option<Child>,
@@ -89,6 +111,10 @@ impl OneNode {
         let dir = TempDir::new("kn");
         let name = node.name().to_string();
         let mut one = OneNode {
+            sysctls: KUBELET_SYSCTLS
+                .iter()
+                .filter_map(|k| Some((*k, std::fs::read_to_string(sysctl_path(k)).ok()?)))
+                .collect(),
             kubelet: None,
             containerd: None,
             controller_manager: None,
@@ -743,6 +769,56 @@ state = "{d}/state"
         text
     }
 
+    /// The socket's directory as the node sees it and as each running
+    /// `tetherd` container sees it (`ctr tasks exec`), and the readiness
+    /// probe run by hand in the container, for a failure's message.
+    pub fn tetherd_view(&self) -> String {
+        let run = self.tether_run_dir().display().to_string();
+        let mut text = format!(
+            "--- ls -la {run} (node) ---\n{}",
+            String::from_utf8_lossy(
+                &Command::new("ls")
+                    .args(["-la", &run])
+                    .output()
+                    .map(|o| o.stdout)
+                    .unwrap_or_default()
+            )
+        );
+        let ids = self.ctr(&[
+            "containers",
+            "ls",
+            "-q",
+            "labels.\"io.kubernetes.container.name\"==tetherd",
+        ]);
+        for (n, id) in String::from_utf8_lossy(&ids.stdout)
+            .split_whitespace()
+            .enumerate()
+        {
+            let probe = format!(
+                "echo '{{\"cniVersion\":\"1.1.0\",\"name\":\"diag\",\"type\":\"tether\",\"socket\":\"{}\"}}' | CNI_COMMAND=STATUS /tether/tether; echo rc=$?",
+                self.tether_socket().display()
+            );
+            for (k, argv) in [
+                vec!["/bin/ls", "-la", run.as_str()],
+                vec!["/bin/sh", "-c", probe.as_str()],
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let exec_id = format!("diag{n}x{k}");
+                let mut args = vec!["tasks", "exec", "--exec-id", exec_id.as_str(), id];
+                args.extend(argv.iter().copied());
+                let out = self.ctr(&args);
+                text.push_str(&format!(
+                    "--- in tetherd container {id}: {argv:?} ---\n{}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                ));
+            }
+        }
+        text
+    }
+
     /// Waits until exactly one tether pod runs, Ready, with image `image`;
     /// its name.
     pub fn wait_tether_ready(&self, image: &str) -> String {
@@ -766,9 +842,10 @@ state = "{d}/state"
         });
         assert!(
             ok,
-            "tether's DaemonSet pod not Ready with {image} in {READY:?}: {:?}\n{}\n{}",
+            "tether's DaemonSet pod not Ready with {image} in {READY:?}: {:?}\n{}\n{}\n{}",
             self.tether_pods(),
             self.tether_logs(),
+            self.tetherd_view(),
             self.kubelet_log_tail()
         );
         name
@@ -880,6 +957,14 @@ state = "{d}/state"
             }
         }
         self.unmount_all();
+        for (key, value) in &self.sysctls {
+            let path = sysctl_path(key);
+            if std::fs::read_to_string(&path).ok().as_deref() != Some(value.as_str()) {
+                if let Err(e) = std::fs::write(&path, value.trim()) {
+                    eprintln!("harness: cannot restore {key} to {}: {e}", value.trim());
+                }
+            }
+        }
     }
 
     /// SIGKILLs the containerd shims of this node (their command lines name
