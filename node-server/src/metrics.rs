@@ -517,35 +517,56 @@ pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener> {
         .map_err(|e| Error::InvalidConfig(format!("--metrics-address {addr}: cannot listen: {e}")))
 }
 
-/// Serves `/metrics` of `node` on `listener` from a task.
+/// Serves `/metrics` of `node` on `listener` from a task, and `/readyz`:
+/// 200 while the daemon's state store answers ([`Node::ready`]), 503 with
+/// the reason otherwise; the DaemonSet's readiness probe (an HTTP GET, so
+/// no process is started in the container every few seconds).
 pub fn serve(listener: tokio::net::TcpListener, node: Arc<Node>) {
     use axum::http::{header, StatusCode};
     use axum::response::IntoResponse;
     let addr = listener
         .local_addr()
         .map_or_else(|e| e.to_string(), |a| a.to_string());
+    let ready_node = node.clone();
     let registry = Arc::new(registry(node));
-    let app = axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(move || {
-            let registry = registry.clone();
-            async move {
-                match render(&registry) {
-                    Ok(text) => (
-                        StatusCode::OK,
-                        [(
-                            header::CONTENT_TYPE,
-                            prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
-                        )],
-                        text,
-                    )
-                        .into_response(),
-                    Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    let app = axum::Router::new()
+        .route(
+            "/readyz",
+            axum::routing::get(move || {
+                let node = ready_node.clone();
+                async move {
+                    match node.ready().await {
+                        Ok(()) => (StatusCode::OK, "ok\n".to_owned()).into_response(),
+                        Err(e) => {
+                            (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")).into_response()
+                        }
+                    }
                 }
-            }
-        }),
-    );
-    tracing::info!(%addr, "serving metrics at /metrics");
+            }),
+        )
+        .route(
+            "/metrics",
+            axum::routing::get(move || {
+                let registry = registry.clone();
+                async move {
+                    match render(&registry) {
+                        Ok(text) => (
+                            StatusCode::OK,
+                            [(
+                                header::CONTENT_TYPE,
+                                prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
+                            )],
+                            text,
+                        )
+                            .into_response(),
+                        Err(e) => {
+                            (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response()
+                        }
+                    }
+                }
+            }),
+        );
+    tracing::info!(%addr, "serving metrics at /metrics, readiness at /readyz");
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
             tracing::error!(%addr, error = %e, "the metrics server stopped");

@@ -312,3 +312,54 @@ fn metrics_are_off_by_default_and_a_taken_port_fails_the_start() {
     );
     assert!(said.contains("--metrics-address"), "{said}");
 }
+
+/// `/readyz`, the DaemonSet's readiness probe, answers 200 while the daemon
+/// serves, and stays 200 when the node's pool is full (STATUS says so to
+/// the runtime; a full node must not hold up a rolling update).
+#[test]
+fn readyz_is_ok_while_serving_even_with_a_full_pool() {
+    require_root();
+    // A /30: two usable addresses, one taken by the node side.
+    let daemon = Daemon::start(DaemonOpts {
+        pod_cidrs: vec!["10.247.9.0/30".into()],
+        extra_args: vec!["--metrics-address".into(), METRICS.into()],
+        ..Default::default()
+    });
+    let readyz = |daemon: &Daemon| {
+        let url = format!("http://{METRICS}/readyz");
+        let out = daemon.node().exec(&[
+            "curl",
+            "-sS",
+            "--max-time",
+            "5",
+            "-o",
+            "/dev/stdout",
+            "-w",
+            " %{http_code}",
+            &url,
+        ]);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert_eq!(readyz(&daemon), "ok\n 200");
+    let conf = daemon.netconf("1.0.0", "readyz");
+    let mut pods = Vec::new();
+    let mut full = false;
+    for i in 0..4 {
+        let ns = Netns::new("rz");
+        let out = add(&tether_bin(), &conf, &format!("rz{i}"), &ns);
+        pods.push((format!("rz{i}"), ns));
+        if out.status != 0 {
+            full = true;
+            break;
+        }
+    }
+    assert!(full, "a /30 took four pods");
+    assert_eq!(
+        readyz(&daemon),
+        "ok\n 200",
+        "a full pool made the daemon unready"
+    );
+    for (id, ns) in &pods {
+        del(&tether_bin(), &conf, id, ns);
+    }
+}

@@ -3,12 +3,19 @@
 use super::*;
 
 impl Node {
-    /// STATUS: ready for ADD when the store answers and every pool has room.
-    pub async fn status(&self) -> Result<Vec<u8>> {
+    /// The daemon's readiness (`/readyz`): its state store answers. Pool
+    /// room is STATUS's business, not readiness's: a full node must not
+    /// hold up a rolling update of the daemon.
+    pub async fn ready(&self) -> Result<()> {
         let store = self.store.clone();
         blocking(move || store.probe())
             .await
-            .map_err(|e| Error::NotReady(format!("the state store does not answer: {e}")))?;
+            .map_err(|e| Error::NotReady(format!("the state store does not answer: {e}")))
+    }
+
+    /// STATUS: ready for ADD when the store answers and every pool has room.
+    pub async fn status(&self) -> Result<Vec<u8>> {
+        self.ready().await?;
         let Some(shortage) = lock(&self.pools).shortage() else {
             return Ok(cni::empty_result());
         };
