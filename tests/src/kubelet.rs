@@ -539,13 +539,6 @@ state = "{d}/state"
                 _ => {}
             }
         }
-        if let Some(argv) = c["readinessProbe"]["exec"]["command"].as_array_mut() {
-            for a in argv.iter_mut() {
-                if let Some(text) = a.as_str() {
-                    *a = json!(text.replace("/run/tether/tether.sock", &socket));
-                }
-            }
-        }
         let volumes = spec["volumes"].as_array_mut().expect("volumes");
         volumes.retain(|v| v["name"] != "etcd-tls");
         for v in volumes.iter_mut() {

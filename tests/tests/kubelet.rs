@@ -75,8 +75,15 @@ fn ping(k: &OneNode, from: &str, to: &str) {
 /// `eth0` of pod `name` as the pod sees it: its addresses and its MAC.
 fn eth0(k: &OneNode, name: &str) -> (String, String) {
     let addrs = k.exec_ok(name, &["ip", "-o", "addr", "show", "dev", "eth0"]);
-    let mac = k.exec_ok(name, &["cat", "/sys/class/net/eth0/address"]);
-    (addrs, mac.trim().to_string())
+    // Through netlink, not /sys: sysfs shows the netns of whoever mounted it.
+    let link = k.exec_ok(name, &["ip", "-o", "link", "show", "dev", "eth0"]);
+    let mac = link
+        .split_whitespace()
+        .skip_while(|w| *w != "link/ether")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no MAC in {name}'s eth0: {link}"))
+        .to_string();
+    (addrs, mac)
 }
 
 /// The node's route to `ip`: its device.
@@ -122,6 +129,8 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
 
     // 1. NotReady without a CNI config; Ready once the init container has
     //    written tether's.
+    let reported = wait_until(CONVERGE, || !k.ready_condition().0.is_empty());
+    assert!(reported, "the kubelet reports no Ready condition");
     let (status, message) = k.ready_condition();
     assert_ne!(status, "True", "Ready before any CNI config: {message}");
     assert!(
@@ -428,8 +437,21 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
         .expect("the pinger")
         .expect("running kubectl exec ping");
     let summary = String::from_utf8_lossy(&pinged.stdout).into_owned();
-    assert!(
-        summary.contains("120 packets transmitted, 120 packets received"),
+    // "120 packets transmitted, 120 [packets] received, ..." (busybox's
+    // or iputils' words).
+    let counts: Vec<u64> = summary
+        .lines()
+        .find(|l| l.contains("packets transmitted"))
+        .map(|l| {
+            l.split(", ")
+                .take(2)
+                .filter_map(|part| part.split_whitespace().next()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!(
+        counts,
+        [120, 120],
         "pings from a to b were lost while the DaemonSet rolled: {summary}"
     );
     let after: BTreeSet<_> = attachment_set(&k);
