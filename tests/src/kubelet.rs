@@ -21,6 +21,13 @@
 //!   `imagePullPolicy: Never`, and containerd's sandbox image is ours.
 //! - No kube-proxy: a pod that talks to the API (tetherd) gets
 //!   `KUBERNETES_SERVICE_HOST` pointing at the server itself.
+//! - In a chroot (`../shared/fresh-machine`), `runc exec` (exec probes,
+//!   `kubectl exec`) joins the container's namespaces but lands in the
+//!   mount namespace's real root, outside the chroot, not in the
+//!   container's root: runc's `pivot_root` from a chroot does not move the
+//!   namespace's root. So the suites exec only what behaves the same from
+//!   either root (`ip`, `ping`, in the pod's netns), and tether's
+//!   DaemonSet probes readiness over HTTP.
 //! - Every directory the node would keep in `/etc`, `/opt`, `/run` or
 //!   `/var/lib` is under a temp dir of this run, and the DaemonSet's
 //!   hostPaths are moved there ([`OneNode::tether_manifest`]).
