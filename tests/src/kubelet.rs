@@ -70,6 +70,9 @@ pub const TETHER_IMAGE: &str = "localhost/tether-test/tether";
 /// The one Debian containerd is started from.
 pub const CONTAINERD_BIN: &str = "/usr/bin/containerd";
 const READY: Duration = Duration::from_secs(90);
+/// Where the kubelet always puts its device-plugin socket (not under
+/// `--root-dir`); removed again, with its directories if they are empty.
+const DEVICE_PLUGIN_DIR: &str = "/var/lib/kubelet/device-plugins";
 /// The sysctls that are not per netns which the kubelet sets at start
 /// (its container manager's kernel tunables: `kernel.panic` 10,
 /// `kernel.panic_on_oops` 1, `vm.overcommit_memory` 1, ...); they are
@@ -369,6 +372,8 @@ state = "{d}/state"
             format!("--config={}", self.path("kubelet.json").display()),
             format!("--kubeconfig={}", kubeconfig.display()),
             format!("--root-dir={}", self.path("kubelet").display()),
+            // Its serving certificate; the default is not under --root-dir.
+            format!("--cert-dir={}", self.path("kubelet-pki").display()),
             format!("--hostname-override={}", self.name),
             format!("--node-ip={}", self.underlay.v4),
             "--v=2".into(),
@@ -957,6 +962,12 @@ state = "{d}/state"
             }
         }
         self.unmount_all();
+        // The one path the kubelet always uses, whatever its flags: its
+        // device-plugin registration socket.
+        let plugins = Path::new(DEVICE_PLUGIN_DIR);
+        let _ = std::fs::remove_file(plugins.join("kubelet.sock"));
+        let _ = std::fs::remove_dir(plugins);
+        let _ = plugins.parent().map(std::fs::remove_dir);
         for (key, value) in &self.sysctls {
             let path = sysctl_path(key);
             if std::fs::read_to_string(&path).ok().as_deref() != Some(value.as_str()) {
