@@ -277,6 +277,14 @@ pub fn guarded<T>(
     }
 }
 
+/// The `q` quantile (0 to 1) of `v` by nearest rank; `None` if empty.
+pub fn percentile(v: &[Duration], q: f64) -> Option<Duration> {
+    let mut v = v.to_vec();
+    v.sort();
+    let i = ((v.len() as f64 - 1.0) * q).round() as usize;
+    v.get(i).copied()
+}
+
 /// The directory of the `tether` and `tetherd` a benchmark runs:
 /// `TETHER_BIN_DIR` if set, else the release build (built first if
 /// `build`). `TETHER_BIN_DIR` is set to it, so that the harness takes the

@@ -44,7 +44,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tether_e2e::benchkit::{
-    finish, guarded, judge, parse_command_line, release_dir, CommonArgs, Failures, Machine,
+    finish, guarded, judge, parse_command_line, percentile, release_dir, CommonArgs, Failures,
+    Machine,
 };
 use tether_e2e::cluster::{Cluster, ClusterOpts, Fabric, NodeOpts};
 use tether_e2e::kube::{whereabouts_dir, KubeApi};
@@ -629,13 +630,6 @@ fn cluster_phase(bin_dir: &Path, args: &Args, f: &mut Failures) -> ClusterRun {
         burst_n: burst_ok,
         distinct: ips.len(),
     }
-}
-
-fn percentile(v: &[Duration], q: f64) -> Option<Duration> {
-    let mut v = v.to_vec();
-    v.sort();
-    let i = ((v.len() as f64 - 1.0) * q).round() as usize;
-    v.get(i).copied()
 }
 
 fn ms(d: Option<Duration>) -> String {

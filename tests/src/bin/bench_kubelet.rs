@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use ipnet::IpNet;
 use serde_json::json;
 use tether_e2e::benchkit::{
-    finish, guarded, parse_command_line, release_dir, CommonArgs, Failures, Machine,
+    finish, guarded, parse_command_line, percentile, release_dir, CommonArgs, Failures, Machine,
 };
 use tether_e2e::kubelet::OneNode;
 use tether_e2e::{require_root, run_prefix, wait_until};
@@ -240,13 +240,6 @@ fn run(args: &Args, failures: &mut Failures) -> Samples {
     let _ = std::fs::remove_file(conf_dir.join(PTP_CONFLIST));
     let _ = std::fs::write(conf_dir.join(TETHER_CONFLIST), &tether_conf);
     samples
-}
-
-fn percentile(v: &[Duration], q: f64) -> Option<Duration> {
-    let mut v = v.to_vec();
-    v.sort();
-    let i = ((v.len() as f64 - 1.0) * q).round() as usize;
-    v.get(i).copied()
 }
 
 fn ms(d: Option<Duration>) -> String {
