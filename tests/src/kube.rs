@@ -14,7 +14,6 @@
 //! machine's own netns. Dropping it kills both processes (by their
 //! handles) and removes the netns and the directory.
 
-use std::fs::File;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -175,12 +174,7 @@ impl KubeApi {
     /// its directory (a control-plane component such as
     /// kube-controller-manager). The caller owns the child.
     pub fn spawn(&self, name: &str, program: &Path, args: &[&str]) -> Child {
-        let log = File::options()
-            .create(true)
-            .append(true)
-            .open(self.path(&format!("{name}.log")))
-            .expect("opening a log");
-        let err = log.try_clone().expect("duplicating the log fd");
+        let (log, err) = crate::log_outputs(&self.path(&format!("{name}.log")));
         Command::new("ip")
             .args(["netns", "exec", self.netns.name()])
             .arg(program)

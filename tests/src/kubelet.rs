@@ -43,7 +43,6 @@
 //! kubelet and containerd mounted under its directory, and removes it.
 
 use std::collections::BTreeSet;
-use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -316,12 +315,7 @@ state = "{d}/state"
     /// Spawns `program` in the node netns (`nsenter --net`, see the module
     /// doc), logging to `<name>.log`.
     fn spawn_on_node(&self, name: &str, program: &Path, args: &[String]) -> Child {
-        let log = File::options()
-            .create(true)
-            .append(true)
-            .open(self.path(&format!("{name}.log")))
-            .expect("opening a log");
-        let err = log.try_clone().expect("duplicating the log fd");
+        let (log, err) = crate::log_outputs(&self.path(&format!("{name}.log")));
         Command::new("nsenter")
             .arg(format!("--net={}", self.node.path().display()))
             .arg(program)

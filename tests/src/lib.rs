@@ -227,6 +227,17 @@ impl Drop for TempDir {
     }
 }
 
+/// `path` opened for appending, twice: a child's stdout and stderr.
+pub(crate) fn log_outputs(path: &Path) -> (std::fs::File, std::fs::File) {
+    let log = std::fs::File::options()
+        .create(true)
+        .append(true)
+        .open(path)
+        .unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
+    let err = log.try_clone().expect("duplicating the log fd");
+    (log, err)
+}
+
 /// The last `n` lines of a log file, headed by its path, for panic
 /// messages ("" if it cannot be read).
 pub(crate) fn log_tail(path: &Path, n: usize) -> String {
