@@ -108,6 +108,21 @@ fn metric(k: &OneNode, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// The names in `dir`, sorted.
+fn names_in(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
+        .map(|e| {
+            e.expect("an entry")
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    names.sort();
+    names
+}
+
 fn pod_cidr(k: &OneNode) -> IpNet {
     let node = k.api.get(&["node", k.name()]).expect("the node");
     node["spec"]["podCIDR"]
@@ -142,15 +157,7 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     k.install_tether(&v1);
     let first_ds_pod = k.wait_tether_ready(&v1);
     k.wait_ready();
-    let conf: Vec<String> = std::fs::read_dir(k.cni_conf_dir())
-        .expect("the CNI conf dir")
-        .map(|e| {
-            e.expect("an entry")
-                .file_name()
-                .to_string_lossy()
-                .into_owned()
-        })
-        .collect();
+    let conf = names_in(&k.cni_conf_dir());
     assert_eq!(
         conf,
         ["10-tether.conflist"],
@@ -165,16 +172,7 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
         k.tether_socket().display().to_string(),
         "the installer wrote TETHER_SOCKET into the conflist"
     );
-    let mut bins: Vec<String> = std::fs::read_dir(k.cni_bin_dir())
-        .expect("the CNI bin dir")
-        .map(|e| {
-            e.expect("an entry")
-                .file_name()
-                .to_string_lossy()
-                .into_owned()
-        })
-        .collect();
-    bins.sort();
+    let bins = names_in(&k.cni_bin_dir());
     assert_eq!(bins, ["loopback", "portmap", "tether"], "no temp files");
     let cidr = pod_cidr(&k);
     eprintln!("step 1: node Ready with tether's conflist; its pod CIDR {cidr}");
