@@ -14,6 +14,51 @@ pub(crate) fn placed_before_last_cutover(alt: &VmAttachment, r: &VmRecord) -> bo
         .is_some_and(|c| UnixNanos::from(alt.since_unix_ms) < c.seen_unix_nanos)
 }
 
+/// The one decision of a cutover, applied to `r` as it is in the control
+/// store: promotes the alternate to active and records the cutover, or
+/// returns false when the record refuses. `want` is the local attachment
+/// (and this node's name) a local trigger requires to be the alternate.
+/// The pre-check before the kernel is touched and the compare-and-swap
+/// both call it, so the two cannot disagree.
+pub(crate) fn promote(
+    r: &mut VmRecord,
+    want: Option<(&AttachmentKey, &str)>,
+    trigger: Trigger,
+    seen: UnixNanos,
+) -> Result<bool> {
+    let Some(alt) = &r.alternate else {
+        return match want {
+            Some(_) => Ok(false),
+            None => Err(Error::VmState(format!(
+                "VM {} has no alternate pod to cut over to",
+                r.key
+            ))),
+        };
+    };
+    if let Some((k, node)) = want {
+        if !alt.is(node, &k.network, &k.container_id, &k.ifname) {
+            return Ok(false);
+        }
+    }
+    if trigger == Trigger::Annotation && placed_before_last_cutover(alt, r) {
+        // The alternate was placed before the last cutover: it is the
+        // demoted source, whose ready marker is left from the migration
+        // that made it active once. A stale marker never steals the VM
+        // back.
+        return Ok(false);
+    }
+    let to_node = alt.node.clone();
+    let from_node = r.active.as_ref().map(|a| a.node.clone());
+    std::mem::swap(&mut r.active, &mut r.alternate);
+    r.last_cutover = Some(CutoverInfo {
+        trigger,
+        from_node,
+        to_node,
+        seen_unix_nanos: seen,
+    });
+    Ok(true)
+}
+
 impl Node {
     /// After a VM pod's ADD: a migration target starts listening for its
     /// VM's announcement, or is promoted at once when its pod says the VM
@@ -68,9 +113,12 @@ impl Node {
 
     /// Promotes the alternate of `vm` to active by compare-and-swap. With
     /// `only` (a local trigger), only if that local attachment is the
-    /// alternate, and its route is installed first, before the write: the
-    /// VM runs here now. `seen` is when the trigger was seen (Instant and
-    /// ns since the epoch).
+    /// alternate. A trigger that proves the VM runs here (its announcement)
+    /// installs the local route first, before the write; one that may be
+    /// stale (the ready marker, which stays on a pod after its VM left it)
+    /// first asks the record, and touches the kernel only when the record
+    /// would accept the cutover. `seen` is when the trigger was seen
+    /// (Instant and ns since the epoch).
     pub async fn cutover(
         &self,
         vm: &VmKey,
@@ -79,49 +127,28 @@ impl Node {
         seen: (Instant, UnixNanos),
     ) -> Result<VmRecord> {
         let me = self.config.name.clone();
+        let want = only.map(|a| (&a.key, me.as_str()));
         let mut local_route = None;
         if let Some(a) = only {
+            if !trigger.proves_the_vm_runs_here() {
+                let current = self.vm.records.read(vm).await?;
+                let Some((rec, _)) = current else {
+                    return Err(Error::UnknownVm(vm.to_string()));
+                };
+                if !promote(&mut rec.clone(), want, trigger, seen.1)? {
+                    tracing::debug!(%vm, trigger = trigger.name(), "the record refuses this cutover: nothing touched");
+                    return Ok(rec);
+                }
+            }
             self.kernel
                 .ensure_host_routes(&a.host_ifname, &a.ips)
                 .await?;
             local_route = Some(seen.0.elapsed());
         }
-        let want = only.map(|a| (a.key.clone(), me.clone()));
         let outcome = self
             .vm
             .records
-            .update(vm, |r| {
-                let Some(alt) = &r.alternate else {
-                    return match &want {
-                        Some(_) => Ok(false),
-                        None => Err(Error::VmState(format!(
-                            "VM {vm} has no alternate pod to cut over to"
-                        ))),
-                    };
-                };
-                if let Some((k, node)) = &want {
-                    if !alt.is(node, &k.network, &k.container_id, &k.ifname) {
-                        return Ok(false);
-                    }
-                }
-                if trigger == Trigger::Annotation && placed_before_last_cutover(alt, r) {
-                    // The alternate was placed before the last cutover: it
-                    // is the demoted source, whose ready marker is left
-                    // from the migration that made it active once. A
-                    // stale marker never steals the VM back.
-                    return Ok(false);
-                }
-                let to_node = alt.node.clone();
-                let from_node = r.active.as_ref().map(|a| a.node.clone());
-                std::mem::swap(&mut r.active, &mut r.alternate);
-                r.last_cutover = Some(CutoverInfo {
-                    trigger,
-                    from_node,
-                    to_node,
-                    seen_unix_nanos: seen.1,
-                });
-                Ok(true)
-            })
+            .update(vm, |r| promote(r, want, trigger, seen.1))
             .await;
         let (rec, committed) = match outcome {
             Ok(done) => done,

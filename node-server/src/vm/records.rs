@@ -186,6 +186,14 @@ pub enum Trigger {
 }
 
 impl Trigger {
+    /// Whether the trigger is the VM itself, seen on this node's veth (its
+    /// announcement): then the VM runs here and its route goes in before
+    /// the record is asked. Any other local trigger may be stale, and the
+    /// record is asked first.
+    pub fn proves_the_vm_runs_here(self) -> bool {
+        matches!(self, Trigger::Rarp | Trigger::Garp)
+    }
+
     /// The name shown to operators.
     pub fn name(self) -> &'static str {
         match self {

@@ -4,6 +4,7 @@
 //! record). The API side ([`crate::kube`]) decides nothing: it reports
 //! what it saw, and the record, changed by compare-and-swap, decides here.
 
+use super::cutover::promote;
 use super::*;
 use crate::kube::pods::VmPodSeen;
 use crate::kube::{PodEvent, PodRef};
@@ -62,8 +63,15 @@ impl Node {
             let is =
                 |x: &VmAttachment| x.is(me, &a.key.network, &a.key.container_id, &a.key.ifname);
             if seen.ready && !seen.gone {
-                if rec.alternate.as_ref().is_some_and(is) {
-                    let at = (Instant::now(), UnixNanos::now());
+                let at = (Instant::now(), UnixNanos::now());
+                // Asked of a copy: the record decides whether the marker
+                // is the one of this migration or a stale one left on a
+                // demoted pod, before anything is touched.
+                let want = Some((&a.key, me.as_str()));
+                if matches!(
+                    promote(&mut rec.clone(), want, Trigger::Annotation, at.1),
+                    Ok(true)
+                ) {
                     if let Err(e) = self.cutover(&vm, Some(&a), Trigger::Annotation, at).await {
                         tracing::warn!(%vm, error = %e, "cutover on the target-ready annotation failed");
                     }

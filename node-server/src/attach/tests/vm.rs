@@ -1118,6 +1118,78 @@ async fn a_stale_ready_marker_on_the_demoted_source_never_steals_the_vm_back() {
     assert_eq!(a.node.vm_stats().cutovers, 0);
 }
 
+/// The calls of `t`'s kernel that add or remove a pod's host routes.
+fn host_route_calls(t: &TestNode) -> Vec<(K, String)> {
+    t.kernel
+        .log()
+        .into_iter()
+        .filter(|(c, _)| matches!(c, K::EnsureHostRoutes | K::RemoveHostRoutes))
+        .collect()
+}
+
+#[tokio::test]
+async fn updates_of_the_demoted_target_after_a_round_trip_never_touch_its_routes() {
+    // vm1 goes A (c1) -> B (c2) and back B -> A: c2 on B is the demoted
+    // alternate, and its pod keeps the ready marker of the first move.
+    let (a, b, _) = migrated().await;
+    a.node
+        .cutover(
+            &key("vm1"),
+            None,
+            Trigger::Admin,
+            (Instant::now(), UnixNanos::now()),
+        )
+        .await
+        .expect("the cutover back to A");
+    let back = record(&a, "vm1").await.expect("a record");
+    let b_cutovers = b.node.vm_stats().cutovers;
+    assert!(is(&back.active, "node-a", "c1"), "{back:?}");
+    assert!(is(&back.alternate, "node-b", "c2"), "{back:?}");
+    b.eventually("B withdraws its routes to the demoted pod", |t| {
+        back.ips.iter().all(|ip| routed_to(t, *ip).is_none())
+    })
+    .await;
+    b.kernel.clear_log();
+    for _ in 0..20 {
+        // The pod watch reports each update of c2's pod (a new marker, a
+        // label): the marker is stale.
+        assert!(b
+            .node
+            .vm_pod_seen(&seen("c2", true, false))
+            .await
+            .is_empty());
+    }
+    // A repeated ADD and a CHECK carrying the stale marker go the same way.
+    let marked = |c: Call| c.annotation(TARGET_READY_ANNOTATION, "2024-01-01T00:00:00Z");
+    let result = add(&b, marked(vm_call(&b, "c2", "vm1").target()))
+        .await
+        .expect("the repeated ADD answers as before");
+    check(
+        &b,
+        marked(
+            Call::new("CHECK", "c2")
+                .netns(&b.netns("c2"))
+                .conf("prevResult", result)
+                .vm("vm1")
+                .target(),
+        ),
+    )
+    .await
+    .expect("CHECK of the demoted pod");
+    assert_eq!(
+        host_route_calls(&b),
+        vec![],
+        "a stale marker touched B's routes"
+    );
+    for ip in &back.ips {
+        assert_eq!(routed_to(&b, *ip), None, "B routes {ip} to the demoted pod");
+    }
+    let after = record(&a, "vm1").await.expect("a record");
+    assert_eq!(after.generation, back.generation, "{after:?}");
+    assert!(is(&after.active, "node-a", "c1"), "{after:?}");
+    assert_eq!(b.node.vm_stats().cutovers, b_cutovers);
+}
+
 #[tokio::test]
 async fn a_promoted_target_that_goes_away_gives_the_vm_back_to_its_source() {
     let (a, b, before) = migrated().await;
