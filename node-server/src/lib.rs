@@ -19,14 +19,17 @@ pub mod cluster;
 pub mod cni;
 pub mod control;
 pub mod dhcp;
-pub mod error;
+#[cfg(test)]
+mod error_codes;
 pub mod ipam;
 pub mod kernel;
 pub mod kube;
-pub mod mac;
 pub mod metrics;
 pub mod pools;
 pub mod routing;
 pub mod store;
-pub mod time;
 pub mod vm;
+
+// The bottom layer, under the names the daemon's modules have always
+// used for it.
+pub use tether_base::{error, mac, time};

@@ -6,12 +6,12 @@
 //! Backends sit behind [`Store`]; the embedded `local` backend (a snapshot
 //! plus a checksummed append-only journal) is the default.
 
+use crate::error::{chain, Error};
 use crate::mac::Mac;
 use crate::time::UnixNanos;
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
-use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::net::IpAddr;
@@ -19,22 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-/// Identifies one attachment: the CNI spec's (network, container, ifname).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct AttachmentKey {
-    /// The CNI network name (the netconf's "name").
-    pub network: String,
-    /// CNI_CONTAINERID.
-    pub container_id: String,
-    /// CNI_IFNAME.
-    pub ifname: String,
-}
-
-impl fmt::Display for AttachmentKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}/{}", self.network, self.container_id, self.ifname)
-    }
-}
+pub use tether_base::keys::AttachmentKey;
 
 /// One container interface wired by tether, as recorded durably.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -66,11 +51,11 @@ pub struct Attachment {
     /// addresses belong to the VM's record in the control plane; two pods
     /// of one VM (a migration's source and target) may hold them at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub vm: Option<crate::vm::VmKey>,
+    pub vm: Option<tether_base::keys::VmKey>,
     /// For a VM pod of the `tap` or `managedTap` binding: its tap, if
     /// tether made one, and what its guest's DHCP answers carry.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub guest: Option<crate::vm::guest::GuestNet>,
+    pub guest: Option<tether_base::guest::GuestNet>,
     /// The named pools its addresses came from; empty for the node's pod
     /// CIDRs.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -84,7 +69,7 @@ pub struct Attachment {
 
 /// What went wrong in the attachment store. It says what happened; which
 /// CNI code that is, is decided once, by `From<StoreError>` for
-/// [`crate::error::Error`].
+/// [`Error`].
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// A file operation failed.
@@ -658,6 +643,26 @@ impl Store for LocalStore {
         }
         let j = lock(&self.inner);
         j.file.metadata().map(|_| ()).map_err(io_err("journal"))
+    }
+}
+
+/// Which error, and so which CNI code, each attachment-store failure is.
+impl From<StoreError> for Error {
+    fn from(e: StoreError) -> Self {
+        let text = chain(&e);
+        match e {
+            // The files, or a flush the device refused (104).
+            StoreError::Io { .. }
+            | StoreError::Corrupt { .. }
+            | StoreError::UnsupportedVersion { .. }
+            | StoreError::FlushFailed { .. } => Error::Store(text),
+            // What tetherd asked of the store makes no sense: the daemon
+            // checks keys and addresses before it writes (199).
+            StoreError::Encode { .. }
+            | StoreError::TooLarge { .. }
+            | StoreError::Exists(_)
+            | StoreError::AddressHeld { .. } => Error::Internal(text),
+        }
     }
 }
 

@@ -115,6 +115,90 @@ fn touch(api: &KubeApi, pod: &str) {
     api.kubectl_ok(&["-n", NS, "label", "pod", pod, "--overwrite", "touched=yes"]);
 }
 
+/// Gives a pod's labels the `n`th value, so that every watch on it sees
+/// an update.
+fn touch_n(api: &KubeApi, pod: &str, n: usize) {
+    api.kubectl_ok(&[
+        "-n",
+        NS,
+        "label",
+        "pod",
+        pod,
+        "--overwrite",
+        &format!("touched={n}"),
+    ]);
+}
+
+/// The ICMP echo requests `ns` has received (Icmp InEchos of its
+/// /proc/net/snmp, which is per network namespace).
+fn in_echos(ns: &Netns) -> u64 {
+    let snmp = ns.exec_ok(&["cat", "/proc/net/snmp"]);
+    let mut icmp = snmp.lines().filter(|l| l.starts_with("Icmp:"));
+    let (names, values) = (icmp.next(), icmp.next());
+    let (Some(names), Some(values)) = (names, values) else {
+        panic!("no Icmp lines in /proc/net/snmp: {snmp}");
+    };
+    let at = names
+        .split_whitespace()
+        .position(|n| n == "InEchos")
+        .expect("an InEchos column");
+    values
+        .split_whitespace()
+        .nth(at)
+        .and_then(|v| v.parse().ok())
+        .expect("an InEchos value")
+}
+
+/// iputils ping from `ns` to `ip` every 0.4 ms (2.5 kHz), for at most
+/// `limit`, in the background.
+fn ping_in_background(ns: &Netns, ip: IpAddr, limit: Duration) -> std::process::Child {
+    std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            ns.name(),
+            "ping",
+            "-q",
+            "-n",
+            "-i",
+            "0.0004",
+            "-w",
+        ])
+        .arg(limit.as_secs().to_string())
+        .arg(ip.to_string())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("ping")
+}
+
+/// Stops a background ping (SIGINT, so that it prints its summary) and
+/// returns how many echo requests it sent and how many replies came.
+fn stop_pinger(child: std::process::Child) -> (u64, u64) {
+    let _ = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status();
+    let out = child.wait_with_output().expect("ping's output");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.contains("packets transmitted"))
+        .unwrap_or_else(|| {
+            panic!(
+                "no summary from ping: {text} {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+    let count = |word: &str| -> u64 {
+        line.split(',')
+            .find(|p| p.contains(word))
+            .and_then(|p| p.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no '{word}' in ping's summary: {line}"))
+    };
+    (count("transmitted"), count("received"))
+}
+
 /// An IPAMClaim as KubeVirt's ipam-extensions creates it: `<vm>.<network>`,
 /// the VM label, its finalizer, and only `spec.network` (its Go client
 /// sends `interface` empty).
@@ -273,8 +357,41 @@ fn ipamclaims_and_the_migration_target_watch_against_a_real_api_server() {
     let back = add_vm_pod(a, &t2);
     mark_ready(&api, "virt-launcher-vm1-ccccc");
     wait_active(a, "vm1.default", a.name(), "annotation");
-    touch(&api, "virt-launcher-vm1-bbbbb");
-    std::thread::sleep(Duration::from_secs(3));
+    assert!(wait_until(CONVERGE, || routes_locally(a, ips[0])
+        && !routes_locally(b, ips[0])));
+    // A pod on B pings the VM (now on A) at 2.5 kHz while the demoted pod
+    // on B gets 20 updates; not one echo request may reach the demoted pod.
+    let observer = b.add_pod();
+    let echoes_before = in_echos(target.netns());
+    let pinger = ping_in_background(observer.netns(), ips[0], Duration::from_secs(30));
+    for i in 0..20 {
+        if i % 2 == 0 {
+            touch_n(&api, "virt-launcher-vm1-bbbbb", i);
+        } else {
+            api.kubectl_ok(&[
+                "-n",
+                NS,
+                "annotate",
+                "pod",
+                "virt-launcher-vm1-bbbbb",
+                "--overwrite",
+                &format!("kubevirt.io/migration-target-ready-timestamp=2026-11-25T08:00:{i:02}Z"),
+            ]);
+        }
+    }
+    // The watch delivers the last update within a moment; the pinger
+    // runs on past it.
+    std::thread::sleep(Duration::from_secs(2));
+    let (sent, received) = stop_pinger(pinger);
+    let stolen = in_echos(target.netns()) - echoes_before;
+    eprintln!("stale marker: {sent} echo requests sent, {received} replies, {stolen} reached the demoted pod");
+    assert!(sent >= 5_000, "the pinger sent only {sent} echo requests");
+    assert!(
+        received * 10 >= sent * 9,
+        "the VM answered {received} of {sent}"
+    );
+    assert_eq!(stolen, 0, "echo requests reached the demoted pod on B");
+    b.del(&observer).assert_success();
     let rec = get_claimed_vm(socket(a), NS, "vm1.default").expect("record");
     assert_eq!(
         active_node(&rec),

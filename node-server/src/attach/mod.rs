@@ -47,8 +47,9 @@ use ipnet::IpNet;
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+pub(crate) use tether_base::sync::lock;
 use tokio::sync::{Notify, OwnedMutexGuard, RwLock};
 
 /// The node's static settings.
@@ -142,12 +143,6 @@ impl Drop for KeyGuard<'_> {
     }
 }
 
-/// Locks a std mutex, recovering from poisoning: every critical section in
-/// this module leaves the data consistent before anything can panic.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// Runs a blocking store call off the async workers.
 async fn blocking<T: Send + 'static, E: Into<Error> + Send + 'static>(
     f: impl FnOnce() -> Result<T, E> + Send + 'static,
@@ -181,7 +176,7 @@ fn wiring<'a>(a: &'a Attachment, pod_mac: Mac, netns: &'a PodNetns, routed: bool
         managed_tap: a
             .guest
             .as_ref()
-            .is_some_and(|g| g.kind() == crate::vm::guest::BindingKind::ManagedTap),
+            .is_some_and(|g| g.kind() == tether_base::guest::BindingKind::ManagedTap),
     }
 }
 

@@ -16,7 +16,7 @@ use serde_json::{Map, Value};
 use super::args::RequestedMac;
 use super::version::CniVersion;
 use crate::error::{Error, Result};
-use crate::vm::guest::{BindingKind, KubevirtConf, MAX_QUEUES};
+use tether_base::guest::{BindingKind, KubevirtConf, MAX_QUEUES};
 
 /// The smallest MTU accepted: the IPv4 minimum datagram every host must
 /// reassemble (RFC 791). IPv6's 1280 is the caller's check.

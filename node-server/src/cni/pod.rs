@@ -6,15 +6,16 @@
 use super::Invocation;
 use crate::error::{Error, Result};
 use crate::ipam::Family;
-use crate::kube::ClaimRef;
 use crate::mac::Mac;
-use crate::vm::guest::{
+use serde_json::Value;
+use std::net::IpAddr;
+use tether_base::guest::{
     self, BindingKind, DhcpOptions, GuestNet, TapSpec, BINDING_ANNOTATION, MAX_QUEUES,
     QUEUES_ANNOTATION,
 };
-use crate::vm::{VmKey, DOMAIN_ANNOTATION, MIGRATION_JOB_ANNOTATION, TARGET_READY_ANNOTATION};
-use serde_json::Value;
-use std::net::IpAddr;
+use tether_base::keys::ClaimRef;
+use tether_base::keys::VmKey;
+use tether_base::kubevirt::{DOMAIN_ANNOTATION, MIGRATION_JOB_ANNOTATION, TARGET_READY_ANNOTATION};
 
 /// A VM pod as its ADD describes it.
 #[derive(Debug, Clone)]
@@ -100,7 +101,7 @@ pub fn claim_reference(inv: &Invocation) -> Option<String> {
             .unwrap_or_default()
     };
     let claim_of = |e: &Value| {
-        e.get(crate::kube::claims::NSE_CLAIM_KEY)
+        e.get(tether_base::kubevirt::NSE_CLAIM_KEY)
             .and_then(Value::as_str)
             .filter(|c| !c.is_empty())
             .map(str::to_owned)

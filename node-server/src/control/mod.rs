@@ -16,7 +16,7 @@
 pub mod embedded;
 pub mod etcd;
 
-use crate::error::Error;
+use crate::error::{chain, Error};
 use std::fmt;
 use std::future::Future;
 use std::path::PathBuf;
@@ -269,6 +269,27 @@ pub async fn follow(
                 }
                 Err(e) => tracing::debug!(%prefix, error = %e, "cannot list the control plane"),
             }
+        }
+    }
+}
+
+/// Which error, and so which CNI code, each control-plane failure is.
+impl From<ControlError> for Error {
+    fn from(e: ControlError) -> Self {
+        let text = chain(&e);
+        match e {
+            // etcd did not answer: the runtime should retry (11).
+            ControlError::Unavailable { .. } | ControlError::Connect { .. } => {
+                Error::TryAgain(text)
+            }
+            // The operator's etcd options (7).
+            ControlError::Misconfigured(_) | ControlError::TlsFile { .. } => {
+                Error::InvalidConfig(text)
+            }
+            // The embedded backend's file (104).
+            ControlError::Io { .. } | ControlError::Corrupt { .. } => Error::Store(text),
+            // Values tetherd itself produced (199).
+            ControlError::Encode(_) | ControlError::NotUtf8 { .. } => Error::Internal(text),
         }
     }
 }

@@ -24,11 +24,11 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use crate::attach::lock;
 use crate::error::{Error, Result};
 use crate::kernel::{GuestDhcp, GuestLease};
 use responder::{Dropped, Kind, Outcome};
 use socket::GuestSocket;
+use tether_base::sync::lock;
 
 /// How often an unsolicited router advertisement refreshes the guest's
 /// default router: three times per router lifetime.

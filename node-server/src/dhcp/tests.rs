@@ -12,7 +12,7 @@ use proptest::prelude::*;
 use super::responder::{respond, server_duid, unsolicited_advertisement, Dropped, Kind, Outcome};
 use crate::kernel::{GuestLease, GATEWAY_MAC, GATEWAY_V4, GATEWAY_V6};
 use crate::mac::Mac;
-use crate::vm::guest::DhcpOptions;
+use tether_base::guest::DhcpOptions;
 
 const GUEST: [u8; 6] = [0x0a, 0x58, 0x0a, 0x01, 0x00, 0x07];
 const OTHER: [u8; 6] = [0x52, 0x54, 0x00, 0xaa, 0xbb, 0xcc];

@@ -23,10 +23,10 @@ use super::{
     NodeRoutes, PodNetns, PodWiring, Synced, Veths, VxlanConfig, VxlanPeer, CLUSTER_ROUTE_PROTOCOL,
     HOST_IFNAME_PREFIX, ROUTE_PROTOCOL, VM_ROUTE_PROTOCOL,
 };
-use crate::attach::lock;
 use crate::error::{Error, Mismatch, Result};
 use crate::mac::Mac;
-use crate::vm::guest::TapSpec;
+use tether_base::guest::TapSpec;
+use tether_base::sync::lock;
 
 /// Every call of the kernel traits, for failure injection and the log.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -29,9 +29,9 @@ use ipnet::IpNet;
 
 use crate::error::{Error, Result};
 use crate::mac::Mac;
-use crate::vm::guest::{DhcpOptions, TapSpec};
 pub use host::LinuxHost;
 pub use packet::{AnnounceKind, Announcement};
+use tether_base::guest::{DhcpOptions, TapSpec};
 
 /// The IPv4 gateway every pod routes through; answered by the node's veth.
 pub const GATEWAY_V4: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);

@@ -27,9 +27,9 @@
 //! that has the VM's traffic (after a migration, the target), where
 //! OVN-Kubernetes leaves the first pod.
 
-use crate::attach::{lock, Node};
+use crate::attach::Node;
 use crate::error::Error;
-use crate::vm::{VmKey, VmRecord};
+use crate::vm::VmRecord;
 use futures::StreamExt;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
 use kube::runtime::watcher::{self, watcher, Event};
@@ -41,6 +41,7 @@ use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tether_base::sync::lock;
 use tokio::sync::Notify;
 
 /// The claims' API group.
@@ -53,36 +54,14 @@ pub const KIND: &str = "IPAMClaim";
 pub const PLURAL: &str = "ipamclaims";
 /// The condition tether sets.
 pub const CONDITION: &str = "IPsAllocated";
-/// The key of a network-selection element that names its claim.
-pub const NSE_CLAIM_KEY: &str = "ipam-claim-reference";
+pub use tether_base::keys::ClaimRef;
+pub use tether_base::kubevirt::NSE_CLAIM_KEY;
 /// How often every claim is looked at again, besides the changes.
 const RESYNC: Duration = Duration::from_secs(30);
 
 /// The API resource of IPAMClaims.
 pub fn resource() -> ApiResource {
     ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, VERSION, KIND), PLURAL)
-}
-
-/// A pod's reference to its claim (the claim lives in the pod's namespace).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ClaimRef {
-    /// The namespace.
-    pub namespace: String,
-    /// The claim's name.
-    pub name: String,
-}
-
-impl ClaimRef {
-    /// The key of the VM record the claim holds.
-    pub fn key(&self) -> crate::error::Result<VmKey> {
-        VmKey::claim(&self.namespace, &self.name)
-    }
-}
-
-impl std::fmt::Display for ClaimRef {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
-    }
 }
 
 /// Why a claim's allocation failed, as the condition's reason says it.
@@ -535,7 +514,7 @@ mod tests {
     use super::*;
     use crate::mac::Mac;
     use crate::time::UnixMillis;
-    use crate::vm::Origin;
+    use crate::vm::{Origin, VmKey};
 
     fn rec(ips: &[&str]) -> VmRecord {
         VmRecord {

@@ -166,7 +166,7 @@ impl EventSink {
     /// Queues an event; never waits. Returns whether it was queued.
     pub fn emit(&self, pod: PodRef, event: PodEvent) -> bool {
         let admitted =
-            crate::attach::lock(&self.limits).admit(&pod, event.reason(), Instant::now());
+            tether_base::sync::lock(&self.limits).admit(&pod, event.reason(), Instant::now());
         if !admitted {
             self.dropped.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(pod = %pod.name, reason = event.reason(), "event dropped by the rate limit");

@@ -1,7 +1,7 @@
 //! The route manager: applies the routes the plan wants.
 
 use super::plan::{self, ClusterSide, VmPlan, Want};
-use crate::attach::{lock, Node};
+use crate::attach::Node;
 use crate::cluster::{vtep_mac, vtep_underlay, Cluster, ClusterView, Overlay};
 use crate::error::{Error, Result};
 use crate::kernel::{ClusterRoute, NodeRoutes, VxlanConfig};
@@ -13,6 +13,7 @@ use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tether_base::sync::lock;
 use tokio::sync::Notify;
 
 /// What the route manager keeps between passes.

@@ -17,7 +17,7 @@
 
 pub mod admin;
 pub mod cutover;
-pub mod guest;
+pub use tether_base::guest;
 pub mod placement;
 pub mod records;
 pub mod reservations;
@@ -25,7 +25,7 @@ pub mod signals;
 
 pub use records::*;
 
-use crate::attach::{lock, Node};
+use crate::attach::Node;
 use crate::cni::{Invocation, Requested, VmAddressPolicy, VmPod};
 use crate::error::{Error, Result};
 use crate::ipam::{Family, Take};
@@ -37,6 +37,7 @@ use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tether_base::sync::lock;
 
 /// The part a pod plays in its VM's record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -24,80 +24,14 @@ use crate::mac::Mac;
 use crate::time::{UnixMillis, UnixNanos};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
 use tokio::sync::watch;
 
-/// The annotation naming the VM (the libvirt domain) of a virt-launcher pod.
-pub const DOMAIN_ANNOTATION: &str = "kubevirt.io/domain";
-/// The annotation KubeVirt puts on a migration's target pod.
-pub const MIGRATION_JOB_ANNOTATION: &str = "kubevirt.io/migrationJobName";
-/// The annotation KubeVirt puts on a target pod once the VM runs there.
-pub const TARGET_READY_ANNOTATION: &str = "kubevirt.io/migration-target-ready-timestamp";
-
-/// The longest namespace, VM or interface name accepted in a key.
-const MAX_NAME: usize = 253;
-
-/// The interface part of a key that an IPAMClaim holds ([`VmKey::claim`]).
-/// No network interface can have this name: the kernel refuses ':'.
-pub const CLAIM_INTERFACE: &str = ":ipamclaim";
-
-/// Identifies one VM interface across its pods: (namespace, VM, interface).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-pub struct VmKey {
-    /// The pod namespace (K8S_POD_NAMESPACE).
-    pub namespace: String,
-    /// The VM's name, from the `kubevirt.io/domain` annotation.
-    pub vm: String,
-    /// The pod interface (CNI_IFNAME), e.g. "eth0".
-    pub interface: String,
-}
-
-impl VmKey {
-    /// A checked key: each part non-empty, without '/', at most 253 bytes.
-    pub fn new(namespace: &str, vm: &str, interface: &str) -> Result<VmKey> {
-        for (what, v) in [
-            ("namespace", namespace),
-            ("VM name", vm),
-            ("interface", interface),
-        ] {
-            if v.is_empty() || v.len() > MAX_NAME || v.contains('/') || v.contains('\0') {
-                return Err(Error::InvalidConfig(format!(
-                    "{what} {v:?} cannot name a VM: it must be 1 to {MAX_NAME} bytes without '/'"
-                )));
-            }
-        }
-        Ok(VmKey {
-            namespace: namespace.to_owned(),
-            vm: vm.to_owned(),
-            interface: interface.to_owned(),
-        })
-    }
-}
-
-impl VmKey {
-    /// The key of the addresses an IPAMClaim holds: (namespace, claim
-    /// name, [`CLAIM_INTERFACE`]). A VM pod whose network-selection
-    /// element references a claim is keyed by it, not by its VM and
-    /// interface.
-    pub fn claim(namespace: &str, claim: &str) -> Result<VmKey> {
-        let mut key = VmKey::new(namespace, claim, "claim")?;
-        key.interface = CLAIM_INTERFACE.to_owned();
-        Ok(key)
-    }
-
-    /// The claim's name, for a key an IPAMClaim holds.
-    pub fn claim_name(&self) -> Option<&str> {
-        (self.interface == CLAIM_INTERFACE).then_some(self.vm.as_str())
-    }
-}
-
-impl fmt::Display for VmKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}/{}", self.namespace, self.vm, self.interface)
-    }
-}
+pub use tether_base::keys::{VmKey, CLAIM_INTERFACE};
+pub use tether_base::kubevirt::{
+    DOMAIN_ANNOTATION, MIGRATION_JOB_ANNOTATION, TARGET_READY_ANNOTATION,
+};
 
 /// One pod of a VM: where it is wired.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -6,7 +6,7 @@
 use super::*;
 use crate::kernel::fake::Call as K;
 use crate::kernel::host_ifname;
-use crate::vm::guest::{BindingKind, BINDING_ANNOTATION, QUEUES_ANNOTATION};
+use tether_base::guest::{BindingKind, BINDING_ANNOTATION, QUEUES_ANNOTATION};
 
 /// A VM pod ADD of container `cid` on a network whose netconf selects
 /// `binding`.

@@ -14,7 +14,7 @@ use super::messages::{self, reason, Step, ACKED, CREATE, REPLACE};
 use super::{mac_text, GATEWAY_MAC};
 use crate::error::{Error, Mismatch, Result};
 use crate::mac::Mac;
-use crate::vm::guest::TapSpec;
+use tether_base::guest::TapSpec;
 
 /// What the pod side must look like; owned so that it can cross to the netns
 /// thread.

@@ -27,7 +27,7 @@ use rtnetlink::{Handle, LinkUnspec};
 
 use super::messages::{self, errno, reason, ACKED};
 use crate::error::{Error, Mismatch, Result};
-use crate::vm::guest::TapSpec;
+use tether_base::guest::TapSpec;
 
 /// `ETH_P_ALL`: the redirects take every frame.
 const ETH_P_ALL: u16 = 0x0003;

@@ -10,7 +10,7 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
 use super::*;
 use crate::kernel::netlink::tap;
-use crate::vm::guest::TapSpec;
+use tether_base::guest::TapSpec;
 
 /// The size of the virtio-net header the tap prefixes to each frame
 /// (IFF_VNET_HDR, default size).
