@@ -11,5 +11,6 @@ pub mod guest;
 pub mod keys;
 pub mod kubevirt;
 pub mod mac;
+pub mod net;
 pub mod sync;
 pub mod time;

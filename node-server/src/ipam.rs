@@ -242,41 +242,7 @@ pub enum Take {
     Excluded,
 }
 
-/// An address family.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Family {
-    /// IPv4.
-    V4,
-    /// IPv6.
-    V6,
-}
-
-impl Family {
-    /// The family of a CIDR.
-    pub fn of(net: &IpNet) -> Family {
-        match net {
-            IpNet::V4(_) => Family::V4,
-            IpNet::V6(_) => Family::V6,
-        }
-    }
-
-    /// The family of an address.
-    pub fn of_ip(ip: IpAddr) -> Family {
-        if ip.is_ipv4() {
-            Family::V4
-        } else {
-            Family::V6
-        }
-    }
-
-    /// "IPv4" or "IPv6".
-    pub fn name(self) -> &'static str {
-        match self {
-            Family::V4 => "IPv4",
-            Family::V6 => "IPv6",
-        }
-    }
-}
+pub use tether_base::net::Family;
 
 /// Why an allocation found no address: the families whose every pool is
 /// full. In cluster mode the caller claims a new block for each and tries

@@ -16,7 +16,6 @@
 pub mod api;
 pub mod attach;
 pub mod cluster;
-pub mod cni;
 pub mod control;
 pub mod dhcp;
 #[cfg(test)]
@@ -33,3 +32,4 @@ pub mod vm;
 // The bottom layer, under the names the daemon's modules have always
 // used for it.
 pub use tether_base::{error, mac, time};
+pub use tether_cni as cni;

@@ -73,7 +73,7 @@ use tether_proto::cni::v1::CniRequest;
 use super::args::CniArgs;
 use super::config::{is_cni_name, NetConf};
 use super::version::{CniVersion, Command};
-use crate::error::{Error, Result};
+use tether_base::error::{Error, Result};
 
 /// The largest stdin accepted (1 MiB). Real configurations are a few KiB;
 /// the bound keeps a runaway caller from making the daemon parse megabytes.
@@ -282,7 +282,7 @@ fn decode_stdin(stdin: &[u8]) -> Result<serde_json::Map<String, Value>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cni::version::SUPPORTED_VERSIONS;
+    use crate::version::SUPPORTED_VERSIONS;
     use serde_json::json;
 
     use tether_proto::cni::FORWARDED_VARIABLES as ALL_VARS;

@@ -4,11 +4,9 @@
 //! into typed values; the node only ever sees those.
 
 use super::Invocation;
-use crate::error::{Error, Result};
-use crate::ipam::Family;
-use crate::mac::Mac;
 use serde_json::Value;
 use std::net::IpAddr;
+use tether_base::error::{Error, Result};
 use tether_base::guest::{
     self, BindingKind, DhcpOptions, GuestNet, TapSpec, BINDING_ANNOTATION, MAX_QUEUES,
     QUEUES_ANNOTATION,
@@ -16,6 +14,8 @@ use tether_base::guest::{
 use tether_base::keys::ClaimRef;
 use tether_base::keys::VmKey;
 use tether_base::kubevirt::{DOMAIN_ANNOTATION, MIGRATION_JOB_ANNOTATION, TARGET_READY_ANNOTATION};
+use tether_base::mac::Mac;
+use tether_base::net::Family;
 
 /// A VM pod as its ADD describes it.
 #[derive(Debug, Clone)]
@@ -308,7 +308,7 @@ pub fn pools(inv: &Invocation) -> Result<Vec<String>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cni::parse_request;
+    use crate::parse_request;
     use serde_json::json;
     use tether_proto::cni::v1::CniRequest;
     use tether_proto::cni::FORWARDED_VARIABLES;

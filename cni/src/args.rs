@@ -9,8 +9,8 @@
 
 use std::net::IpAddr;
 
-use crate::error::{Error, Result};
-use crate::mac::{self, Mac, Separator};
+use tether_base::error::{Error, Result};
+use tether_base::mac::{self, Mac, Separator};
 
 /// The longest `CNI_ARGS` accepted (64 KiB): far above what any runtime
 /// sends, low enough that a runaway caller cannot make the daemon work hard.

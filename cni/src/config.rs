@@ -15,7 +15,7 @@ use serde_json::{Map, Value};
 
 use super::args::RequestedMac;
 use super::version::CniVersion;
-use crate::error::{Error, Result};
+use tether_base::error::{Error, Result};
 use tether_base::guest::{BindingKind, KubevirtConf, MAX_QUEUES};
 
 /// The smallest MTU accepted: the IPv4 minimum datagram every host must
@@ -404,7 +404,7 @@ impl Shared {
 }
 
 /// A pool selection: one name, or a list of names (one per family).
-pub(crate) fn parse_pools(what: &str, v: &Value) -> Result<Vec<String>> {
+pub fn parse_pools(what: &str, v: &Value) -> Result<Vec<String>> {
     let names: Vec<String> = match v {
         Value::String(s) => vec![s.clone()],
         Value::Array(items) => items
@@ -440,7 +440,7 @@ pub(crate) fn parse_pools(what: &str, v: &Value) -> Result<Vec<String>> {
 
 /// `^[a-zA-Z0-9][a-zA-Z0-9_.\-]*$`, the spec's rule for network names and
 /// container IDs.
-pub(crate) fn is_cni_name(s: &str) -> bool {
+pub fn is_cni_name(s: &str) -> bool {
     let mut bytes = s.bytes();
     match bytes.next() {
         Some(first) if first.is_ascii_alphanumeric() => {
@@ -476,7 +476,7 @@ fn required_string(obj: &Map<String, Value>, key: &'static str) -> Result<String
     }
 }
 
-pub(crate) fn json_type(v: &Value) -> &'static str {
+pub fn json_type(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",

@@ -29,7 +29,7 @@ use tether_proto::cni::v1::CniError;
 
 use super::config::NetConf;
 use super::version::CniVersion;
-use crate::error::{Error, Mismatch, Result};
+use tether_base::error::{Error, Mismatch, Result};
 
 /// The pod's IPv4 gateway: a link-local anycast address every node answers.
 pub const GATEWAY_V4: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
@@ -352,7 +352,7 @@ pub fn parse_result(bytes: &[u8]) -> Result<Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cni::config::PrevResult;
+    use crate::config::PrevResult;
 
     fn conf(version: CniVersion) -> NetConf {
         NetConf {

@@ -7,7 +7,7 @@
 
 use std::fmt;
 
-use crate::error::{Error, Result};
+use tether_base::error::{Error, Result};
 
 pub use tether_proto::cni::SUPPORTED_VERSIONS;
 
