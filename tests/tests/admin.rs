@@ -7,9 +7,11 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use serde_json::{json, Value};
 use tether_e2e::admin::{self, pb};
+use tether_e2e::runtime::run_bounded;
 use tether_e2e::{cni, require_root, tether_bin, CniEnv, CniOutput, Daemon, DaemonOpts, Netns};
 
 const V4_CIDR: &str = "10.83.0.0/28";
@@ -184,6 +186,62 @@ fn grpcurl_lists_services_through_reflection() {
         Some(json!({"service": "tether.admin.v1.Admin"})),
     );
     assert_eq!(health["status"], "SERVING", "{health}");
+}
+
+/// grpcurl exactly as an operator types it: `-plaintext -unix SOCKET`, no
+/// `-authority` or any other flag. On a unix socket grpcurl picks the HTTP/2
+/// `:authority` itself, and the daemon's HTTP/2 server (h2) resets every
+/// stream whose authority it cannot parse: grpcurl 1.8.6 sent the socket
+/// path and got "stream terminated by RST_STREAM with error code:
+/// PROTOCOL_ERROR". Later grpcurl sends "localhost", which the daemon serves
+/// as it comes, with no rewriting of the headers. Fails if the grpcurl that
+/// tests/setup.sh installs or the server stop agreeing on that.
+#[test]
+fn grpcurl_with_no_authority_flag_is_served() {
+    require_root();
+    let daemon = daemon();
+    let socket = daemon.socket().display().to_string();
+    let bin = grpcurl();
+    let version = run_bounded(Command::new(&bin).arg("-version"), Duration::from_secs(10));
+    let version = format!(
+        "{}{}",
+        String::from_utf8_lossy(&version.stdout),
+        String::from_utf8_lossy(&version.stderr)
+    );
+    let run = |rest: &[&str]| -> String {
+        let out = run_bounded(
+            Command::new(&bin)
+                .args(["-plaintext", "-unix", &socket])
+                .args(rest),
+            Duration::from_secs(30),
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{} {rest:?} failed ({}):\n{stdout}\n{}",
+            bin.display(),
+            version.trim(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+    };
+
+    let listed = run(&["list"]);
+    let services: Vec<&str> = listed.lines().map(str::trim).collect();
+    for want in [
+        "tether.admin.v1.Admin",
+        "tether.cni.v1.Cni",
+        "grpc.health.v1.Health",
+    ] {
+        assert!(services.contains(&want), "{want} not listed:\n{listed}");
+    }
+
+    let out = run(&["tether.admin.v1.Admin/GetNode"]);
+    let node: Value =
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("GetNode: not JSON ({e}):\n{out}"));
+    assert_eq!(node["name"], daemon.node_name(), "{node}");
+    assert_eq!(node["socket"], socket, "{node}");
+    assert_eq!(node["storeBackend"], "local", "{node}");
 }
 
 /// GetNode, ListAttachments, GetAttachment and Stats through grpcurl,
