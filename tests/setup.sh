@@ -132,6 +132,15 @@ if ! cmp -s "$grpcurl_dir/grpcurl" /usr/local/bin/grpcurl; then
     mv -f /usr/local/bin/.grpcurl.new /usr/local/bin/grpcurl
 fi
 echo "setup.sh: $(/usr/local/bin/grpcurl -version 2>&1) at /usr/local/bin/grpcurl (built in $grpcurl_dir)"
+# A grpcurl earlier on PATH (a pyenv shim of the PyPI package, say) is left
+# alone, but named: the tests and the demo call /usr/local/bin/grpcurl.
+on_path=$(command -v grpcurl 2>/dev/null || true)
+if [ -n "$on_path" ] && [ "$on_path" != /usr/local/bin/grpcurl ]; then
+    echo "setup.sh: note: $on_path ($("$on_path" -version 2>&1 || true)) comes first on PATH;" \
+        "the tests and the demo use /usr/local/bin/grpcurl (a grpcurl before 1.9.4 cannot" \
+        "talk to tetherd: README, \"Operating it with grpcurl\")" >&2
+fi
+
 # The test guest of the VM suites: a Debian cloud kernel and a busybox
 # initramfs with dhcpcd, built once and cached (tests/guest/build.sh).
 guest=$(sh "$(dirname "$0")/guest/build.sh")
