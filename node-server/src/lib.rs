@@ -10,8 +10,7 @@
 //! `kube` (the optional Kubernetes API: the migration-target watch,
 //! IPAMClaims, the node's pod CIDRs, events),
 //! and `api`, everything that faces a caller: the CNI and admin gRPC
-//! services, the socket, the HTTP/2 `:authority` fix for grpcurl 1.8.6, and
-//! the shim's pending-DEL queue.
+//! services, the socket, and the shim's pending-DEL queue.
 
 pub mod api;
 pub mod attach;

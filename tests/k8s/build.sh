@@ -1,7 +1,7 @@
 #!/bin/sh
-# Builds the Kubernetes parts the tests and benchmarks run, from Go modules
-# served by the Go module proxy. The product stays Rust: these Go modules
-# exist for the tests only.
+# Builds the Kubernetes parts the tests and benchmarks run, and grpcurl, from
+# Go modules served by the Go module proxy. The product stays Rust: these Go
+# modules exist for the tests only.
 #
 #   build.sh              kube-apiserver, kubectl, kube-controller-manager,
 #                         kube-scheduler and kubelet, from the k8s.io/kubernetes
@@ -10,6 +10,10 @@
 #                         packages they share are compiled once.
 #   build.sh whereabouts  whereabouts v0.9.2 and its CRDs, from
 #                         tests/k8s/whereabouts/go.mod (bench_ipam only)
+#   build.sh grpcurl      grpcurl (github.com/fullstorydev/grpcurl/cmd/grpcurl)
+#                         at the version of tests/k8s/grpcurl/go.mod, which
+#                         tests/setup.sh installs as /usr/local/bin/grpcurl
+#                         (the admin suites and the demo)
 #
 # k8s.io/kubernetes cannot be required as it is: its go.mod points every
 # k8s.io/<staging> module at ./staging/src/..., which a module download does
@@ -27,8 +31,9 @@ what=${1:-kube}
 case "$what" in
 kube) mod=$here ;;
 whereabouts) mod=$here/whereabouts ;;
+grpcurl) mod=$here/grpcurl ;;
 *)
-    echo "k8s/build.sh: nothing called $what to build (kube or whereabouts)" >&2
+    echo "k8s/build.sh: nothing called $what to build (kube, whereabouts or grpcurl)" >&2
     exit 2
     ;;
 esac
@@ -98,6 +103,15 @@ whereabouts)
     mkdir "$tmp/crds"
     cp "$src"/doc/crds/whereabouts.cni.cncf.io_ippools.yaml \
         "$src"/doc/crds/whereabouts.cni.cncf.io_overlappingrangeipreservations.yaml "$tmp/crds/"
+    ;;
+grpcurl)
+    # Stamped with its version as grpcurl's own release build does;
+    # otherwise `grpcurl -version` says "dev build <no version set>".
+    v=$(awk '$1 == "github.com/fullstorydev/grpcurl" && $2 ~ /^v/ { print $2; exit }' go.mod)
+    [ -n "$v" ] || { echo "k8s/build.sh: no github.com/fullstorydev/grpcurl version in go.mod" >&2; exit 1; }
+    "$GO" build -mod=mod -trimpath -ldflags="-s -w -X main.version=$v" -o "$tmp/grpcurl" \
+        github.com/fullstorydev/grpcurl/cmd/grpcurl >&2
+    "$tmp/grpcurl" -version >&2
     ;;
 esac
 echo "k8s/build.sh: built $what in $(($(date +%s) - start)) s" >&2

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crate::{wait_until, Daemon, Netns, ROUTE_PROTOCOL};
 use serde_json::Value;
 
-/// Where `tests/setup.sh` links the static grpcurl.
+/// Where `tests/setup.sh` installs grpcurl (built by `tests/k8s/build.sh grpcurl`).
 pub const GRPCURL: &str = "/usr/local/bin/grpcurl";
 
 /// Writes an executable `sh` script at `path`.
@@ -327,10 +327,6 @@ pub fn attachments(daemon: &Daemon, network: &str) -> Vec<Value> {
         Command::new(GRPCURL).args([
             "-plaintext",
             "-unix",
-            // grpcurl's default :authority is the socket path, which the
-            // daemon's HTTP/2 server rejects (PROTOCOL_ERROR).
-            "-authority",
-            "localhost",
             "-max-time",
             "10",
             "-d",

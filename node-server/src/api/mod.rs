@@ -4,6 +4,5 @@
 
 pub mod admin;
 pub mod cni;
-pub mod h2_authority_fix;
 pub mod pending_del;
 pub mod server;

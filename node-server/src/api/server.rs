@@ -4,7 +4,6 @@
 
 use crate::api::admin::AdminService;
 use crate::api::cni::{CniService, Stats};
-use crate::api::h2_authority_fix::AuthorityFix;
 use crate::attach::Node;
 use crate::error::{Error, Result};
 use futures::Stream;
@@ -58,18 +57,16 @@ pub async fn bind(socket: &Path) -> Result<UnixListener> {
 
 /// Accepted connections whose peer is allowed. Refused peers are dropped
 /// before a byte is read from them; the refusal is logged with their uid.
-/// Each connection is wrapped in [`AuthorityFix`] so that grpcurl before
-/// 1.8.10, which sends the socket path as `:authority`, is served.
 fn allowed_connections(
     listener: UnixListener,
     allowed: HashSet<u32>,
-) -> impl Stream<Item = std::io::Result<AuthorityFix<UnixStream>>> {
+) -> impl Stream<Item = std::io::Result<UnixStream>> {
     futures::stream::unfold((listener, allowed), |(listener, allowed)| async move {
         loop {
             match listener.accept().await {
                 Ok((stream, _)) => match stream.peer_cred() {
                     Ok(cred) if cred.uid() == 0 || allowed.contains(&cred.uid()) => {
-                        return Some((Ok(AuthorityFix::new(stream)), (listener, allowed)));
+                        return Some((Ok(stream), (listener, allowed)));
                     }
                     Ok(cred) => {
                         tracing::warn!(uid = cred.uid(), pid = ?cred.pid(), "refused a peer that is not allowed");
