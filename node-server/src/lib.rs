@@ -20,7 +20,6 @@ pub mod dhcp;
 #[cfg(test)]
 mod error_codes;
 pub mod ipam;
-pub mod kernel;
 pub mod kube;
 pub mod metrics;
 pub mod pools;
@@ -32,3 +31,4 @@ pub mod vm;
 // used for it.
 pub use tether_base::{error, mac, time};
 pub use tether_cni as cni;
+pub use tether_kernel as kernel;

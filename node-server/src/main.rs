@@ -331,7 +331,9 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
     };
     let (cluster, vms) = joined;
     let kernel = Arc::new(tetherd::kernel::netlink::Netlink::connect()?);
-    let host = Arc::new(tetherd::kernel::LinuxHost);
+    let host = Arc::new(tetherd::kernel::LinuxHost::new(Arc::new(
+        tetherd::dhcp::DhcpServer::new(),
+    )));
     let (node, reconciled) = Node::open(config, store, cluster, vms, kernel, host).await?;
     tracing::info!(?reconciled, "reconciled the kernel against the store");
     let node = Arc::new(node);

@@ -46,7 +46,7 @@ impl Node {
     }
 
     /// The guest DHCP service's counters, and the veths it serves now.
-    pub fn guest_dhcp_stats(&self) -> (crate::dhcp::DhcpStats, usize) {
+    pub fn guest_dhcp_stats(&self) -> (crate::kernel::DhcpStats, usize) {
         self.dhcp.stats()
     }
 

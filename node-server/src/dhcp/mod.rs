@@ -34,26 +34,7 @@ use tether_base::sync::lock;
 /// default router: three times per router lifetime.
 const ADVERTISE_EVERY: Duration = Duration::from_secs(responder::ROUTER_LIFETIME_SECS as u64 / 3);
 
-/// Counters of the guest DHCP service since the daemon started.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct DhcpStats {
-    /// DHCPv4 answers sent.
-    pub dhcp4: u64,
-    /// DHCPv6 answers sent.
-    pub dhcp6: u64,
-    /// Router advertisements sent, solicited or not.
-    pub router_adverts: u64,
-    /// ARP answers for the gateway sent.
-    pub arp: u64,
-    /// Frames dropped as malformed.
-    pub malformed: u64,
-    /// Requests dropped because they came from a MAC that is not the VM's.
-    pub foreign_mac: u64,
-    /// Well-formed requests not answered (another server's, RELEASE, ...).
-    pub unanswered: u64,
-    /// Answers the kernel refused to send.
-    pub send_errors: u64,
-}
+pub use crate::kernel::DhcpStats;
 
 #[derive(Debug, Default)]
 struct Counters {

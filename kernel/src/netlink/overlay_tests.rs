@@ -18,8 +18,8 @@ use serde_json::Value;
 
 use super::super::tests::{is_root, netns_inode, new_netns, pings, require_root, run_in, Netns};
 use super::*;
-use crate::kernel::{host_ifname, pod_mac, Host, PodWiring, Veths};
-use crate::mac::Mac;
+use crate::{host_ifname, pod_mac, PodWiring, Veths};
+use tether_base::mac::Mac;
 
 const MAC_A: [u8; 6] = [0x0a, 0x58, 0x74, 0x76, 0x00, 0x01];
 const MAC_B: [u8; 6] = [0x0a, 0x58, 0x74, 0x76, 0x00, 0x02];
@@ -304,9 +304,7 @@ impl Node {
                     .expect("runtime");
                 runtime.block_on(async {
                     let dp = Netlink::connect().expect("connect");
-                    crate::kernel::LinuxHost
-                        .enable_forwarding()
-                        .expect("enable forwarding");
+                    crate::host::enable_forwarding().expect("enable forwarding");
                     body(dp).await
                 })
             })

@@ -18,7 +18,8 @@ use nix::sched::{unshare, CloneFlags};
 use serde_json::Value;
 
 use super::*;
-use crate::kernel::{host_ifname, pod_mac, Host, LinuxHost, PodNetns};
+use crate::host::enable_forwarding;
+use crate::{host_ifname, pod_mac, PodNetns};
 
 // ---------------------------------------------------------------- pure
 
@@ -261,7 +262,7 @@ impl TestPod {
 
 fn connect() -> Netlink {
     let dp = Netlink::connect().expect("connect");
-    LinuxHost.enable_forwarding().expect("enable forwarding");
+    enable_forwarding().expect("enable forwarding");
     dp
 }
 

@@ -23,9 +23,9 @@ use super::{
     NodeRoutes, PodNetns, PodWiring, Synced, Veths, VxlanConfig, VxlanPeer, CLUSTER_ROUTE_PROTOCOL,
     HOST_IFNAME_PREFIX, ROUTE_PROTOCOL, VM_ROUTE_PROTOCOL,
 };
-use crate::error::{Error, Mismatch, Result};
-use crate::mac::Mac;
+use tether_base::error::{Error, Mismatch, Result};
 use tether_base::guest::TapSpec;
+use tether_base::mac::Mac;
 use tether_base::sync::lock;
 
 /// Every call of the kernel traits, for failure injection and the log.
@@ -654,7 +654,7 @@ impl GuestDhcp for FakeDhcp {
         lock(&self.announced).push(ifname.to_owned());
     }
 
-    fn stats(&self) -> (crate::dhcp::DhcpStats, usize) {
+    fn stats(&self) -> (crate::DhcpStats, usize) {
         (Default::default(), lock(&self.served).len())
     }
 }

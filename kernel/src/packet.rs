@@ -16,8 +16,8 @@ use std::time::Instant;
 use tokio::io::unix::AsyncFd;
 
 use super::Announcements;
-use crate::error::{Error, Result};
 use async_trait::async_trait;
+use tether_base::error::{Error, Result};
 
 /// Ethertype of RARP.
 const ETH_P_RARP: u16 = 0x8035;
@@ -162,7 +162,7 @@ async fn read_one(fd: &AsyncFd<OwnedFd>) -> io::Result<(u32, usize, [u8; 64])> {
 /// Reads the next frame into `buf` from a packet socket: (ifindex, length).
 /// Frames this host sent (`PACKET_OUTGOING`) are skipped; a frame longer
 /// than `buf` is truncated to it.
-pub(crate) async fn recv_frame(fd: &AsyncFd<OwnedFd>, buf: &mut [u8]) -> io::Result<(u32, usize)> {
+pub async fn recv_frame(fd: &AsyncFd<OwnedFd>, buf: &mut [u8]) -> io::Result<(u32, usize)> {
     loop {
         let mut guard = fd.readable().await?;
         let got = guard.try_io(|inner| {

@@ -38,11 +38,11 @@ use super::{
     HostRoute, Kernel, PodNetns, PodWiring, Veths, GATEWAY_MAC, GATEWAY_V6, HOST_IFNAME_PREFIX,
     ROUTE_PROTOCOL,
 };
-use crate::error::{Error, Mismatch, Result};
-use crate::mac::Mac;
 use messages::{errno, reason, Step, ACKED, CREATE, CREATE_ECHO, REPLACE};
 pub(super) use netns::open_netns;
 use netns::pod_interface_exists;
+use tether_base::error::{Error, Mismatch, Result};
+use tether_base::mac::Mac;
 
 /// Link group ("tth" and 1) that marks node-side veths about to be deleted
 /// in one batch; nothing else should use it.

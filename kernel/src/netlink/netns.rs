@@ -16,7 +16,7 @@ use nix::sched::{setns, CloneFlags};
 use nix::sys::statfs::{fstatfs, NSFS_MAGIC};
 use rtnetlink::Handle;
 
-use crate::error::{Error, Result};
+use tether_base::error::{Error, Result};
 
 fn invalid_netns(reason: String) -> Error {
     Error::InvalidEnv {

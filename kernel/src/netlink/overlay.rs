@@ -36,13 +36,13 @@ use rtnetlink::{LinkMessageBuilder, LinkUnspec, LinkVxlan};
 
 use super::messages::{self, errno, reason, Step, ACKED, CREATE, REPLACE};
 use super::{write_sysctl, Netlink};
-use crate::error::{Error, Result};
-use crate::kernel::{
+use crate::{
     ClusterRoute, NodeRoutes, Synced, Veths, VxlanConfig, VxlanPeer, CLUSTER_ROUTE_PROTOCOL,
     VM_ROUTE_PROTOCOL, VXLAN_IFNAME,
 };
-use crate::mac::Mac;
 use async_trait::async_trait;
+use tether_base::error::{Error, Result};
+use tether_base::mac::Mac;
 
 #[cfg(test)]
 #[path = "overlay_tests.rs"]

@@ -26,7 +26,7 @@ use rtnetlink::packet_route::RouteNetlinkMessage;
 use rtnetlink::{Handle, LinkUnspec};
 
 use super::messages::{self, errno, reason, ACKED};
-use crate::error::{Error, Mismatch, Result};
+use tether_base::error::{Error, Mismatch, Result};
 use tether_base::guest::TapSpec;
 
 /// `ETH_P_ALL`: the redirects take every frame.

@@ -27,8 +27,8 @@ use rtnetlink::{
     AddressMessageBuilder, Handle, LinkMessageBuilder, LinkUnspec, LinkVeth, RouteMessageBuilder,
 };
 
-use crate::error::{Error, Result};
-use crate::kernel::{GATEWAY_MAC, GATEWAY_V4, GATEWAY_V6, ROUTE_PROTOCOL};
+use crate::{GATEWAY_MAC, GATEWAY_V4, GATEWAY_V6, ROUTE_PROTOCOL};
+use tether_base::error::{Error, Result};
 
 /// The positive errno of a kernel refusal, if that is what `e` is.
 pub(super) fn errno(e: &rtnetlink::Error) -> Option<i32> {

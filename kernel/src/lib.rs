@@ -15,7 +15,7 @@
 //! sides must agree on.
 
 pub mod fake;
-mod host;
+pub mod host;
 pub mod netlink;
 pub mod packet;
 
@@ -27,11 +27,11 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use ipnet::IpNet;
 
-use crate::error::{Error, Result};
-use crate::mac::Mac;
 pub use host::LinuxHost;
 pub use packet::{AnnounceKind, Announcement};
+use tether_base::error::{Error, Result};
 use tether_base::guest::{DhcpOptions, TapSpec};
+use tether_base::mac::Mac;
 
 /// The IPv4 gateway every pod routes through; answered by the node's veth.
 pub const GATEWAY_V4: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
@@ -340,6 +340,27 @@ pub trait Host: Send + Sync {
     fn guest_dhcp(&self) -> Arc<dyn GuestDhcp>;
 }
 
+/// Counters of the guest DHCP service since the daemon started.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct DhcpStats {
+    /// DHCPv4 answers sent.
+    pub dhcp4: u64,
+    /// DHCPv6 answers sent.
+    pub dhcp6: u64,
+    /// Router advertisements sent, solicited or not.
+    pub router_adverts: u64,
+    /// ARP answers for the gateway sent.
+    pub arp: u64,
+    /// Frames dropped as malformed.
+    pub malformed: u64,
+    /// Requests dropped because they came from a MAC that is not the VM's.
+    pub foreign_mac: u64,
+    /// Well-formed requests not answered (another server's, RELEASE, ...).
+    pub unanswered: u64,
+    /// Answers the kernel refused to send.
+    pub send_errors: u64,
+}
+
 /// What a guest behind one node-side veth is told: its addresses and MAC
 /// from the VM's record, its name, MTU and the network's options. The same
 /// on every node, so that a renewal after a migration or a restart gets the
@@ -372,7 +393,7 @@ pub trait GuestDhcp: Send + Sync {
     /// guest has just arrived on this node.
     fn announce_router(&self, ifname: &str);
     /// The counters since start, and how many veths are served now.
-    fn stats(&self) -> (crate::dhcp::DhcpStats, usize);
+    fn stats(&self) -> (DhcpStats, usize);
 }
 
 /// A source of VM announcements.

@@ -12,9 +12,9 @@ use rtnetlink::Handle;
 
 use super::messages::{self, reason, Step, ACKED, CREATE, REPLACE};
 use super::{mac_text, GATEWAY_MAC};
-use crate::error::{Error, Mismatch, Result};
-use crate::mac::Mac;
+use tether_base::error::{Error, Mismatch, Result};
 use tether_base::guest::TapSpec;
+use tether_base::mac::Mac;
 
 /// What the pod side must look like; owned so that it can cross to the netns
 /// thread.

@@ -9,7 +9,7 @@ use std::os::fd::AsFd;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
 use super::*;
-use crate::kernel::netlink::tap;
+use crate::netlink::tap;
 use tether_base::guest::TapSpec;
 
 /// The size of the virtio-net header the tap prefixes to each frame
