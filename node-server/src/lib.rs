@@ -15,16 +15,12 @@
 pub mod api;
 pub mod attach;
 pub mod cluster;
-pub mod control;
 pub mod dhcp;
-#[cfg(test)]
-mod error_codes;
 pub mod ipam;
 pub mod kube;
 pub mod metrics;
 pub mod pools;
 pub mod routing;
-pub mod store;
 pub mod vm;
 
 // The bottom layer, under the names the daemon's modules have always
@@ -32,3 +28,4 @@ pub mod vm;
 pub use tether_base::{error, mac, time};
 pub use tether_cni as cni;
 pub use tether_kernel as kernel;
+pub use tether_store::{control, store};

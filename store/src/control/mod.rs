@@ -16,13 +16,13 @@
 pub mod embedded;
 pub mod etcd;
 
-use crate::error::{chain, Error};
 use std::fmt;
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
+use tether_base::error::{chain, Error};
 use tokio::sync::mpsc;
 
 /// A boxed future, so that the trait can be used as `dyn ControlStore`.

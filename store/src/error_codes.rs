@@ -2,10 +2,10 @@
 //! maps to the CNI code that its cause calls for, and keeps the cause.
 
 use crate::control::{ControlError, MemberFailures};
-use crate::error::Error;
 use crate::store::StoreError;
 use std::io;
 use std::path::PathBuf;
+use tether_base::error::Error;
 
 fn io_gone() -> io::Error {
     io::Error::new(io::ErrorKind::NotFound, "gone away")

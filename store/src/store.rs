@@ -6,9 +6,6 @@
 //! Backends sit behind [`Store`]; the embedded `local` backend (a snapshot
 //! plus a checksummed append-only journal) is the default.
 
-use crate::error::{chain, Error};
-use crate::mac::Mac;
-use crate::time::UnixNanos;
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
@@ -18,6 +15,9 @@ use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
+use tether_base::error::{chain, Error};
+use tether_base::mac::Mac;
+use tether_base::time::UnixNanos;
 
 pub use tether_base::keys::AttachmentKey;
 
@@ -293,7 +293,7 @@ fn unframe(bytes: &[u8]) -> (Vec<Record>, usize) {
     (records, at)
 }
 
-pub(crate) fn sync_dir(dir: &Path) -> std::io::Result<()> {
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
