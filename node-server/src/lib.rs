@@ -16,7 +16,6 @@ pub mod api;
 pub mod attach;
 pub mod cluster;
 pub mod dhcp;
-pub mod ipam;
 pub mod kube;
 pub mod metrics;
 pub mod pools;
@@ -27,5 +26,6 @@ pub mod vm;
 // used for it.
 pub use tether_base::{error, mac, time};
 pub use tether_cni as cni;
+pub use tether_ipam as ipam;
 pub use tether_kernel as kernel;
 pub use tether_store::{control, store};

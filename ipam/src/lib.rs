@@ -6,10 +6,10 @@
 //! pool wraps: stale ARP entries and conntrack state of a deleted pod are
 //! unlikely to meet its successor.
 
-use crate::error::{Error, Result};
 use ipnet::IpNet;
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use tether_base::error::{Error, Result};
 
 /// One pod CIDR.
 #[derive(Debug)]
@@ -28,7 +28,7 @@ pub struct Pool {
 }
 
 /// An address as a number.
-pub(crate) fn to_u128(ip: IpAddr) -> u128 {
+pub fn to_u128(ip: IpAddr) -> u128 {
     match ip {
         IpAddr::V4(v4) => u128::from(u32::from(v4)),
         IpAddr::V6(v6) => u128::from(v6),
@@ -36,7 +36,7 @@ pub(crate) fn to_u128(ip: IpAddr) -> u128 {
 }
 
 /// The address numbered `n`, of the family of `like`.
-pub(crate) fn from_u128(like: IpAddr, n: u128) -> IpAddr {
+pub fn from_u128(like: IpAddr, n: u128) -> IpAddr {
     match like {
         IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::from(n as u32)),
         IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::from(n)),
@@ -44,7 +44,7 @@ pub(crate) fn from_u128(like: IpAddr, n: u128) -> IpAddr {
 }
 
 /// 32 or 128.
-pub(crate) fn max_len(net: &IpNet) -> u8 {
+pub fn max_len(net: &IpNet) -> u8 {
     match net {
         IpNet::V4(_) => 32,
         IpNet::V6(_) => 128,
@@ -52,7 +52,7 @@ pub(crate) fn max_len(net: &IpNet) -> u8 {
 }
 
 /// Block number `index` of prefix length `len` inside `cidr`.
-pub(crate) fn nth_block(cidr: &IpNet, len: u8, index: u128) -> Result<IpNet> {
+pub fn nth_block(cidr: &IpNet, len: u8, index: u128) -> Result<IpNet> {
     let shift = u32::from(max_len(cidr) - len);
     let base = to_u128(cidr.network()) + (index << shift);
     IpNet::new(from_u128(cidr.network(), base), len).map_err(|e| Error::Internal(e.to_string()))
