@@ -3,9 +3,12 @@
 
 CARGO ?= cargo
 RELEASE_DIR := target/release
+# The unit tests that need root are compiled in only with these features
+# (`make test`); `make check` leaves them out and runs as any user.
+ROOT_TESTS := tether-kernel/root-tests,tether-node-server/root-tests
 DEBUG_DIR := target/debug
 
-.PHONY: all setup k8s build release demo test unit integration lint bench clean shim-size
+.PHONY: all setup k8s build release demo check test unit integration lint bench clean shim-size
 
 all: build
 
@@ -20,9 +23,10 @@ setup:
 k8s: setup
 	@dir=$$(sh tests/k8s/build.sh) && echo "k8s: $$($$dir/kube-apiserver --version) in $$dir"
 
-## build: debug build of every crate (the integration tests use it).
+## build: debug build of every crate (the integration tests use it), with
+## the root unit tests compiled in, as `make test` runs them.
 build:
-	$(CARGO) build --workspace --all-targets
+	$(CARGO) build --workspace --all-targets --features $(ROOT_TESTS)
 
 ## release: optimized binaries; the shim is built on its own (-p) so that it
 ## does not pick up the daemon's features.
@@ -45,10 +49,20 @@ shim-size:
 demo: setup release
 	bash tests/demo.sh $(RELEASE_DIR)
 
-## lint: formatting and clippy, as CI enforces them.
+## lint: formatting and clippy, as CI enforces them (with and without the
+## root tests compiled in).
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy --workspace --all-targets --features $(ROOT_TESTS) -- -D warnings
+
+## check: what a contributor runs before a commit, as any user, in minutes:
+## formatting, clippy, and the unit tests of every crate (on the fake
+## kernel; no root, no network namespaces, no packages beyond Rust's).
+check:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) test --workspace --lib --bins
 
 ## test: the whole suite (unit, integration against real netns, real
 ## runtimes, chaining, concurrency, crash, bad input, security, real QEMU
@@ -56,7 +70,7 @@ lint:
 ## tether). Root only.
 test: setup k8s lint build shim-size
 	@test "$$(id -u)" = 0 || { echo "make test must run as root (it creates network namespaces)"; exit 1; }
-	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test --workspace --no-fail-fast -- --test-threads=2
+	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test --workspace --features $(ROOT_TESTS) --no-fail-fast -- --test-threads=2
 
 ## bench: tether vs the reference ptp/bridge + host-local, side by side; then
 ## cluster mode (3 nodes on etcd) vs one node, block claims, claim to route;

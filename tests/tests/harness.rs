@@ -303,3 +303,56 @@ fn daemon_starts_restarts_and_cleans_up() {
     assert!(!listed(&node), "{node} still in:\n{}", netns_list());
     assert!(!dir.exists());
 }
+
+/// The unit tests that need root are compiled in only with the crates'
+/// `root-tests` feature; without it they are ignored. CI runs `make test`
+/// as root, so `make test` must turn the feature on for every crate that
+/// has one, or those tests would be skipped there unseen.
+#[test]
+fn make_test_compiles_in_every_crates_root_unit_tests() {
+    let dir = tether_e2e::workspace_dir();
+    let makefile = std::fs::read_to_string(dir.join("Makefile")).expect("the Makefile");
+    let root_tests = makefile
+        .lines()
+        .find_map(|l| l.strip_prefix("ROOT_TESTS := "))
+        .expect("ROOT_TESTS in the Makefile");
+    let test_recipe: Vec<&str> = makefile
+        .split("\ntest:")
+        .nth(1)
+        .expect("a test target")
+        .lines()
+        .take_while(|l| l.starts_with('\t') || l.is_empty() || !l.contains(':'))
+        .filter(|l| l.contains("cargo") || l.contains("$(CARGO)"))
+        .collect();
+    assert!(
+        test_recipe
+            .iter()
+            .any(|l| l.contains(" test ") && l.contains("--features $(ROOT_TESTS)")),
+        "make test does not pass --features $(ROOT_TESTS): {test_recipe:?}"
+    );
+    // Every crate that has the feature is in the list.
+    let mut with_feature = Vec::new();
+    for entry in std::fs::read_dir(&dir).expect("the workspace") {
+        let manifest = entry.expect("an entry").path().join("Cargo.toml");
+        let Ok(text) = std::fs::read_to_string(&manifest) else {
+            continue;
+        };
+        if !text.contains("root-tests = []") {
+            continue;
+        }
+        let name = text
+            .lines()
+            .find_map(|l| l.strip_prefix("name = \""))
+            .and_then(|n| n.strip_suffix('"'))
+            .expect("a package name");
+        assert!(
+            root_tests
+                .split(',')
+                .any(|f| f == format!("{name}/root-tests")),
+            "{name} has a root-tests feature that ROOT_TESTS leaves out"
+        );
+        with_feature.push(name.to_owned());
+    }
+    with_feature.sort();
+    assert_eq!(with_feature, ["tether-kernel", "tether-node-server"]);
+}

@@ -480,6 +480,10 @@ fn link_stat(ns: &str, dev: &str, dir: &str) -> u64 {
 
 // ---------------------------------------------------------------- kernel
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
 #[test]
 fn host_gw_routes_are_synced_exactly() {
     require_root!();
@@ -663,6 +667,10 @@ fn host_gw_routes_are_synced_exactly() {
     });
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
 #[test]
 fn vxlan_carries_pod_traffic_between_nodes() {
     require_root!();
@@ -817,6 +825,10 @@ fn vxlan_carries_pod_traffic_between_nodes() {
     });
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
 #[test]
 fn vxlan_device_is_kept_fixed_or_recreated() {
     require_root!();
@@ -1020,6 +1032,10 @@ fn vxlan_device_is_kept_fixed_or_recreated() {
     });
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
 #[test]
 fn default_route_address_follows_the_default_route() {
     require_root!();
@@ -1076,6 +1092,10 @@ fn default_route_address_follows_the_default_route() {
     });
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
 #[test]
 fn underlay_mtu_follows_the_route() {
     require_root!();

@@ -84,6 +84,10 @@ fn open_netns_refuses_what_is_not_a_netns() {
     }
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
 #[test]
 fn open_netns_accepts_a_netns_and_refuses_other_namespaces() {
     require_root!();
@@ -288,6 +292,10 @@ fn code_of(r: Result<()>) -> u32 {
 
 // ---------------------------------------------------------------- kernel
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
 #[test]
 fn wired_pods_have_their_addresses_routes_and_reach_each_other() {
     require_root!();
@@ -427,6 +435,10 @@ fn wired_pods_have_their_addresses_routes_and_reach_each_other() {
     });
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
 #[test]
 fn veth_creation_answers_both_indexes() {
     require_root!();
@@ -449,6 +461,10 @@ fn veth_creation_answers_both_indexes() {
     });
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
 #[test]
 fn check_names_each_difference() {
     require_root!();
@@ -603,6 +619,10 @@ fn check_names_each_difference() {
     });
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
 #[test]
 fn existing_pod_interface_is_refused_and_left_alone() {
     require_root!();
@@ -636,6 +656,10 @@ fn existing_pod_interface_is_refused_and_left_alone() {
     });
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
 #[test]
 fn stale_host_veth_is_replaced() {
     require_root!();
@@ -673,6 +697,10 @@ fn stale_host_veth_is_replaced() {
     });
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
 #[test]
 fn failed_wire_leaves_nothing_behind() {
     require_root!();
@@ -709,6 +737,10 @@ fn failed_wire_leaves_nothing_behind() {
     });
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
 #[test]
 fn batch_deletion_removes_exactly_the_named_veths() {
     require_root!();
@@ -769,6 +801,10 @@ fn batch_deletion_removes_exactly_the_named_veths() {
     });
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
 #[test]
 fn teardown_removes_everything_and_is_idempotent() {
     require_root!();
@@ -829,7 +865,7 @@ fn teardown_removes_everything_and_is_idempotent() {
 }
 
 #[test]
-#[ignore = "micro-benchmark: cargo test -p tether-node-server kernel::netlink::tests::bench -- --ignored --nocapture"]
+#[ignore = "micro-benchmark: cargo test -p tether-kernel --features root-tests netlink::tests::bench -- --ignored --nocapture"]
 fn bench_wire_200_pods() {
     require_root!();
     in_node_netns(|| async {

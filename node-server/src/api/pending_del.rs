@@ -391,6 +391,10 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg_attr(
+        not(feature = "root-tests"),
+        ignore = "needs root: `make test` runs it"
+    )]
     fn reads_entries_in_order_and_sets_bad_ones_aside() {
         let dir = tempfile::tempdir().unwrap();
         let q = queue_dir(dir.path());
@@ -474,6 +478,10 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(
+        not(feature = "root-tests"),
+        ignore = "needs root: `make test` runs it"
+    )]
     fn adopt_takes_in_what_a_shim_queued_before_the_daemon_ran() {
         let root = tempfile::tempdir().unwrap();
         let socket = root.path().join("tether.sock");
@@ -500,6 +508,10 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(
+        not(feature = "root-tests"),
+        ignore = "needs root: `make test` runs it"
+    )]
     fn adopt_follows_a_changed_state_dir() {
         let root = tempfile::tempdir().unwrap();
         let socket = root.path().join("tether.sock");
@@ -569,6 +581,10 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(
+        not(feature = "root-tests"),
+        ignore = "needs root: `make test` runs it"
+    )]
     fn adopt_copies_across_file_systems_keeping_the_owner() {
         // /dev/shm is a file system of its own, as /run/tether and
         // /var/lib/tether are two.
@@ -599,6 +615,10 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(
+        not(feature = "root-tests"),
+        ignore = "needs root: `make test` runs it"
+    )]
     fn adopt_finds_the_former_queue_of_a_copied_state_dir_without_the_link() {
         let root = tempfile::tempdir().unwrap();
         let socket = root.path().join("tether.sock");
@@ -626,6 +646,10 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(
+        not(feature = "root-tests"),
+        ignore = "needs root: `make test` runs it"
+    )]
     fn adopt_finishes_what_a_crashed_run_renamed_aside() {
         let root = tempfile::tempdir().unwrap();
         let socket = root.path().join("tether.sock");

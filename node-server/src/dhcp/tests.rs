@@ -714,6 +714,10 @@ mod real_client {
     }
 
     #[test]
+    #[cfg_attr(
+        not(feature = "root-tests"),
+        ignore = "needs root: `make test` runs it"
+    )]
     fn busybox_udhcpc_gets_the_vms_lease_and_a_stranger_gets_nothing() {
         assert!(
             nix::unistd::Uid::effective().is_root(),

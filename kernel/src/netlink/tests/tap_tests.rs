@@ -83,6 +83,10 @@ fn arp_reply(asker_mac: &[u8], asker_ip: &[u8], guest_ip: [u8; 4]) -> Vec<u8> {
     f
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
 #[test]
 fn a_tap_binding_joins_the_guest_to_the_node_and_checks_every_part() {
     require_root!();
@@ -206,6 +210,10 @@ fn a_tap_binding_joins_the_guest_to_the_node_and_checks_every_part() {
     });
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
 #[test]
 fn a_single_queue_tap_is_not_multi_queue() {
     require_root!();
@@ -262,6 +270,10 @@ fn rewrite_like_virt_handler(pod: &TestPod) {
     }
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
 #[test]
 fn check_accepts_a_pod_that_managed_tap_rewrote_and_nothing_else() {
     require_root!();
