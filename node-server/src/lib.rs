@@ -1,16 +1,18 @@
-//! tetherd: tether's node daemon.
+//! tetherd: tether's node daemon, the top layer of the workspace.
 //!
-//! One module per concern: `cni` (the CNI wire format and validation),
-//! `ipam` (address pools), `mac` (the MAC type), `time` (the clock and the
-//! instant type), `kernel` (the kernel seam: traits, netlink, a fake),
-//! `store` (durable state), `attach` (the attachment lifecycle that ties
-//! them together), `vm` (KubeVirt VM records and pods), `routing` (route
-//! planning and the route manager), `cluster` (membership and blocks),
-//! `dhcp` (DHCP and router advertisements for the guests of tap bindings),
-//! `kube` (the optional Kubernetes API: the migration-target watch,
-//! IPAMClaims, the node's pod CIDRs, events),
-//! and `api`, everything that faces a caller: the CNI and admin gRPC
-//! services, the socket, and the shim's pending-DEL queue.
+//! The layers below are crates of their own, kept here under the module
+//! names the daemon has always used: `error`, `mac`, `time` (tether-base),
+//! `cni` (the CNI wire format), `ipam` (address pools), `kernel` (the
+//! kernel seam: traits, netlink, a fake), `store` and `control` (durable
+//! state). This crate holds what decides and changes state: `attach` (the
+//! attachment lifecycle that ties them together), `vm` (KubeVirt VM
+//! records and pods), `routing` (route planning and the route manager),
+//! `cluster` (membership and blocks), `pools` (named pools), `dhcp` (DHCP
+//! and router advertisements for the guests of tap bindings), `kube` (the
+//! optional Kubernetes API: the migration-target watch, IPAMClaims, the
+//! node's pod CIDRs, events), `metrics`, and `api`, everything that faces
+//! a caller: the CNI and admin gRPC services, the socket, and the shim's
+//! pending-DEL queue.
 
 pub mod api;
 pub mod attach;
@@ -22,8 +24,8 @@ pub mod pools;
 pub mod routing;
 pub mod vm;
 
-// The bottom layer, under the names the daemon's modules have always
-// used for it.
+// The layers below, under the names the daemon's modules have always
+// used for them.
 pub use tether_base::{error, mac, time};
 pub use tether_cni as cni;
 pub use tether_ipam as ipam;
