@@ -261,7 +261,7 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
     // cleanly, not kill it by the default action.
     let stop = stop_on_signal();
     let metrics_listener = match args.metrics_address {
-        Some(addr) => Some(tetherd::metrics::bind(addr).await?),
+        Some(addr) => Some(tetherd::api::scrape::bind(addr).await?),
         None => None,
     };
     let node_name = args.node_name.clone().unwrap_or_else(hostname);
@@ -351,7 +351,7 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
         None => ignore_sighup(),
     }
     if let Some(listener) = metrics_listener {
-        tetherd::metrics::serve(listener, node.clone());
+        tetherd::api::scrape::serve(listener, node.clone());
     }
     let stats = Arc::new(Stats::default());
     // The plugin queues DELs through a path beside the socket; point it at

@@ -12,25 +12,22 @@
 //!   so feeding them costs nanoseconds whether or not anyone scrapes.
 //! - **State metrics** (pool usage, the DEL queue's length, the guest DHCP
 //!   service's counters, the build) are read from the node at scrape time
-//!   by [`NodeCollector`], so they can never drift from what the admin API
-//!   shows.
+//!   by `api::scrape`'s collector, so they can never drift from what the
+//!   admin API shows. That side, and the HTTP endpoint, sit with the API:
+//!   this module reads no `Node` and is a leaf below every feature.
 
-use std::net::SocketAddr;
 use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
-use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
-use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::attach::Node;
 use crate::control::{BoxFut, Cmp, ControlStore, Op, WatchMessage};
 use crate::error::{Error, Result};
-use crate::ipam::Family as IpFamily;
 
 /// The port the install manifests serve metrics on.
 pub const DEFAULT_PORT: u16 = 9654;
@@ -194,7 +191,8 @@ impl Metrics {
             .observe(took.as_secs_f64());
     }
 
-    fn register(&self, r: &mut Registry) {
+    /// Registers every event metric in `r`.
+    pub fn register(&self, r: &mut Registry) {
         r.register(
             "tether_cni_request_duration_seconds",
             "Time to answer a CNI request, by verb and result code (0: success)",
@@ -270,308 +268,12 @@ impl Drop for InFlight {
     }
 }
 
-/// The state metrics, read from the node at every scrape.
-pub struct NodeCollector {
-    node: Arc<Node>,
-}
-
-impl std::fmt::Debug for NodeCollector {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NodeCollector")
-            .field("node", &self.node.config().name)
-            .finish()
-    }
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct PoolLabels {
-    pool: String,
-    family: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct KindLabel {
-    kind: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ReasonLabel {
-    reason: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct BuildLabels {
-    version: String,
-}
-
-fn sat(n: u128) -> i64 {
-    i64::try_from(n).unwrap_or(i64::MAX)
-}
-
-fn family_name(f: IpFamily) -> &'static str {
-    match f {
-        IpFamily::V4 => "ipv4",
-        IpFamily::V6 => "ipv6",
-    }
-}
-
-/// One gauge family of several label sets.
-fn gauges<L: EncodeLabelSet>(
-    encoder: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    values: &[(L, i64)],
-) -> std::fmt::Result {
-    let mut family = encoder.encode_descriptor(
-        name,
-        help,
-        None,
-        prometheus_client::metrics::MetricType::Gauge,
-    )?;
-    for (labels, v) in values {
-        ConstGauge::new(*v).encode(family.encode_family(labels)?)?;
-    }
-    Ok(())
-}
-
-/// One gauge without labels.
-fn gauge(encoder: &mut DescriptorEncoder, name: &str, help: &str, v: i64) -> std::fmt::Result {
-    let one = encoder.encode_descriptor(
-        name,
-        help,
-        None,
-        prometheus_client::metrics::MetricType::Gauge,
-    )?;
-    ConstGauge::new(v).encode(one)
-}
-
-/// One counter family of several label sets.
-fn counters<L: EncodeLabelSet>(
-    encoder: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    values: &[(L, u64)],
-) -> std::fmt::Result {
-    let mut family = encoder.encode_descriptor(
-        name,
-        help,
-        None,
-        prometheus_client::metrics::MetricType::Counter,
-    )?;
-    for (labels, v) in values {
-        ConstCounter::new(*v).encode(family.encode_family(labels)?)?;
-    }
-    Ok(())
-}
-
-impl NodeCollector {
-    /// The pools: the node's pod CIDRs (or blocks, in cluster mode) per
-    /// family as pool "pod", and each named pool. (labels, size, used,
-    /// free).
-    fn pools(&self) -> Vec<(PoolLabels, i64, i64, i64)> {
-        let mut out: Vec<(PoolLabels, i64, i64, i64)> = Vec::new();
-        for family in [IpFamily::V4, IpFamily::V6] {
-            let of: Vec<(u128, u128)> = self
-                .node
-                .pool_usage()
-                .iter()
-                .filter(|(cidr, _, _)| IpFamily::of(cidr) == family)
-                .map(|(_, used, free)| (*used, *free))
-                .collect();
-            if of.is_empty() {
-                continue;
-            }
-            let used: u128 = of.iter().map(|u| u.0).sum();
-            let free: u128 = of.iter().map(|u| u.1).sum();
-            out.push((
-                PoolLabels {
-                    pool: "pod".into(),
-                    family: family_name(family).into(),
-                },
-                sat(used.saturating_add(free)),
-                sat(used),
-                sat(free),
-            ));
-        }
-        for u in self.node.named_pools().usage() {
-            let family = match (&u.def, u.blocks.first()) {
-                (Some(d), _) => d.family(),
-                (None, Some(b)) => IpFamily::of(&b.0),
-                (None, None) => continue,
-            };
-            out.push((
-                PoolLabels {
-                    pool: u.name.clone(),
-                    family: family_name(family).into(),
-                },
-                sat(u.size),
-                sat(u.used),
-                sat(u.free),
-            ));
-        }
-        out
-    }
-}
-
-impl Collector for NodeCollector {
-    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
-        let pools = self.pools();
-        let pick = |i: usize| -> Vec<(PoolLabels, i64)> {
-            pools
-                .iter()
-                .map(|p| (p.0.clone(), [p.1, p.2, p.3][i]))
-                .collect()
-        };
-        gauges(
-            &mut encoder,
-            "tether_ipam_pool_size_addresses",
-            "Addresses a pool may hand out: for pool=\"pod\", this node's pod CIDRs or blocks; for a named pool, the whole pool on every node.",
-            &pick(0),
-        )?;
-        gauges(
-            &mut encoder,
-            "tether_ipam_pool_used_addresses",
-            "Addresses of a pool held by attachments on this node.",
-            &pick(1),
-        )?;
-        gauges(
-            &mut encoder,
-            "tether_ipam_pool_free_addresses",
-            "Addresses free in this node's part of a pool (its pod CIDRs or blocks).",
-            &pick(2),
-        )?;
-        let queue = crate::api::pending_del::queue_len(&self.node.config().state_dir);
-        gauge(
-            &mut encoder,
-            "tether_pending_del_queue_length",
-            "DELs queued on disk by the plugin and not replayed yet.",
-            i64::try_from(queue).unwrap_or(i64::MAX),
-        )?;
-        let (d, served) = self.node.guest_dhcp_stats();
-        let kind = |k: &str| KindLabel { kind: k.into() };
-        counters(
-            &mut encoder,
-            "tether_dhcp_packets_served",
-            "Answers the guest DHCP service sent to VM guests, by kind.",
-            &[
-                (kind("dhcpv4"), d.dhcp4),
-                (kind("dhcpv6"), d.dhcp6),
-                (kind("router_advert"), d.router_adverts),
-                (kind("arp"), d.arp),
-            ],
-        )?;
-        let reason = |r: &str| ReasonLabel { reason: r.into() };
-        counters(
-            &mut encoder,
-            "tether_dhcp_packets_dropped",
-            "Frames the guest DHCP service did not answer, by reason.",
-            &[
-                (reason("malformed"), d.malformed),
-                (reason("foreign_mac"), d.foreign_mac),
-                (reason("unanswered"), d.unanswered),
-                (reason("send_error"), d.send_errors),
-            ],
-        )?;
-        gauge(
-            &mut encoder,
-            "tether_dhcp_served_interfaces",
-            "Node-side interfaces the guest DHCP service answers on.",
-            i64::try_from(served).unwrap_or(i64::MAX),
-        )?;
-        gauges(
-            &mut encoder,
-            "tether_build_info",
-            "tetherd's version; always 1.",
-            &[(
-                BuildLabels {
-                    version: env!("CARGO_PKG_VERSION").into(),
-                },
-                1,
-            )],
-        )?;
-        Ok(())
-    }
-}
-
-/// Every metric, event and state, in one registry for `node`.
-pub fn registry(node: Arc<Node>) -> Registry {
-    let mut r = Registry::default();
-    get().register(&mut r);
-    r.register_collector(Box::new(NodeCollector { node }));
-    r
-}
-
 /// The text a scrape returns.
 pub fn render(registry: &Registry) -> Result<String> {
     let mut out = String::with_capacity(16 * 1024);
     prometheus_client::encoding::prometheus_text::encode(&mut out, registry)
         .map_err(|e| Error::Internal(format!("encoding the metrics: {e}")))?;
     Ok(out)
-}
-
-/// Binds the metrics address: done first thing at start, so that a taken
-/// port fails the daemon before it touches any state.
-pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| Error::InvalidConfig(format!("--metrics-address {addr}: cannot listen: {e}")))
-}
-
-/// Serves `/metrics` of `node` on `listener` from a task, and `/readyz`:
-/// 200 while the daemon's state store answers ([`Node::ready`]), 503 with
-/// the reason otherwise; the DaemonSet's readiness probe (an HTTP GET, so
-/// no process is started in the container every few seconds).
-pub fn serve(listener: tokio::net::TcpListener, node: Arc<Node>) {
-    use axum::http::{header, StatusCode};
-    use axum::response::IntoResponse;
-    let addr = listener
-        .local_addr()
-        .map_or_else(|e| e.to_string(), |a| a.to_string());
-    let ready_node = node.clone();
-    let registry = Arc::new(registry(node));
-    let app = axum::Router::new()
-        .route(
-            "/readyz",
-            axum::routing::get(move || {
-                let node = ready_node.clone();
-                async move {
-                    match node.ready().await {
-                        Ok(()) => (StatusCode::OK, "ok\n".to_owned()).into_response(),
-                        Err(e) => {
-                            (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")).into_response()
-                        }
-                    }
-                }
-            }),
-        )
-        .route(
-            "/metrics",
-            axum::routing::get(move || {
-                let registry = registry.clone();
-                async move {
-                    match render(&registry) {
-                        Ok(text) => (
-                            StatusCode::OK,
-                            [(
-                                header::CONTENT_TYPE,
-                                prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
-                            )],
-                            text,
-                        )
-                            .into_response(),
-                        Err(e) => {
-                            (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response()
-                        }
-                    }
-                }
-            }),
-        );
-    tracing::info!(%addr, "serving metrics at /metrics, readiness at /readyz");
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!(%addr, error = %e, "the metrics server stopped");
-        }
-    });
 }
 
 /// A control store that times every request into

@@ -5,4 +5,5 @@
 pub mod admin;
 pub mod cni;
 pub mod pending_del;
+pub mod scrape;
 pub mod server;

@@ -64,7 +64,7 @@ impl Cluster {
     }
 
     /// Claims a block of `family` and records it as held.
-    pub(super) async fn claim(&self, family: Family) -> Result<IpNet> {
+    pub(crate) async fn claim(&self, family: Family) -> Result<IpNet> {
         let block = self.claim_unrecorded(family).await?;
         lock(&self.held).insert(block);
         Ok(block)

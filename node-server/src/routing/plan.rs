@@ -446,4 +446,47 @@ mod tests {
         assert_eq!(block_holder(&view, ip("fd00::3")), Some("b"));
         assert_eq!(block_holder(&view, ip("10.0.0.200")), None);
     }
+
+    #[tokio::test]
+    async fn routes_follow_the_cluster_view() {
+        use crate::cluster::tests::{config, embedded, join};
+        let (_dir, store) = embedded();
+        let a = join(&store, config("a")).await;
+        let mut cb = config("b");
+        cb.node_ips = vec![
+            "192.0.2.2".parse().unwrap_or_else(|e| panic!("{e}")),
+            "2001:db8::2".parse().unwrap_or_else(|e| panic!("{e}")),
+        ];
+        let b = join(&store, cb).await;
+        let b4 = b.claim(Family::V4).await.unwrap_or_else(|e| panic!("{e}"));
+        let b6 = b.claim(Family::V6).await.unwrap_or_else(|e| panic!("{e}"));
+        let a4 = a.claim(Family::V4).await.unwrap_or_else(|e| panic!("{e}"));
+        let mut rx = a.subscribe();
+        let view = loop {
+            let v = rx.borrow_and_update().clone();
+            if v.blocks.len() == 3 {
+                break v;
+            }
+            let _ = rx.changed().await;
+        };
+        let me = a.me();
+        let (routes, peers) = cluster_routes(&ClusterSide {
+            me: &me,
+            overlay: &a.config().overlay,
+            view: &view,
+        });
+        assert!(peers.is_empty());
+        let want: Vec<(String, String)> = routes
+            .iter()
+            .map(|r| (r.dst.to_string(), r.via.to_string()))
+            .collect();
+        assert_eq!(
+            want,
+            vec![
+                (b4.to_string(), "192.0.2.2".into()),
+                (b6.to_string(), "2001:db8::2".into())
+            ]
+        );
+        assert!(routes.iter().all(|r| r.dst != a4 && r.onlink_dev.is_none()));
+    }
 }

@@ -320,7 +320,8 @@ async fn a_scrape_shows_the_pools_as_the_admin_api_does() {
     ipam_add(&t, "c1", mig()).await.expect("ADD");
     ipam_add(&t, "c2", mig()).await.expect("ADD");
     t.add("p1", "p1").await.expect("ADD");
-    let text = crate::metrics::render(&crate::metrics::registry(t.node.clone())).expect("render");
+    let text =
+        crate::metrics::render(&crate::api::scrape::registry(t.node.clone())).expect("render");
     let value = |series: &str| -> Option<f64> {
         text.lines()
             .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
