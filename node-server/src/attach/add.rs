@@ -4,6 +4,7 @@
 use super::*;
 use crate::cni::VmPod;
 use crate::kube::{PodEvent, PodRef};
+use tether_base::keys::ClaimRef;
 
 impl Node {
     /// ADD: wires the attachment, or returns the recorded result when the
@@ -12,15 +13,23 @@ impl Node {
     /// never waited for): an event on the pod when it failed for want of
     /// an address, and the IPAMClaim's status when the pod has one.
     pub async fn add(&self, inv: &Invocation) -> Result<Vec<u8>> {
-        let out = self.add_here(inv).await;
+        // The pod's annotations are parsed once for the whole call; a
+        // malformed one fails the ADD where it always did, after the
+        // checks that come first.
+        let vm_pod = cni::vm_pod(inv);
+        let claim = match &vm_pod {
+            Ok(Some(pod)) => pod.claim.clone(),
+            _ => None,
+        };
+        let out = self.add_here(inv, vm_pod).await;
         if self.kube.get().is_some() {
-            self.tell_api_of_add(inv, out.as_ref().err());
+            self.tell_api_of_add(inv, claim, out.as_ref().err());
         }
         out
     }
 
     /// ADD's outcome, told to the Kubernetes API.
-    fn tell_api_of_add(&self, inv: &Invocation, failed: Option<&Error>) {
+    fn tell_api_of_add(&self, inv: &Invocation, claim: Option<ClaimRef>, failed: Option<&Error>) {
         let Some(k) = self.kube.get() else { return };
         if let Some(e) = failed {
             let event = match e {
@@ -43,10 +52,7 @@ impl Node {
                 );
             }
         }
-        if let Ok(Some(VmPod {
-            claim: Some(claim), ..
-        })) = cni::vm_pod(inv)
-        {
+        if let Some(claim) = claim {
             match failed {
                 None => k.claims.allocated(&claim),
                 // Try-again errors (the claims not listed yet, the
@@ -58,7 +64,7 @@ impl Node {
         }
     }
 
-    async fn add_here(&self, inv: &Invocation) -> Result<Vec<u8>> {
+    async fn add_here(&self, inv: &Invocation, vm_pod: Result<Option<VmPod>>) -> Result<Vec<u8>> {
         if inv.conf.ipam.is_some() {
             return self.add_ipam_only(inv).await;
         }
@@ -68,7 +74,7 @@ impl Node {
             var: "CNI_NETNS",
             reason: "required for ADD".into(),
         })?;
-        let vm_pod = cni::vm_pod(inv)?;
+        let vm_pod = vm_pod?;
         let requested = cni::requested(inv)?;
         let pools = cni::pools(inv)?;
         if vm_pod.is_some() && !pools.is_empty() {
