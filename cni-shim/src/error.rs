@@ -5,8 +5,8 @@
 //! and a daemon it cannot reach. Every other error comes from tetherd
 //! already coded and is passed through untouched.
 
-use crate::invocation::Verb;
 use crate::transport::TransportFailure;
+use crate::verb::Verb;
 use serde::Serialize;
 use std::fmt;
 use std::path::PathBuf;

@@ -11,15 +11,17 @@ mod error;
 mod invocation;
 mod queue;
 mod transport;
+mod verb;
 
 use error::{ErrorObject, ShimError};
-use invocation::{ShimConfig, Verb, DEFAULT_CNI_VERSION};
+use invocation::{ShimConfig, DEFAULT_CNI_VERSION};
 use std::ffi::OsString;
 use std::io::{self, Read, Write};
 use std::process::ExitCode;
 use tether_proto::cni::v1::cni_response::Outcome;
 use tether_proto::cni::v1::{CniRequest, CniResponse};
 use transport::TransportFailure;
+use verb::Verb;
 
 /// What the shim hands back to the runtime.
 #[derive(Debug, PartialEq, Eq)]

@@ -23,7 +23,7 @@
 //! that got past the handshake is never retried here; the runtime retries a
 //! failed ADD, and the daemon may already have acted on the first try.
 
-use crate::invocation::Verb;
+use crate::verb::Verb;
 use loona_hpack::Decoder;
 use prost::Message;
 use std::io::{self, BufReader, Read, Write};
