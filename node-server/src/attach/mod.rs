@@ -24,7 +24,7 @@ mod link_reaper;
 mod reconcile;
 mod status;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use crate::routing::{self, manager::RouteState};
 use crate::vm;

@@ -8,7 +8,7 @@
 
 mod attach;
 mod guest;
-mod pools;
+pub(crate) mod pools;
 mod vm;
 
 use std::net::IpAddr;
@@ -35,7 +35,7 @@ use tether_proto::cni::FORWARDED_VARIABLES as VARS;
 
 /// One node on the fake kernel. The control store may be shared with
 /// other nodes (a migration's two nodes).
-pub(super) struct TestNode {
+pub(crate) struct TestNode {
     pub name: String,
     pub kernel: FakeKernel,
     pub host: Arc<FakeHost>,
@@ -49,7 +49,7 @@ pub(super) struct TestNode {
 
 /// What a test may vary about a node.
 #[derive(Clone)]
-pub(super) struct Options {
+pub(crate) struct Options {
     pub name: String,
     pub cidrs: Vec<IpNet>,
     /// Shared with another node; a fresh embedded store if `None`.
@@ -76,11 +76,11 @@ impl Default for Options {
     }
 }
 
-pub(super) fn net(s: &str) -> IpNet {
+pub(crate) fn net(s: &str) -> IpNet {
     s.parse().expect("test CIDR")
 }
 
-pub(super) fn ip(s: &str) -> IpAddr {
+pub(crate) fn ip(s: &str) -> IpAddr {
     s.parse().expect("test address")
 }
 
@@ -247,7 +247,7 @@ fn parse_json(bytes: &[u8]) -> Value {
 
 /// One CNI call, built up by a test.
 #[derive(Clone)]
-pub(super) struct Call {
+pub(crate) struct Call {
     command: String,
     cid: String,
     netns: String,
@@ -337,7 +337,7 @@ impl Call {
 
 /// Which calls of a [`FlakyStore`] fail; shared between a test and its node.
 #[derive(Debug, Default)]
-pub(super) struct StoreFaults {
+pub(crate) struct StoreFaults {
     insert: AtomicBool,
     remove: AtomicBool,
 }
@@ -356,7 +356,7 @@ impl StoreFaults {
 
 /// The real local store, with `insert` and `remove` failing on command
 /// (before they change anything, as a full disk or a failed fsync would).
-pub(super) struct FlakyStore {
+pub(crate) struct FlakyStore {
     inner: Arc<dyn Store>,
     faults: Arc<StoreFaults>,
 }

@@ -15,7 +15,7 @@ fn defs() -> Vec<crate::pools::PoolDef> {
     crate::pools::def::parse(POOLS).expect("test pools")
 }
 
-async fn node() -> TestNode {
+pub(crate) async fn node() -> TestNode {
     TestNode::with(Options {
         pools: defs(),
         ..Options::default()
@@ -33,11 +33,11 @@ fn ipam_call(command: &str, cid: &str, ipam: Value) -> Call {
         .ifname("net1")
 }
 
-fn mig() -> Value {
+pub(crate) fn mig() -> Value {
     json!({"type": "tether", "pool": "mig"})
 }
 
-async fn ipam_add(t: &TestNode, cid: &str, ipam: Value) -> Result<Value> {
+pub(crate) async fn ipam_add(t: &TestNode, cid: &str, ipam: Value) -> Result<Value> {
     let inv = t.inv(ipam_call("ADD", cid, ipam).netns(&t.netns(cid)));
     t.node.add(&inv).await.map(|b| parse_json(&b))
 }
@@ -312,49 +312,4 @@ async fn named_addresses_survive_a_restart_and_a_new_exclusion() {
         .expect("DEL");
     assert_eq!(used_of(&t, "mig"), 1);
     assert!(t.kernel.routes().contains_key(&IpNet::from(b)));
-}
-
-#[tokio::test]
-async fn a_scrape_shows_the_pools_as_the_admin_api_does() {
-    let t = node().await;
-    ipam_add(&t, "c1", mig()).await.expect("ADD");
-    ipam_add(&t, "c2", mig()).await.expect("ADD");
-    t.add("p1", "p1").await.expect("ADD");
-    let text =
-        crate::metrics::render(&crate::api::scrape::registry(t.node.clone())).expect("render");
-    let value = |series: &str| -> Option<f64> {
-        text.lines()
-            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
-            .and_then(|v| v.trim().parse().ok())
-    };
-    let mig = |what: &str| {
-        value(&format!(
-            r#"tether_ipam_pool_{what}_addresses{{pool="mig",family="ipv4"}}"#
-        ))
-    };
-    assert_eq!(mig("used"), Some(2.0), "{text}");
-    // mig: .10-.200 less .11 and .16-.19, on every node.
-    assert_eq!(mig("size"), Some(191.0 - 5.0), "{text}");
-    let pod = |what: &str, fam: &str| {
-        value(&format!(
-            r#"tether_ipam_pool_{what}_addresses{{pool="pod",family="{fam}"}}"#
-        ))
-    };
-    assert_eq!(pod("used", "ipv4"), Some(1.0));
-    assert_eq!(pod("used", "ipv6"), Some(1.0));
-    let (size, free) = (pod("size", "ipv4"), pod("free", "ipv4"));
-    assert_eq!(size.zip(free).map(|(s, f)| s - f), Some(1.0));
-    assert_eq!(value("tether_pending_del_queue_length"), Some(0.0));
-    assert_eq!(
-        value(r#"tether_dhcp_packets_served_total{kind="dhcpv4"}"#),
-        Some(0.0)
-    );
-    assert_eq!(
-        value(r#"tether_dhcp_packets_dropped_total{reason="malformed"}"#),
-        Some(0.0)
-    );
-    assert!(text.contains(&format!(
-        r#"tether_build_info{{version="{}"}} 1"#,
-        env!("CARGO_PKG_VERSION")
-    )));
 }
