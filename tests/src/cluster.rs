@@ -29,9 +29,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+pub use crate::netns::{assert_ping_within, ping, ping_output};
 use crate::{
-    cni, tether_bin, unique_name, wait_until, CniEnv, CniOutput, Daemon, DaemonOpts, Family, Netns,
-    TempDir,
+    cni, tether_bin, unique_name, wait_until, CniEnv, CniOutput, Daemon, DaemonOpts, Netns, TempDir,
 };
 
 /// The underlay's IPv4 subnet, inside the fabric only.
@@ -1129,42 +1129,6 @@ impl Pod {
     pub fn ping(&self, to: IpAddr) -> bool {
         ping(&self.netns, to)
     }
-}
-
-/// One ping (`ping -c1 -W1`) from inside `from` to `to`, either family;
-/// true if a reply came back.
-pub fn ping(from: &Netns, to: IpAddr) -> bool {
-    ping_output(from, to).status.success()
-}
-
-/// [`ping`], returning ping's output.
-pub fn ping_output(from: &Netns, to: IpAddr) -> Output {
-    let fam = if to.is_ipv4() { "-4" } else { "-6" };
-    from.exec(&["ping", fam, "-n", "-c", "1", "-W", "1", &to.to_string()])
-}
-
-/// Pings from `from` to `to` until a reply comes or `limit` passes (routes
-/// appear asynchronously); panics with the last ping's output and the
-/// netns's routes if none came.
-pub fn assert_ping_within(from: &Netns, to: IpAddr, limit: Duration) {
-    let mut last = None;
-    if wait_until(limit, || {
-        let out = ping_output(from, to);
-        let ok = out.status.success();
-        last = Some(out);
-        ok
-    }) {
-        return;
-    }
-    let fam = if to.is_ipv4() { Family::V4 } else { Family::V6 };
-    let out = last.expect("pinged at least once");
-    panic!(
-        "no ping reply from {to} to {} within {limit:?}:\n{}{}\nroutes there: {:?}",
-        from.name(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-        from.routes(fam)
-    );
 }
 
 // ---------------------------------------------------------------------------

@@ -287,7 +287,7 @@ fn read_until_eof(child: &mut Child, deadline: Instant) -> (Vec<u8>, Vec<u8>, bo
     (out, err, false)
 }
 
-fn call(
+fn call_bin(
     bin: &Path,
     command: &str,
     netconf: &Value,
@@ -301,16 +301,37 @@ fn call(
 /// ADD of `container_id` in `netns` as `eth0` with `netconf` (see
 /// [`CniEnv::new`] for the rest of the environment).
 pub fn add(bin: &Path, netconf: &Value, container_id: &str, netns: &Netns) -> CniOutput {
-    call(bin, "ADD", netconf, container_id, netns)
+    call_bin(bin, "ADD", netconf, container_id, netns)
 }
 
 /// DEL of `container_id` in `netns` as `eth0` with `netconf`.
 pub fn del(bin: &Path, netconf: &Value, container_id: &str, netns: &Netns) -> CniOutput {
-    call(bin, "DEL", netconf, container_id, netns)
+    call_bin(bin, "DEL", netconf, container_id, netns)
 }
 
 /// CHECK of `container_id` in `netns` as `eth0` with `netconf`, which must
 /// carry the ADD's result as `prevResult`.
 pub fn check(bin: &Path, netconf: &Value, container_id: &str, netns: &Netns) -> CniOutput {
-    call(bin, "CHECK", netconf, container_id, netns)
+    call_bin(bin, "CHECK", netconf, container_id, netns)
+}
+
+/// One call of tether, the plugin, as a runtime makes it: `verb` for
+/// container `cid` on interface eth0 of `netns`, `conf` on stdin.
+pub fn call(verb: &str, conf: &Value, cid: &str, netns: Option<&Netns>) -> CniOutput {
+    let env = CniEnv {
+        command: Some(verb.to_owned()),
+        container_id: Some(cid.to_owned()),
+        netns: netns.map(|n| n.path().display().to_string()),
+        ifname: Some("eth0".to_owned()),
+        ..CniEnv::default()
+    };
+    let stdin = serde_json::to_vec(conf).expect("JSON serializes");
+    cni(&crate::tether_bin(), &env, &stdin)
+}
+
+/// `conf` with `prevResult` set to `prev`, as a runtime sends CHECK and DEL.
+pub fn with_prev(conf: &Value, prev: &Value) -> Value {
+    let mut conf = conf.clone();
+    conf["prevResult"] = prev.clone();
+    conf
 }

@@ -56,6 +56,16 @@ pub struct Daemon {
 }
 
 impl Daemon {
+    /// A daemon with these `--pod-cidr`s and extra arguments, the rest as
+    /// [`DaemonOpts::default`] has it.
+    pub fn with_cidrs(cidrs: &[&str], extra_args: &[&str]) -> Daemon {
+        Daemon::start(DaemonOpts {
+            pod_cidrs: cidrs.iter().map(|c| c.to_string()).collect(),
+            extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
+            ..DaemonOpts::default()
+        })
+    }
+
     /// Starts `tetherd` in a new node netns and waits until its socket
     /// accepts; panics with the log's tail if it does not within 15 s.
     pub fn start(opts: DaemonOpts) -> Daemon {

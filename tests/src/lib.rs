@@ -48,10 +48,12 @@ pub mod view;
 pub mod vm;
 
 pub use admin::{admin, pb};
-pub use cni::{add, check, cni, cni_with_timeout, del, ref_plugin, CniEnv, CniOutput};
+pub use cni::{
+    add, call, check, cni, cni_with_timeout, del, ref_plugin, with_prev, CniEnv, CniOutput,
+};
 pub use cni::{CNI_TIMEOUT, REF_PLUGIN_DIR};
 pub use daemon::{Daemon, DaemonOpts, DEFAULT_LOG_LEVEL};
-pub use netns::{Family, Netns};
+pub use netns::{assert_ping_within, ping, ping_output, Family, Netns};
 pub use view::{
     assert_pod_holds, assert_tether_links_settle, expected_routes, is_tether_link, wait_link_gone,
     AddResult, LINK_SETTLE, ROUTE_PROTOCOL,

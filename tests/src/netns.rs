@@ -7,7 +7,9 @@ use std::process::{Command, Output};
 
 use serde_json::Value;
 
-use crate::unique_name;
+use crate::{unique_name, wait_until};
+use std::net::IpAddr;
+use std::time::Duration;
 
 /// An address family, for [`Netns::routes`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -218,4 +220,40 @@ fn check_output(what: &str, out: &Output) {
             String::from_utf8_lossy(&out.stdout).trim()
         );
     }
+}
+
+/// One ping (`ping -c1 -W1`) from inside `from` to `to`, either family;
+/// true if a reply came back.
+pub fn ping(from: &Netns, to: IpAddr) -> bool {
+    ping_output(from, to).status.success()
+}
+
+/// [`ping`], returning ping's output.
+pub fn ping_output(from: &Netns, to: IpAddr) -> Output {
+    let fam = if to.is_ipv4() { "-4" } else { "-6" };
+    from.exec(&["ping", fam, "-n", "-c", "1", "-W", "1", &to.to_string()])
+}
+
+/// Pings from `from` to `to` until a reply comes or `limit` passes (routes
+/// appear asynchronously); panics with the last ping's output and the
+/// netns's routes if none came.
+pub fn assert_ping_within(from: &Netns, to: IpAddr, limit: Duration) {
+    let mut last = None;
+    if wait_until(limit, || {
+        let out = ping_output(from, to);
+        let ok = out.status.success();
+        last = Some(out);
+        ok
+    }) {
+        return;
+    }
+    let fam = if to.is_ipv4() { Family::V4 } else { Family::V6 };
+    let out = last.expect("pinged at least once");
+    panic!(
+        "no ping reply from {to} to {} within {limit:?}:\n{}{}\nroutes there: {:?}",
+        from.name(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        from.routes(fam)
+    );
 }

@@ -12,32 +12,10 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tether_e2e::admin::{self, pb};
 use tether_e2e::runtime::run_bounded;
-use tether_e2e::{cni, require_root, tether_bin, CniEnv, CniOutput, Daemon, DaemonOpts, Netns};
+use tether_e2e::{call, cni, require_root, tether_bin, CniEnv, Daemon, Netns};
 
 const V4_CIDR: &str = "10.83.0.0/28";
 const V6_CIDR: &str = "fd00:83::/120";
-
-fn daemon() -> Daemon {
-    Daemon::start(DaemonOpts {
-        pod_cidrs: vec![V4_CIDR.into(), V6_CIDR.into()],
-        ..DaemonOpts::default()
-    })
-}
-
-fn run_cni(verb: &str, conf: &Value, cid: &str, pod: Option<&Netns>) -> CniOutput {
-    let env = CniEnv {
-        command: Some(verb.into()),
-        container_id: Some(cid.into()),
-        netns: pod.map(|p| p.path().display().to_string()),
-        ifname: Some("eth0".into()),
-        ..CniEnv::default()
-    };
-    cni(
-        &tether_bin(),
-        &env,
-        &serde_json::to_vec(conf).expect("JSON"),
-    )
-}
 
 // ---------------------------------------------------------------------------
 // grpcurl
@@ -153,7 +131,7 @@ fn verbs_json(stats: &Value) -> BTreeMap<String, (u64, u64)> {
 #[test]
 fn grpcurl_lists_services_through_reflection() {
     require_root();
-    let daemon = daemon();
+    let daemon = Daemon::with_cidrs(&[V4_CIDR, V6_CIDR], &[]);
     let socket = daemon.socket();
     let listed = grpcurl_ok(socket, &["list"]);
     let services: Vec<&str> = listed.lines().map(str::trim).collect();
@@ -199,7 +177,7 @@ fn grpcurl_lists_services_through_reflection() {
 #[test]
 fn grpcurl_with_no_authority_flag_is_served() {
     require_root();
-    let daemon = daemon();
+    let daemon = Daemon::with_cidrs(&[V4_CIDR, V6_CIDR], &[]);
     let socket = daemon.socket().display().to_string();
     let bin = grpcurl();
     let version = run_bounded(Command::new(&bin).arg("-version"), Duration::from_secs(10));
@@ -249,7 +227,7 @@ fn grpcurl_with_no_authority_flag_is_served() {
 #[test]
 fn grpcurl_shows_node_attachments_and_stats() {
     require_root();
-    let daemon = daemon();
+    let daemon = Daemon::with_cidrs(&[V4_CIDR, V6_CIDR], &[]);
     let socket = daemon.socket();
 
     let node = call_json(socket, "tether.admin.v1.Admin/GetNode", None);
@@ -285,13 +263,10 @@ fn grpcurl_shows_node_attachments_and_stats() {
         &serde_json::to_vec(&conf).expect("JSON"),
     );
     let ra = ra.result().clone();
-    let rb = run_cni("ADD", &conf, "adm-b", Some(&pb)).result().clone();
+    let rb = call("ADD", &conf, "adm-b", Some(&pb)).result().clone();
     let mut bad = conf.clone();
     bad["ipam"] = json!({});
-    assert_eq!(
-        run_cni("ADD", &bad, "adm-c", Some(&pb)).error_code(),
-        Some(2)
-    );
+    assert_eq!(call("ADD", &bad, "adm-c", Some(&pb)).error_code(), Some(2));
 
     let node = call_json(socket, "tether.admin.v1.Admin/GetNode", None);
     let after_add = pools_json(&node);
@@ -347,12 +322,12 @@ fn grpcurl_shows_node_attachments_and_stats() {
 
     let mut prev = conf.clone();
     prev["prevResult"] = ra.clone();
-    assert!(run_cni("CHECK", &prev, "adm-a", Some(&pa)).success());
-    assert!(run_cni("DEL", &conf, "adm-b", Some(&pb)).success());
-    assert!(run_cni("STATUS", &conf, "", None).success());
+    assert!(call("CHECK", &prev, "adm-a", Some(&pa)).success());
+    assert!(call("DEL", &conf, "adm-b", Some(&pb)).success());
+    assert!(call("STATUS", &conf, "", None).success());
     let mut gc = conf.clone();
     gc["cni.dev/valid-attachments"] = json!([{"containerID": "adm-a", "ifname": "eth0"}]);
-    assert!(run_cni("GC", &gc, "", None).success());
+    assert!(call("GC", &gc, "", None).success());
 
     let node = call_json(socket, "tether.admin.v1.Admin/GetNode", None);
     let after_del = pools_json(&node);
@@ -386,10 +361,10 @@ fn grpcurl_shows_node_attachments_and_stats() {
 #[test]
 fn rust_client_reads_the_admin_api() {
     require_root();
-    let daemon = daemon();
+    let daemon = Daemon::with_cidrs(&[V4_CIDR, V6_CIDR], &[]);
     let conf = daemon.netconf("1.0.0", "adm-rs");
     let pod = Netns::new("pod");
-    let result = run_cni("ADD", &conf, "rs-a", Some(&pod)).result().clone();
+    let result = call("ADD", &conf, "rs-a", Some(&pod)).result().clone();
 
     let (node, list, one, stats) = admin::with_client(daemon.socket(), |mut client| async move {
         let node = client.get_node(pb::GetNodeRequest {}).await;

@@ -4,21 +4,7 @@
 //! release of a previous boot's attachments at startup.
 
 use serde_json::Value;
-use tether_e2e::{add, check, del, require_root, tether_bin, Daemon, DaemonOpts, Netns};
-
-fn daemon(cidrs: &[&str], extra_args: &[&str]) -> Daemon {
-    Daemon::start(DaemonOpts {
-        pod_cidrs: cidrs.iter().map(|s| s.to_string()).collect(),
-        extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
-        ..Default::default()
-    })
-}
-
-fn with_prev(netconf: &Value, result: &Value) -> Value {
-    let mut conf = netconf.clone();
-    conf["prevResult"] = result.clone();
-    conf
-}
+use tether_e2e::{add, check, del, require_root, tether_bin, with_prev, Daemon, Netns};
 
 fn pod_ipv4(result: &Value) -> String {
     result["ips"]
@@ -38,7 +24,7 @@ fn del_then_immediate_add_keeps_the_new_veth() {
     require_root();
     // tetherd's hidden test hook holds each background deletion back
     // 300 ms, so the ADD below always arrives while it is pending.
-    let d = daemon(&["10.77.0.0/24"], &["--test-delete-delay-ms", "300"]);
+    let d = Daemon::with_cidrs(&["10.77.0.0/24"], &["--test-delete-delay-ms", "300"]);
     let conf = d.netconf("1.1.0", "lifecycle");
     let pod = Netns::new("lcpod");
     let peer = Netns::new("lcpeer");
@@ -80,7 +66,7 @@ fn del_then_immediate_add_keeps_the_new_veth() {
 #[test]
 fn attachments_of_a_previous_boot_are_released_at_startup() {
     require_root();
-    let mut d = daemon(&["10.78.0.0/29"], &[]);
+    let mut d = Daemon::with_cidrs(&["10.78.0.0/29"], &[]);
     let conf = d.netconf("1.1.0", "lifecycle");
     let pod = Netns::new("lcboot");
     let first = add(&tether_bin(), &conf, "lc-boot", &pod);

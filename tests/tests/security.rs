@@ -10,20 +10,12 @@ use std::process::Command;
 
 use serde_json::Value;
 use tether_e2e::{
-    cni, require_root, tether_bin, CniEnv, CniOutput, Daemon, DaemonOpts, Netns, TempDir,
+    cni, require_root, tether_bin, with_prev, CniEnv, CniOutput, Daemon, Netns, TempDir,
 };
 
 /// The unprivileged uid and gid (nobody/nogroup).
 const NOBODY: u32 = 65534;
 const CIDR: &str = "10.82.0.0/24";
-
-fn daemon(extra_args: &[&str]) -> Daemon {
-    Daemon::start(DaemonOpts {
-        pod_cidrs: vec![CIDR.into()],
-        extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
-        ..DaemonOpts::default()
-    })
-}
 
 /// Panics (the test fails, it does not skip) unless `setpriv` is there.
 fn require_setpriv() {
@@ -83,12 +75,6 @@ fn as_root(env: &CniEnv, conf: &Value) -> CniOutput {
     cni(&tether_bin(), env, &serde_json::to_vec(conf).expect("JSON"))
 }
 
-fn with_prev(conf: &Value, prev: &Value) -> Value {
-    let mut conf = conf.clone();
-    conf["prevResult"] = prev.clone();
-    conf
-}
-
 /// Asserts the daemon holds no attachment and no address, and `pod` got
 /// no interface.
 fn assert_nothing_allocated(daemon: &Daemon, pod: &Netns) {
@@ -115,7 +101,7 @@ fn queue_entries(daemon: &Daemon) -> Vec<String> {
 #[test]
 fn socket_is_root_only() {
     require_root();
-    let daemon = daemon(&[]);
+    let daemon = Daemon::with_cidrs(&[CIDR], &[]);
     let meta = std::fs::metadata(daemon.socket()).expect("stat of the socket");
     assert!(meta.file_type().is_socket());
     assert_eq!(meta.mode() & 0o7777, 0o600, "mode {:o}", meta.mode());
@@ -127,7 +113,7 @@ fn socket_is_root_only() {
 #[test]
 fn non_root_without_capabilities_cannot_connect() {
     require_root();
-    let daemon = daemon(&[]);
+    let daemon = Daemon::with_cidrs(&[CIDR], &[]);
     let nobody = AsNobody::new(Caller::Plain);
     let pod = Netns::new("pod");
     let conf = daemon.netconf("1.1.0", "sec");
@@ -151,7 +137,7 @@ fn non_root_without_capabilities_cannot_connect() {
 #[test]
 fn peer_credentials_refuse_a_capable_non_root_caller() {
     require_root();
-    let daemon = daemon(&[]);
+    let daemon = Daemon::with_cidrs(&[CIDR], &[]);
     let nobody = AsNobody::new(Caller::DacOverride);
     let pod = Netns::new("pod");
     let conf = daemon.netconf("1.1.0", "sec");
@@ -188,7 +174,7 @@ fn peer_credentials_refuse_a_capable_non_root_caller() {
 fn allowed_uid_is_served() {
     require_root();
     let uid = NOBODY.to_string();
-    let daemon = daemon(&["--allow-uid", &uid]);
+    let daemon = Daemon::with_cidrs(&[CIDR], &["--allow-uid", &uid]);
     let nobody = AsNobody::new(Caller::DacOverride);
     let pod = Netns::new("pod");
     let conf = daemon.netconf("1.1.0", "sec");
@@ -232,7 +218,7 @@ fn allowed_uid_is_served() {
 #[test]
 fn refused_non_root_del_is_not_queued() {
     require_root();
-    let mut daemon = daemon(&[]);
+    let mut daemon = Daemon::with_cidrs(&[CIDR], &[]);
     let nobody = AsNobody::new(Caller::Plain);
     let pod = Netns::new("pod");
     let conf = daemon.netconf("1.1.0", "sec");
@@ -294,7 +280,7 @@ fn refused_non_root_del_is_not_queued() {
 #[test]
 fn refused_capable_peer_cannot_del_through_the_queue() {
     require_root();
-    let mut daemon = daemon(&[]);
+    let mut daemon = Daemon::with_cidrs(&[CIDR], &[]);
     let nobody = AsNobody::new(Caller::DacOverride);
     let pod = Netns::new("pod");
     let conf = daemon.netconf("1.1.0", "sec");

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tether_e2e::{
-    cni, is_tether_link, require_root, tether_bin, unique_name, CniEnv, CniOutput, Daemon,
-    DaemonOpts, Family, Netns,
+    assert_ping_within, call, cni, is_tether_link, require_root, tether_bin, unique_name,
+    with_prev, CniEnv, CniOutput, Daemon, DaemonOpts, Family, Netns,
 };
 
 /// Every cniVersion tether renders.
@@ -29,13 +29,11 @@ const LINK_GONE_WITHIN: Duration = Duration::from_secs(2);
 const DUAL: [&str; 2] = ["10.77.0.0/24", "fd00:77::/120"];
 const V4_ONLY: [&str; 1] = ["10.78.0.0/24"];
 const V6_ONLY: [&str; 1] = ["fd00:78::/120"];
+/// One ping reply is awaited this long; nothing is asserted of its speed.
+const PING_WITHIN: Duration = Duration::from_secs(10);
 
 // ---------------------------------------------------------------------------
 // Invocation helpers
-
-fn daemon(cidrs: &[&str]) -> Daemon {
-    daemon_with(cidrs, None)
-}
 
 fn daemon_with(cidrs: &[&str], mtu: Option<u32>) -> Daemon {
     Daemon::start(DaemonOpts {
@@ -43,17 +41,6 @@ fn daemon_with(cidrs: &[&str], mtu: Option<u32>) -> Daemon {
         mtu,
         ..DaemonOpts::default()
     })
-}
-
-fn call(verb: &str, conf: &Value, cid: &str, netns: Option<&Netns>) -> CniOutput {
-    let env = CniEnv {
-        command: Some(verb.to_owned()),
-        container_id: Some(cid.to_owned()),
-        netns: netns.map(|n| n.path().display().to_string()),
-        ifname: Some("eth0".to_owned()),
-        ..CniEnv::default()
-    };
-    call_env(&env, conf)
 }
 
 fn call_env(env: &CniEnv, conf: &Value) -> CniOutput {
@@ -65,12 +52,6 @@ fn call_env(env: &CniEnv, conf: &Value) -> CniOutput {
 fn add_ok(conf: &Value, cid: &str, pod: &Netns) -> Value {
     let out = call("ADD", conf, cid, Some(pod));
     out.result().clone()
-}
-
-fn with_prev(conf: &Value, prev: &Value) -> Value {
-    let mut conf = conf.clone();
-    conf["prevResult"] = prev.clone();
-    conf
 }
 
 /// Asserts the call succeeded and printed nothing (DEL, CHECK, GC, STATUS).
@@ -363,20 +344,6 @@ fn assert_released(daemon: &Daemon, pod: &Netns, cid: &str, w: &Wiring) {
     );
 }
 
-fn ping(from: &Netns, to: IpAddr) {
-    let fam = if to.is_ipv4() { "-4" } else { "-6" };
-    let target = to.to_string();
-    // One reply within 10 s; no assertion on how fast.
-    let out = from.exec(&["ping", fam, "-n", "-c", "1", "-w", "10", &target]);
-    assert!(
-        out.status.success(),
-        "ping {target} from {} failed:\n{}{}",
-        from.name(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 // ---------------------------------------------------------------------------
 // The admin API
 
@@ -399,7 +366,7 @@ fn pool_usage(daemon: &Daemon, cidr: &str) -> (u64, u64) {
 #[test]
 fn every_version_add_check_del_dual_stack() {
     require_root();
-    let daemon = daemon(&DUAL);
+    let daemon = Daemon::with_cidrs(&DUAL, &[]);
     for version in VERSIONS {
         let conf = daemon.netconf(version, "dual");
         let pod = Netns::new("pod");
@@ -457,7 +424,7 @@ fn every_version_add_check_del_dual_stack() {
 #[test]
 fn dual_stack_pods_ping_each_other() {
     require_root();
-    let daemon = daemon(&DUAL);
+    let daemon = Daemon::with_cidrs(&DUAL, &[]);
     let conf = daemon.netconf("1.0.0", "ping");
     let (a, b) = (Netns::new("pa"), Netns::new("pb"));
     let wa = read_result(&add_ok(&conf, "ping-a", &a), "1.0.0", &a, "eth0", 1500);
@@ -465,10 +432,10 @@ fn dual_stack_pods_ping_each_other() {
     assert_wired(&daemon, &a, &wa, 1500);
     assert_wired(&daemon, &b, &wb, 1500);
     assert_ne!(wa.ips, wb.ips);
-    ping(&a, wb.ips[0]);
-    ping(&b, wa.ips[0]);
-    ping(&a, wb.ips[1]);
-    ping(&b, wa.ips[1]);
+    assert_ping_within(&a, wb.ips[0], PING_WITHIN);
+    assert_ping_within(&b, wa.ips[0], PING_WITHIN);
+    assert_ping_within(&a, wb.ips[1], PING_WITHIN);
+    assert_ping_within(&b, wa.ips[1], PING_WITHIN);
 }
 
 /// A daemon with only an IPv4 pool: one address, no IPv6 default route,
@@ -488,7 +455,7 @@ fn v6_only_daemon() {
 }
 
 fn single_family(cidrs: &[&str], v4: bool) {
-    let daemon = daemon(cidrs);
+    let daemon = Daemon::with_cidrs(cidrs, &[]);
     let conf = daemon.netconf("1.1.0", "single");
     let (a, b) = (Netns::new("pa"), Netns::new("pb"));
     let ra = add_ok(&conf, "one-a", &a);
@@ -501,8 +468,8 @@ fn single_family(cidrs: &[&str], v4: bool) {
     }
     assert_wired(&daemon, &a, &wa, 1500);
     assert_wired(&daemon, &b, &wb, 1500);
-    ping(&a, wb.ips[0]);
-    ping(&b, wa.ips[0]);
+    assert_ping_within(&a, wb.ips[0], PING_WITHIN);
+    assert_ping_within(&b, wa.ips[0], PING_WITHIN);
     assert_silent_ok(
         "CHECK",
         &call("CHECK", &with_prev(&conf, &ra), "one-a", Some(&a)),
@@ -520,7 +487,7 @@ fn single_family(cidrs: &[&str], v4: bool) {
 #[test]
 fn add_in_another_netns_conflicts() {
     require_root();
-    let daemon = daemon(&DUAL);
+    let daemon = Daemon::with_cidrs(&DUAL, &[]);
     let conf = daemon.netconf("1.1.0", "conflict");
     let (first, second) = (Netns::new("p1"), Netns::new("p2"));
     let result = add_ok(&conf, "conflicting", &first);
@@ -649,7 +616,7 @@ const DAMAGES: &[Damage] = &[
 #[test]
 fn check_reports_each_kind_of_damage() {
     require_root();
-    let daemon = daemon(&DUAL);
+    let daemon = Daemon::with_cidrs(&DUAL, &[]);
     let conf = daemon.netconf("1.1.0", "damage");
     let mut failures = Vec::new();
     for damage in DAMAGES {
@@ -718,7 +685,7 @@ fn check_reports_each_kind_of_damage() {
 #[test]
 fn del_is_idempotent_and_needs_no_netns() {
     require_root();
-    let daemon = daemon(&DUAL);
+    let daemon = Daemon::with_cidrs(&DUAL, &[]);
     let conf = daemon.netconf("1.0.0", "deletes");
     let pod = Netns::new("pod");
     let result = add_ok(&conf, "to-delete", &pod);
@@ -756,7 +723,7 @@ fn del_is_idempotent_and_needs_no_netns() {
 fn tiny_pool_exhaustion_status_and_reuse() {
     require_root();
     const CIDR: &str = "10.79.0.0/29";
-    let daemon = daemon(&[CIDR]);
+    let daemon = Daemon::with_cidrs(&[CIDR], &[]);
     let conf = daemon.netconf("1.1.0", "tiny");
     assert_silent_ok("STATUS on an empty pool", &call("STATUS", &conf, "", None));
 
@@ -814,7 +781,7 @@ fn tiny_pool_exhaustion_status_and_reuse() {
 #[test]
 fn gc_releases_unlisted_attachments() {
     require_root();
-    let daemon = daemon(&DUAL);
+    let daemon = Daemon::with_cidrs(&DUAL, &[]);
     let conf = daemon.netconf("1.1.0", "gcnet");
     let other_conf = daemon.netconf("1.1.0", "othernet");
     let (pa, pb, pc) = (Netns::new("pa"), Netns::new("pb"), Netns::new("pc"));
@@ -881,7 +848,7 @@ fn mtu_from_flag_and_from_netconf() {
     let rc = add_ok(&old, "mtu-old", &pc);
     let wc = read_result(&rc, "1.0.0", &pc, "eth0", 1280);
     assert_wired(&daemon, &pc, &wc, 1280);
-    ping(&pa, wb.ips[0]);
+    assert_ping_within(&pa, wb.ips[0], PING_WITHIN);
 }
 
 /// When one family's pool is full, ADD fails with 100 naming that pool and
@@ -891,7 +858,7 @@ fn exhausting_one_family_rolls_back_the_other() {
     require_root();
     const V4: &str = "10.80.0.0/30";
     const V6: &str = "fd00:80::/120";
-    let daemon = daemon(&[V4, V6]);
+    let daemon = Daemon::with_cidrs(&[V4, V6], &[]);
     let conf = daemon.netconf("1.1.0", "half");
     let pods: Vec<Netns> = (0..3).map(|_| Netns::new("pod")).collect();
     for (i, pod) in pods.iter().take(2).enumerate() {
