@@ -165,6 +165,19 @@ pub enum Error {
     /// A bug or an unexpected condition inside tetherd (199).
     #[error("internal error: {0}")]
     Internal(String),
+    /// Several failures of one teardown, every one reported; the first
+    /// decides the code ([`Error::all`]).
+    #[error("{}", join(.0))]
+    Several(Vec<Error>),
+}
+
+/// The messages of `errors`, joined by "; ".
+fn join(errors: &[Error]) -> String {
+    errors
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 impl Error {
@@ -193,6 +206,7 @@ impl Error {
             Error::UnknownPool(_) => 119,
             Error::Check { kind, .. } => kind.code(),
             Error::Internal(_) => 199,
+            Error::Several(all) => all.first().map_or(199, Error::code),
         }
     }
 
@@ -221,6 +235,7 @@ impl Error {
             Error::VmState(_) => "VM record not ready",
             Error::Check { .. } => "check failed",
             Error::Internal(_) => "internal error",
+            Error::Several(all) => all.first().map_or("internal error", Error::msg),
         }
     }
 
@@ -229,6 +244,16 @@ impl Error {
         Error::InterfaceSetup {
             context: context.into(),
             reason: reason.to_string(),
+        }
+    }
+
+    /// One error for all of `errors` (at least one): the error itself when
+    /// there is one, [`Error::Several`] when there are more.
+    pub fn all(mut errors: Vec<Error>) -> Self {
+        match errors.len() {
+            0 => Error::Internal("a failure with no cause".into()),
+            1 => errors.remove(0),
+            _ => Error::Several(errors),
         }
     }
 
@@ -263,6 +288,24 @@ mod tests {
 
     fn io_gone() -> io::Error {
         io::Error::new(io::ErrorKind::NotFound, "gone away")
+    }
+
+    #[test]
+    fn several_failures_keep_every_message_and_the_first_code() {
+        let all = Error::all(vec![
+            Error::setup("removing tap0", "Device or resource busy"),
+            Error::Store("journal: No space left on device".into()),
+        ]);
+        assert_eq!(all.code(), 101);
+        assert_eq!(all.msg(), "interface setup failed");
+        assert_eq!(
+            all.to_string(),
+            "interface setup failed while removing tap0: Device or resource busy; \
+             state store failure: journal: No space left on device"
+        );
+        let one = Error::all(vec![Error::TryAgain("etcd".into())]);
+        assert!(matches!(one, Error::TryAgain(_)), "{one:?}");
+        assert_eq!(Error::all(Vec::new()).code(), 199);
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! ADD: wiring a new attachment (store commit and kernel work side by
 //! side, rolled back together), and a repeated ADD.
 
+use super::del::{Made, Teardown};
 use super::*;
 use crate::cni::VmPod;
 use crate::kube::{PodEvent, PodRef};
@@ -158,46 +159,25 @@ impl Node {
         match (stored, wired_ok) {
             (Ok(()), Ok(())) => {}
             (stored, wired_ok) => {
-                // Roll back whichever half succeeded; report the first error.
-                let mut first = None;
-                match stored {
-                    Ok(()) => {
-                        let store = self.store.clone();
-                        let k = key.clone();
-                        if let Err(e) = blocking(move || store.remove(&[k])).await {
-                            tracing::error!(%key, error = %e, "rollback of the store record failed");
-                        }
-                    }
-                    Err(e) => first = Some(e),
+                // Undone by the teardown DEL runs, of the parts that were
+                // made; the ADD's own failure is what the runtime hears
+                // (the store's first), and what the undoing could not do
+                // is logged.
+                let made = Made {
+                    placement: placement.as_ref(),
+                    stored: stored.is_ok(),
+                    wired: wired_ok.is_ok(),
+                };
+                if let Err(e) = self
+                    .teardown(std::slice::from_ref(&attachment), Teardown::FailedAdd(made))
+                    .await
+                {
+                    tracing::error!(%key, error = %e, "the rollback of a failed ADD left something behind");
                 }
-                match wired_ok {
-                    Ok(()) => {
-                        if let Err(e) = self.kernel.delete_link(&host_ifname).await {
-                            tracing::error!(%key, error = %e, "rollback of the veth failed");
-                        }
-                        if let Some(tap) = attachment.guest.as_ref().and_then(|g| g.tap.as_ref()) {
-                            if let Err(e) = self
-                                .kernel
-                                .remove_tap(&netns, &tap.name, &host_ifname)
-                                .await
-                            {
-                                tracing::error!(%key, error = %e, "rollback of the tap failed");
-                            }
-                        }
-                    }
-                    Err(e) => first = first.or(Some(e)),
-                }
-                match &placement {
-                    Some(p) => {
-                        self.undo_placement(p).await;
-                        self.free_ips(&ips);
-                    }
-                    None => {
-                        lock(&self.pools).release(&ips);
-                        self.named.release(&ips);
-                    }
-                }
-                return Err(first.unwrap_or_else(|| Error::Internal("rollback".into())));
+                return Err(match (stored, wired_ok) {
+                    (Err(e), _) | (Ok(()), Err(e)) => e,
+                    (Ok(()), Ok(())) => Error::Internal("a rollback with nothing failed".into()),
+                });
             }
         }
         let result = cni::render_add_result(&inv.conf, &wired(&attachment));

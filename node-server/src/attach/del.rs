@@ -2,6 +2,7 @@
 //! veth goes after the reply (see `link_reaper`).
 
 use super::*;
+use crate::vm::Placement;
 
 impl Node {
     /// DEL: idempotent. `queued_at` is set for DELs replayed from the shim's
@@ -41,56 +42,98 @@ impl Node {
         Ok(cni::empty_result())
     }
 
-    /// Withdraws routes, removes records, frees addresses, and schedules the
-    /// links' deletion. A VM pod first leaves its VM's record (which keeps
-    /// the VM's addresses); if the control plane cannot take that change,
-    /// nothing is released and the error is returned (the runtime retries
-    /// a DEL).
+    /// DEL and GC: [`Node::teardown`] of whole attachments.
     pub(crate) async fn release(&self, list: &[Attachment], policy: VmAddressPolicy) -> Result<()> {
-        // A tap outlives its veth (it is persistent): it goes first, so that
-        // a DEL that cannot remove it fails with its record intact.
-        for a in list {
-            if let Some(tap) = a.guest.as_ref().and_then(|g| g.tap.as_ref()) {
-                self.remove_tap(Path::new(&a.netns), &tap.name, &a.host_ifname)
-                    .await?;
-            }
-        }
-        let mut ips: Vec<IpAddr> = Vec::new();
-        for a in list {
-            match &a.vm {
-                None if a.ipam_only => {}
-                None => ips.extend(a.ips.iter().copied()),
-                Some(vm) => {
-                    // Its routes follow the record unless the VM now runs
-                    // nowhere.
-                    if self.leave_vm_record(a, vm, policy).await? {
-                        ips.extend(a.ips.iter().copied());
+        self.teardown(list, Teardown::Release(policy)).await
+    }
+
+    /// The one teardown of attachments, for DEL and GC and for the
+    /// rollback of a failed ADD alike: taps, VM records, host routes,
+    /// store records, the table, addresses, guests, links, in that order.
+    /// Every failure is collected and reported ([`Error::all`]). A release
+    /// stops before the records go when a step before them failed, so
+    /// that the runtime's retry (or a restart) still finds the attachment;
+    /// a failed ADD undoes everything it can, whatever fails.
+    pub(crate) async fn teardown(&self, list: &[Attachment], how: Teardown<'_>) -> Result<()> {
+        let release = matches!(how, Teardown::Release(_));
+        let made = |part: fn(&Made) -> bool| match &how {
+            Teardown::Release(_) => true,
+            Teardown::FailedAdd(m) => part(m),
+        };
+        let mut failed = Vec::new();
+        // A tap outlives its veth (it is persistent): it goes first.
+        if made(|m| m.wired) {
+            for a in list {
+                if let Some(tap) = a.guest.as_ref().and_then(|g| g.tap.as_ref()) {
+                    if let Err(e) = self
+                        .remove_tap(Path::new(&a.netns), &tap.name, &a.host_ifname)
+                        .await
+                    {
+                        failed.push(e);
                     }
                 }
             }
         }
-        let keys: Vec<AttachmentKey> = list.iter().map(|a| a.key.clone()).collect();
-        let store = self.store.clone();
-        let (routes, stored) = tokio::join!(
-            self.kernel.remove_host_routes(&ips),
-            blocking(move || store.remove(&keys))
-        );
-        if let Err(e) = routes {
-            // The record must outlive a DEL that failed, so that the
-            // runtime's retry (or a restart) still finds the attachment:
-            // put back what the concurrent removal took.
-            if stored.is_ok() {
-                let store = self.store.clone();
-                let records = list.to_vec();
-                let restored =
-                    blocking(move || records.iter().try_for_each(|a| store.insert(a))).await;
-                if let Err(undo) = restored {
-                    tracing::error!(error = %undo, "cannot restore the records of a failed DEL");
-                }
-            }
-            return Err(e);
+        if release && !failed.is_empty() {
+            return Err(Error::all(failed));
         }
-        stored?;
+        // A VM pod leaves its VM's record (which keeps the VM's
+        // addresses); its routes follow the record unless the VM now runs
+        // nowhere. A failed ADD's placement is undone instead. The host
+        // routes of a failed ADD go with its veth.
+        let mut ips: Vec<IpAddr> = Vec::new();
+        for a in list {
+            match (&a.vm, &how) {
+                (None, _) if a.ipam_only => {}
+                (None, Teardown::Release(_)) => ips.extend(a.ips.iter().copied()),
+                (Some(vm), Teardown::Release(policy)) => {
+                    match self.leave_vm_record(a, vm, *policy).await {
+                        Ok(true) => ips.extend(a.ips.iter().copied()),
+                        Ok(false) => {}
+                        Err(e) => failed.push(e),
+                    }
+                }
+                (Some(_), Teardown::FailedAdd(m)) => {
+                    if let Some(p) = m.placement {
+                        if let Err(e) = self.undo_placement(p).await {
+                            failed.push(e);
+                        }
+                    }
+                }
+                (None, Teardown::FailedAdd(_)) => {}
+            }
+        }
+        if release && !failed.is_empty() {
+            return Err(Error::all(failed));
+        }
+        let keys: Vec<AttachmentKey> = list.iter().map(|a| a.key.clone()).collect();
+        if release {
+            let store = self.store.clone();
+            let (routes, stored) = tokio::join!(
+                self.kernel.remove_host_routes(&ips),
+                blocking(move || store.remove(&keys))
+            );
+            if let Err(e) = routes {
+                // The record must outlive a DEL that failed: put back what
+                // the concurrent removal took.
+                if stored.is_ok() {
+                    let store = self.store.clone();
+                    let records = list.to_vec();
+                    let restored =
+                        blocking(move || records.iter().try_for_each(|a| store.insert(a))).await;
+                    if let Err(undo) = restored {
+                        tracing::error!(error = %undo, "cannot restore the records of a failed DEL");
+                    }
+                }
+                return Err(e);
+            }
+            stored?;
+        } else if made(|m| m.stored) {
+            let store = self.store.clone();
+            if let Err(e) = blocking(move || store.remove(&keys)).await {
+                failed.push(e);
+            }
+        }
         {
             let mut attachments = lock(&self.attachments);
             for a in list {
@@ -107,14 +150,48 @@ impl Node {
         if !vm_pods.is_empty() {
             let vm_ips: Vec<IpAddr> = vm_pods.iter().flat_map(|a| a.ips.clone()).collect();
             self.free_ips(&vm_ips);
-            self.force_vm_resync();
+            if release {
+                self.force_vm_resync();
+            }
         }
         for a in list.iter().filter(|a| !a.ipam_only) {
-            self.stop_guest(a);
-            self.delete_link_later(a.host_ifname.clone());
+            if release {
+                self.stop_guest(a);
+                // The kernel's slow veth teardown runs after the reply.
+                self.delete_link_later(a.host_ifname.clone());
+            } else if made(|m| m.wired) {
+                // A failed ADD leaves nothing behind when it answers.
+                if let Err(e) = self.kernel.delete_link(&a.host_ifname).await {
+                    failed.push(e);
+                }
+            }
         }
-        Ok(())
+        if failed.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::all(failed))
+        }
     }
+}
+
+/// Why attachments are torn down: the steps are the same, this decides
+/// only what differs.
+pub(crate) enum Teardown<'a> {
+    /// DEL and GC, of whole attachments; the network's policy decides
+    /// whether a VM's record goes with its last pod.
+    Release(VmAddressPolicy),
+    /// The rollback of a failed ADD, of the parts it made.
+    FailedAdd(Made<'a>),
+}
+
+/// What a failed ADD made before it failed.
+pub(crate) struct Made<'a> {
+    /// Its VM placement, undone (a record it created is deleted).
+    pub placement: Option<&'a Placement>,
+    /// Its store record was written.
+    pub stored: bool,
+    /// Its veth (and tap) were made.
+    pub wired: bool,
 }
 
 impl Node {

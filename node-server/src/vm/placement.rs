@@ -262,7 +262,7 @@ impl Node {
     }
 
     /// Undoes a placement whose wiring failed.
-    pub(crate) async fn undo_placement(&self, p: &Placement) {
+    pub(crate) async fn undo_placement(&self, p: &Placement) -> Result<()> {
         let key = p.rec.key.clone();
         let outcome = if p.created {
             match self.vm.records.read(&key).await {
@@ -292,9 +292,11 @@ impl Node {
                 .await
                 .map(|_| ())
         };
-        if let Err(e) = outcome {
-            tracing::error!(vm = %key, error = %e, "cannot undo the VM record change of a failed ADD");
-        }
+        outcome.map_err(|e| {
+            Error::Store(format!(
+                "cannot undo the change of VM {key}'s record by a failed ADD: {e}"
+            ))
+        })
     }
 
     /// Takes a VM pod out of its record before its local teardown: the

@@ -125,6 +125,36 @@ async fn a_failed_add_takes_its_tap_back_and_a_del_without_record_removes_an_orp
 }
 
 #[tokio::test]
+async fn the_teardown_of_a_failed_add_goes_on_past_failures_and_reports_them_all() {
+    use crate::attach::del::{Made, Teardown};
+    let t = TestNode::new().await;
+    let inv = t.inv(vm_add(&t, "c1", "tap"));
+    t.node.add(&inv).await.expect("ADD");
+    let a = the_record(&t, "c1");
+    t.kernel.fail_always(K::RemoveTap);
+    t.kernel.fail_always(K::DeleteLink);
+    let made = Made {
+        placement: None,
+        stored: true,
+        wired: true,
+    };
+    let err = t
+        .node
+        .teardown(std::slice::from_ref(&a), Teardown::FailedAdd(made))
+        .await
+        .expect_err("the tap and the veth cannot be removed");
+    let crate::error::Error::Several(all) = &err else {
+        panic!("one failure reported of two: {err:?}")
+    };
+    assert_eq!(all.len(), 2, "{err}");
+    assert_eq!(err.code(), 101, "{err}");
+    // The steps between and after the failures ran all the same.
+    assert!(t.store.load().expect("load").is_empty());
+    assert!(t.node.attachments().is_empty());
+    assert_eq!(t.kernel.calls(K::DeleteLink), 1);
+}
+
+#[tokio::test]
 async fn managed_tap_and_veth_make_no_tap_and_annotations_override_the_netconf() {
     let t = TestNode::new().await;
     let inv = t.inv(vm_add(&t, "c1", "managedTap"));
