@@ -23,7 +23,8 @@ use super::{
     NodeRoutes, PodNetns, PodWiring, Synced, Veths, VxlanConfig, VxlanPeer, CLUSTER_ROUTE_PROTOCOL,
     HOST_IFNAME_PREFIX, ROUTE_PROTOCOL, VM_ROUTE_PROTOCOL,
 };
-use tether_base::error::{Error, Mismatch, Result};
+use crate::error::{KernelError, Result};
+use tether_base::error::Mismatch;
 use tether_base::guest::TapSpec;
 use tether_base::mac::Mac;
 use tether_base::sync::lock;
@@ -248,7 +249,7 @@ impl FakeKernel {
             None => false,
         };
         if fail {
-            return Err(Error::setup(what, "injected failure"));
+            return Err(KernelError::refused(what, "injected failure"));
         }
         Ok(())
     }
@@ -324,7 +325,7 @@ impl Veths for FakeKernel {
     fn open_netns(&self, path: &Path) -> Result<PodNetns> {
         self.enter(Call::OpenNetns, path.display().to_string())?;
         if !path.is_absolute() || !self.state().netns.contains(path) {
-            return Err(Error::InvalidEnv {
+            return Err(KernelError::BadEnv {
                 var: "CNI_NETNS",
                 reason: format!("{} does not exist", path.display()),
             });
@@ -337,7 +338,7 @@ impl Veths for FakeKernel {
         let mut s = self.state();
         let netns = w.netns.path().to_owned();
         if !s.netns.contains(&netns) {
-            return Err(Error::setup(
+            return Err(KernelError::refused(
                 format!("creating veth {}", w.host_ifname),
                 "the pod netns is gone",
             ));
@@ -346,7 +347,7 @@ impl Veths for FakeKernel {
             name != w.host_ifname && l.netns == netns && l.pod_ifname == w.pod_ifname
         });
         if taken {
-            return Err(Error::InterfaceExists(w.pod_ifname.to_owned()));
+            return Err(KernelError::Exists(w.pod_ifname.to_owned()));
         }
         if let Some(tap) = w.tap {
             let key = (netns.clone(), tap.name.clone());
@@ -354,7 +355,7 @@ impl Veths for FakeKernel {
                 .get(&key)
                 .is_some_and(|t| t.host_ifname != w.host_ifname)
             {
-                return Err(Error::InterfaceExists(tap.name.clone()));
+                return Err(KernelError::Exists(tap.name.clone()));
             }
             s.taps.insert(
                 key,
@@ -399,19 +400,19 @@ impl Veths for FakeKernel {
         self.enter(Call::Check, w.host_ifname.to_owned())?;
         let s = self.state();
         let link = s.links.get(w.host_ifname).ok_or_else(|| {
-            Error::check(
+            KernelError::mismatch(
                 Mismatch::HostInterface,
                 format!("{} not found on the node", w.host_ifname),
             )
         })?;
         if link.netns != w.netns.path() || link.pod_ifname != w.pod_ifname {
-            return Err(Error::check(
+            return Err(KernelError::mismatch(
                 Mismatch::PodInterface,
                 format!("{} not found in the pod", w.pod_ifname),
             ));
         }
         if link.pod_mac != w.pod_mac || link.mtu != w.mtu {
-            return Err(Error::check(
+            return Err(KernelError::mismatch(
                 Mismatch::PodInterface,
                 format!("{} has MAC {} MTU {}", w.pod_ifname, link.pod_mac, link.mtu),
             ));
@@ -419,13 +420,13 @@ impl Veths for FakeKernel {
         if let Some(tap) = w.tap {
             let found = s.taps.get(&(link.netns.clone(), tap.name.clone()));
             if found.is_none_or(|t| t.spec != *tap || t.host_ifname != w.host_ifname) {
-                return Err(Error::check(
+                return Err(KernelError::mismatch(
                     Mismatch::Tap,
                     format!("tap {} is missing or differs", tap.name),
                 ));
             }
         } else if link.ips != w.ips {
-            return Err(Error::check(
+            return Err(KernelError::mismatch(
                 Mismatch::PodAddress,
                 format!("{} has {}", w.pod_ifname, join(&link.ips)),
             ));
@@ -436,7 +437,7 @@ impl Veths for FakeKernel {
                     r.protocol == ROUTE_PROTOCOL && r.dev.as_deref() == Some(w.host_ifname)
                 });
                 if !ours {
-                    return Err(Error::check(
+                    return Err(KernelError::mismatch(
                         Mismatch::HostRoute,
                         format!("no route {ip} dev {}", w.host_ifname),
                     ));
@@ -449,7 +450,7 @@ impl Veths for FakeKernel {
     async fn delete_link(&self, host_ifname: &str) -> Result<()> {
         self.enter(Call::DeleteLink, host_ifname.to_owned())?;
         if !host_ifname.starts_with(HOST_IFNAME_PREFIX) {
-            return Err(Error::Internal(format!(
+            return Err(KernelError::Internal(format!(
                 "refusing to delete {host_ifname}: not a tether veth"
             )));
         }
@@ -479,7 +480,7 @@ impl Veths for FakeKernel {
                 s.taps.remove(&key);
                 Ok(())
             }
-            Some(_) => Err(Error::InterfaceExists(tap.to_owned())),
+            Some(_) => Err(KernelError::Exists(tap.to_owned())),
         }
     }
 
@@ -505,7 +506,7 @@ impl Veths for FakeKernel {
         )?;
         let mut s = self.state();
         if !s.links.contains_key(host_ifname) {
-            return Err(Error::setup(
+            return Err(KernelError::refused(
                 format!("restoring host routes via {host_ifname}"),
                 "no such device",
             ));
@@ -718,11 +719,14 @@ impl Host for FakeHost {
 
     fn announcements(&self) -> Result<Box<dyn Announcements>> {
         if *lock(&self.no_packet_sockets) {
-            return Err(Error::setup("opening a packet socket", "injected failure"));
+            return Err(KernelError::refused(
+                "opening a packet socket",
+                "injected failure",
+            ));
         }
         let rx = lock(&self.rx)
             .take()
-            .ok_or_else(|| Error::Internal("the fake host's listener is taken".into()))?;
+            .ok_or_else(|| KernelError::Internal("the fake host's listener is taken".into()))?;
         Ok(Box::new(FakeAnnouncements {
             rx: tokio::sync::Mutex::new(rx),
         }))

@@ -4,8 +4,8 @@
 use super::netlink::write_sysctl;
 use super::packet::AnnounceListener;
 use super::{Announcements, GuestDhcp, Host};
+use crate::error::{KernelError, Result};
 use std::sync::Arc;
-use tether_base::error::{Error, Result};
 
 /// The node this daemon runs on, in the daemon's own netns, with the
 /// guest DHCP service the daemon runs there (a layer above this one, so
@@ -26,14 +26,14 @@ impl LinuxHost {
 /// where the kernel has it).
 pub fn enable_forwarding() -> Result<()> {
     write_sysctl("net/ipv4/ip_forward", "1")
-        .map_err(|e| Error::setup("enabling IPv4 forwarding", e))?;
+        .map_err(|e| KernelError::refused("enabling IPv4 forwarding", e))?;
     match write_sysctl("net/ipv6/conf/all/forwarding", "1") {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             tracing::warn!("IPv6 is disabled on this node: IPv6 pod addresses will not be routed");
             Ok(())
         }
-        Err(e) => Err(Error::setup("enabling IPv6 forwarding", e)),
+        Err(e) => Err(KernelError::refused("enabling IPv6 forwarding", e)),
     }
 }
 
@@ -45,7 +45,7 @@ impl Host for LinuxHost {
     fn boot_id(&self) -> Result<String> {
         std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
             .map(|s| s.trim().to_owned())
-            .map_err(|e| Error::Io(format!("reading the boot id: {e}")))
+            .map_err(|e| KernelError::Io(format!("reading the boot id: {e}")))
     }
 
     fn announcements(&self) -> Result<Box<dyn Announcements>> {

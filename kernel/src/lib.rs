@@ -14,6 +14,7 @@
 //! makes in the kernel (names, MACs, gateways, route protocols), which both
 //! sides must agree on.
 
+pub mod error;
 pub mod fake;
 pub mod host;
 pub mod netlink;
@@ -27,9 +28,10 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use ipnet::IpNet;
 
+use crate::error::Result;
+pub use error::{Cause, KernelError};
 pub use host::LinuxHost;
 pub use packet::{AnnounceKind, Announcement};
-use tether_base::error::{Error, Result};
 use tether_base::guest::{DhcpOptions, TapSpec};
 use tether_base::mac::Mac;
 
@@ -137,9 +139,9 @@ impl PodNetns {
 
     /// The open namespace file.
     pub fn file(&self) -> Result<&File> {
-        self.file
-            .as_ref()
-            .ok_or_else(|| Error::Internal(format!("netns {} was not opened", self.path.display())))
+        self.file.as_ref().ok_or_else(|| {
+            KernelError::Internal(format!("netns {} was not opened", self.path.display()))
+        })
     }
 }
 
@@ -240,22 +242,22 @@ pub struct Synced {
 
 /// Pod wiring: veth pairs, the pod side, and the node's host routes to pods.
 /// Every call is idempotent where the text says so; failures are
-/// [`Error::InterfaceSetup`] unless stated otherwise.
+/// [`KernelError::Refused`] unless stated otherwise.
 #[async_trait]
 pub trait Veths: Send + Sync {
     /// Opens and validates CNI_NETNS: absolute, existing, a network
-    /// namespace. Any failure is [`Error::InvalidEnv`] on CNI_NETNS.
+    /// namespace. Any failure is [`KernelError::BadEnv`] on CNI_NETNS.
     fn open_netns(&self, path: &Path) -> Result<PodNetns>;
 
     /// ADD wiring: the veth pair, the node side (proxy ARP, fe80::1, host
     /// routes when `routed`) and the pod side (addresses, gateway
     /// neighbours, default routes). On any error nothing is left behind.
     /// An interface of the pod's name already in the pod is
-    /// [`Error::InterfaceExists`].
+    /// [`KernelError::Exists`].
     async fn wire(&self, w: &PodWiring<'_>) -> Result<()>;
 
     /// CHECK: the first difference between the kernel and `w`, pod side
-    /// before node side, as an [`Error::Check`].
+    /// before node side, as an [`KernelError::Mismatch`].
     async fn check(&self, w: &PodWiring<'_>) -> Result<()>;
 
     /// Deletes a node-side veth (both ends go). No such device is success;
@@ -265,7 +267,7 @@ pub trait Veths: Send + Sync {
     /// Deletes the `tap` binding's tap `tap` from a pod netns if the
     /// attachment of `host_ifname` made it. No such tap is success; a tap
     /// of that name that is not this attachment's is
-    /// [`Error::InterfaceExists`].
+    /// [`KernelError::Exists`].
     async fn remove_tap(&self, netns: &PodNetns, tap: &str, host_ifname: &str) -> Result<()>;
 
     /// Deletes many node-side veths in one batch; names that no longer

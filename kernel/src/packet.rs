@@ -16,8 +16,8 @@ use std::time::Instant;
 use tokio::io::unix::AsyncFd;
 
 use super::Announcements;
+use crate::error::{KernelError, Result};
 use async_trait::async_trait;
-use tether_base::error::{Error, Result};
 
 /// Ethertype of RARP.
 const ETH_P_RARP: u16 = 0x8035;
@@ -107,7 +107,7 @@ impl Announcements for AnnounceListener {
                 r = read_one(&self.arp) => r,
             };
             let (ifindex, frame_len, frame) =
-                got.map_err(|e| Error::setup("reading announcements", e))?;
+                got.map_err(|e| KernelError::refused("reading announcements", e))?;
             if let Some((kind, mac)) = parse_frame(&frame[..frame_len]) {
                 return Ok(Announcement {
                     ifindex,
@@ -132,7 +132,7 @@ fn packet_socket(ethertype: u16) -> Result<OwnedFd> {
         )
     };
     if fd < 0 {
-        return Err(Error::setup(
+        return Err(KernelError::refused(
             format!("opening a packet socket for ethertype {ethertype:#06x}"),
             io::Error::last_os_error(),
         ));
@@ -148,7 +148,7 @@ fn watched(fd: OwnedFd) -> Result<AsyncFd<OwnedFd>> {
     // open and the same for the AsyncFd's whole life, and as_raw_fd of an
     // OwnedFd always returns that descriptor.
     unsafe { AsyncFd::register(fd) }
-        .map_err(|e| Error::setup("watching a packet socket", io::Error::from(e)))
+        .map_err(|e| KernelError::refused("watching a packet socket", io::Error::from(e)))
 }
 
 /// Reads one frame: (ifindex, length, buffer). Frames this host sent are

@@ -27,8 +27,8 @@ use rtnetlink::{
     AddressMessageBuilder, Handle, LinkMessageBuilder, LinkUnspec, LinkVeth, RouteMessageBuilder,
 };
 
+use crate::error::{KernelError, Result};
 use crate::{GATEWAY_MAC, GATEWAY_V4, GATEWAY_V6, ROUTE_PROTOCOL};
-use tether_base::error::{Error, Result};
 
 /// The positive errno of a kernel refusal, if that is what `e` is.
 pub(super) fn errno(e: &rtnetlink::Error) -> Option<i32> {
@@ -38,11 +38,15 @@ pub(super) fn errno(e: &rtnetlink::Error) -> Option<i32> {
     }
 }
 
-/// The kernel's words for a failure, without rtnetlink's wrapping.
-pub(super) fn reason(e: &rtnetlink::Error) -> String {
-    match e {
-        rtnetlink::Error::NetlinkError(m) => m.to_io().to_string(),
-        other => other.to_string(),
+/// The kernel's errno and words for a failure, without rtnetlink's
+/// wrapping.
+pub(super) fn reason(e: &rtnetlink::Error) -> crate::Cause {
+    crate::Cause {
+        errno: errno(e),
+        text: match e {
+            rtnetlink::Error::NetlinkError(m) => m.to_io().to_string(),
+            other => other.to_string(),
+        },
     }
 }
 
@@ -198,7 +202,7 @@ pub(super) async fn batch(handle: &Handle, steps: Vec<Step>) -> Result<()> {
         req.header.flags = step.flags;
         let answers = handle
             .request(req)
-            .map_err(|e| Error::setup(step.context.clone(), reason(&e)))?;
+            .map_err(|e| KernelError::refused(step.context.clone(), reason(&e)))?;
         pending.push((answers, step.tolerate, step.context));
     }
     let mut first = None;
@@ -207,7 +211,7 @@ pub(super) async fn batch(handle: &Handle, steps: Vec<Step>) -> Result<()> {
             if let NetlinkPayload::Error(e) = msg.payload {
                 let code = e.raw_code().abs();
                 if code != 0 && Some(code) != tolerate && first.is_none() {
-                    first = Some(Error::setup(context.clone(), e.to_io()));
+                    first = Some(KernelError::refused(context.clone(), e.to_io()));
                 }
             }
         }

@@ -38,10 +38,11 @@ use super::{
     HostRoute, Kernel, PodNetns, PodWiring, Veths, GATEWAY_MAC, GATEWAY_V6, HOST_IFNAME_PREFIX,
     ROUTE_PROTOCOL,
 };
+use crate::error::{KernelError, Result};
 use messages::{errno, reason, Step, ACKED, CREATE, CREATE_ECHO, REPLACE};
 pub(super) use netns::open_netns;
 use netns::pod_interface_exists;
-use tether_base::error::{Error, Mismatch, Result};
+use tether_base::error::Mismatch;
 use tether_base::mac::Mac;
 
 /// Link group ("tth" and 1) that marks node-side veths about to be deleted
@@ -94,11 +95,11 @@ impl Netlink {
     /// its task on the current tokio runtime.
     pub fn connect() -> Result<Self> {
         let runtime = tokio::runtime::Handle::try_current()
-            .map_err(|_| Error::Internal("the dataplane needs a tokio runtime".into()))?;
+            .map_err(|_| KernelError::Internal("the dataplane needs a tokio runtime".into()))?;
         // Strict checking lets the kernel filter dumps by protocol and device,
         // so reading our routes does not copy the whole table.
         let (connection, handle, _) = rtnetlink::new_connection_with_strict_check()
-            .map_err(|e| Error::setup("opening the node rtnetlink socket", e))?;
+            .map_err(|e| KernelError::refused("opening the node rtnetlink socket", e))?;
         runtime.spawn(connection);
         Ok(Self {
             handle,
@@ -112,23 +113,23 @@ impl Netlink {
         let err = match self.try_create_veth(w, netns).await {
             Ok(created) => return Ok(created),
             Err(e) if errno(&e) == Some(libc::EEXIST) => e,
-            Err(e) => return Err(Error::setup(context(), reason(&e))),
+            Err(e) => return Err(KernelError::refused(context(), reason(&e))),
         };
         // One of the two names is taken; which one decides what to do.
         if pod_interface_exists(netns, w.pod_ifname).await? {
-            return Err(Error::InterfaceExists(w.pod_ifname.to_owned()));
+            return Err(KernelError::Exists(w.pod_ifname.to_owned()));
         }
         // The caller guarantees no live attachment owns this name: it is
         // left over from an earlier attachment with the same key.
         let stale = self
             .link_index(w.host_ifname)
             .await?
-            .ok_or_else(|| Error::setup(context(), reason(&err)))?;
+            .ok_or_else(|| KernelError::refused(context(), reason(&err)))?;
         tracing::info!(veth = w.host_ifname, "deleting a stale veth before ADD");
         self.delete_index(stale).await?;
         self.try_create_veth(w, netns)
             .await
-            .map_err(|e| Error::setup(context(), reason(&e)))
+            .map_err(|e| KernelError::refused(context(), reason(&e)))
     }
 
     async fn try_create_veth(
@@ -183,7 +184,7 @@ impl Netlink {
                 (format!("net/ipv4/neigh/{}/proxy_delay", w.host_ifname), "0"),
             ] {
                 write_sysctl(&path, value)
-                    .map_err(|e| Error::setup(format!("writing /proc/sys/{path}"), e))?;
+                    .map_err(|e| KernelError::refused(format!("writing /proc/sys/{path}"), e))?;
             }
         }
         let mut steps = Vec::with_capacity(1 + w.ips.len());
@@ -214,22 +215,22 @@ impl Netlink {
         let host = w.host_ifname;
         let link = messages::link_by_name_get(&self.handle, host)
             .await
-            .map_err(|e| Error::setup("reading the node's links", reason(&e)))?
+            .map_err(|e| KernelError::refused("reading the node's links", reason(&e)))?
             .ok_or_else(|| {
-                Error::check(
+                KernelError::mismatch(
                     Mismatch::HostInterface,
                     format!("{host} not found on the node"),
                 )
             })?;
         let facts = messages::link_facts(&link);
         if !facts.up {
-            return Err(Error::check(
+            return Err(KernelError::mismatch(
                 Mismatch::HostInterface,
                 format!("{host} is down"),
             ));
         }
         if facts.mac.as_deref() != Some(&GATEWAY_MAC.octets()[..]) {
-            return Err(Error::check(
+            return Err(KernelError::mismatch(
                 Mismatch::HostInterface,
                 format!(
                     "{host} has MAC {}, want {}",
@@ -239,7 +240,7 @@ impl Netlink {
             ));
         }
         if facts.mtu != Some(w.mtu) {
-            return Err(Error::check(
+            return Err(KernelError::mismatch(
                 Mismatch::HostInterface,
                 format!("{host} has MTU {}, want {}", facts.mtu.unwrap_or(0), w.mtu),
             ));
@@ -251,7 +252,7 @@ impl Netlink {
         for &ip in w.ips {
             let len = messages::host_prefix_len(ip);
             if !present.contains(&(ip, len)) {
-                return Err(Error::check(
+                return Err(KernelError::mismatch(
                     Mismatch::HostRoute,
                     format!("no route {ip}/{len} dev {host} proto {ROUTE_PROTOCOL} on the node"),
                 ));
@@ -291,7 +292,7 @@ impl Netlink {
             messages::route_dump(family, Some(ROUTE_PROTOCOL), index),
         )
         .await
-        .map_err(|e| Error::setup("reading the node's routes", reason(&e)))
+        .map_err(|e| KernelError::refused("reading the node's routes", reason(&e)))
     }
 
     async fn link_names(&self) -> Result<HashMap<u32, String>> {
@@ -303,7 +304,7 @@ impl Netlink {
             .execute()
             .try_collect()
             .await
-            .map_err(|e| Error::setup("reading the node's links", reason(&e)))?;
+            .map_err(|e| KernelError::refused("reading the node's links", reason(&e)))?;
         Ok(links
             .iter()
             .filter_map(|l| Some((l.header.index, messages::link_facts(l).name?)))
@@ -316,7 +317,10 @@ impl Netlink {
         match messages::request(&self.handle, RouteNetlinkMessage::DelLink(message), ACKED).await {
             Ok(_) => Ok(()),
             Err(e) if errno(&e) == Some(libc::ENODEV) => Ok(()),
-            Err(e) => Err(Error::setup(format!("deleting link #{index}"), reason(&e))),
+            Err(e) => Err(KernelError::refused(
+                format!("deleting link #{index}"),
+                reason(&e),
+            )),
         }
     }
 }
@@ -368,7 +372,7 @@ impl Veths for Netlink {
     }
 
     /// CHECK: compares the kernel (both netns) with the wiring. The first
-    /// difference, pod side before node side, is an `Error::Check` whose
+    /// difference, pod side before node side, is an `KernelError::Mismatch` whose
     /// detail names the object and both values.
     async fn check(&self, w: &PodWiring<'_>) -> Result<()> {
         let mut side = pod_side(w);
@@ -407,9 +411,9 @@ impl Veths for Netlink {
         })?;
         // The thread's own end is not awaited: it outlives this call.
         drop(done);
-        found_rx
-            .await
-            .map_err(|_| Error::Internal("the tap's netns thread ended without an answer".into()))?
+        found_rx.await.map_err(|_| {
+            KernelError::Internal("the tap's netns thread ended without an answer".into())
+        })?
     }
 
     /// Deletes a node-side veth (both ends go). Idempotent: no such device is
@@ -417,7 +421,7 @@ impl Veths for Netlink {
     /// take down a node interface.
     async fn delete_link(&self, host_ifname: &str) -> Result<()> {
         if !host_ifname.starts_with(HOST_IFNAME_PREFIX) {
-            return Err(Error::Internal(format!(
+            return Err(KernelError::Internal(format!(
                 "refusing to delete {host_ifname}: not a tether veth"
             )));
         }
@@ -425,7 +429,7 @@ impl Veths for Netlink {
         match messages::request(&self.handle, message, ACKED).await {
             Ok(_) => Ok(()),
             Err(e) if errno(&e) == Some(libc::ENODEV) => Ok(()),
-            Err(e) => Err(Error::setup(
+            Err(e) => Err(KernelError::refused(
                 format!("deleting veth {host_ifname}"),
                 reason(&e),
             )),
@@ -463,7 +467,7 @@ impl Veths for Netlink {
             Ok(_) => Ok(()),
             // Every one of them was already gone.
             Err(e) if errno(&e) == Some(libc::ENODEV) => Ok(()),
-            Err(e) => Err(Error::setup(
+            Err(e) => Err(KernelError::refused(
                 format!("deleting {} veths", host_ifnames.len()),
                 reason(&e),
             )),
@@ -481,7 +485,7 @@ impl Veths for Netlink {
             {
                 Ok(_) => Ok(()),
                 Err(e) if matches!(errno(&e), Some(libc::ESRCH | libc::ENOENT)) => Ok(()),
-                Err(e) => Err(Error::setup(
+                Err(e) => Err(KernelError::refused(
                     format!(
                         "removing the host route to {ip}/{}",
                         messages::host_prefix_len(ip)
@@ -501,7 +505,7 @@ impl Veths for Netlink {
         let index = self
             .link_index(host_ifname)
             .await?
-            .ok_or_else(|| Error::setup(context(), "no such device"))?;
+            .ok_or_else(|| KernelError::refused(context(), "no such device"))?;
         let present = self.our_destinations(ips, index).await?;
         let missing: Vec<IpAddr> = ips
             .iter()
@@ -555,7 +559,7 @@ impl Veths for Netlink {
         messages::link_by_name_get(&self.handle, name)
             .await
             .map(|l| l.map(|l| l.header.index))
-            .map_err(|e| Error::setup(format!("looking up {name}"), reason(&e)))
+            .map_err(|e| KernelError::refused(format!("looking up {name}"), reason(&e)))
     }
 }
 

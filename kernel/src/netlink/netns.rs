@@ -16,10 +16,10 @@ use nix::sched::{setns, CloneFlags};
 use nix::sys::statfs::{fstatfs, NSFS_MAGIC};
 use rtnetlink::Handle;
 
-use tether_base::error::{Error, Result};
+use crate::error::{KernelError, Result};
 
-fn invalid_netns(reason: String) -> Error {
-    Error::InvalidEnv {
+fn invalid_netns(reason: String) -> KernelError {
+    KernelError::BadEnv {
         var: "CNI_NETNS",
         reason,
     }
@@ -67,7 +67,7 @@ pub fn open_netns(path: &Path) -> Result<File> {
 
 /// True if an interface of that name exists in the given netns.
 pub async fn pod_interface_exists(netns: &File, ifname: &str) -> Result<bool> {
-    let name = CString::new(ifname).map_err(|_| Error::InvalidEnv {
+    let name = CString::new(ifname).map_err(|_| KernelError::BadEnv {
         var: "CNI_IFNAME",
         reason: "contains a NUL byte".into(),
     })?;
@@ -82,7 +82,7 @@ pub async fn pod_interface_exists(netns: &File, ifname: &str) -> Result<bool> {
         let err = std::io::Error::last_os_error();
         match err.raw_os_error() {
             Some(libc::ENODEV) => Ok(false),
-            _ => Err(Error::setup("looking up the pod interface", err)),
+            _ => Err(KernelError::refused("looking up the pod interface", err)),
         }
     })
     .await
@@ -112,13 +112,13 @@ where
     // The thread needs its own fd: the caller's borrow cannot cross threads.
     let fd = netns
         .try_clone()
-        .map_err(|e| Error::setup("duplicating the pod netns fd", e))?;
+        .map_err(|e| KernelError::refused("duplicating the pod netns fd", e))?;
     let (tx, rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
         .name("tether-netns".into())
         .spawn(move || {
             let result = setns(&fd, CloneFlags::CLONE_NEWNET)
-                .map_err(|e| Error::setup("entering the pod netns", e))
+                .map_err(|e| KernelError::refused("entering the pod netns", e))
                 .and_then(|()| {
                     drop(fd);
                     work()
@@ -126,10 +126,10 @@ where
             // The receiver is gone only if the request was abandoned.
             let _ = tx.send(result);
         })
-        .map_err(|e| Error::setup("starting a netns thread", e))?;
+        .map_err(|e| KernelError::refused("starting a netns thread", e))?;
     Ok(async move {
         rx.await
-            .map_err(|_| Error::Internal("netns thread ended without an answer".into()))?
+            .map_err(|_| KernelError::Internal("netns thread ended without an answer".into()))?
     })
 }
 
@@ -159,10 +159,10 @@ where
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_io()
             .build()
-            .map_err(|e| Error::setup("starting the pod netns runtime", e))?;
+            .map_err(|e| KernelError::refused("starting the pod netns runtime", e))?;
         runtime.block_on(async move {
             let (connection, handle, _) = rtnetlink::new_connection_with_strict_check()
-                .map_err(|e| Error::setup("opening rtnetlink in the pod netns", e))?;
+                .map_err(|e| KernelError::refused("opening rtnetlink in the pod netns", e))?;
             tokio::spawn(connection);
             work(handle).await
         })

@@ -36,12 +36,12 @@ use rtnetlink::{LinkMessageBuilder, LinkUnspec, LinkVxlan};
 
 use super::messages::{self, errno, reason, Step, ACKED, CREATE, REPLACE};
 use super::{write_sysctl, Netlink};
+use crate::error::{KernelError, Result};
 use crate::{
     ClusterRoute, NodeRoutes, Synced, Veths, VxlanConfig, VxlanPeer, CLUSTER_ROUTE_PROTOCOL,
     VM_ROUTE_PROTOCOL, VXLAN_IFNAME,
 };
 use async_trait::async_trait;
-use tether_base::error::{Error, Result};
 use tether_base::mac::Mac;
 
 #[cfg(test)]
@@ -94,7 +94,7 @@ impl Netlink {
         let mut indexes = HashMap::with_capacity(devices.len());
         for dev in devices {
             let index = self.link_index(dev).await?.ok_or_else(|| {
-                Error::setup(format!("adding cluster routes via {dev}"), "no such device")
+                KernelError::refused(format!("adding cluster routes via {dev}"), "no such device")
             })?;
             indexes.insert(dev, index);
         }
@@ -201,7 +201,7 @@ impl Netlink {
         let _one_dump_at_a_time = self.dumps.lock().await;
         messages::dump_routes(&self.handle, messages::route_dump(family, protocol, None))
             .await
-            .map_err(|e| Error::setup("reading the node's routes", reason(&e)))
+            .map_err(|e| KernelError::refused("reading the node's routes", reason(&e)))
     }
 
     async fn create_vxlan(&self, cfg: &VxlanConfig) -> Result<()> {
@@ -213,7 +213,7 @@ impl Netlink {
         .await
         .map(|_| ())
         .map_err(|e| {
-            Error::setup(
+            KernelError::refused(
                 format!(
                     "creating {VXLAN_IFNAME} (vni {}, port {}, local {})",
                     cfg.vni, cfg.port, cfg.local
@@ -236,7 +236,7 @@ impl Netlink {
             .await
             .map(|_| ())
             .map_err(|e| {
-                Error::setup(
+                KernelError::refused(
                     format!("setting {VXLAN_IFNAME} up with MTU {}", cfg.mtu),
                     reason(&e),
                 )
@@ -254,7 +254,9 @@ impl Netlink {
                 DUMP,
             )
             .await
-            .map_err(|e| Error::setup(format!("reading the FDB of {VXLAN_IFNAME}"), reason(&e)))?
+            .map_err(|e| {
+                KernelError::refused(format!("reading the FDB of {VXLAN_IFNAME}"), reason(&e))
+            })?
         };
         let mut fdb: BTreeMap<[u8; 6], Vec<Option<IpAddr>>> = BTreeMap::new();
         for entry in neighbours_on(&answers, index) {
@@ -284,7 +286,7 @@ impl Netlink {
             )
             .await
             .map_err(|e| {
-                Error::setup(
+                KernelError::refused(
                     format!("reading the neighbours on {VXLAN_IFNAME}"),
                     reason(&e),
                 )
@@ -316,7 +318,7 @@ impl Netlink {
             let _one_dump_at_a_time = self.dumps.lock().await;
             messages::request(&self.handle, RouteNetlinkMessage::GetAddress(request), DUMP)
                 .await
-                .map_err(|e| Error::setup("reading the node's addresses", reason(&e)))?
+                .map_err(|e| KernelError::refused("reading the node's addresses", reason(&e)))?
         };
         Ok(answers.iter().find_map(|m| match m {
             RouteNetlinkMessage::NewAddress(a)
@@ -337,7 +339,7 @@ impl Netlink {
         match links.try_next().await {
             Ok(link) => Ok(link),
             Err(e) if errno(&e) == Some(libc::ENODEV) => Ok(None),
-            Err(e) => Err(Error::setup(
+            Err(e) => Err(KernelError::refused(
                 format!("looking up device #{index}"),
                 reason(&e),
             )),
@@ -381,7 +383,7 @@ impl NodeRoutes for Netlink {
     async fn ensure_vxlan(&self, cfg: &VxlanConfig) -> Result<()> {
         let existing = messages::link_by_name_get(&self.handle, VXLAN_IFNAME)
             .await
-            .map_err(|e| Error::setup(format!("looking up {VXLAN_IFNAME}"), reason(&e)))?;
+            .map_err(|e| KernelError::refused(format!("looking up {VXLAN_IFNAME}"), reason(&e)))?;
         match existing {
             Some(link) => match vxlan_difference(&link, cfg) {
                 None => self.fix_vxlan_in_place(&link, cfg).await?,
@@ -400,7 +402,7 @@ impl NodeRoutes for Netlink {
                 tracing::warn!("IPv6 is disabled on this node: no IPv6 over {VXLAN_IFNAME}");
                 Ok(())
             }
-            Err(e) => Err(Error::setup(format!("writing /proc/sys/{path}"), e)),
+            Err(e) => Err(KernelError::refused(format!("writing /proc/sys/{path}"), e)),
         }
     }
 
@@ -419,7 +421,7 @@ impl NodeRoutes for Netlink {
             if peers.is_empty() {
                 return Ok(Synced::default());
             }
-            return Err(Error::setup(
+            return Err(KernelError::refused(
                 "programming vxlan peers",
                 format!("{VXLAN_IFNAME} does not exist"),
             ));
@@ -487,7 +489,10 @@ impl NodeRoutes for Netlink {
         match messages::request(&self.handle, message, ACKED).await {
             Ok(_) => Ok(()),
             Err(e) if errno(&e) == Some(libc::ENODEV) => Ok(()),
-            Err(e) => Err(Error::setup(format!("deleting {VXLAN_IFNAME}"), reason(&e))),
+            Err(e) => Err(KernelError::refused(
+                format!("deleting {VXLAN_IFNAME}"),
+                reason(&e),
+            )),
         }
     }
 
@@ -508,7 +513,7 @@ impl NodeRoutes for Netlink {
             Err(e) if matches!(errno(&e), Some(libc::ENETUNREACH | libc::EHOSTUNREACH)) => {
                 return Ok(None)
             }
-            Err(e) => return Err(Error::setup(context(), reason(&e))),
+            Err(e) => return Err(KernelError::refused(context(), reason(&e))),
         };
         let Some(route) = answers.iter().find_map(|m| match m {
             RouteNetlinkMessage::NewRoute(r) => Some(r),
@@ -522,7 +527,7 @@ impl NodeRoutes for Netlink {
         let link = self
             .link_by_index(oif)
             .await?
-            .ok_or_else(|| Error::setup(context(), format!("device #{oif} vanished")))?;
+            .ok_or_else(|| KernelError::refused(context(), format!("device #{oif} vanished")))?;
         let device = messages::link_facts(&link).mtu;
         Ok(match (device, route_mtu(route)) {
             (Some(d), Some(r)) => Some(d.min(r)),
@@ -541,7 +546,7 @@ fn normalized_routes(desired: &[ClusterRoute]) -> Result<Vec<ClusterRoute>> {
     let mut by_dst: BTreeMap<IpNet, ClusterRoute> = BTreeMap::new();
     for route in desired {
         if route.dst.addr().is_ipv4() != route.via.is_ipv4() {
-            return Err(Error::Internal(format!(
+            return Err(KernelError::Internal(format!(
                 "cluster route {} mixes address families",
                 route_text(route)
             )));
@@ -552,7 +557,7 @@ fn normalized_routes(desired: &[ClusterRoute]) -> Result<Vec<ClusterRoute>> {
         };
         if let Some(other) = by_dst.get(&route.dst) {
             if *other != route {
-                return Err(Error::Internal(format!(
+                return Err(KernelError::Internal(format!(
                     "two cluster routes to {}: {} and {}",
                     route.dst,
                     route_text(other),
@@ -577,7 +582,7 @@ fn peer_tables(
     for peer in peers {
         if let Some(other) = fdb.insert(peer.mac, peer.node_ip) {
             if other != peer.node_ip {
-                return Err(Error::Internal(format!(
+                return Err(KernelError::Internal(format!(
                     "vxlan peers {other} and {} share MAC {}",
                     peer.node_ip,
                     Mac::from(peer.mac)
@@ -587,7 +592,7 @@ fn peer_tables(
         for &gateway in &peer.gateways {
             if let Some(other) = neighbours.insert(gateway, peer.mac) {
                 if other != peer.mac {
-                    return Err(Error::Internal(format!(
+                    return Err(KernelError::Internal(format!(
                         "vxlan gateway {gateway} claimed by MACs {} and {}",
                         Mac::from(other),
                         Mac::from(peer.mac)

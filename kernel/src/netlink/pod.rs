@@ -12,7 +12,8 @@ use rtnetlink::Handle;
 
 use super::messages::{self, reason, Step, ACKED, CREATE, REPLACE};
 use super::{mac_text, GATEWAY_MAC};
-use tether_base::error::{Error, Mismatch, Result};
+use crate::error::{KernelError, Result};
+use tether_base::error::Mismatch;
 use tether_base::guest::TapSpec;
 use tether_base::mac::Mac;
 
@@ -39,10 +40,10 @@ pub(super) async fn configure(handle: Handle, pod: PodSide, index: Option<u32>) 
         Some(i) => i,
         None => messages::link_by_name_get(&handle, &pod.ifname)
             .await
-            .map_err(|e| Error::setup(format!("looking up {}", pod.ifname), reason(&e)))?
+            .map_err(|e| KernelError::refused(format!("looking up {}", pod.ifname), reason(&e)))?
             .map(|l| l.header.index)
             .ok_or_else(|| {
-                Error::setup(
+                KernelError::refused(
                     format!("configuring {} in {}", pod.ifname, pod.netns),
                     "the interface vanished after creation",
                 )
@@ -100,13 +101,13 @@ pub(super) async fn configure(handle: Handle, pod: PodSide, index: Option<u32>) 
 /// and default routes.
 pub(super) async fn check(handle: Handle, pod: PodSide) -> Result<()> {
     let kernel = |what: &str, e: rtnetlink::Error| {
-        Error::setup(format!("reading {what} in {}", pod.netns), reason(&e))
+        KernelError::refused(format!("reading {what} in {}", pod.netns), reason(&e))
     };
     let link = messages::link_by_name_get(&handle, &pod.ifname)
         .await
         .map_err(|e| kernel("links", e))?
         .ok_or_else(|| {
-            Error::check(
+            KernelError::mismatch(
                 Mismatch::PodInterface,
                 format!("{} not found in {}", pod.ifname, pod.netns),
             )
@@ -121,13 +122,13 @@ pub(super) async fn check(handle: Handle, pod: PodSide) -> Result<()> {
     let index = link.header.index;
     let facts = messages::link_facts(&link);
     if !facts.up {
-        return Err(Error::check(
+        return Err(KernelError::mismatch(
             Mismatch::PodInterface,
             format!("{} is down", pod.ifname),
         ));
     }
     if facts.mac.as_deref() != Some(&pod.mac.octets()[..]) {
-        return Err(Error::check(
+        return Err(KernelError::mismatch(
             Mismatch::PodInterface,
             format!(
                 "{} has MAC {}, want {}",
@@ -138,7 +139,7 @@ pub(super) async fn check(handle: Handle, pod: PodSide) -> Result<()> {
         ));
     }
     if facts.mtu != Some(pod.mtu) {
-        return Err(Error::check(
+        return Err(KernelError::mismatch(
             Mismatch::PodInterface,
             format!(
                 "{} has MTU {}, want {}",
@@ -175,13 +176,13 @@ pub(super) async fn check(handle: Handle, pod: PodSide) -> Result<()> {
         match present.iter().find(|(p, _)| *p == ip) {
             Some((_, len)) if *len == want => {}
             Some((_, len)) => {
-                return Err(Error::check(
+                return Err(KernelError::mismatch(
                     Mismatch::PodAddress,
                     format!("{} has {ip}/{len}, want /{want}", pod.ifname),
                 ))
             }
             None => {
-                return Err(Error::check(
+                return Err(KernelError::mismatch(
                     Mismatch::PodAddress,
                     format!("{ip}/{want} is missing from {}", pod.ifname),
                 ))
@@ -211,7 +212,7 @@ pub(super) async fn check(handle: Handle, pod: PodSide) -> Result<()> {
             })
         });
         let Some(entry) = entry else {
-            return Err(Error::check(
+            return Err(KernelError::mismatch(
                 Mismatch::PodRoute,
                 format!("no neighbour entry for gateway {gw} on {}", pod.ifname),
             ));
@@ -223,7 +224,7 @@ pub(super) async fn check(handle: Handle, pod: PodSide) -> Result<()> {
         if entry.header.state != NeighbourState::Permanent
             || lladdr != Some(&GATEWAY_MAC.octets()[..])
         {
-            return Err(Error::check(
+            return Err(KernelError::mismatch(
                 Mismatch::PodRoute,
                 format!(
                     "gateway {gw} on {} is {:?} at {}, want permanent at {}",
@@ -250,7 +251,7 @@ pub(super) async fn check(handle: Handle, pod: PodSide) -> Result<()> {
                 && messages::route_gateway(r) == Some(gw)
         });
         if !found {
-            return Err(Error::check(
+            return Err(KernelError::mismatch(
                 Mismatch::PodRoute,
                 format!("no default route via {gw} dev {}", pod.ifname),
             ));
@@ -280,7 +281,7 @@ async fn check_managed_tap(
     dummy: &LinkMessage,
     peer: u32,
 ) -> Result<()> {
-    let wrong = |what: String| Error::check(Mismatch::PodInterface, what);
+    let wrong = |what: String| KernelError::mismatch(Mismatch::PodInterface, what);
     let facts = messages::link_facts(dummy);
     if facts.mac.as_deref() != Some(&pod.mac.octets()[..]) || facts.mtu != Some(pod.mtu) {
         return Err(wrong(format!(
@@ -298,7 +299,7 @@ async fn check_managed_tap(
         .execute()
         .try_collect()
         .await
-        .map_err(|e| Error::setup(format!("reading links in {}", pod.netns), reason(&e)))?;
+        .map_err(|e| KernelError::refused(format!("reading links in {}", pod.netns), reason(&e)))?;
     let veth = links
         .iter()
         .find(|l| {

@@ -26,7 +26,8 @@ use rtnetlink::packet_route::RouteNetlinkMessage;
 use rtnetlink::{Handle, LinkUnspec};
 
 use super::messages::{self, errno, reason, ACKED};
-use tether_base::error::{Error, Mismatch, Result};
+use crate::error::{KernelError, Result};
+use tether_base::error::Mismatch;
 use tether_base::guest::TapSpec;
 
 /// `ETH_P_ALL`: the redirects take every frame.
@@ -75,7 +76,7 @@ pub(super) struct TapSite<'a> {
 async fn link_named(handle: &Handle, name: &str) -> Result<Option<LinkMessage>> {
     messages::link_by_name_get(handle, name)
         .await
-        .map_err(|e| Error::setup(format!("looking up tap {name}"), reason(&e)))
+        .map_err(|e| KernelError::refused(format!("looking up tap {name}"), reason(&e)))
 }
 
 /// The alias that marks a tap as tether's, for the attachment whose
@@ -105,7 +106,7 @@ fn create_persistent(spec: &TapSpec) -> Result<()> {
         .read(true)
         .write(true)
         .open("/dev/net/tun")
-        .map_err(|e| Error::setup(format!("{}: opening /dev/net/tun", context()), e))?;
+        .map_err(|e| KernelError::refused(format!("{}: opening /dev/net/tun", context()), e))?;
     // SAFETY: ifreq is plain old data; all zeroes is a valid value.
     let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
     for (dst, src) in req.ifr_name.iter_mut().zip(spec.name.bytes()) {
@@ -116,12 +117,12 @@ fn create_persistent(spec: &TapSpec) -> Result<()> {
     // SAFETY: fd is an open tun control file, req a valid ifreq that lives
     // through each call; the int ioctls take their argument by value.
     unsafe {
-        tun_set_iff(fd, &req).map_err(|e| Error::setup(context(), e))?;
+        tun_set_iff(fd, &req).map_err(|e| KernelError::refused(context(), e))?;
         tun_set_owner(fd, spec.owner as libc::c_int)
-            .map_err(|e| Error::setup(format!("{}: owner {}", context(), spec.owner), e))?;
+            .map_err(|e| KernelError::refused(format!("{}: owner {}", context(), spec.owner), e))?;
         tun_set_group(fd, spec.group as libc::c_int)
-            .map_err(|e| Error::setup(format!("{}: group {}", context(), spec.group), e))?;
-        tun_set_persist(fd, 1).map_err(|e| Error::setup(context(), e))?;
+            .map_err(|e| KernelError::refused(format!("{}: group {}", context(), spec.group), e))?;
+        tun_set_persist(fd, 1).map_err(|e| KernelError::refused(context(), e))?;
     }
     // Closing the control file leaves the persistent device for QEMU.
     Ok(())
@@ -135,7 +136,7 @@ pub(super) fn open_queue(spec: &TapSpec) -> Result<std::fs::File> {
         .read(true)
         .write(true)
         .open("/dev/net/tun")
-        .map_err(|e| Error::setup("opening /dev/net/tun", e))?;
+        .map_err(|e| KernelError::refused("opening /dev/net/tun", e))?;
     // SAFETY: as in create_persistent.
     let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
     for (dst, src) in req.ifr_name.iter_mut().zip(spec.name.bytes()) {
@@ -144,7 +145,7 @@ pub(super) fn open_queue(spec: &TapSpec) -> Result<std::fs::File> {
     req.ifr_ifru.ifru_flags = tun_flags(spec);
     // SAFETY: as in create_persistent.
     unsafe { tun_set_iff(file.as_raw_fd(), &req) }
-        .map_err(|e| Error::setup("attaching to the tap", e))?;
+        .map_err(|e| KernelError::refused("attaching to the tap", e))?;
     Ok(file)
 }
 
@@ -158,13 +159,13 @@ fn link_alias(link: &LinkMessage) -> Option<&str> {
 
 /// The index of the tap named `name` if it carries `alias`; `None` if
 /// there is no such link. A link of that name that is not ours is
-/// [`Error::InterfaceExists`].
+/// [`KernelError::Exists`].
 pub(super) async fn find(handle: &Handle, name: &str, alias: &str) -> Result<Option<u32>> {
     let Some(link) = link_named(handle, name).await? else {
         return Ok(None);
     };
     if link_alias(&link) != Some(alias) {
-        return Err(Error::InterfaceExists(name.to_owned()));
+        return Err(KernelError::Exists(name.to_owned()));
     }
     Ok(Some(link.header.index))
 }
@@ -177,7 +178,10 @@ pub(super) async fn delete(handle: &Handle, index: u32, name: &str) -> Result<()
     match messages::request(handle, RouteNetlinkMessage::DelLink(message), ACKED).await {
         Ok(_) => Ok(()),
         Err(e) if errno(&e) == Some(libc::ENODEV) => Ok(()),
-        Err(e) => Err(Error::setup(format!("deleting tap {name}"), reason(&e))),
+        Err(e) => Err(KernelError::refused(
+            format!("deleting tap {name}"),
+            reason(&e),
+        )),
     }
 }
 
@@ -221,7 +225,7 @@ async fn join(handle: &Handle, site: &TapSite<'_>) -> Result<()> {
     let tap_index = link_named(handle, tap)
         .await?
         .map(|l| l.header.index)
-        .ok_or_else(|| Error::setup(format!("configuring tap {tap}"), "it vanished"))?;
+        .ok_or_else(|| KernelError::refused(format!("configuring tap {tap}"), "it vanished"))?;
     // Neither end may speak for itself: the guest's frames are the only
     // ones that should cross. Off before either is up, so that
     // not even a first router solicitation leaves.
@@ -231,7 +235,7 @@ async fn join(handle: &Handle, site: &TapSite<'_>) -> Result<()> {
             Ok(()) => {}
             // A kernel without IPv6 sends nothing from it either.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(Error::setup(format!("writing /proc/sys/{path}"), e)),
+            Err(e) => return Err(KernelError::refused(format!("writing /proc/sys/{path}"), e)),
         }
     }
     // The redirects are in place before either link is up, so that no
@@ -249,14 +253,16 @@ async fn join(handle: &Handle, site: &TapSite<'_>) -> Result<()> {
         .build();
     messages::request(handle, RouteNetlinkMessage::SetLink(tap_link), ACKED)
         .await
-        .map_err(|e| Error::setup(format!("setting tap {tap} up, MTU {mtu}"), reason(&e)))?;
+        .map_err(|e| {
+            KernelError::refused(format!("setting tap {tap} up, MTU {mtu}"), reason(&e))
+        })?;
     messages::request(
         handle,
         RouteNetlinkMessage::SetLink(messages::link_up(eth_index)),
         ACKED,
     )
     .await
-    .map_err(|e| Error::setup(format!("setting {eth} up"), reason(&e)))?;
+    .map_err(|e| KernelError::refused(format!("setting {eth} up"), reason(&e)))?;
     Ok(())
 }
 
@@ -264,12 +270,12 @@ async fn join(handle: &Handle, site: &TapSite<'_>) -> Result<()> {
 /// the egress of `to`.
 async fn redirect(handle: &Handle, from: u32, from_name: &str, to: u32) -> Result<()> {
     let index = i32::try_from(from)
-        .map_err(|_| Error::Internal(format!("link index {from} out of range")))?;
+        .map_err(|_| KernelError::Internal(format!("link index {from} out of range")))?;
     match handle.qdisc().add(index).ingress().execute().await {
         Ok(()) => {}
         Err(e) if errno(&e) == Some(libc::EEXIST) => {}
         Err(e) => {
-            return Err(Error::setup(
+            return Err(KernelError::refused(
                 format!("adding an ingress qdisc to {from_name}"),
                 reason(&e),
             ))
@@ -283,10 +289,10 @@ async fn redirect(handle: &Handle, from: u32, from_name: &str, to: u32) -> Resul
         // The kernel reads the protocol in network byte order.
         .protocol(ETH_P_ALL.to_be())
         .redirect(to)
-        .map_err(|e| Error::setup(context(), reason(&e)))?
+        .map_err(|e| KernelError::refused(context(), reason(&e)))?
         .execute()
         .await
-        .map_err(|e| Error::setup(context(), reason(&e)))
+        .map_err(|e| KernelError::refused(context(), reason(&e)))
 }
 
 /// What a tun link's info data says.
@@ -355,7 +361,7 @@ pub(super) async fn check(handle: &Handle, site: &TapSite<'_>) -> Result<()> {
         alias,
     } = *site;
     let tap = &spec.name;
-    let wrong = |what: String| Error::check(Mismatch::Tap, format!("tap {tap}: {what}"));
+    let wrong = |what: String| KernelError::mismatch(Mismatch::Tap, format!("tap {tap}: {what}"));
     let link = link_named(handle, tap)
         .await?
         .ok_or_else(|| wrong("not found in the pod".into()))?;
@@ -402,7 +408,7 @@ pub(super) async fn check(handle: &Handle, site: &TapSite<'_>) -> Result<()> {
         (tap_index, tap.as_str(), eth_index, eth),
     ] {
         if !redirects(handle, from, to).await? {
-            return Err(Error::check(
+            return Err(KernelError::mismatch(
                 Mismatch::TapRedirect,
                 format!("no ingress redirect from {from_name} to {to_name}"),
             ));
@@ -414,7 +420,7 @@ pub(super) async fn check(handle: &Handle, site: &TapSite<'_>) -> Result<()> {
 /// Whether an ingress filter of `from` redirects to the egress of `to`.
 async fn redirects(handle: &Handle, from: u32, to: u32) -> Result<bool> {
     let index = i32::try_from(from)
-        .map_err(|_| Error::Internal(format!("link index {from} out of range")))?;
+        .map_err(|_| KernelError::Internal(format!("link index {from} out of range")))?;
     let filters: Vec<_> = handle
         .traffic_filter(index)
         .get()
@@ -422,7 +428,7 @@ async fn redirects(handle: &Handle, from: u32, to: u32) -> Result<bool> {
         .execute()
         .try_collect()
         .await
-        .map_err(|e| Error::setup("reading the pod's tc filters", reason(&e)))?;
+        .map_err(|e| KernelError::refused("reading the pod's tc filters", reason(&e)))?;
     let to_target = |action: &TcAction| {
         action.attributes.iter().any(|a| match a {
             TcActionAttribute::Options(opts) => opts.iter().any(|o| {

@@ -645,7 +645,7 @@ fn existing_pod_interface_is_refused_and_left_alone() {
         let err = dp.wire(&p.wiring()).await.expect_err("eth0 is taken");
         assert_eq!(err.code(), 102, "{err}");
         assert!(
-            matches!(&err, Error::InterfaceExists(n) if n == "eth0"),
+            matches!(&err, KernelError::Exists(n) if n == "eth0"),
             "{err}"
         );
         assert!(dp.our_links().await.expect("links").is_empty());

@@ -175,7 +175,8 @@ impl Node {
                     tracing::error!(%key, error = %e, "the rollback of a failed ADD left something behind");
                 }
                 return Err(match (stored, wired_ok) {
-                    (Err(e), _) | (Ok(()), Err(e)) => e,
+                    (Err(e), _) => e,
+                    (Ok(()), Err(e)) => e.into(),
                     (Ok(()), Ok(())) => Error::Internal("a rollback with nothing failed".into()),
                 });
             }
@@ -224,13 +225,13 @@ impl Node {
             Ok(()) => {}
             // Only a real difference is repaired; a failure to look (the
             // kernel busy, a netlink error) must not tear down a healthy pod.
-            Err(e @ Error::Check { .. }) => {
+            Err(e @ KernelError::Mismatch { .. }) => {
                 tracing::info!(key = %a.key, reason = %e, "repeated ADD found broken wiring; rewiring");
                 self.wait_for_deletion(&a.host_ifname).await;
                 self.kernel.delete_link(&a.host_ifname).await?;
                 self.kernel.wire(&wiring).await?;
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         }
         self.serve_guest(&a);
         if let Some(pod) = vm_pod {

@@ -125,7 +125,7 @@ impl Node {
                         tracing::error!(error = %undo, "cannot restore the records of a failed DEL");
                     }
                 }
-                return Err(e);
+                return Err(e.into());
             }
             stored?;
         } else if made(|m| m.stored) {
@@ -162,7 +162,7 @@ impl Node {
             } else if made(|m| m.wired) {
                 // A failed ADD leaves nothing behind when it answers.
                 if let Err(e) = self.kernel.delete_link(&a.host_ifname).await {
-                    failed.push(e);
+                    failed.push(e.into());
                 }
             }
         }
@@ -204,7 +204,7 @@ impl Node {
             return Ok(());
         };
         match self.kernel.remove_tap(&ns, tap, host_ifname).await {
-            Err(Error::InterfaceExists(_)) => {
+            Err(KernelError::Exists(_)) => {
                 tracing::warn!(
                     tap,
                     netns = %netns.display(),
@@ -212,7 +212,7 @@ impl Node {
                 );
                 Ok(())
             }
-            other => other,
+            other => Ok(other?),
         }
     }
 }

@@ -37,7 +37,7 @@ use crate::cluster::Cluster;
 use crate::cni::{self, Invocation, VmAddressPolicy};
 use crate::error::{Error, Mismatch, Result};
 use crate::ipam::{Family, Pools};
-use crate::kernel::{self, Host, Kernel, PodNetns, PodWiring};
+use crate::kernel::{self, Host, Kernel, KernelError, PodNetns, PodWiring};
 use crate::mac::Mac;
 use crate::pools::NamedPools;
 use crate::store::{Attachment, AttachmentKey, Store};

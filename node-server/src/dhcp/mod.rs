@@ -24,7 +24,8 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use crate::error::{Error, Result};
+use crate::kernel::error::Result;
+use crate::kernel::KernelError;
 use crate::kernel::{GuestDhcp, GuestLease};
 use responder::{Dropped, Kind, Outcome};
 use socket::GuestSocket;
@@ -113,11 +114,11 @@ impl Drop for DhcpServer {
 /// The index of node interface `ifname`, in the daemon's netns.
 fn ifindex(ifname: &str) -> Result<u32> {
     let name = CString::new(ifname)
-        .map_err(|_| Error::Internal(format!("interface name {ifname:?} has a NUL byte")))?;
+        .map_err(|_| KernelError::Internal(format!("interface name {ifname:?} has a NUL byte")))?;
     // SAFETY: name is a valid NUL-terminated string for the call's length.
     let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
     if index == 0 {
-        return Err(Error::setup(
+        return Err(KernelError::refused(
             format!("looking up {ifname} to answer its guest's DHCP"),
             std::io::Error::last_os_error(),
         ));
@@ -142,7 +143,7 @@ impl GuestDhcp for DhcpServer {
         let socket = Arc::new(GuestSocket::open(index)?);
         let (tx, rx) = watch::channel(lease);
         let task = tokio::runtime::Handle::try_current()
-            .map_err(|_| Error::Internal("guest DHCP needs a tokio runtime".into()))?
+            .map_err(|_| KernelError::Internal("guest DHCP needs a tokio runtime".into()))?
             .spawn(answer_loop(
                 ifname.to_owned(),
                 socket.clone(),

@@ -10,8 +10,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use tokio::io::unix::AsyncFd;
 
-use crate::error::{Error, Result};
+use crate::kernel::error::Result;
 use crate::kernel::packet::recv_frame;
+use crate::kernel::KernelError;
 
 /// `ETH_P_ALL`, in the byte order the socket calls want.
 const ETH_P_ALL_BE: u16 = 0x0003u16.to_be();
@@ -80,7 +81,7 @@ impl GuestSocket {
             )
         };
         if raw < 0 {
-            return Err(Error::setup(
+            return Err(KernelError::refused(
                 context("opening a packet socket"),
                 io::Error::last_os_error(),
             ));
@@ -103,7 +104,7 @@ impl GuestSocket {
             )
         };
         if rc < 0 {
-            return Err(Error::setup(
+            return Err(KernelError::refused(
                 context("attaching the DHCP filter"),
                 io::Error::last_os_error(),
             ));
@@ -122,14 +123,15 @@ impl GuestSocket {
             )
         };
         if rc < 0 {
-            return Err(Error::setup(
+            return Err(KernelError::refused(
                 context("binding the packet socket"),
                 io::Error::last_os_error(),
             ));
         }
         // SAFETY: the OwnedFd moves into the AsyncFd, which keeps it open.
-        let fd = unsafe { AsyncFd::register(fd) }
-            .map_err(|e| Error::setup(context("watching the packet socket"), io::Error::from(e)))?;
+        let fd = unsafe { AsyncFd::register(fd) }.map_err(|e| {
+            KernelError::refused(context("watching the packet socket"), io::Error::from(e))
+        })?;
         Ok(GuestSocket { fd })
     }
 

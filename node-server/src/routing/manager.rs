@@ -237,7 +237,7 @@ pub async fn program_cluster(
 /// leftover one in host-gw mode.
 pub async fn prepare_overlay(c: &Cluster, kernel: &dyn NodeRoutes, pod_mtu: u32) -> Result<()> {
     match c.config().overlay {
-        Overlay::HostGw => kernel.delete_vxlan().await,
+        Overlay::HostGw => Ok(kernel.delete_vxlan().await?),
         Overlay::Vxlan { vni, port } => {
             let me = c.me();
             let local = vtep_underlay(&me.node_ips, &me.node_ips)
@@ -261,7 +261,8 @@ pub async fn prepare_overlay(c: &Cluster, kernel: &dyn NodeRoutes, pod_mtu: u32)
                     mac: vtep_mac(me.id),
                     mtu,
                 })
-                .await
+                .await?;
+            Ok(())
         }
     }
 }
