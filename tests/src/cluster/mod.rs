@@ -1,0 +1,256 @@
+//! A multi-node topology built from network namespaces, for cluster mode.
+//!
+//! - [`Fabric`]: a fabric netns holding a Linux bridge, the "switch" every
+//!   node and the etcd control netns hang off (underlay [`UNDERLAY_V4`] and
+//!   [`UNDERLAY_V6`], the bridge itself holds the gateways);
+//! - [`EtcdCluster`]: Debian's etcd 3.4, several members in one control
+//!   netns on the fabric, each on an address of its own; members can be
+//!   killed, stopped and started again on the same data dir;
+//! - [`ClusterNode`]: a node netns on the fabric (default routes via the
+//!   fabric gateway, so tetherd's node-IP detection has something to find)
+//!   with a [`Daemon`] in it, started with the cluster flags of [`NodeOpts`];
+//! - [`Cluster`]: all of the above at once, plus pods ([`Pod`]) added
+//!   through the real `tether` plugin and [`ping`] between them.
+//!
+//! The safety rules of the crate hold here too: every netns, link and temp
+//! dir is named with [`crate::run_prefix`]; every address and route lives in
+//! a netns this module created (the machine's own netns is never touched);
+//! the only processes signalled are etcd members and daemons spawned here,
+//! through their `Child` handle; every guard cleans up in `Drop`, also when
+//! a test panics.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+pub use crate::netns::{assert_ping_within, ping, ping_output};
+use crate::{
+    cni, tether_bin, unique_name, wait_until, CniEnv, CniOutput, Daemon, DaemonOpts, Netns, TempDir,
+};
+
+/// The underlay's IPv4 subnet, inside the fabric only.
+pub const UNDERLAY_V4: &str = "10.77.0.0/24";
+/// The underlay's IPv6 subnet, inside the fabric only.
+pub const UNDERLAY_V6: &str = "fd00:77:ff::/64";
+/// The fabric's IPv4 gateway (on the bridge): every node's default route.
+pub const GATEWAY_V4: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 1);
+/// The fabric's IPv6 gateway (on the bridge): every node's default route.
+pub const GATEWAY_V6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x77, 0xff, 0, 0, 0, 0, 1);
+/// The cluster CIDRs [`NodeOpts::default`] hands to `--cluster-cidr`.
+pub const CLUSTER_CIDRS: [&str; 2] = ["10.244.0.0/16", "fd00:10:244::/64"];
+/// The route protocol of tetherd's routes to other nodes' blocks.
+pub const CLUSTER_ROUTE_PROTOCOL: u8 = 202;
+/// The `name` of the netconf [`ClusterNode`] adds pods with.
+pub const CLUSTER_NETWORK: &str = "tether-cluster";
+/// The etcd server binary (Debian's `etcd-server`).
+pub const ETCD_BIN: &str = "/usr/bin/etcd";
+/// The etcd client binary (Debian's `etcd-client`).
+pub const ETCDCTL_BIN: &str = "/usr/bin/etcdctl";
+/// The port every etcd member serves clients on (each on its own address).
+pub const ETCD_CLIENT_PORT: u16 = 2379;
+/// The port every etcd member talks to its peers on.
+pub const ETCD_PEER_PORT: u16 = 2380;
+
+/// Underlay host numbers: etcd members from 11, nodes from 21.
+const ETCD_HOST_BASE: u8 = 11;
+const NODE_HOST_BASE: u8 = 21;
+/// Underlay prefix lengths (of [`UNDERLAY_V4`] and [`UNDERLAY_V6`]).
+const UNDERLAY_V4_LEN: u8 = 24;
+const UNDERLAY_V6_LEN: u8 = 64;
+
+/// Raft timing: small, so that losing the leader costs well under a second
+/// (tetherd's default per-request timeout is 2 s), yet large enough that a
+/// busy 2-core CI machine does not trigger spurious elections.
+const ETCD_HEARTBEAT_MS: u32 = 50;
+const ETCD_ELECTION_MS: u32 = 500;
+/// The backend quota: tiny data, so 64 MiB is plenty.
+const ETCD_QUOTA_BYTES: u64 = 64 << 20;
+/// How long a start or restart may take to become healthy.
+const ETCD_READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long [`EtcdCluster::stop_member`] waits after SIGTERM before SIGKILL.
+const ETCD_STOP_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long [`EtcdCluster::start_all`] waits for one member's peer port to
+/// answer before it starts the next anyway.
+const PEER_SERVE_TIMEOUT: Duration = Duration::from_secs(3);
+/// How much of each log a panic message quotes.
+const LOG_TAIL_LINES: usize = 30;
+
+mod etcd;
+mod fabric;
+mod node;
+
+pub use etcd::EtcdCluster;
+pub use fabric::{Fabric, Underlay};
+pub use node::{ClusterNode, NodeOpts, Overlay, Pod};
+
+// ---------------------------------------------------------------------------
+// The whole topology
+
+/// How to build a [`Cluster`].
+#[derive(Clone, Debug)]
+pub struct ClusterOpts {
+    /// How many nodes (3 by default).
+    pub nodes: usize,
+    /// How many etcd members (3 by default).
+    pub etcd_members: usize,
+    /// How every node's tetherd is started.
+    pub node: NodeOpts,
+}
+
+impl Default for ClusterOpts {
+    fn default() -> ClusterOpts {
+        ClusterOpts {
+            nodes: 3,
+            etcd_members: 3,
+            node: NodeOpts::default(),
+        }
+    }
+}
+
+/// A fabric, an etcd cluster on it, and nodes running tetherd against it.
+///
+/// Dropping it drops the nodes (daemons killed, netns deleted), then etcd,
+/// then the fabric. Pods are the caller's: drop them when done.
+#[derive(Debug)]
+pub struct Cluster {
+    // Dropped in declaration order: nodes, etcd, fabric.
+    nodes: Vec<ClusterNode>,
+    etcd: EtcdCluster,
+    fabric: Fabric,
+    opts: NodeOpts,
+    next_host: u8,
+}
+
+impl Cluster {
+    /// Builds the fabric, starts etcd (healthy) and then the nodes one after
+    /// another (so node `i` registers `i`-th).
+    pub fn new(opts: ClusterOpts) -> Cluster {
+        let fabric = Fabric::new();
+        let etcd = EtcdCluster::start(&fabric, opts.etcd_members);
+        let mut cluster = Cluster {
+            nodes: Vec::new(),
+            etcd,
+            fabric,
+            opts: opts.node,
+            next_host: NODE_HOST_BASE,
+        };
+        for _ in 0..opts.nodes {
+            cluster.add_node();
+        }
+        cluster
+    }
+
+    /// Starts one more node with the cluster's options; returns its index.
+    pub fn add_node(&mut self) -> usize {
+        let opts = self.opts.clone();
+        self.add_node_with(&opts)
+    }
+
+    /// Starts one more node with `opts`; returns its index. Every node gets
+    /// fresh underlay addresses, never those of a removed node.
+    pub fn add_node_with(&mut self, opts: &NodeOpts) -> usize {
+        let host = self.next_host;
+        self.next_host = host
+            .checked_add(1)
+            .filter(|h| *h < 255)
+            .expect("out of underlay addresses");
+        let node = ClusterNode::start(&self.fabric, &self.etcd.endpoints(), host, opts);
+        self.nodes.push(node);
+        self.nodes.len() - 1
+    }
+
+    /// Takes node `i` out of the cluster (later nodes move down one index);
+    /// dropping the returned node kills its daemon and deletes its netns.
+    pub fn remove_node(&mut self, i: usize) -> ClusterNode {
+        self.nodes.remove(i)
+    }
+
+    /// The nodes.
+    pub fn nodes(&self) -> &[ClusterNode] {
+        &self.nodes
+    }
+
+    /// Node `i`.
+    pub fn node(&self, i: usize) -> &ClusterNode {
+        &self.nodes[i]
+    }
+
+    /// Node `i`, to restart or kill its daemon.
+    pub fn node_mut(&mut self, i: usize) -> &mut ClusterNode {
+        &mut self.nodes[i]
+    }
+
+    /// The etcd cluster.
+    pub fn etcd(&self) -> &EtcdCluster {
+        &self.etcd
+    }
+
+    /// The etcd cluster, to kill, stop or start members.
+    pub fn etcd_mut(&mut self) -> &mut EtcdCluster {
+        &mut self.etcd
+    }
+
+    /// The fabric.
+    pub fn fabric(&self) -> &Fabric {
+        &self.fabric
+    }
+
+    /// A new pod added on node `i` ([`ClusterNode::add_pod`]).
+    pub fn add_pod(&self, i: usize) -> Pod {
+        self.nodes[i].add_pod()
+    }
+
+    /// Every key under `/tether/` in etcd, with its value.
+    pub fn etcd_keys(&self) -> BTreeMap<String, String> {
+        self.etcd.get_prefix("/tether/")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_topology_can_be_shared_by_threads() {
+        // Tests fan pod ADDs out with `crate::parallel(n, |i| cluster.add_pod(i))`.
+        fn shared<T: Sync>() {}
+        shared::<Cluster>();
+        shared::<Pod>();
+    }
+
+    #[test]
+    fn underlay_addresses_of_a_host() {
+        let u = Underlay::of_host(String::new(), 21);
+        assert_eq!(u.v4, Ipv4Addr::new(10, 77, 0, 21));
+        assert_eq!(u.v6, "fd00:77:ff::21".parse::<Ipv6Addr>().unwrap());
+    }
+
+    #[test]
+    fn cluster_flags_follow_the_spec() {
+        let u = Underlay::of_host("x".into(), 21);
+        let args = NodeOpts {
+            overlay: Overlay::Vxlan,
+            explicit_node_ip: true,
+            ..NodeOpts::default()
+        }
+        .daemon_args("http://10.77.0.11:2379", &u)
+        .join(" ");
+        assert_eq!(
+            args,
+            "--store etcd --etcd-endpoints http://10.77.0.11:2379 \
+             --cluster-cidr 10.244.0.0/16 --cluster-cidr fd00:10:244::/64 \
+             --overlay vxlan --lease-ttl 2 --node-grace 3 --node-ip 10.77.0.21"
+        );
+        let single = NodeOpts {
+            pod_cidrs: vec!["10.244.1.0/24".into()],
+            ..NodeOpts::default()
+        };
+        assert!(single.daemon_args("e", &u).is_empty());
+    }
+}
