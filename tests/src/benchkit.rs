@@ -257,6 +257,45 @@ impl Failures {
     }
 }
 
+/// What every benchmark's `main` starts with.
+pub struct Start<A> {
+    /// Its parsed command line.
+    pub args: A,
+    /// When it started.
+    pub started: Instant,
+    /// The machine it runs on.
+    pub machine: Machine,
+    /// Its failures, none yet.
+    pub failures: Failures,
+}
+
+/// The start of benchmark `bench`: its command line parsed by `parse` (a
+/// bad one is printed and exits 2), root required, the clock started and
+/// the machine probed and named on stderr with the run's prefix.
+pub fn start<A>(
+    bench: &'static str,
+    parse: impl FnOnce() -> Result<A, String>,
+) -> Result<Start<A>, std::process::ExitCode> {
+    let args = parse().map_err(|e| {
+        eprintln!("{e}");
+        std::process::ExitCode::from(2)
+    })?;
+    crate::require_root();
+    let started = Instant::now();
+    let machine = Machine::probe();
+    eprintln!(
+        "{bench}: run prefix {}; {}",
+        crate::run_prefix(),
+        machine.one_line()
+    );
+    Ok(Start {
+        args,
+        started,
+        machine,
+        failures: Failures::new(bench),
+    })
+}
+
 /// Runs one phase of a benchmark; a panic in it is counted as a failure
 /// (and the other phases still run).
 pub fn guarded<T>(

@@ -27,12 +27,12 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tether_e2e::benchkit::{
     build_release, cargo_build_release, finish, first_lines, judge, number, panic_text,
-    parse_command_line, poll_until, stdout_of, CommonArgs, Machine,
+    parse_command_line, poll_until, start, stdout_of, CommonArgs, Machine, Start,
 };
 use tether_e2e::reference::{bridge_netconf, host_local_leases, ptp_netconf};
 use tether_e2e::{
-    cni, ref_plugin, require_root, run_prefix, target_dir, CniEnv, CniOutput, Daemon, DaemonOpts,
-    Family, Netns, TempDir,
+    cni, ref_plugin, run_prefix, target_dir, CniEnv, CniOutput, Daemon, DaemonOpts, Family, Netns,
+    TempDir,
 };
 
 const USAGE: &str = "usage: bench [--cycles N] [--concurrency N] [--rounds N] [--warmup N] \
@@ -313,18 +313,15 @@ fn add_del(s: &mut Subject, id: &str, pod: &Netns) -> (Option<Duration>, Option<
 }
 
 fn main() -> ExitCode {
-    let args = match parse_args() {
-        Ok(args) => args,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
+    let Start {
+        args,
+        started,
+        machine,
+        ..
+    } = match start("bench", parse_args) {
+        Ok(s) => s,
+        Err(code) => return code,
     };
-    require_root();
-    let started = Instant::now();
-    let machine = Machine::probe();
-    let prefix = run_prefix();
-    eprintln!("bench: run prefix {prefix}; {}", machine.one_line());
 
     let mut setup_failures = Vec::new();
     let mut subjects = Vec::new();

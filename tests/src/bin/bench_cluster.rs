@@ -43,13 +43,12 @@ use std::time::{Duration, Instant};
 use ipnet::IpNet;
 use tether_e2e::admin;
 use tether_e2e::benchkit::{
-    finish, first_lines, guarded, judge, parse_command_line, poll_until, release_dir, stdout_of,
-    CommonArgs, Failures, Machine,
+    finish, first_lines, guarded, judge, parse_command_line, poll_until, release_dir, start,
+    stdout_of, CommonArgs, Failures, Machine, Start,
 };
 use tether_e2e::cluster::{Cluster, ClusterOpts, NodeOpts, Overlay, CLUSTER_ROUTE_PROTOCOL};
 use tether_e2e::{
-    cni, is_tether_link, require_root, run_prefix, CniEnv, CniOutput, Daemon, DaemonOpts, Netns,
-    TempDir,
+    cni, is_tether_link, run_prefix, CniEnv, CniOutput, Daemon, DaemonOpts, Netns, TempDir,
 };
 
 const USAGE: &str = "usage: bench_cluster [--cycles N] [--warmup N] [--batch N] \
@@ -123,22 +122,15 @@ struct Bins {
 }
 
 fn main() -> ExitCode {
-    let args = match parse_args() {
-        Ok(args) => args,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
+    let Start {
+        args,
+        started,
+        machine,
+        mut failures,
+    } = match start("bench_cluster", parse_args) {
+        Ok(s) => s,
+        Err(code) => return code,
     };
-    require_root();
-    let started = Instant::now();
-    let machine = Machine::probe();
-    eprintln!(
-        "bench_cluster: run prefix {}; {}",
-        run_prefix(),
-        machine.one_line()
-    );
-    let mut failures = Failures::new("bench_cluster");
 
     let bins = match bins(&args) {
         Ok(b) => b,

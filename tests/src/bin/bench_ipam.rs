@@ -44,15 +44,14 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tether_e2e::benchkit::{
-    finish, guarded, judge, parse_command_line, percentile, release_dir, CommonArgs, Failures,
-    Machine,
+    finish, guarded, judge, parse_command_line, percentile, release_dir, start, CommonArgs,
+    Failures, Machine, Start,
 };
 use tether_e2e::cluster::{Cluster, ClusterOpts, Fabric, NodeOpts};
 use tether_e2e::kube::{whereabouts_dir, KubeApi};
 use tether_e2e::reference::host_local_leases;
 use tether_e2e::{
-    admin, cni, pb, ref_plugin, require_root, run_prefix, unique_name, CniEnv, CniOutput, Daemon,
-    DaemonOpts, Netns, TempDir,
+    admin, cni, pb, ref_plugin, unique_name, CniEnv, CniOutput, Daemon, DaemonOpts, Netns, TempDir,
 };
 
 const USAGE: &str = "usage: bench_ipam [--cycles N] [--warmup N] [--concurrency N] \
@@ -112,22 +111,15 @@ fn parse_args() -> Result<Args, String> {
 }
 
 fn main() -> ExitCode {
-    let args = match parse_args() {
-        Ok(args) => args,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
+    let Start {
+        args,
+        started,
+        machine,
+        mut failures,
+    } = match start("bench_ipam", parse_args) {
+        Ok(s) => s,
+        Err(code) => return code,
     };
-    require_root();
-    let started = Instant::now();
-    let machine = Machine::probe();
-    eprintln!(
-        "bench_ipam: run prefix {}; {}",
-        run_prefix(),
-        machine.one_line()
-    );
-    let mut failures = Failures::new("bench_ipam");
     let bin_dir = match release_dir("bench_ipam", args.common.build) {
         Ok(d) => d,
         Err(e) => {

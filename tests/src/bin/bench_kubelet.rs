@@ -25,15 +25,16 @@
 use std::fmt::Write as _;
 use std::net::IpAddr;
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ipnet::IpNet;
 use serde_json::json;
 use tether_e2e::benchkit::{
-    finish, guarded, parse_command_line, percentile, release_dir, CommonArgs, Failures, Machine,
+    finish, guarded, parse_command_line, percentile, release_dir, start, CommonArgs, Failures,
+    Machine, Start,
 };
 use tether_e2e::kubelet::OneNode;
-use tether_e2e::{require_root, run_prefix, wait_until};
+use tether_e2e::wait_until;
 
 const USAGE: &str = "usage: bench_kubelet [--pods N] [--rounds N] [--no-build] [--write FILE]";
 const BEGIN: &str =
@@ -96,22 +97,15 @@ struct Samples {
 }
 
 fn main() -> ExitCode {
-    let args = match parse_args() {
-        Ok(args) => args,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
+    let Start {
+        args,
+        started,
+        machine,
+        mut failures,
+    } = match start("bench_kubelet", parse_args) {
+        Ok(s) => s,
+        Err(code) => return code,
     };
-    require_root();
-    let started = Instant::now();
-    let machine = Machine::probe();
-    eprintln!(
-        "bench_kubelet: run prefix {}; {}",
-        run_prefix(),
-        machine.one_line()
-    );
-    let mut failures = Failures::new("bench_kubelet");
     if let Err(e) = release_dir("bench_kubelet", args.common.build) {
         eprintln!("bench_kubelet: {e}");
         return ExitCode::FAILURE;

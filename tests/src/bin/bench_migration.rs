@@ -38,8 +38,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tether_e2e::admin;
 use tether_e2e::benchkit::{
-    finish, first_lines, guarded, judge, parse_command_line, poll_until, release_dir, stdout_of,
-    CommonArgs, Failures, Machine,
+    finish, first_lines, guarded, judge, parse_command_line, poll_until, release_dir, start,
+    stdout_of, CommonArgs, Failures, Machine, Start,
 };
 use tether_e2e::cluster::{assert_ping_within, Cluster, ClusterNode, ClusterOpts, NodeOpts, Pod};
 use tether_e2e::migration::{pause_icmp, send_rarp, Prober};
@@ -48,7 +48,7 @@ use tether_e2e::vm::{
     active_node, alternate_node, del_vm_pod, get_vm, mac_bytes, result_mac, try_add_vm_pod,
     VmPodSpec,
 };
-use tether_e2e::{require_root, run_prefix, wait_until};
+use tether_e2e::wait_until;
 
 const USAGE: &str =
     "usage: bench_migration [--migrations N] [--warmup N] [--no-build] [--write FILE]";
@@ -121,22 +121,15 @@ struct Bins {
 }
 
 fn main() -> ExitCode {
-    let args = match parse_args() {
-        Ok(args) => args,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
+    let Start {
+        args,
+        started,
+        machine,
+        mut failures,
+    } = match start("bench_migration", parse_args) {
+        Ok(s) => s,
+        Err(code) => return code,
     };
-    require_root();
-    let started = Instant::now();
-    let machine = Machine::probe();
-    eprintln!(
-        "bench_migration: run prefix {}; {}",
-        run_prefix(),
-        machine.one_line()
-    );
-    let mut failures = Failures::new("bench_migration");
 
     let bins = match bins(&args) {
         Ok(b) => b,

@@ -30,14 +30,14 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tether_e2e::admin;
 use tether_e2e::benchkit::{
-    finish, guarded, judge, parse_command_line, release_dir, stdout_of, CommonArgs, Failures,
-    Machine,
+    finish, guarded, judge, parse_command_line, release_dir, start, stdout_of, CommonArgs,
+    Failures, Machine, Start,
 };
 use tether_e2e::cluster::{assert_ping_within, Cluster, ClusterNode, ClusterOpts, NodeOpts, Pod};
 use tether_e2e::migration::Prober;
 use tether_e2e::qemu::{Guest, GuestOptions, BOOT_TIMEOUT};
 use tether_e2e::vm::{active_node, del_vm_pod, get_vm, try_add_vm_pod, VmPodSpec};
-use tether_e2e::{require_root, run_prefix, wait_until};
+use tether_e2e::wait_until;
 
 const USAGE: &str =
     "usage: bench_vm [--migrations N] [--warmup N] [--adds N] [--no-build] [--write FILE]";
@@ -430,24 +430,18 @@ fn report(m: &Machine, args: &Args, run: &Run, failures: &Failures, runtime: Dur
 }
 
 fn main() -> ExitCode {
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
+    let Start {
+        args,
+        started,
+        machine,
+        mut failures,
+    } = match start("bench_vm", parse_args) {
+        Ok(s) => s,
+        Err(code) => return code,
     };
-    require_root();
     if args.migrations < MIN_MIGRATIONS {
         eprintln!("bench_vm: note: fewer than {MIN_MIGRATIONS} migrations");
     }
-    let started = Instant::now();
-    let machine = Machine::probe();
-    eprintln!(
-        "bench_vm: run prefix {}; {}",
-        run_prefix(),
-        machine.one_line()
-    );
     let bins = match release_dir("bench_vm", args.common.build) {
         Ok(d) => d,
         Err(e) => {
@@ -455,7 +449,6 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let mut failures = Failures::new("bench_vm");
     let mut run = Run::default();
     let node = NodeOpts {
         lease_ttl_secs: 15,
