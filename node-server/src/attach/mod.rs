@@ -22,11 +22,12 @@ mod guest;
 mod ipam_only;
 mod link_reaper;
 mod reconcile;
+mod route_loop;
 mod status;
 #[cfg(test)]
 pub(crate) mod tests;
 
-use crate::routing::{self, manager::RouteState};
+use crate::routing::{self, manager::Routes};
 use crate::vm;
 use link_reaper::LinkReaper;
 use reconcile::rebooted_since_last_run;
@@ -112,7 +113,7 @@ pub struct Node {
     /// KubeVirt VMs: the records and this node's VM state.
     pub(crate) vm: VmState,
     /// The route manager's state.
-    pub(crate) routes: RouteState,
+    pub(crate) routes: Routes,
     /// DHCP and router advertisements for the guests of tap bindings.
     pub(crate) dhcp: Arc<dyn kernel::GuestDhcp>,
     /// The named pools, for attachments that select one and for IPAM-only
@@ -283,6 +284,7 @@ impl Node {
             );
         }
         let attachments = loaded.into_iter().map(|a| (a.key.clone(), a)).collect();
+        let routes = Routes::new(kernel.clone());
         let node = Node {
             config,
             store,
@@ -296,7 +298,7 @@ impl Node {
             sweep: RwLock::new(()),
             reaper: LinkReaper::default(),
             vm: VmState::new(vms),
-            routes: RouteState::default(),
+            routes,
             named,
             kube: std::sync::OnceLock::new(),
         };
@@ -326,9 +328,7 @@ impl Node {
                     tracing::warn!(error = %e, "cannot program the cluster routes yet; retrying")
                 }
             }
-            node.routes
-                .cluster_failed
-                .store(first.is_err(), std::sync::atomic::Ordering::Relaxed);
+            node.routes.set_cluster_failed(first.is_err());
         }
         // VMs that moved or stopped while the daemon was away: their routes
         // follow the records before the node serves.

@@ -1,10 +1,9 @@
 //! The route manager: applies the routes the plan wants.
 
-use super::plan::{self, ClusterSide, VmPlan, Want};
-use crate::attach::Node;
+use super::plan::{self, ClusterSide, Want};
 use crate::cluster::{vtep_mac, vtep_underlay, Cluster, ClusterView, Overlay};
 use crate::error::{Error, Result};
-use crate::kernel::{ClusterRoute, NodeRoutes, VxlanConfig};
+use crate::kernel::{ClusterRoute, Kernel, NodeRoutes, VxlanConfig};
 use crate::store::{Attachment, AttachmentKey};
 use crate::time::UnixNanos;
 use crate::vm::{RouteUpdateTiming, VmKey, VmView};
@@ -12,70 +11,89 @@ use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 use tether_base::sync::lock;
 use tokio::sync::Notify;
 
-/// What the route manager keeps between passes.
-#[derive(Default)]
-pub(crate) struct RouteState {
+/// Route management: the VM routes it programmed last, whether the next
+/// pass must program them again, and the wake-up of the loop that runs it.
+/// It owns its state and the kernel handle; what a pass needs of the VM
+/// records and of the local pods is handed to it.
+pub struct Routes {
+    kernel: Arc<dyn Kernel>,
     /// The VM routes as last programmed, per VM; `None` after a failed
     /// pass. A pass that wants the same skips the kernel.
-    pub(crate) vm_applied: Mutex<Option<HashMap<VmKey, Want>>>,
+    vm_applied: Mutex<Option<HashMap<VmKey, Want>>>,
     /// The next pass must touch the kernel even if it wants the same (a
     /// route may have been removed under it). Kept apart from
     /// `vm_applied`, so that the pass still knows which VMs' routes it
     /// changes, for the route-update timings.
-    pub(crate) vm_forced: AtomicBool,
-    /// Wakes the manager for a pass.
-    pub(crate) resync: Notify,
+    vm_forced: AtomicBool,
+    /// Wakes the loop for a pass.
+    resync: Notify,
     /// The first pass over the cluster routes, at start-up, failed: the
-    /// manager starts by retrying it.
-    pub(crate) cluster_failed: AtomicBool,
+    /// loop starts by retrying it.
+    cluster_failed: AtomicBool,
 }
 
-impl Node {
-    /// Makes the next VM sync touch the kernel even if the records did not
-    /// change (a route may have been removed under it).
-    pub(crate) fn force_vm_resync(&self) {
-        self.routes.vm_forced.store(true, Ordering::SeqCst);
-        self.routes.resync.notify_one();
+impl Routes {
+    /// Route management on `kernel`, nothing programmed yet.
+    pub fn new(kernel: Arc<dyn Kernel>) -> Routes {
+        Routes {
+            kernel,
+            vm_applied: Mutex::new(None),
+            vm_forced: AtomicBool::new(false),
+            resync: Notify::new(),
+            cluster_failed: AtomicBool::new(false),
+        }
     }
 
-    /// Brings this node in line with the VM records: pool reservations,
-    /// the pending migration targets, and routes.
-    pub(crate) async fn sync_vms(&self, view: &VmView) -> Result<()> {
-        if !view.synced {
-            return Ok(());
-        }
-        // Taken before the local pods are read, so that a force that comes
-        // in after that (a pod added meanwhile) makes another pass.
-        let forced = self.routes.vm_forced.swap(false, Ordering::SeqCst);
-        self.sync_reservations(view);
-        let me = self.config.name.as_str();
-        let local: HashMap<AttachmentKey, Attachment> = lock(&self.attachments)
-            .iter()
-            .filter(|(_, a)| a.vm.is_some())
-            .map(|(k, a)| (k.clone(), a.clone()))
-            .collect();
-        let cluster = self.cluster.as_ref().map(|c| (c.me(), c.view()));
-        let side = match (&self.cluster, &cluster) {
-            (Some(c), Some((me, view))) => Some(ClusterSide {
-                me,
-                overlay: &c.config().overlay,
-                view,
-            }),
-            _ => None,
-        };
-        let VmPlan {
-            wants,
-            targets: pending,
-        } = plan::vm_routes(me, view, &local, side.as_ref());
-        self.refresh_pending(pending, view).await;
+    /// Makes the next VM pass touch the kernel even if the records did not
+    /// change (a route may have been removed under it), and wakes the loop.
+    pub fn force_vm_resync(&self) {
+        self.vm_forced.store(true, Ordering::SeqCst);
+        self.resync.notify_one();
+    }
 
-        let previous = lock(&self.routes.vm_applied).clone();
+    /// Whether a pass was forced since the last call; clears it.
+    pub fn take_forced(&self) -> bool {
+        self.vm_forced.swap(false, Ordering::SeqCst)
+    }
+
+    /// Waits for [`Routes::force_vm_resync`].
+    pub async fn resync_asked(&self) {
+        self.resync.notified().await;
+    }
+
+    /// Records whether the first cluster pass failed.
+    pub fn set_cluster_failed(&self, failed: bool) {
+        self.cluster_failed.store(failed, Ordering::Relaxed);
+    }
+
+    /// Whether the first cluster pass failed.
+    pub fn cluster_failed(&self) -> bool {
+        self.cluster_failed.load(Ordering::Relaxed)
+    }
+
+    /// Forgets what was programmed (after a failed pass): the next pass
+    /// programs everything it wants.
+    pub fn forget_vm_routes(&self) {
+        *lock(&self.vm_applied) = None;
+    }
+
+    /// Programs the VM routes the plan `wants` for the records of `view`,
+    /// given the local VM pods `local`, unless they are what was programmed
+    /// last and no pass was `forced`. Returns the timing of the route
+    /// update of the most recently cut-over VM whose routes changed here.
+    pub async fn apply_vm_routes(
+        &self,
+        view: &VmView,
+        local: &HashMap<AttachmentKey, Attachment>,
+        wants: HashMap<VmKey, Want>,
+        forced: bool,
+    ) -> Result<Option<RouteUpdateTiming>> {
+        let previous = lock(&self.vm_applied).clone();
         if !forced && previous.as_ref() == Some(&wants) {
-            return Ok(());
+            return Ok(None);
         }
         let mut via: Vec<ClusterRoute> = wants.values().flat_map(|w| w.via.clone()).collect();
         via.sort();
@@ -109,14 +127,13 @@ impl Node {
                 .as_ref()
                 .is_some_and(|p| p.get(&r.key) != wants.get(&r.key))
         });
-        if let Some(latest) = changed.max_by_key(|r| {
-            r.last_cutover
-                .as_ref()
-                .map_or(UnixNanos::EPOCH, |c| c.seen_unix_nanos)
-        }) {
-            let mut stats = lock(&self.vm.stats);
-            stats.route_updates += 1;
-            stats.last_route_update = Some(RouteUpdateTiming {
+        let update = changed
+            .max_by_key(|r| {
+                r.last_cutover
+                    .as_ref()
+                    .map_or(UnixNanos::EPOCH, |c| c.seen_unix_nanos)
+            })
+            .map(|latest| RouteUpdateTiming {
                 vm: latest.key.clone(),
                 generation: latest.generation,
                 done_unix_nanos: done,
@@ -125,83 +142,14 @@ impl Node {
                     .as_ref()
                     .map(|c| done.saturating_duration_since(c.seen_unix_nanos)),
             });
-        }
-        *lock(&self.routes.vm_applied) = Some(wants);
-        Ok(())
-    }
-
-    /// Starts the route manager: one task that keeps this node's routes in
-    /// step with the cluster view (routes to other nodes' blocks, VXLAN
-    /// peers) and the VM records (routes to VM addresses), re-planning on
-    /// every change and retrying every 500 ms while the kernel refuses.
-    /// `cluster_failing` says the first cluster pass, at start-up, failed.
-    pub(crate) fn spawn_route_manager(self: &Arc<Self>, cluster_failing: bool) {
-        let node = self.clone();
-        tokio::spawn(async move {
-            let mut rx = node.vm.records.subscribe();
-            let mut cluster_rx = node.cluster.as_ref().map(|c| c.subscribe());
-            let mut cluster_failing = cluster_failing;
-            let mut cluster_dirty = cluster_failing;
-            let mut vm_failing = false;
-            loop {
-                let cluster_changed = async {
-                    match cluster_rx.as_mut() {
-                        Some(c) => c.changed().await.is_ok(),
-                        None => std::future::pending().await,
-                    }
-                };
-                let retry = async {
-                    if cluster_failing || vm_failing {
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                    } else {
-                        std::future::pending::<()>().await;
-                    }
-                };
-                tokio::select! {
-                    r = rx.changed() => if r.is_err() { return },
-                    changed = cluster_changed => cluster_dirty |= changed,
-                    () = node.routes.resync.notified() => {},
-                    () = retry => cluster_dirty |= cluster_failing,
-                }
-                if let (Some(c), Some(crx), true) =
-                    (&node.cluster, cluster_rx.as_mut(), cluster_dirty)
-                {
-                    let view = crx.borrow_and_update().clone();
-                    cluster_dirty = false;
-                    // A stale view must not withdraw routes; the relisting
-                    // that makes it current again is a change too.
-                    if view.synced {
-                        let outcome = program_cluster(c, node.kernel.as_ref(), &view).await.map(
-                            |(added, removed)| {
-                                if added + removed > 0 {
-                                    tracing::info!(
-                                        added,
-                                        removed,
-                                        revision = view.revision,
-                                        "cluster routes updated"
-                                    );
-                                }
-                            },
-                        );
-                        note(&mut cluster_failing, "cluster", &outcome);
-                    } else {
-                        cluster_failing = false;
-                    }
-                }
-                let view = rx.borrow_and_update().clone();
-                let outcome = node.sync_vms(&view).await;
-                if outcome.is_err() {
-                    *lock(&node.routes.vm_applied) = None;
-                }
-                note(&mut vm_failing, "VM", &outcome);
-            }
-        });
+        *lock(&self.vm_applied) = Some(wants);
+        Ok(update)
     }
 }
 
 /// Logs when one kind of route starts or stops failing (once each way),
 /// and records whether it fails now.
-fn note(failing: &mut bool, what: &str, outcome: &Result<()>) {
+pub(crate) fn note(failing: &mut bool, what: &str, outcome: &Result<()>) {
     match outcome {
         Ok(()) if *failing => tracing::info!("{what} routes programmed again"),
         Err(e) if !*failing => {

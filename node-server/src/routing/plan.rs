@@ -118,9 +118,7 @@ pub struct Want {
     pub via: Vec<ClusterRoute>,
 }
 
-/// A migration target found in the records: VM, attachment, host veth, and
-/// the record's generation.
-pub type FoundTarget = (VmKey, AttachmentKey, String, u64);
+pub use crate::vm::FoundTarget;
 
 /// Where this node sends each VM's addresses, and the local migration
 /// targets waiting for their VM (by the VM's MAC).

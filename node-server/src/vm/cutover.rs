@@ -305,11 +305,7 @@ impl Node {
                 "cannot listen for migrated VMs' announcements: cutovers only on the annotation or the admin call"
             ),
         }
-        self.spawn_route_manager(
-            self.routes
-                .cluster_failed
-                .load(std::sync::atomic::Ordering::Relaxed),
-        );
+        self.spawn_route_manager(self.routes.cluster_failed());
     }
 
     pub(crate) fn spawn_announce_loop(self: &Arc<Self>, listener: Box<dyn Announcements>) {

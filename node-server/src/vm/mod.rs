@@ -72,7 +72,9 @@ pub(crate) struct PendingTarget {
     pub generation: u64,
 }
 
-pub(crate) use crate::routing::plan::FoundTarget;
+/// A migration target found in the records: VM, attachment, host veth, and
+/// the record's generation.
+pub type FoundTarget = (VmKey, AttachmentKey, String, u64);
 
 /// This node's VM state: the records, and what the node keeps beside them.
 pub struct VmState {

@@ -1,0 +1,128 @@
+//! The route loop: one task that keeps this node's routes in step with the
+//! cluster view and the VM records. It composes the parts: the plan
+//! (`routing::plan`), the VM side (reservations, waiting targets, stats)
+//! and route management (`routing::manager::Routes`), which owns what was
+//! programmed.
+
+use super::*;
+use crate::routing::manager::{note, program_cluster};
+use crate::routing::plan::{self, ClusterSide, VmPlan};
+use crate::vm::VmView;
+
+impl Node {
+    /// Makes the next VM pass touch the kernel even if the records did not
+    /// change (a route may have been removed under it).
+    pub(crate) fn force_vm_resync(&self) {
+        self.routes.force_vm_resync();
+    }
+
+    /// Brings this node in line with the VM records: pool reservations,
+    /// the pending migration targets, and routes.
+    pub(crate) async fn sync_vms(&self, view: &VmView) -> Result<()> {
+        if !view.synced {
+            return Ok(());
+        }
+        // Taken before the local pods are read, so that a force that comes
+        // in after that (a pod added meanwhile) makes another pass.
+        let forced = self.routes.take_forced();
+        self.sync_reservations(view);
+        let me = self.config.name.as_str();
+        let local: HashMap<AttachmentKey, Attachment> = lock(&self.attachments)
+            .iter()
+            .filter(|(_, a)| a.vm.is_some())
+            .map(|(k, a)| (k.clone(), a.clone()))
+            .collect();
+        let cluster = self.cluster.as_ref().map(|c| (c.me(), c.view()));
+        let side = match (&self.cluster, &cluster) {
+            (Some(c), Some((me, view))) => Some(ClusterSide {
+                me,
+                overlay: &c.config().overlay,
+                view,
+            }),
+            _ => None,
+        };
+        let VmPlan {
+            wants,
+            targets: pending,
+        } = plan::vm_routes(me, view, &local, side.as_ref());
+        self.refresh_pending(pending, view).await;
+        if let Some(update) = self
+            .routes
+            .apply_vm_routes(view, &local, wants, forced)
+            .await?
+        {
+            let mut stats = lock(&self.vm.stats);
+            stats.route_updates += 1;
+            stats.last_route_update = Some(update);
+        }
+        Ok(())
+    }
+
+    /// Starts the route manager: one task that keeps this node's routes in
+    /// step with the cluster view (routes to other nodes' blocks, VXLAN
+    /// peers) and the VM records (routes to VM addresses), re-planning on
+    /// every change and retrying every 500 ms while the kernel refuses.
+    /// `cluster_failing` says the first cluster pass, at start-up, failed.
+    pub(crate) fn spawn_route_manager(self: &Arc<Self>, cluster_failing: bool) {
+        let node = self.clone();
+        tokio::spawn(async move {
+            let mut rx = node.vm.records.subscribe();
+            let mut cluster_rx = node.cluster.as_ref().map(|c| c.subscribe());
+            let mut cluster_failing = cluster_failing;
+            let mut cluster_dirty = cluster_failing;
+            let mut vm_failing = false;
+            loop {
+                let cluster_changed = async {
+                    match cluster_rx.as_mut() {
+                        Some(c) => c.changed().await.is_ok(),
+                        None => std::future::pending().await,
+                    }
+                };
+                let retry = async {
+                    if cluster_failing || vm_failing {
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    } else {
+                        std::future::pending::<()>().await;
+                    }
+                };
+                tokio::select! {
+                    r = rx.changed() => if r.is_err() { return },
+                    changed = cluster_changed => cluster_dirty |= changed,
+                    () = node.routes.resync_asked() => {},
+                    () = retry => cluster_dirty |= cluster_failing,
+                }
+                if let (Some(c), Some(crx), true) =
+                    (&node.cluster, cluster_rx.as_mut(), cluster_dirty)
+                {
+                    let view = crx.borrow_and_update().clone();
+                    cluster_dirty = false;
+                    // A stale view must not withdraw routes; the relisting
+                    // that makes it current again is a change too.
+                    if view.synced {
+                        let outcome = program_cluster(c, node.kernel.as_ref(), &view).await.map(
+                            |(added, removed)| {
+                                if added + removed > 0 {
+                                    tracing::info!(
+                                        added,
+                                        removed,
+                                        revision = view.revision,
+                                        "cluster routes updated"
+                                    );
+                                }
+                            },
+                        );
+                        note(&mut cluster_failing, "cluster", &outcome);
+                    } else {
+                        cluster_failing = false;
+                    }
+                }
+                let view = rx.borrow_and_update().clone();
+                let outcome = node.sync_vms(&view).await;
+                if outcome.is_err() {
+                    node.routes.forget_vm_routes();
+                }
+                note(&mut vm_failing, "VM", &outcome);
+            }
+        });
+    }
+}
