@@ -45,7 +45,6 @@ use async_trait::async_trait;
 use tether_base::mac::Mac;
 
 #[cfg(test)]
-#[path = "overlay_tests.rs"]
 mod tests;
 
 /// Header flags of a dump request.
