@@ -145,6 +145,18 @@ fn ifindex(t: &TestNode, cid: &str) -> u32 {
     t.kernel.links()[&host(cid)].index
 }
 
+/// The admin call `Cutover` of vm1, asked on `t`'s node.
+async fn admin_cutover(t: &TestNode) -> Result<VmRecord> {
+    t.node
+        .cutover(
+            &key("vm1"),
+            None,
+            Trigger::Admin,
+            (Instant::now(), UnixNanos::now()),
+        )
+        .await
+}
+
 /// VM vm1 active on A (container c1) and its migration target on B
 /// (container c2): the two nodes and the record after the target's ADD.
 async fn migrating() -> (TestNode, TestNode, VmRecord) {
@@ -588,16 +600,7 @@ async fn the_admin_cutover_moves_the_routes_by_the_record() {
     let (a, b, rec) = migrating().await;
     // Asked on the source's node: the record changes there, and each
     // node's routes follow it.
-    let after = a
-        .node
-        .cutover(
-            &key("vm1"),
-            None,
-            Trigger::Admin,
-            (Instant::now(), UnixNanos::now()),
-        )
-        .await
-        .expect("admin cutover");
+    let after = admin_cutover(&a).await.expect("admin cutover");
     assert!(is(&after.active, "node-b", "c2"), "{after:?}");
     assert!(is(&after.alternate, "node-a", "c1"), "{after:?}");
     assert_eq!(record(&a, "vm1").await, Some(after.clone()));
@@ -619,15 +622,7 @@ async fn the_admin_cutover_moves_the_routes_by_the_record() {
 #[tokio::test]
 async fn the_admin_cutover_on_the_targets_node_routes_at_once() {
     let (_a, b, rec) = migrating().await;
-    b.node
-        .cutover(
-            &key("vm1"),
-            None,
-            Trigger::Admin,
-            (Instant::now(), UnixNanos::now()),
-        )
-        .await
-        .expect("admin cutover");
+    admin_cutover(&b).await.expect("admin cutover");
     // No waiting for the watch: routed before the call returned.
     assert!(routes_to(&b, &rec.ips, "c2"), "{:?}", b.kernel.routes());
     let last = b.node.vm_stats().last_cutover.expect("timings");
@@ -826,15 +821,7 @@ async fn an_aborted_migrations_target_del_leaves_the_source_as_it_was() {
 /// on B.
 async fn migrated() -> (TestNode, TestNode, VmRecord) {
     let (a, b, _) = migrating().await;
-    b.node
-        .cutover(
-            &key("vm1"),
-            None,
-            Trigger::Admin,
-            (Instant::now(), UnixNanos::now()),
-        )
-        .await
-        .expect("cutover");
+    admin_cutover(&b).await.expect("cutover");
     let rec = record(&a, "vm1").await.expect("a record");
     assert!(is(&rec.active, "node-b", "c2"), "{rec:?}");
     (a, b, rec)
@@ -1132,15 +1119,7 @@ async fn updates_of_the_demoted_target_after_a_round_trip_never_touch_its_routes
     // vm1 goes A (c1) -> B (c2) and back B -> A: c2 on B is the demoted
     // alternate, and its pod keeps the ready marker of the first move.
     let (a, b, _) = migrated().await;
-    a.node
-        .cutover(
-            &key("vm1"),
-            None,
-            Trigger::Admin,
-            (Instant::now(), UnixNanos::now()),
-        )
-        .await
-        .expect("the cutover back to A");
+    admin_cutover(&a).await.expect("the cutover back to A");
     let back = record(&a, "vm1").await.expect("a record");
     let b_cutovers = b.node.vm_stats().cutovers;
     assert!(is(&back.active, "node-a", "c1"), "{back:?}");
