@@ -12,5 +12,6 @@ pub mod keys;
 pub mod kubevirt;
 pub mod mac;
 pub mod net;
+pub mod pod_event;
 pub mod sync;
 pub mod time;

@@ -339,7 +339,7 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
     let node = Arc::new(node);
     node.start_vm_tasks();
     if let Some(client) = kube {
-        tetherd::kube::start(&node, client);
+        node.start_kube(client);
     }
     match args.pools_file.clone() {
         Some(path) => reload_pools_on_sighup(

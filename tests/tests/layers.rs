@@ -157,11 +157,6 @@ fn an_edge_up_or_sideways_is_caught_and_a_test_only_edge_is_not() {
     );
 }
 
-/// Cycles between top-level modules that are known and being taken apart:
-/// (crate directory, the modules of the cycle). Nothing may join them, and
-/// no other cycle may form.
-const KNOWN_CYCLES: &[(&str, &[&str])] = &[("node-server", &["attach", "kube", "routing", "vm"])];
-
 /// The crate directories whose modules are checked.
 const CRATE_DIRS: &[&str] = &[
     "base",
@@ -257,7 +252,7 @@ fn cycles(edges: &BTreeMap<String, std::collections::BTreeSet<String>>) -> Vec<V
 }
 
 #[test]
-fn no_new_cycle_between_the_modules_of_a_crate() {
+fn no_cycle_between_the_modules_of_a_crate() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("the workspace")
@@ -265,16 +260,8 @@ fn no_new_cycle_between_the_modules_of_a_crate() {
     let mut report = Vec::new();
     for dir in CRATE_DIRS {
         let edges = module_edges(&root.join(dir).join("src"));
-        let allowed: &[&str] = KNOWN_CYCLES
-            .iter()
-            .find(|(d, _)| d == dir)
-            .map_or(&[], |(_, m)| *m);
         for cycle in cycles(&edges) {
-            if !cycle.iter().all(|m| allowed.contains(&m.as_str())) {
-                report.push(format!("{dir}: {}", cycle.join(" -> ")));
-            } else {
-                eprintln!("{dir}: the known cycle is {}", cycle.join(", "));
-            }
+            report.push(format!("{dir}: {}", cycle.join(" -> ")));
         }
     }
     assert!(

@@ -349,7 +349,7 @@ impl admin_server::Admin for AdminService {
                 (n, last.as_secs_f64() * 1000.0)
             })
             .unwrap_or((0, 0.0));
-        let vm = self.node.vm_stats();
+        let vm = self.node.vms().stats();
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
         Ok(Response::new(pb::StatsResponse {
             vm_cutovers: vm.cutovers,
@@ -399,6 +399,7 @@ impl admin_server::Admin for AdminService {
         let vms = self
             .node
             .vms()
+            .records()
             .view()
             .records
             .values()
@@ -409,7 +410,14 @@ impl admin_server::Admin for AdminService {
 
     async fn get_vm(&self, r: Request<pb::VmRef>) -> Result<Response<pb::Vm>, Status> {
         let key = vm_key(Some(r.into_inner()))?;
-        match self.node.vms().read(&key).await.map_err(to_status)? {
+        match self
+            .node
+            .vms()
+            .records()
+            .read(&key)
+            .await
+            .map_err(to_status)?
+        {
             Some((rec, _)) => Ok(Response::new(vm_pb(&rec))),
             None => Err(to_status(Error::UnknownVm(key.to_string()))),
         }
@@ -420,7 +428,8 @@ impl admin_server::Admin for AdminService {
         let seen = (Instant::now(), UnixNanos::now());
         let rec = self
             .node
-            .cutover(&key, None, Trigger::Admin, seen)
+            .vms()
+            .cutover(self.node.as_ref(), &key, None, Trigger::Admin, seen)
             .await
             .map_err(to_status)?;
         Ok(Response::new(vm_pb(&rec)))
@@ -434,7 +443,8 @@ impl admin_server::Admin for AdminService {
         let key = vm_key(q.vm)?;
         let rec = self
             .node
-            .release_vm(&key, q.force)
+            .vms()
+            .release(&key, q.force)
             .await
             .map_err(to_status)?;
         Ok(Response::new(vm_pb(&rec)))
@@ -457,7 +467,8 @@ impl admin_server::Admin for AdminService {
         let mac = (!q.mac.is_empty()).then_some(q.mac);
         let rec = self
             .node
-            .reserve_vm(key, ips, mac)
+            .vms()
+            .reserve(self.node.as_ref(), key, ips, mac)
             .await
             .map_err(to_status)?;
         Ok(Response::new(vm_pb(&rec)))

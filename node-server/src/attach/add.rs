@@ -110,7 +110,10 @@ impl Node {
         // pools.
         let (ips, mac, placement) = match &vm_pod {
             Some(pod) => {
-                let p = self.place_vm(inv, pod, &requested).await?;
+                let p = self
+                    .vms
+                    .place(self, self.vms.this_attachment(inv), pod, &requested)
+                    .await?;
                 (p.rec.ips.clone(), p.rec.mac, Some(p))
             }
             None => {
@@ -122,7 +125,7 @@ impl Node {
                 match self.mac_for(&requested, &ips) {
                     Ok(mac) => (ips, mac, None),
                     Err(e) => {
-                        self.free_ips(&ips);
+                        self.vms.free_ips(self, &ips);
                         self.named.release(&ips);
                         return Err(e);
                     }
@@ -187,7 +190,7 @@ impl Node {
                 // In the table before the listener can see the VM announce.
                 lock(&self.attachments).insert(key, attachment.clone());
                 self.serve_guest(&attachment);
-                self.after_vm_add(pod, &attachment, p).await;
+                self.vms.after_add(self, pod, &attachment, p).await;
                 // The route manager may have planned this VM from its record
                 // before the pod was in the table ("not routed here"): a
                 // fresh pass sees the pod, so that a later takeover
@@ -220,7 +223,7 @@ impl Node {
                 netns_path.display()
             )));
         }
-        let wiring = wiring(&a, a.mac, netns, self.routed_here(&a));
+        let wiring = wiring(&a, a.mac, netns, self.vms.routed_here(&a));
         match self.kernel.check(&wiring).await {
             Ok(()) => {}
             // Only a real difference is repaired; a failure to look (the
@@ -235,7 +238,7 @@ impl Node {
         }
         self.serve_guest(&a);
         if let Some(pod) = vm_pod {
-            self.ready_annotation(pod, &a).await;
+            self.vms.ready_annotation(self, pod, &a).await;
         }
         cni::render_add_result(&inv.conf, &wired(&a))
     }

@@ -20,8 +20,8 @@ impl Node {
         }
         // A block taken back may hold VM addresses: mark them before any
         // allocation from it.
-        let view = self.vm.records.view().clone();
-        self.sync_reservations(&view);
+        let view = self.vms.records().view().clone();
+        self.vms.sync_reservations(self, &view);
         Ok(())
     }
 
@@ -79,7 +79,7 @@ impl Node {
                 None => format!("{ip} is held by attachment {}{pod}", a.key),
             };
         }
-        if let Some(r) = self.vm.records.view().holder_of_ip(ip) {
+        if let Some(r) = self.vms.records().view().holder_of_ip(ip) {
             return format!("{ip} is held by VM {}", r.key);
         }
         format!("{ip} is being given to another pod at this moment")
@@ -96,7 +96,7 @@ impl Node {
                 None => format!("MAC {mac} is held by attachment {}", a.key),
             }));
         }
-        if let Some(r) = self.vm.records.view().holder_of_mac(mac) {
+        if let Some(r) = self.vms.records().view().holder_of_mac(mac) {
             if Some(&r.key) != vm {
                 return Err(Error::AddressInUse(format!(
                     "MAC {mac} is held by VM {}",
@@ -113,7 +113,7 @@ impl Node {
         let mut taken = Vec::with_capacity(ips.len());
         for &ip in ips {
             if let Err(e) = self.take_one(ip).await {
-                self.free_ips(&taken);
+                self.vms.free_ips(self, &taken);
                 return Err(e);
             }
             taken.push(ip);
@@ -164,8 +164,8 @@ impl Node {
             // Nobody's block yet (or ours, not yet in the pools): claim it.
             let block = cluster.reclaim_block_of(ip).await?;
             lock(&self.pools).add_block(block)?;
-            let view = self.vm.records.view().clone();
-            self.sync_reservations(&view);
+            let view = self.vms.records().view().clone();
+            self.vms.sync_reservations(self, &view);
         }
         Err(Error::AddressNotInPool(format!(
             "{ip} is not a usable address of its block (network or broadcast address)"
@@ -191,7 +191,7 @@ impl Node {
         match self.allocate(Some(&missing)).await {
             Ok(more) => Ok(req.ips.iter().copied().chain(more).collect()),
             Err(e) => {
-                self.free_ips(&req.ips);
+                self.vms.free_ips(self, &req.ips);
                 Err(e)
             }
         }

@@ -24,13 +24,13 @@ impl Node {
             return cni::check_ipam_prev_result(&inv.conf, &a.ips).map(|()| cni::empty_result());
         }
         let netns = self.kernel.open_netns(&netns_path)?;
-        let wiring = wiring(&a, a.mac, &netns, self.routed_here(&a));
+        let wiring = wiring(&a, a.mac, &netns, self.vms.routed_here(&a));
         self.kernel.check(&wiring).await?;
         cni::check_prev_result(&inv.conf, &wired(&a))?;
         // A migration target whose pod is now marked ready: the runtime's
         // CHECK is one way the annotation reaches the daemon.
         if let Some(pod) = cni::vm_pod(inv)? {
-            self.ready_annotation(&pod, &a).await;
+            self.vms.ready_annotation(self, &pod, &a).await;
         }
         Ok(cni::empty_result())
     }

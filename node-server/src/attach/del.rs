@@ -87,7 +87,7 @@ impl Node {
                 (None, _) if a.ipam_only => {}
                 (None, Teardown::Release(_)) => ips.extend(a.ips.iter().copied()),
                 (Some(vm), Teardown::Release(policy)) => {
-                    match self.leave_vm_record(a, vm, *policy).await {
+                    match self.vms.leave_vm_record(a, vm, *policy).await {
                         Ok(true) => ips.extend(a.ips.iter().copied()),
                         Ok(false) => {}
                         Err(e) => failed.push(e),
@@ -95,7 +95,7 @@ impl Node {
                 }
                 (Some(_), Teardown::FailedAdd(m)) => {
                     if let Some(p) = m.placement {
-                        if let Err(e) = self.undo_placement(p).await {
+                        if let Err(e) = self.vms.undo_placement(p).await {
                             failed.push(e);
                         }
                     }
@@ -149,7 +149,7 @@ impl Node {
         self.named.release(&plain_ips);
         if !vm_pods.is_empty() {
             let vm_ips: Vec<IpAddr> = vm_pods.iter().flat_map(|a| a.ips.clone()).collect();
-            self.free_ips(&vm_ips);
+            self.vms.free_ips(self, &vm_ips);
             if release {
                 self.force_vm_resync();
             }

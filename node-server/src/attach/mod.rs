@@ -26,6 +26,7 @@ mod route_loop;
 mod status;
 #[cfg(test)]
 pub(crate) mod tests;
+mod vm_side;
 
 use crate::routing::{self, manager::Routes};
 use crate::vm;
@@ -43,7 +44,7 @@ use crate::mac::Mac;
 use crate::pools::NamedPools;
 use crate::store::{Attachment, AttachmentKey, Store};
 use crate::time::UnixNanos;
-use crate::vm::{VmRegistry, VmState};
+use crate::vm::{VmRegistry, Vms};
 use ipnet::IpNet;
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
@@ -110,8 +111,9 @@ pub struct Node {
     pub(crate) sweep: RwLock<()>,
     /// Veths of released attachments, deleted after the reply.
     pub(crate) reaper: LinkReaper,
-    /// KubeVirt VMs: the records and this node's VM state.
-    pub(crate) vm: VmState,
+    /// KubeVirt VMs: the component that owns the records and this node's
+    /// VM state; it reaches the node through [`crate::vm::NodeSide`].
+    pub(crate) vms: Arc<Vms>,
     /// The route manager's state.
     pub(crate) routes: Routes,
     /// DHCP and router advertisements for the guests of tap bindings.
@@ -285,6 +287,7 @@ impl Node {
         }
         let attachments = loaded.into_iter().map(|a| (a.key.clone(), a)).collect();
         let routes = Routes::new(kernel.clone());
+        let vms = Arc::new(Vms::new(config.name.clone(), vms, kernel.clone()));
         let node = Node {
             config,
             store,
@@ -297,12 +300,12 @@ impl Node {
             key_locks: Mutex::new(HashMap::new()),
             sweep: RwLock::new(()),
             reaper: LinkReaper::default(),
-            vm: VmState::new(vms),
+            vms,
             routes,
             named,
             kube: std::sync::OnceLock::new(),
         };
-        node.sync_reservations(&vm_view);
+        node.vms.sync_reservations(&node, &vm_view);
         node.spawn_deletion_worker()?;
         let mut reconciled = node.reconcile().await?;
         if let Some(c) = &node.cluster {
@@ -338,6 +341,11 @@ impl Node {
         Ok((node, reconciled))
     }
 
+    /// The VM component.
+    pub fn vms(&self) -> &Arc<Vms> {
+        &self.vms
+    }
+
     /// The cluster membership, in cluster mode.
     pub fn cluster(&self) -> Option<&Arc<Cluster>> {
         self.cluster.as_ref()
@@ -347,6 +355,16 @@ impl Node {
     /// ignored).
     pub fn set_kube(&self, link: Arc<crate::kube::KubeLink>) {
         let _ = self.kube.set(link);
+    }
+
+    /// Starts everything that follows the API: the event writer, the
+    /// IPAMClaims watch and status writer, and then, once the node holds
+    /// the link, the watch on this node's pods. Returns at once.
+    pub fn start_kube(self: &Arc<Self>, client: ::kube::Client) -> Arc<crate::kube::KubeLink> {
+        let link = crate::kube::start(&self.vms, client.clone());
+        self.set_kube(link.clone());
+        crate::kube::pods::start(client, self.vms.clone(), self.clone());
+        link
     }
 
     /// The Kubernetes API link, if the daemon has one.

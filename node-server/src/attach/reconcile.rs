@@ -31,7 +31,10 @@ impl Node {
         };
         let links: HashSet<String> = self.kernel.our_links().await?.into_iter().collect();
         // A VM pod gets host routes only while its record names it active.
-        let routed: Vec<&Attachment> = snapshot.iter().filter(|a| self.routed_here(a)).collect();
+        let routed: Vec<&Attachment> = snapshot
+            .iter()
+            .filter(|a| self.vms.routed_here(a))
+            .collect();
         let mut owner: HashMap<IpAddr, &str> = HashMap::new();
         for a in &routed {
             for ip in &a.ips {

@@ -25,7 +25,7 @@ impl Node {
         // Taken before the local pods are read, so that a force that comes
         // in after that (a pod added meanwhile) makes another pass.
         let forced = self.routes.take_forced();
-        self.sync_reservations(view);
+        self.vms.sync_reservations(self, view);
         let me = self.config.name.as_str();
         let local: HashMap<AttachmentKey, Attachment> = lock(&self.attachments)
             .iter()
@@ -45,17 +45,31 @@ impl Node {
             wants,
             targets: pending,
         } = plan::vm_routes(me, view, &local, side.as_ref());
-        self.refresh_pending(pending, view).await;
+        self.vms.refresh_pending(self, pending, view).await;
         if let Some(update) = self
             .routes
             .apply_vm_routes(view, &local, wants, forced)
             .await?
         {
-            let mut stats = lock(&self.vm.stats);
-            stats.route_updates += 1;
-            stats.last_route_update = Some(update);
+            self.vms.note_route_update(update);
         }
         Ok(())
+    }
+
+    /// Starts the background tasks of the VMs: the listener for migrated
+    /// VMs' announcements and the loop that keeps routes and reservations
+    /// in step with the records. Without the listener (no CAP_NET_RAW),
+    /// cutovers still happen on the target-ready annotation and the admin
+    /// call; that is logged.
+    pub fn start_vm_tasks(self: &Arc<Self>) {
+        match self.host.announcements() {
+            Ok(listener) => self.vms.spawn_announce_loop(self.clone(), listener),
+            Err(e) => tracing::error!(
+                error = %e,
+                "cannot listen for migrated VMs' announcements: cutovers only on the annotation or the admin call"
+            ),
+        }
+        self.spawn_route_manager(self.routes.cluster_failed());
     }
 
     /// Starts the route manager: one task that keeps this node's routes in
@@ -66,7 +80,7 @@ impl Node {
     pub(crate) fn spawn_route_manager(self: &Arc<Self>, cluster_failing: bool) {
         let node = self.clone();
         tokio::spawn(async move {
-            let mut rx = node.vm.records.subscribe();
+            let mut rx = node.vms.records().subscribe();
             let mut cluster_rx = node.cluster.as_ref().map(|c| c.subscribe());
             let mut cluster_failing = cluster_failing;
             let mut cluster_dirty = cluster_failing;

@@ -27,9 +27,9 @@
 //! that has the VM's traffic (after a migration, the target), where
 //! OVN-Kubernetes leaves the first pod.
 
-use crate::attach::Node;
 use crate::error::Error;
 use crate::vm::VmRecord;
+use crate::vm::Vms;
 use futures::StreamExt;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
 use kube::runtime::watcher::{self, watcher, Event};
@@ -327,7 +327,7 @@ fn with_condition(seen: &ClaimSeen, status: &str, reason: &str, message: &str) -
 }
 
 /// Starts the claims watch and the status writer; returns the cache.
-pub fn start(client: kube::Client, node: Arc<Node>) -> Arc<Claims> {
+pub fn start(client: kube::Client, vms: Arc<Vms>) -> Arc<Claims> {
     let claims = Arc::new(Claims::default());
     let api: Api<DynamicObject> = Api::all_with(client.clone(), &resource());
     {
@@ -380,7 +380,7 @@ pub fn start(client: kube::Client, node: Arc<Node>) -> Arc<Claims> {
     {
         let claims = claims.clone();
         tokio::spawn(async move {
-            let mut records = node.vms().subscribe();
+            let mut records = vms.records().subscribe();
             loop {
                 tokio::select! {
                     () = claims.wake.notified() => {}
@@ -389,7 +389,7 @@ pub fn start(client: kube::Client, node: Arc<Node>) -> Arc<Claims> {
                 }
                 // Let a burst of changes settle into one pass.
                 tokio::time::sleep(Duration::from_millis(20)).await;
-                write_pass(&client, &node, &claims).await;
+                write_pass(&client, &vms, &claims).await;
             }
         });
     }
@@ -398,10 +398,10 @@ pub fn start(client: kube::Client, node: Arc<Node>) -> Arc<Claims> {
 
 /// One pass over every claim that has a record, a cache entry or a
 /// failure to report.
-async fn write_pass(client: &kube::Client, node: &Arc<Node>, claims: &Claims) {
-    let me = node.config().name.clone();
-    let records: Vec<(ClaimRef, VmRecord, i64)> = node
-        .vms()
+async fn write_pass(client: &kube::Client, vms: &Vms, claims: &Claims) {
+    let me = vms.node_name().to_owned();
+    let records: Vec<(ClaimRef, VmRecord, i64)> = vms
+        .records()
         .view()
         .records
         .iter()
@@ -434,7 +434,7 @@ async fn write_pass(client: &kube::Client, node: &Arc<Node>, claims: &Claims) {
                 }
             }
             None if claims.synced.load(Ordering::Acquire) => {
-                release_if_gone(client, node, &claim, &rec, rev).await;
+                release_if_gone(client, vms, &claim, &rec, rev).await;
             }
             None => {}
         }
@@ -481,7 +481,7 @@ async fn patch_status(client: &kube::Client, claim: &ClaimRef, status: Value) ->
 /// and no pod of it is left, release its record.
 async fn release_if_gone(
     client: &kube::Client,
-    node: &Arc<Node>,
+    vms: &Vms,
     claim: &ClaimRef,
     rec: &VmRecord,
     rev: i64,
@@ -493,7 +493,7 @@ async fn release_if_gone(
     let api: Api<DynamicObject> =
         Api::namespaced_with(client.clone(), &claim.namespace, &resource());
     match super::bounded(api.get_opt(&claim.name)).await {
-        Ok(None) => match node.release_claimed(rec, rev).await {
+        Ok(None) => match vms.release_claimed(rec, rev).await {
             Ok(true) => {
                 tracing::info!(%claim, ips = ?rec.ips, mac = %rec.mac, "IPAMClaim deleted: its addresses are released")
             }

@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+pub use tether_base::pod_event::{PodEvent, PodRef};
 use tokio::sync::mpsc;
 
 /// One event per pod and reason at most this often.
@@ -27,74 +28,15 @@ const QUEUE: usize = 256;
 /// The component the events name (`reportingController`).
 pub const REPORTER: &str = "tether.dev/tetherd";
 
-/// The pod an event is about.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct PodRef {
-    /// Its namespace.
-    pub namespace: String,
-    /// Its name.
-    pub name: String,
-    /// Its UID, when known (the runtime sends K8S_POD_UID).
-    pub uid: Option<String>,
-}
-
-impl PodRef {
-    fn object_ref(&self) -> ObjectReference {
-        ObjectReference {
-            api_version: Some("v1".into()),
-            kind: Some("Pod".into()),
-            namespace: Some(self.namespace.clone()),
-            name: Some(self.name.clone()),
-            uid: self.uid.clone(),
-            ..Default::default()
-        }
-    }
-}
-
-/// What happened to a pod.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PodEvent {
-    /// An ADD failed because the address or MAC it needs is held by
-    /// another pod or VM, or excluded (CNI codes 105 and 109).
-    AddressConflict(String),
-    /// An ADD failed because its pool has no free address (CNI code 100).
-    PoolExhausted(String),
-    /// A VM's traffic now goes to this pod (a migration's cutover).
-    CutoverDone(String),
-    /// A migration failed after its cutover: the VM's traffic goes back to
-    /// its source pod.
-    CutoverReverted(String),
-}
-
-impl PodEvent {
-    /// The event's reason, as `kubectl` shows it.
-    pub fn reason(&self) -> &'static str {
-        match self {
-            PodEvent::AddressConflict(_) => "AddressConflict",
-            PodEvent::PoolExhausted(_) => "PoolExhausted",
-            PodEvent::CutoverDone(_) => "CutoverDone",
-            PodEvent::CutoverReverted(_) => "CutoverReverted",
-        }
-    }
-
-    fn note(&self) -> &str {
-        match self {
-            PodEvent::AddressConflict(n)
-            | PodEvent::PoolExhausted(n)
-            | PodEvent::CutoverDone(n)
-            | PodEvent::CutoverReverted(n) => n,
-        }
-    }
-
-    fn warning(&self) -> bool {
-        !matches!(self, PodEvent::CutoverDone(_))
-    }
-
-    fn action(&self) -> &'static str {
-        match self {
-            PodEvent::AddressConflict(_) | PodEvent::PoolExhausted(_) => "AddPodNetwork",
-            PodEvent::CutoverDone(_) | PodEvent::CutoverReverted(_) => "MigrateVmNetwork",
-        }
+/// The API's reference to `pod`.
+fn object_ref(pod: &PodRef) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        namespace: Some(pod.namespace.clone()),
+        name: Some(pod.name.clone()),
+        uid: pod.uid.clone(),
+        ..Default::default()
     }
 }
 
@@ -211,7 +153,7 @@ pub fn start(client: kube::Client, node: String) -> EventSink {
                 action: ev.action().into(),
                 secondary: None,
             };
-            let reference = pod.object_ref();
+            let reference = object_ref(&pod);
             // One retry: an event is worth little once it is late.
             for attempt in 0..2 {
                 match super::bounded(recorder.publish(&event, &reference)).await {

@@ -15,8 +15,8 @@ pub mod events;
 pub mod node_cidrs;
 pub mod pods;
 
-use crate::attach::Node;
 use crate::error::{Error, Result};
+use crate::vm::Vms;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -75,7 +75,7 @@ pub async fn client(source: &Source) -> Result<::kube::Client> {
         .map_err(|e| Error::InvalidConfig(format!("the Kubernetes client: {e}")))
 }
 
-/// The node's link to the API: set on the [`Node`] once the client is up,
+/// The node's link to the API: set on the node once the client is up,
 /// absent without one.
 pub struct KubeLink {
     /// Events on pods, queued.
@@ -84,16 +84,14 @@ pub struct KubeLink {
     pub claims: Arc<Claims>,
 }
 
-/// Starts everything that follows the API for `node`: the event writer,
-/// the migration-target watch on this node's pods, and the IPAMClaims
-/// watch and status writer. Returns at once.
-pub fn start(node: &Arc<Node>, client: ::kube::Client) -> Arc<KubeLink> {
-    let events = events::start(client.clone(), node.config().name.clone());
-    let claims = claims::start(client.clone(), node.clone());
-    let link = Arc::new(KubeLink { events, claims });
-    node.set_kube(link.clone());
-    pods::start(client, node.clone());
-    link
+/// Starts the event writer, and the IPAMClaims watch and status writer
+/// for the records of `vms`. Returns at once. The watch on this node's
+/// pods ([`pods::start`]) is started by the caller once the node holds
+/// the link, so that what it triggers can be told to the API.
+pub fn start(vms: &Arc<Vms>, client: ::kube::Client) -> Arc<KubeLink> {
+    let events = events::start(client.clone(), vms.node_name().to_owned());
+    let claims = claims::start(client, vms.clone());
+    Arc::new(KubeLink { events, claims })
 }
 
 /// How long one request (not a watch) may take before it is given up:

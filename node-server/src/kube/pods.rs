@@ -13,8 +13,10 @@
 //! replays every pod, which is harmless, since every action here is a
 //! compare-and-swap that checks the record first.
 
-use crate::attach::Node;
-use crate::vm::{DOMAIN_ANNOTATION, MIGRATION_JOB_ANNOTATION, TARGET_READY_ANNOTATION};
+pub use crate::vm::signals::VmPodSeen;
+use crate::vm::{
+    NodeSide, Vms, DOMAIN_ANNOTATION, MIGRATION_JOB_ANNOTATION, TARGET_READY_ANNOTATION,
+};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher::{self, watcher, Event};
@@ -24,24 +26,6 @@ use std::sync::Arc;
 
 /// The label KubeVirt puts on a migration's target pod from its creation.
 pub const MIGRATION_JOB_UID_LABEL: &str = "kubevirt.io/migrationJobUID";
-
-/// What the watch needs of a VM pod.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct VmPodSeen {
-    /// Its namespace.
-    pub namespace: String,
-    /// Its name.
-    pub name: String,
-    /// Its UID.
-    pub uid: String,
-    /// A migration's target (the label or the annotation).
-    pub target: bool,
-    /// The target-ready annotation is set.
-    pub ready: bool,
-    /// Going or gone: a deletion timestamp, phase Failed or Succeeded, or
-    /// deleted.
-    pub gone: bool,
-}
 
 /// The VM-pod view of a pod; `None` for a pod that is not a virt-launcher
 /// pod (no `kubevirt.io/domain`).
@@ -78,8 +62,9 @@ pub fn still_running(pod: &Pod) -> bool {
 }
 
 /// Starts the watch. It runs as long as the daemon.
-pub fn start(client: kube::Client, node: Arc<Node>) {
-    let name = node.config().name.clone();
+/// `vms` decides what a report means, on `side`, this node.
+pub fn start<N: NodeSide + 'static>(client: kube::Client, vms: Arc<Vms>, side: Arc<N>) {
+    let name = vms.node_name().to_owned();
     let api: Api<Pod> = Api::all(client.clone());
     let config = watcher::Config::default().fields(&format!("spec.nodeName={name}"));
     tokio::spawn(async move {
@@ -109,13 +94,13 @@ pub fn start(client: kube::Client, node: Arc<Node>) {
             let Some(seen) = vm_pod_seen(&pod, deleted) else {
                 continue;
             };
-            handle(&client, &node, &seen).await;
+            handle(&client, &vms, side.as_ref(), &seen).await;
         }
     });
 }
 
-async fn handle(client: &kube::Client, node: &Arc<Node>, seen: &VmPodSeen) {
-    for revert in node.vm_pod_seen(seen).await {
+async fn handle<N: NodeSide>(client: &kube::Client, vms: &Vms, side: &N, seen: &VmPodSeen) {
+    for revert in vms.vm_pod_seen(side, seen).await {
         // The source must still run to take the traffic back; the API
         // says whether it does (it may be on another node).
         let api: Api<Pod> = Api::namespaced(client.clone(), &seen.namespace);
@@ -131,7 +116,7 @@ async fn handle(client: &kube::Client, node: &Arc<Node>, seen: &VmPodSeen) {
             tracing::info!(vm = %revert.vm, target = %seen.name, source = %revert.source_pod, "a promoted target went away and its source does not run: nothing to revert");
             continue;
         }
-        if let Err(e) = node.revert_cutover(&revert).await {
+        if let Err(e) = vms.revert_cutover(side, &revert).await {
             tracing::warn!(vm = %revert.vm, error = %e, "cannot give a failed migration's VM back to its source");
         }
     }

@@ -4,11 +4,12 @@
 use super::placement::join;
 use super::*;
 
-impl Node {
+impl Vms {
     /// Admin: reserves addresses (and a MAC) for a VM before its first pod,
     /// e.g. for a VM imported from another platform that must keep them.
-    pub async fn reserve_vm(
+    pub async fn reserve<N: NodeSide>(
         &self,
+        side: &N,
         key: VmKey,
         ips: Vec<IpAddr>,
         mac: Option<String>,
@@ -30,7 +31,7 @@ impl Node {
             Some(m) => Mac::parse_pod(m, "mac")?,
             None => kernel::pod_mac(&ips),
         };
-        if let Some((rec, _)) = self.vm.records.read(&key).await? {
+        if let Some((rec, _)) = self.records.read(&key).await? {
             let (mut want, mut have) = (ips.clone(), rec.ips.clone());
             want.sort();
             have.sort();
@@ -43,8 +44,8 @@ impl Node {
                 rec.mac
             )));
         }
-        self.check_mac_free(mac, Some(&key))?;
-        self.take_requested(&ips).await?;
+        side.check_mac_free(mac, Some(&key))?;
+        side.take_requested(&ips).await?;
         let rec = VmRecord {
             key: key.clone(),
             ips: ips.clone(),
@@ -56,26 +57,26 @@ impl Node {
             created_unix_ms: UnixMillis::now(),
             last_cutover: None,
         };
-        match self.vm.records.create(&rec).await {
+        match self.records.create(&rec).await {
             Ok(Ok(rev)) => {
-                self.mark_vm_held(&ips, rev);
+                self.mark_held(side, &ips, rev);
                 tracing::info!(vm = %key, ?ips, mac = %rec.mac, "reserved a VM address");
                 Ok(rec)
             }
             Ok(Err(CreateRefused::Exists)) => {
-                self.free_ips(&ips);
+                self.free_ips(side, &ips);
                 Err(Error::VmState(format!(
                     "VM {key} got a record meanwhile; look at it and try again"
                 )))
             }
             Ok(Err(CreateRefused::Taken { what, holder })) => {
-                self.free_ips(&ips);
+                self.free_ips(side, &ips);
                 Err(Error::AddressInUse(format!(
                     "{what} is held by VM {holder}"
                 )))
             }
             Err(e) => {
-                self.free_ips(&ips);
+                self.free_ips(side, &ips);
                 Err(e)
             }
         }
@@ -83,9 +84,8 @@ impl Node {
 
     /// Admin: frees a VM's addresses. Refused while the record names pods,
     /// unless `force`.
-    pub async fn release_vm(&self, key: &VmKey, force: bool) -> Result<VmRecord> {
+    pub async fn release(&self, key: &VmKey, force: bool) -> Result<VmRecord> {
         let (rec, rev) = self
-            .vm
             .records
             .read(key)
             .await?
@@ -97,7 +97,7 @@ impl Node {
                 pods.join(" and ")
             )));
         }
-        match self.vm.records.delete(&rec, rev).await? {
+        match self.records.delete(&rec, rev).await? {
             Some(_) => {
                 tracing::info!(vm = %key, ips = ?rec.ips, force, "released a VM's address");
                 Ok(rec)

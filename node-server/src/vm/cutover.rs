@@ -3,8 +3,8 @@
 //! compare-and-swap that makes the target active.
 
 use super::placement::join;
+use super::signals::pod_event;
 use super::*;
-use crate::kube::PodEvent;
 
 /// True when `alt` was placed before the record's last cutover, i.e. it
 /// is the pod the VM left, not a new migration's target.
@@ -59,17 +59,23 @@ pub(crate) fn promote(
     Ok(true)
 }
 
-impl Node {
+impl Vms {
     /// After a VM pod's ADD: a migration target starts listening for its
     /// VM's announcement, or is promoted at once when its pod says the VM
     /// runs there already.
-    pub(crate) async fn after_vm_add(&self, pod: &VmPod, a: &Attachment, p: &Placement) {
+    pub(crate) async fn after_add<N: NodeSide>(
+        &self,
+        side: &N,
+        pod: &VmPod,
+        a: &Attachment,
+        p: &Placement,
+    ) {
         if p.role != Role::Alternate {
             return;
         }
         let generation = p.rec.generation;
         if pod.ready {
-            self.ready_annotation(pod, a).await;
+            self.ready_annotation(side, pod, a).await;
             return;
         }
         match self.kernel.link_index(&a.host_ifname).await {
@@ -90,13 +96,18 @@ impl Node {
 
     /// The target pod carries `kubevirt.io/migration-target-ready-timestamp`
     /// (on ADD or CHECK): cut over if it is still the alternate.
-    pub(crate) async fn ready_annotation(&self, pod: &VmPod, a: &Attachment) {
+    pub(crate) async fn ready_annotation<N: NodeSide>(
+        &self,
+        side: &N,
+        pod: &VmPod,
+        a: &Attachment,
+    ) {
         if !pod.ready || !pod.target {
             return;
         }
         let seen = (Instant::now(), UnixNanos::now());
         if let Err(e) = self
-            .cutover(&pod.key, Some(a), Trigger::Annotation, seen)
+            .cutover(side, &pod.key, Some(a), Trigger::Annotation, seen)
             .await
         {
             tracing::warn!(vm = %pod.key, error = %e, "cutover on the target-ready annotation failed");
@@ -104,7 +115,7 @@ impl Node {
     }
 
     pub(crate) fn add_pending(&self, mac: Mac, p: PendingTarget) {
-        let mut pending = lock(&self.vm.pending);
+        let mut pending = lock(&self.pending);
         let list = pending.entry(mac).or_default();
         if !list.contains(&p) {
             list.push(p);
@@ -119,19 +130,20 @@ impl Node {
     /// first asks the record, and touches the kernel only when the record
     /// would accept the cutover. `seen` is when the trigger was seen
     /// (Instant and ns since the epoch).
-    pub async fn cutover(
+    pub async fn cutover<N: NodeSide>(
         &self,
+        side: &N,
         vm: &VmKey,
         only: Option<&Attachment>,
         trigger: Trigger,
         seen: (Instant, UnixNanos),
     ) -> Result<VmRecord> {
-        let me = self.config.name.clone();
+        let me = self.node.clone();
         let want = only.map(|a| (&a.key, me.as_str()));
         let mut local_route = None;
         if let Some(a) = only {
             if !trigger.proves_the_vm_runs_here() {
-                let current = self.vm.records.read(vm).await?;
+                let current = self.records.read(vm).await?;
                 let Some((rec, _)) = current else {
                     return Err(Error::UnknownVm(vm.to_string()));
                 };
@@ -146,7 +158,6 @@ impl Node {
             local_route = Some(seen.0.elapsed());
         }
         let outcome = self
-            .vm
             .records
             .update(vm, |r| promote(r, want, trigger, seen.1))
             .await;
@@ -156,7 +167,7 @@ impl Node {
                 // The VM runs here, so the local route stays; the next
                 // announcement (QEMU sends several) tries the write again.
                 if let Some(a) = only {
-                    let generation = self.vm.records.cached(vm).map_or(0, |(r, _)| r.generation);
+                    let generation = self.records.cached(vm).map_or(0, |(r, _)| r.generation);
                     if let Some(ifindex) =
                         self.kernel.link_index(&a.host_ifname).await.ok().flatten()
                     {
@@ -181,13 +192,13 @@ impl Node {
                 only.is_some_and(|a| x.is(&me, &a.key.network, &a.key.container_id, &a.key.ifname))
             });
             if !active_here && only.is_some() {
-                self.force_vm_resync();
+                side.resync_routes();
             }
             return Ok(rec);
         }
         let committed_after = seen.0.elapsed();
         if let Some(a) = only {
-            self.welcome_guest(a);
+            side.welcome_guest(a);
         }
         // An admin cutover to a pod of this node: route it now rather than
         // when the watch reports the change.
@@ -198,13 +209,13 @@ impl Node {
                     container_id: act.container_id.clone(),
                     ifname: act.ifname.clone(),
                 };
-                let local = lock(&self.attachments).get(&key).cloned();
+                let local = side.attachment(&key);
                 if let Some(a) = local {
                     self.kernel
                         .ensure_host_routes(&a.host_ifname, &a.ips)
                         .await?;
                     local_route = Some(seen.0.elapsed());
-                    self.welcome_guest(&a);
+                    side.welcome_guest(&a);
                 }
             }
         }
@@ -219,7 +230,8 @@ impl Node {
         crate::metrics::get().cutover(trigger.name(), local_route.unwrap_or(committed_after));
         if let Some(act) = rec.active.as_ref() {
             let took = local_route.unwrap_or(committed_after);
-            self.pod_event(
+            pod_event(
+                side,
                 &vm.namespace,
                 act,
                 PodEvent::CutoverDone(format!(
@@ -231,7 +243,7 @@ impl Node {
                 )),
             );
         }
-        let mut stats = lock(&self.vm.stats);
+        let mut stats = lock(&self.stats);
         stats.cutovers += 1;
         stats.last_cutover = Some(CutoverTiming {
             vm: vm.clone(),
@@ -246,12 +258,13 @@ impl Node {
 
     /// Replaces the table of pending migration targets, looking up veth
     /// indexes only for targets not known before.
-    pub(crate) async fn refresh_pending(
+    pub(crate) async fn refresh_pending<N: NodeSide>(
         &self,
+        side: &N,
         found: HashMap<Mac, Vec<FoundTarget>>,
         view: &VmView,
     ) {
-        let old: Vec<(Mac, PendingTarget)> = lock(&self.vm.pending)
+        let old: Vec<(Mac, PendingTarget)> = lock(&self.pending)
             .iter()
             .flat_map(|(mac, list)| list.iter().map(|p| (*mac, p.clone())))
             .collect();
@@ -266,7 +279,7 @@ impl Node {
                 .records
                 .get(&p.vm)
                 .is_none_or(|(r, _)| r.generation < p.generation);
-            if newer && lock(&self.attachments).contains_key(&p.attachment) {
+            if newer && side.attachment(&p.attachment).is_some() {
                 table.entry(mac).or_default().push(p);
             }
         }
@@ -290,26 +303,17 @@ impl Node {
                 }
             }
         }
-        *lock(&self.vm.pending) = table;
+        *lock(&self.pending) = table;
     }
 
-    /// Starts the background tasks: the listener for migrated VMs' announcements and
-    /// the loop that keeps routes and reservations in step with the records.
-    /// Without the listener (no CAP_NET_RAW), cutovers still happen on the
-    /// target-ready annotation and the admin call; that is logged.
-    pub fn start_vm_tasks(self: &Arc<Self>) {
-        match self.host.announcements() {
-            Ok(listener) => self.spawn_announce_loop(listener),
-            Err(e) => tracing::error!(
-                error = %e,
-                "cannot listen for migrated VMs' announcements: cutovers only on the annotation or the admin call"
-            ),
-        }
-        self.spawn_route_manager(self.routes.cluster_failed());
-    }
-
-    pub(crate) fn spawn_announce_loop(self: &Arc<Self>, listener: Box<dyn Announcements>) {
-        let node = self.clone();
+    /// Starts the listener for migrated VMs' announcements on `side`,
+    /// this node: an announcement on a waiting target's veth cuts over.
+    pub fn spawn_announce_loop<N: NodeSide + 'static>(
+        self: &Arc<Self>,
+        side: Arc<N>,
+        listener: Box<dyn Announcements>,
+    ) {
+        let vms = self.clone();
         tokio::spawn(async move {
             let mut warned = HashSet::new();
             loop {
@@ -323,7 +327,7 @@ impl Node {
                 };
                 let seen_unix = UnixNanos::now().saturating_sub(ann.seen.elapsed());
                 let target = {
-                    let mut table = lock(&node.vm.pending);
+                    let mut table = lock(&vms.pending);
                     let hit = table.get_mut(&Mac::from(ann.mac)).and_then(|list| {
                         let i = list.iter().position(|p| p.ifindex == ann.ifindex)?;
                         Some(list.remove(i))
@@ -331,10 +335,10 @@ impl Node {
                     hit
                 };
                 let Some(target) = target else {
-                    node.foreign_announcement(&ann, &mut warned);
+                    vms.foreign_announcement(&ann, &mut warned);
                     continue;
                 };
-                let local = lock(&node.attachments).get(&target.attachment).cloned();
+                let local = side.attachment(&target.attachment);
                 let Some(a) = local else {
                     continue;
                 };
@@ -342,10 +346,16 @@ impl Node {
                     AnnounceKind::Rarp => Trigger::Rarp,
                     AnnounceKind::Garp => Trigger::Garp,
                 };
-                let node = node.clone();
+                let (vms, side) = (vms.clone(), side.clone());
                 tokio::spawn(async move {
-                    if let Err(e) = node
-                        .cutover(&target.vm, Some(&a), trigger, (ann.seen, seen_unix))
+                    if let Err(e) = vms
+                        .cutover(
+                            side.as_ref(),
+                            &target.vm,
+                            Some(&a),
+                            trigger,
+                            (ann.seen, seen_unix),
+                        )
                         .await
                     {
                         tracing::warn!(vm = %target.vm, error = %e, "cutover on the VM's announcement failed");
@@ -356,7 +366,7 @@ impl Node {
     }
 }
 
-impl Node {
+impl Vms {
     /// An announcement on a waiting target's interface from a MAC that is
     /// not its VM's: the guest runs with a MAC the record does not know (a
     /// VMI `macAddress` on the primary network never reaches the CNI), so
@@ -366,7 +376,7 @@ impl Node {
         ann: &kernel::Announcement,
         warned: &mut HashSet<(u32, [u8; 6])>,
     ) {
-        let expected = lock(&self.vm.pending).iter().find_map(|(mac, list)| {
+        let expected = lock(&self.pending).iter().find_map(|(mac, list)| {
             list.iter()
                 .find(|p| p.ifindex == ann.ifindex)
                 .map(|p| (*mac, p.vm.clone()))

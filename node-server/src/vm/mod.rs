@@ -1,8 +1,18 @@
-//! KubeVirt VMs on this node: the address records in the control plane
-//! ([`records`]), placing a VM pod in its record ([`placement`]), the pools'
-//! reservations of VM addresses ([`reservations`]), the cutover of a live
-//! migration ([`cutover`]) and the admin calls ([`admin`]). The routes that
-//! follow the records are planned in [`crate::routing`].
+//! KubeVirt VMs on this node, as one component ([`Vms`]): the address
+//! records in the control plane ([`records`]), placing a VM pod in its
+//! record ([`placement`]), the pools' reservations of VM addresses
+//! ([`reservations`]), the cutover of a live migration ([`cutover`]), what
+//! the Kubernetes API reports about VM pods ([`signals`]) and the admin
+//! calls ([`admin`]). The routes that follow the records are planned in
+//! the routing module.
+//!
+//! The component owns its state (the records, the addresses they hold in
+//! this node's pools, the migration targets waiting here, the cutover
+//! counters) and talks to the kernel itself. What it needs of the node it
+//! runs on (the local attachments, the pools, addresses for a new record,
+//! the guest's welcome, a route resync, events on pods) it asks through
+//! [`NodeSide`], which the attachment lifecycle implements and a test can
+//! implement alone.
 //!
 //! The record in the control plane ([`records`]) is the authority on
 //! where a VM's traffic goes. Every node derives its routes from it:
@@ -22,21 +32,24 @@ pub mod placement;
 pub mod records;
 pub mod reservations;
 pub mod signals;
+#[cfg(test)]
+mod tests;
 
 pub use records::*;
 
-use crate::attach::Node;
 use crate::cni::{Invocation, Requested, VmAddressPolicy, VmPod};
 use crate::error::{Error, Result};
-use crate::ipam::{Family, Take};
-use crate::kernel::{self, AnnounceKind, Announcements};
+use crate::ipam::{Family, Pools, Take};
+use crate::kernel::{self, AnnounceKind, Announcements, Kernel};
 use crate::mac::Mac;
 use crate::store::{Attachment, AttachmentKey};
 use crate::time::{UnixMillis, UnixNanos};
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tether_base::pod_event::{PodEvent, PodRef};
 use tether_base::sync::lock;
 
 /// The part a pod plays in its VM's record.
@@ -76,31 +89,101 @@ pub(crate) struct PendingTarget {
 /// the record's generation.
 pub type FoundTarget = (VmKey, AttachmentKey, String, u64);
 
-/// This node's VM state: the records, and what the node keeps beside them.
-pub struct VmState {
+/// What the VM component needs of the node it runs on. The attachment
+/// lifecycle implements it; unit tests implement it alone, so that the
+/// component is tested without a node.
+pub trait NodeSide: Send + Sync {
+    /// The local attachment under `key`.
+    fn attachment(&self, key: &AttachmentKey) -> Option<Attachment>;
+
+    /// The local attachments for which `keep` is true.
+    fn attachments_where(&self, keep: &dyn Fn(&Attachment) -> bool) -> Vec<Attachment>;
+
+    /// Runs `f` with the pools and the local attachments, both locked (in
+    /// that order: attachments, then pools).
+    fn with_pools<R>(
+        &self,
+        f: impl FnOnce(&mut Pools, &HashMap<AttachmentKey, Attachment>) -> R,
+    ) -> R;
+
+    /// The addresses of a VM's first record: the requested ones, and one
+    /// of every other family from the pools.
+    fn addresses_for(&self, req: &Requested) -> impl Future<Output = Result<Vec<IpAddr>>> + Send;
+
+    /// Takes requested addresses from the pools, all or nothing.
+    fn take_requested(&self, ips: &[IpAddr]) -> impl Future<Output = Result<()>> + Send;
+
+    /// Fails if `mac` belongs to a local pod or a VM other than `vm`.
+    fn check_mac_free(&self, mac: Mac, vm: Option<&VmKey>) -> Result<()>;
+
+    /// The addresses in the status of the pod's IPAMClaim, when the daemon
+    /// has the Kubernetes API and the claim holds some.
+    fn claim_addresses(&self, pod: &VmPod) -> Result<Option<Vec<IpAddr>>>;
+
+    /// The guest of `a` has just arrived here: tell it its router now.
+    fn welcome_guest(&self, a: &Attachment);
+
+    /// The next route pass touches the kernel even if the records did not
+    /// change.
+    fn resync_routes(&self);
+
+    /// Queues an event on a pod.
+    fn pod_event(&self, pod: PodRef, event: PodEvent);
+}
+
+/// The VM component of one node: the records, and what the node keeps
+/// beside them.
+pub struct Vms {
+    /// This node's name, as the records name it.
+    node: String,
+    kernel: Arc<dyn Kernel>,
     /// KubeVirt VM address records.
-    pub(crate) records: Arc<VmRegistry>,
+    records: Arc<VmRegistry>,
     /// Addresses of this node's pools that VM records hold, with the store
     /// revision they were known held at: they stay in use while no local
     /// pod has them, and are freed once a view at least that recent no
     /// longer shows them.
-    pub(crate) held: Mutex<HashMap<IpAddr, i64>>,
+    held: Mutex<HashMap<IpAddr, i64>>,
     /// Migration targets on this node waiting for their VM's announcement,
     /// by the VM's MAC.
-    pub(crate) pending: Mutex<HashMap<Mac, Vec<PendingTarget>>>,
+    pending: Mutex<HashMap<Mac, Vec<PendingTarget>>>,
     /// Cutover counters and timings.
-    pub(crate) stats: Mutex<VmStats>,
+    stats: Mutex<VmStats>,
 }
 
-impl VmState {
-    /// The state of a node that has seen no VM yet.
-    pub fn new(records: Arc<VmRegistry>) -> Self {
+impl Vms {
+    /// The component of node `node`, which has seen no VM yet.
+    pub fn new(node: impl Into<String>, records: Arc<VmRegistry>, kernel: Arc<dyn Kernel>) -> Self {
         Self {
+            node: node.into(),
+            kernel,
             records,
             held: Mutex::default(),
             pending: Mutex::default(),
             stats: Mutex::default(),
         }
+    }
+
+    /// This node's name.
+    pub fn node_name(&self) -> &str {
+        &self.node
+    }
+
+    /// The VM records.
+    pub fn records(&self) -> &Arc<VmRegistry> {
+        &self.records
+    }
+
+    /// Cutover counters and timings.
+    pub fn stats(&self) -> VmStats {
+        lock(&self.stats).clone()
+    }
+
+    /// Counts a route change that followed a VM.
+    pub(crate) fn note_route_update(&self, update: RouteUpdateTiming) {
+        let mut stats = lock(&self.stats);
+        stats.route_updates += 1;
+        stats.last_route_update = Some(update);
     }
 }
 

@@ -47,17 +47,7 @@ pub(super) fn join(ips: &[IpAddr]) -> String {
         .join(", ")
 }
 
-impl Node {
-    /// The VM records.
-    pub fn vms(&self) -> &Arc<crate::vm::VmRegistry> {
-        &self.vm.records
-    }
-
-    /// Cutover counters and timings.
-    pub fn vm_stats(&self) -> VmStats {
-        lock(&self.vm.stats).clone()
-    }
-
+impl Vms {
     /// True when the node should route the attachment's addresses to it:
     /// every plain pod, and a VM pod that its record names active.
     pub(crate) fn routed_here(&self, a: &Attachment) -> bool {
@@ -68,13 +58,13 @@ impl Node {
         let Some(key) = &a.vm else {
             return true;
         };
-        let view = self.vm.records.view();
+        let view = self.records.view();
         view.records
             .get(key)
             .and_then(|(r, _)| r.active.as_ref())
             .is_some_and(|x| {
                 x.is(
-                    &self.config.name,
+                    &self.node,
                     &a.key.network,
                     &a.key.container_id,
                     &a.key.ifname,
@@ -84,7 +74,7 @@ impl Node {
 
     pub(crate) fn this_attachment(&self, inv: &Invocation) -> VmAttachment {
         VmAttachment {
-            node: self.config.name.clone(),
+            node: self.node.clone(),
             network: inv.conf.name.clone(),
             container_id: inv.container_id.clone(),
             ifname: inv.ifname.clone(),
@@ -94,23 +84,24 @@ impl Node {
         }
     }
 
-    /// Puts a VM pod into its VM's record, by compare-and-swap:
+    /// Puts a VM pod (`this`, made by [`Vms::this_attachment`]) into its
+    /// VM's record, by compare-and-swap:
     /// - no record: the VM's first pod; addresses are allocated (or the
     ///   requested ones taken) and the record created with it active;
     /// - a record without an active pod: the VM starts again here;
     /// - a migration target: it becomes the alternate;
     /// - otherwise the pod replaces the active one (the VM was restarted
     ///   before its old pod was deleted).
-    pub(crate) async fn place_vm(
+    pub(crate) async fn place<N: NodeSide>(
         &self,
-        inv: &Invocation,
+        side: &N,
+        this: VmAttachment,
         pod: &VmPod,
         req: &Requested,
     ) -> Result<Placement> {
-        let this = self.this_attachment(inv);
         for _attempt in 0..8 {
-            let Some((mut rec, rev)) = self.vm.records.read(&pod.key).await? else {
-                match self.create_vm_record(pod, req, &this).await? {
+            let Some((mut rec, rev)) = self.records.read(&pod.key).await? else {
+                match self.create_record(side, pod, req, &this).await? {
                     Some(p) => return Ok(p),
                     None => continue,
                 }
@@ -135,7 +126,7 @@ impl Node {
                 Role::Active
             };
             rec.generation += 1;
-            if self.vm.records.replace(&rec, rev).await?.is_some() {
+            if self.records.replace(&rec, rev).await?.is_some() {
                 tracing::info!(vm = %pod.key, role = ?role, generation = rec.generation, "VM pod placed");
                 return Ok(Placement {
                     rec,
@@ -153,15 +144,16 @@ impl Node {
 
     /// Creates the record of a VM's first pod. `None` when another node
     /// created it first (the caller reads it again).
-    pub(crate) async fn create_vm_record(
+    async fn create_record<N: NodeSide>(
         &self,
+        side: &N,
         pod: &VmPod,
         req: &Requested,
         this: &VmAttachment,
     ) -> Result<Option<Placement>> {
         // A claim that already holds addresses (written before, by tether
         // or another CNI) gives them to its first record.
-        let seeded = self.claim_addresses(pod)?.filter(|_| req.ips.is_empty());
+        let seeded = side.claim_addresses(pod)?.filter(|_| req.ips.is_empty());
         let from_claim;
         let req = match seeded {
             Some(ips) => {
@@ -171,10 +163,10 @@ impl Node {
             }
             None => req,
         };
-        let ips = self.addresses_for(req).await?;
+        let ips = side.addresses_for(req).await?;
         let mac = req.mac.unwrap_or_else(|| kernel::pod_mac(&ips));
-        if let Err(e) = self.check_mac_free(mac, Some(&pod.key)) {
-            self.free_ips(&ips);
+        if let Err(e) = side.check_mac_free(mac, Some(&pod.key)) {
+            self.free_ips(side, &ips);
             return Err(e);
         }
         let rec = VmRecord {
@@ -198,37 +190,37 @@ impl Node {
             created: true,
             this: this.clone(),
         };
-        match self.vm.records.create(&rec).await {
+        match self.records.create(&rec).await {
             Ok(Ok(rev)) => {
-                self.mark_vm_held(&ips, rev);
+                self.mark_held(side, &ips, rev);
                 tracing::info!(vm = %pod.key, ips = ?ips, mac = %rec.mac, "VM address record created");
                 Ok(Some(placed(rec)))
             }
             Ok(Err(CreateRefused::Exists)) => {
-                self.free_ips(&ips);
+                self.free_ips(side, &ips);
                 Ok(None)
             }
             Ok(Err(CreateRefused::Taken { what, holder })) => {
-                self.free_ips(&ips);
+                self.free_ips(side, &ips);
                 Err(Error::AddressInUse(format!(
                     "{what} is held by VM {holder}"
                 )))
             }
             Err(e) => {
                 // The outcome is unknown: the record tells.
-                match self.vm.records.read(&pod.key).await {
+                match self.records.read(&pod.key).await {
                     Ok(Some((found, rev))) if found.active.as_ref() == Some(this) => {
-                        self.mark_vm_held(&ips, rev);
+                        self.mark_held(side, &ips, rev);
                         Ok(Some(placed(found)))
                     }
                     Ok(_) => {
-                        self.free_ips(&ips);
+                        self.free_ips(side, &ips);
                         Err(e)
                     }
                     Err(_) => {
                         // Cannot tell: keep the addresses out of the pools
                         // until a restart finds out from the store.
-                        self.mark_vm_held(&ips, i64::MAX);
+                        self.mark_held(side, &ips, i64::MAX);
                         tracing::warn!(vm = %pod.key, ?ips, "cannot tell whether a VM record was created; its addresses stay reserved");
                         Err(e)
                     }
@@ -237,45 +229,21 @@ impl Node {
         }
     }
 
-    /// The addresses in the status of the pod's IPAMClaim, as the claims
-    /// cache last saw it; `None` without a claim, the API, or addresses.
-    /// Before the claims have been listed once, a claim's status cannot be
-    /// known: the ADD fails with code 11 (the runtime retries) rather than
-    /// give the VM new addresses and write them over the ones its claim
-    /// may hold.
-    fn claim_addresses(&self, pod: &VmPod) -> Result<Option<Vec<IpAddr>>> {
-        let (Some(claim), Some(k)) = (pod.claim.as_ref(), self.kube.get()) else {
-            return Ok(None);
-        };
-        if !k.claims.listed() {
-            return Err(Error::TryAgain(format!(
-                "IPAMClaim {claim} of VM {} cannot be read yet (the claims have not been listed                  from the API server since tetherd started): its addresses are not known",
-                pod.key
-            )));
-        }
-        let ips = k
-            .claims
-            .get(claim)
-            .map(|c| c.addresses())
-            .unwrap_or_default();
-        Ok((!ips.is_empty()).then_some(ips))
-    }
-
     /// Undoes a placement whose wiring failed.
     pub(crate) async fn undo_placement(&self, p: &Placement) -> Result<()> {
         let key = p.rec.key.clone();
         let outcome = if p.created {
-            match self.vm.records.read(&key).await {
+            match self.records.read(&key).await {
                 Ok(Some((rec, rev)))
                     if rec.active.as_ref() == Some(&p.this) && rec.alternate.is_none() =>
                 {
-                    match self.vm.records.delete(&rec, rev).await {
+                    match self.records.delete(&rec, rev).await {
                         // The record no longer holds its addresses: the
                         // caller frees them now, so that the runtime's
                         // immediate retry can have them, rather than when
                         // the watch reports the deletion.
                         Ok(Some(deleted)) => {
-                            self.unmark_vm_held(&rec.ips, deleted);
+                            self.unmark_held(&rec.ips, deleted);
                             Ok(())
                         }
                         Ok(None) => Ok(()),
@@ -286,8 +254,7 @@ impl Node {
                 Err(e) => Err(e),
             }
         } else {
-            self.vm
-                .records
+            self.records
                 .update(&key, |r| Ok(remove_attachment(r, &p.this)))
                 .await
                 .map(|_| ())
@@ -310,7 +277,7 @@ impl Node {
         vm: &VmKey,
         policy: VmAddressPolicy,
     ) -> Result<bool> {
-        let me = self.config.name.clone();
+        let me = self.node.clone();
         let this = VmAttachment {
             node: me,
             network: a.key.network.clone(),
@@ -321,7 +288,6 @@ impl Node {
             since_unix_ms: UnixMillis::EPOCH,
         };
         let (rec, rev) = match self
-            .vm
             .records
             .update(vm, |r| Ok(remove_attachment(r, &this)))
             .await
@@ -342,10 +308,10 @@ impl Node {
         {
             let rev = match rev {
                 Some(r) => Some(r),
-                None => self.vm.records.read(vm).await?.map(|(_, r)| r),
+                None => self.records.read(vm).await?.map(|(_, r)| r),
             };
             if let Some(rev) = rev {
-                if self.vm.records.delete(&rec, rev).await?.is_some() {
+                if self.records.delete(&rec, rev).await?.is_some() {
                     tracing::info!(vm = %vm, ips = ?rec.ips, "released the address of an ephemeral VM with its last pod");
                 }
             }

@@ -6,8 +6,25 @@
 
 use super::cutover::promote;
 use super::*;
-use crate::kube::pods::VmPodSeen;
-use crate::kube::{PodEvent, PodRef};
+use tether_base::pod_event::{PodEvent, PodRef};
+
+/// What the watch needs of a VM pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmPodSeen {
+    /// Its namespace.
+    pub namespace: String,
+    /// Its name.
+    pub name: String,
+    /// Its UID.
+    pub uid: String,
+    /// A migration's target (the label or the annotation).
+    pub target: bool,
+    /// The target-ready annotation is set.
+    pub ready: bool,
+    /// Going or gone: a deletion timestamp, phase Failed or Succeeded, or
+    /// deleted.
+    pub gone: bool,
+}
 
 /// A migration that failed after its cutover, to be given back to its
 /// source if that still runs (which the API side checks).
@@ -21,37 +38,35 @@ pub struct Revert {
     pub source_pod: String,
 }
 
-impl Node {
-    /// The local VM attachments of the pod the API reported.
-    fn attachments_of_pod(&self, seen: &VmPodSeen) -> Vec<Attachment> {
-        lock(&self.attachments)
-            .values()
-            .filter(|a| a.vm.is_some())
-            .filter(|a| match (&a.pod_uid, &a.pod_name, &a.pod_namespace) {
+/// The local VM attachments of the pod the API reported.
+fn attachments_of_pod<N: NodeSide>(side: &N, seen: &VmPodSeen) -> Vec<Attachment> {
+    side.attachments_where(&|a| {
+        a.vm.is_some()
+            && match (&a.pod_uid, &a.pod_name, &a.pod_namespace) {
                 (Some(uid), _, _) if !seen.uid.is_empty() => *uid == seen.uid,
                 (_, Some(name), Some(ns)) => *name == seen.name && *ns == seen.namespace,
                 _ => false,
-            })
-            .cloned()
-            .collect()
-    }
+            }
+    })
+}
 
+impl Vms {
     /// The API reported a VM pod of this node. A ready target that is its
     /// record's alternate is cut over at once; a promoted target that is
     /// going away while its record keeps the source as alternate is
     /// returned, for the caller to check that the source still runs and
-    /// then call [`Node::revert_cutover`].
-    pub async fn vm_pod_seen(&self, seen: &VmPodSeen) -> Vec<Revert> {
+    /// then call [`Vms::revert_cutover`].
+    pub async fn vm_pod_seen<N: NodeSide>(&self, side: &N, seen: &VmPodSeen) -> Vec<Revert> {
         let mut reverts = Vec::new();
         if !seen.target {
             return reverts;
         }
-        for a in self.attachments_of_pod(seen) {
+        for a in attachments_of_pod(side, seen) {
             let Some(vm) = a.vm.clone() else { continue };
             // The record as the control plane has it now, not this node's
             // view of it, which may not have caught up with a cutover made
             // a moment ago.
-            let rec = match self.vm.records.read(&vm).await {
+            let rec = match self.records.read(&vm).await {
                 Ok(Some((rec, _))) => rec,
                 Ok(None) => continue,
                 Err(e) => {
@@ -59,7 +74,7 @@ impl Node {
                     continue;
                 }
             };
-            let me = &self.config.name;
+            let me = &self.node;
             let is =
                 |x: &VmAttachment| x.is(me, &a.key.network, &a.key.container_id, &a.key.ifname);
             if seen.ready && !seen.gone {
@@ -72,7 +87,10 @@ impl Node {
                     promote(&mut rec.clone(), want, Trigger::Annotation, at.1),
                     Ok(true)
                 ) {
-                    if let Err(e) = self.cutover(&vm, Some(&a), Trigger::Annotation, at).await {
+                    if let Err(e) = self
+                        .cutover(side, &vm, Some(&a), Trigger::Annotation, at)
+                        .await
+                    {
                         tracing::warn!(%vm, error = %e, "cutover on the target-ready annotation failed");
                     }
                 }
@@ -92,12 +110,11 @@ impl Node {
     /// Gives the VM of a migration that failed after its cutover back to
     /// its source (the alternate), by compare-and-swap, if the failed
     /// target is still the active pod. The routes follow the record.
-    pub async fn revert_cutover(&self, r: &Revert) -> Result<bool> {
-        let me = self.config.name.clone();
+    pub async fn revert_cutover<N: NodeSide>(&self, side: &N, r: &Revert) -> Result<bool> {
+        let me = self.node.clone();
         let (started, seen) = (Instant::now(), UnixNanos::now());
         let t = &r.target;
         let (rec, rev) = self
-            .vm
             .records
             .update(&r.vm, |rec| {
                 let target_active = rec
@@ -125,9 +142,10 @@ impl Node {
         // Timed from the decision to the record committed: the source's
         // node routes it when its watch sees the record.
         crate::metrics::get().cutover(Trigger::TargetFailed.name(), started.elapsed());
-        self.force_vm_resync();
+        side.resync_routes();
         if let Some(act) = rec.active.as_ref() {
-            self.pod_event(
+            pod_event(
+                side,
                 &r.vm.namespace,
                 act,
                 PodEvent::CutoverReverted(format!(
@@ -146,22 +164,22 @@ impl Node {
         if rec.key.claim_name().is_none() || rec.attachments().next().is_some() {
             return Ok(false);
         }
-        Ok(self.vm.records.delete(rec, rev).await?.is_some())
+        Ok(self.records.delete(rec, rev).await?.is_some())
     }
+}
 
-    /// Queues an event on the pod of `a` (in `namespace`), when the daemon
-    /// has the Kubernetes API and the pod's name is known.
-    pub(crate) fn pod_event(&self, namespace: &str, a: &VmAttachment, event: PodEvent) {
-        let Some(name) = a.pod_name.clone() else {
-            return;
-        };
-        self.emit_event(
-            PodRef {
-                namespace: namespace.to_owned(),
-                name,
-                uid: a.pod_uid.clone(),
-            },
-            event,
-        );
-    }
+/// Queues an event on the pod of `a` (in `namespace`), when the pod's name
+/// is known.
+pub(crate) fn pod_event<N: NodeSide>(side: &N, namespace: &str, a: &VmAttachment, event: PodEvent) {
+    let Some(name) = a.pod_name.clone() else {
+        return;
+    };
+    side.pod_event(
+        PodRef {
+            namespace: namespace.to_owned(),
+            name,
+            uid: a.pod_uid.clone(),
+        },
+        event,
+    );
 }

@@ -66,6 +66,7 @@ async fn check(t: &TestNode, call: Call) -> Result<()> {
 async fn record(t: &TestNode, vm: &str) -> Option<VmRecord> {
     t.node
         .vms()
+        .records()
         .read(&key(vm))
         .await
         .expect("read the VM record")
@@ -74,7 +75,7 @@ async fn record(t: &TestNode, vm: &str) -> Option<VmRecord> {
 
 /// The record of `vm` in this node's view.
 fn cached(t: &TestNode, vm: &str) -> Option<VmRecord> {
-    t.node.vms().cached(&key(vm)).map(|(r, _)| r)
+    t.node.vms().records().cached(&key(vm)).map(|(r, _)| r)
 }
 
 /// Whether `x` is container `cid`'s eth0 on network "tether" on `node`.
@@ -148,7 +149,9 @@ fn ifindex(t: &TestNode, cid: &str) -> u32 {
 /// The admin call `Cutover` of vm1, asked on `t`'s node.
 async fn admin_cutover(t: &TestNode) -> Result<VmRecord> {
     t.node
+        .vms()
         .cutover(
+            t.node.as_ref(),
             &key("vm1"),
             None,
             Trigger::Admin,
@@ -192,7 +195,7 @@ async fn a_vms_first_pod_creates_its_record_with_the_pods_addresses() {
     let attachments = a.node.attachments();
     assert_eq!(attachments.len(), 1);
     assert_eq!(attachments[0].vm, Some(key("vm1")));
-    assert_eq!(a.node.vm_stats().cutovers, 0);
+    assert_eq!(a.node.vms().stats().cutovers, 0);
     a.eventually("the view has the record", |t| cached(t, "vm1").is_some())
         .await;
 }
@@ -222,8 +225,8 @@ async fn a_migration_target_is_the_alternate_wired_alike_and_not_routed() {
     // The VM's addresses are A's; B's pools lend none.
     assert_eq!(used(&b), 0);
     assert_eq!(used(&a), 2);
-    assert_eq!(b.node.vm_stats().cutovers, 0);
-    assert_eq!(a.node.vm_stats().cutovers, 0);
+    assert_eq!(b.node.vms().stats().cutovers, 0);
+    assert_eq!(a.node.vms().stats().cutovers, 0);
 }
 
 #[tokio::test]
@@ -511,12 +514,12 @@ async fn the_vms_announcement_on_the_target_cuts_over() {
     assert_eq!(info.from_node.as_deref(), Some("node-a"));
     assert_eq!(info.to_node, "node-b");
     assert!(routes_to(&b, &rec.ips, "c2"), "{:?}", b.kernel.routes());
-    let stats = b.node.vm_stats();
+    let stats = b.node.vms().stats();
     assert_eq!(stats.cutovers, 1);
     let last = stats.last_cutover.expect("timings");
     assert_eq!(last.trigger, Trigger::Rarp);
     assert!(last.local_route.is_some());
-    assert_eq!(a.node.vm_stats().cutovers, 0);
+    assert_eq!(a.node.vms().stats().cutovers, 0);
     a.eventually("A withdraws its route", |t| {
         rec.ips.iter().all(|ip| t.kernel.route_to(*ip).is_none())
     })
@@ -550,7 +553,7 @@ async fn the_target_ready_annotation_on_check_cuts_over() {
     check(&b, check_call(false)).await.expect("CHECK");
     let rec = record(&b, "vm1").await.expect("a record");
     assert!(is(&rec.alternate, "node-b", "c2"), "{rec:?}");
-    assert_eq!(b.node.vm_stats().cutovers, 0);
+    assert_eq!(b.node.vms().stats().cutovers, 0);
     // Ready: the CHECK cuts over before it replies.
     check(&b, check_call(true)).await.expect("CHECK");
     let after = record(&b, "vm1").await.expect("a record");
@@ -561,10 +564,10 @@ async fn the_target_ready_annotation_on_check_cuts_over() {
         Some(Trigger::Annotation)
     );
     assert!(routes_to(&b, &after.ips, "c2"));
-    assert_eq!(b.node.vm_stats().cutovers, 1);
+    assert_eq!(b.node.vms().stats().cutovers, 1);
     // Another CHECK (now routed) passes and does not cut over again.
     check(&b, check_call(true)).await.expect("CHECK after");
-    assert_eq!(b.node.vm_stats().cutovers, 1);
+    assert_eq!(b.node.vms().stats().cutovers, 1);
     assert_eq!(
         record(&b, "vm1").await.map(|r| r.generation),
         Some(after.generation)
@@ -592,7 +595,7 @@ async fn a_target_added_ready_is_active_at_once() {
         Some(Trigger::Annotation)
     );
     assert!(routes_to(&b, &rec.ips, "c2"), "{:?}", b.kernel.routes());
-    assert_eq!(b.node.vm_stats().cutovers, 1);
+    assert_eq!(b.node.vms().stats().cutovers, 1);
 }
 
 #[tokio::test]
@@ -604,7 +607,7 @@ async fn the_admin_cutover_moves_the_routes_by_the_record() {
     assert!(is(&after.active, "node-b", "c2"), "{after:?}");
     assert!(is(&after.alternate, "node-a", "c1"), "{after:?}");
     assert_eq!(record(&a, "vm1").await, Some(after.clone()));
-    let stats = a.node.vm_stats();
+    let stats = a.node.vms().stats();
     assert_eq!(stats.cutovers, 1);
     let last = stats.last_cutover.expect("timings");
     assert_eq!(last.trigger, Trigger::Admin);
@@ -615,8 +618,8 @@ async fn the_admin_cutover_moves_the_routes_by_the_record() {
         rec.ips.iter().all(|ip| t.kernel.route_to(*ip).is_none())
     })
     .await;
-    assert_eq!(b.node.vm_stats().cutovers, 0);
-    assert!(b.node.vm_stats().route_updates >= 1);
+    assert_eq!(b.node.vms().stats().cutovers, 0);
+    assert!(b.node.vms().stats().route_updates >= 1);
 }
 
 #[tokio::test]
@@ -625,7 +628,7 @@ async fn the_admin_cutover_on_the_targets_node_routes_at_once() {
     admin_cutover(&b).await.expect("admin cutover");
     // No waiting for the watch: routed before the call returned.
     assert!(routes_to(&b, &rec.ips, "c2"), "{:?}", b.kernel.routes());
-    let last = b.node.vm_stats().last_cutover.expect("timings");
+    let last = b.node.vms().stats().last_cutover.expect("timings");
     assert!(last.local_route.is_some());
 }
 
@@ -637,19 +640,21 @@ async fn an_admin_cutover_without_an_alternate_is_refused() {
     let seen = (Instant::now(), UnixNanos::now());
     let err = a
         .node
-        .cutover(&key("vm1"), None, Trigger::Admin, seen)
+        .vms()
+        .cutover(a.node.as_ref(), &key("vm1"), None, Trigger::Admin, seen)
         .await
         .expect_err("no alternate");
     assert_eq!(err.code(), 108, "{err}");
     let err = a
         .node
-        .cutover(&key("nope"), None, Trigger::Admin, seen)
+        .vms()
+        .cutover(a.node.as_ref(), &key("nope"), None, Trigger::Admin, seen)
         .await
         .expect_err("no such VM");
     assert_eq!(err.code(), 107, "{err}");
     assert_eq!(record(&a, "vm1").await, Some(rec.clone()));
     assert!(routes_to(&a, &rec.ips, "c1"));
-    assert_eq!(a.node.vm_stats().cutovers, 0);
+    assert_eq!(a.node.vms().stats().cutovers, 0);
 }
 
 /// A control store that fails every commit while told to: the embedded
@@ -746,7 +751,9 @@ async fn a_cutover_the_control_store_fails_keeps_the_route_and_completes_later()
     // write fails and is reported.
     let err = b
         .node
+        .vms()
         .cutover(
+            b.node.as_ref(),
             &key("vm1"),
             Some(&target),
             Trigger::Rarp,
@@ -762,7 +769,7 @@ async fn a_cutover_the_control_store_fails_keeps_the_route_and_completes_later()
         "the VM runs on B: its route stays: {:?}",
         b.kernel.routes()
     );
-    assert_eq!(b.node.vm_stats().cutovers, 0);
+    assert_eq!(b.node.vms().stats().cutovers, 0);
     // The VM announces itself while the store still fails: no cutover.
     let mac = rec.mac;
     let index = ifindex(&b, "c2");
@@ -790,7 +797,7 @@ async fn a_cutover_the_control_store_fails_keeps_the_route_and_completes_later()
     assert!(is(&after.alternate, "node-a", "c1"), "{after:?}");
     assert_eq!(after.generation, rec.generation + 1);
     assert!(routes_to(&b, &rec.ips, "c2"));
-    assert_eq!(b.node.vm_stats().cutovers, 1);
+    assert_eq!(b.node.vms().stats().cutovers, 1);
     a.eventually("A withdraws its route", |t| {
         rec.ips.iter().all(|ip| t.kernel.route_to(*ip).is_none())
     })
@@ -812,7 +819,7 @@ async fn an_aborted_migrations_target_del_leaves_the_source_as_it_was() {
     .await;
     assert!(b.kernel.routes().is_empty());
     assert_eq!(used(&a), 2);
-    assert_eq!(b.node.vm_stats().cutovers, 0);
+    assert_eq!(b.node.vms().stats().cutovers, 0);
 }
 
 // ---- The source's DEL -------------------------------------------------------
@@ -897,7 +904,7 @@ async fn the_sources_del_on_the_same_node_leaves_the_targets_route() {
     assert!(is(&after.active, "node-a", "c2"), "{after:?}");
     assert!(after.alternate.is_none());
     assert_eq!(used(&a), 2);
-    assert_eq!(a.node.vm_stats().cutovers, 1);
+    assert_eq!(a.node.vms().stats().cutovers, 1);
 }
 
 #[tokio::test]
@@ -1031,8 +1038,8 @@ async fn a_retry_right_after_a_failed_first_pod_gets_its_address() {
 
 /// What the pod watch reports of container `cid`'s pod, a migration's
 /// target unless it is `c1` (the VM's first pod).
-fn seen(cid: &str, ready: bool, gone: bool) -> crate::kube::pods::VmPodSeen {
-    crate::kube::pods::VmPodSeen {
+fn seen(cid: &str, ready: bool, gone: bool) -> crate::vm::signals::VmPodSeen {
+    crate::vm::signals::VmPodSeen {
         namespace: "default".into(),
         name: format!("web-{cid}"),
         uid: format!("uid-{cid}"),
@@ -1047,11 +1054,20 @@ async fn the_ready_marker_seen_through_the_api_cuts_over() {
     let (_a, b, _) = migrating().await;
     assert!(b
         .node
-        .vm_pod_seen(&seen("c2", false, false))
+        .vms()
+        .vm_pod_seen(b.node.as_ref(), &seen("c2", false, false))
         .await
         .is_empty());
-    assert_eq!(b.node.vm_stats().cutovers, 0, "cut over before the marker");
-    let reverts = b.node.vm_pod_seen(&seen("c2", true, false)).await;
+    assert_eq!(
+        b.node.vms().stats().cutovers,
+        0,
+        "cut over before the marker"
+    );
+    let reverts = b
+        .node
+        .vms()
+        .vm_pod_seen(b.node.as_ref(), &seen("c2", true, false))
+        .await;
     assert!(reverts.is_empty());
     let rec = record(&b, "vm1").await.expect("a record");
     assert!(is(&rec.active, "node-b", "c2"), "{rec:?}");
@@ -1061,8 +1077,11 @@ async fn the_ready_marker_seen_through_the_api_cuts_over() {
     );
     assert!(routes_to(&b, &rec.ips, "c2"));
     // Seen again (a relist): nothing more happens.
-    b.node.vm_pod_seen(&seen("c2", true, false)).await;
-    assert_eq!(b.node.vm_stats().cutovers, 1);
+    b.node
+        .vms()
+        .vm_pod_seen(b.node.as_ref(), &seen("c2", true, false))
+        .await;
+    assert_eq!(b.node.vms().stats().cutovers, 1);
     assert_eq!(
         record(&b, "vm1").await.map(|r| r.generation),
         Some(rec.generation)
@@ -1075,11 +1094,11 @@ async fn a_stale_ready_marker_on_the_demoted_source_never_steals_the_vm_back() {
     // its pod); the VM then moved on to c2 on B, and c1 is the alternate.
     let (a, _b, before) = migrated().await;
     assert!(is(&before.alternate, "node-a", "c1"), "{before:?}");
-    let stale = crate::kube::pods::VmPodSeen {
+    let stale = crate::vm::signals::VmPodSeen {
         target: true,
         ..seen("c1", true, false)
     };
-    let reverts = a.node.vm_pod_seen(&stale).await;
+    let reverts = a.node.vms().vm_pod_seen(a.node.as_ref(), &stale).await;
     assert!(reverts.is_empty());
     let c1 = a
         .node
@@ -1089,7 +1108,9 @@ async fn a_stale_ready_marker_on_the_demoted_source_never_steals_the_vm_back() {
         .expect("c1's attachment");
     let rec = a
         .node
+        .vms()
         .cutover(
+            a.node.as_ref(),
             &key("vm1"),
             Some(&c1),
             Trigger::Annotation,
@@ -1102,7 +1123,7 @@ async fn a_stale_ready_marker_on_the_demoted_source_never_steals_the_vm_back() {
         "the VM was stolen back: {rec:?}"
     );
     assert_eq!(rec.generation, before.generation);
-    assert_eq!(a.node.vm_stats().cutovers, 0);
+    assert_eq!(a.node.vms().stats().cutovers, 0);
 }
 
 /// The calls of `t`'s kernel that add or remove a pod's host routes.
@@ -1121,7 +1142,7 @@ async fn updates_of_the_demoted_target_after_a_round_trip_never_touch_its_routes
     let (a, b, _) = migrated().await;
     admin_cutover(&a).await.expect("the cutover back to A");
     let back = record(&a, "vm1").await.expect("a record");
-    let b_cutovers = b.node.vm_stats().cutovers;
+    let b_cutovers = b.node.vms().stats().cutovers;
     assert!(is(&back.active, "node-a", "c1"), "{back:?}");
     assert!(is(&back.alternate, "node-b", "c2"), "{back:?}");
     b.eventually("B withdraws its routes to the demoted pod", |t| {
@@ -1134,7 +1155,8 @@ async fn updates_of_the_demoted_target_after_a_round_trip_never_touch_its_routes
         // label): the marker is stale.
         assert!(b
             .node
-            .vm_pod_seen(&seen("c2", true, false))
+            .vms()
+            .vm_pod_seen(b.node.as_ref(), &seen("c2", true, false))
             .await
             .is_empty());
     }
@@ -1166,7 +1188,7 @@ async fn updates_of_the_demoted_target_after_a_round_trip_never_touch_its_routes
     let after = record(&a, "vm1").await.expect("a record");
     assert_eq!(after.generation, back.generation, "{after:?}");
     assert!(is(&after.active, "node-a", "c1"), "{after:?}");
-    assert_eq!(b.node.vm_stats().cutovers, b_cutovers);
+    assert_eq!(b.node.vms().stats().cutovers, b_cutovers);
 }
 
 #[tokio::test]
@@ -1176,10 +1198,15 @@ async fn a_promoted_target_that_goes_away_gives_the_vm_back_to_its_source() {
     // end of a successful migration, not a failure.
     assert!(a
         .node
-        .vm_pod_seen(&seen("c1", false, true))
+        .vms()
+        .vm_pod_seen(a.node.as_ref(), &seen("c1", false, true))
         .await
         .is_empty());
-    let reverts = b.node.vm_pod_seen(&seen("c2", true, true)).await;
+    let reverts = b
+        .node
+        .vms()
+        .vm_pod_seen(b.node.as_ref(), &seen("c2", true, true))
+        .await;
     assert_eq!(
         reverts,
         vec![crate::vm::signals::Revert {
@@ -1192,7 +1219,12 @@ async fn a_promoted_target_that_goes_away_gives_the_vm_back_to_its_source() {
             source_pod: "web-c1".into(),
         }]
     );
-    assert!(b.node.revert_cutover(&reverts[0]).await.expect("revert"));
+    assert!(b
+        .node
+        .vms()
+        .revert_cutover(b.node.as_ref(), &reverts[0])
+        .await
+        .expect("revert"));
     let rec = record(&a, "vm1").await.expect("a record");
     assert!(is(&rec.active, "node-a", "c1"), "{rec:?}");
     assert!(is(&rec.alternate, "node-b", "c2"), "{rec:?}");
@@ -1201,9 +1233,17 @@ async fn a_promoted_target_that_goes_away_gives_the_vm_back_to_its_source() {
     assert_eq!(last.trigger, Trigger::TargetFailed);
     assert_eq!(last.to_node, "node-a");
     // Done once: asked again, nothing changes.
-    assert!(!b.node.revert_cutover(&reverts[0]).await.expect("revert"));
+    assert!(!b
+        .node
+        .vms()
+        .revert_cutover(b.node.as_ref(), &reverts[0])
+        .await
+        .expect("revert"));
     // The failed target's ready marker cannot promote it again.
-    b.node.vm_pod_seen(&seen("c2", true, false)).await;
+    b.node
+        .vms()
+        .vm_pod_seen(b.node.as_ref(), &seen("c2", true, false))
+        .await;
     let again = record(&a, "vm1").await.expect("a record");
     assert!(is(&again.active, "node-a", "c1"), "{again:?}");
 }

@@ -1,0 +1,445 @@
+//! The VM component alone: two `Vms` on one embedded control store, each on
+//! a fake kernel and a [`Side`] that stands for its node (pools, local
+//! attachments, what the component asks of the node). No `Node` is built:
+//! these tests show what the component decides and which kernel calls it
+//! makes, through its interface only.
+
+use super::signals::VmPodSeen;
+use super::*;
+use crate::control::embedded::EmbeddedStore;
+use crate::control::ControlStore;
+use crate::kernel::fake::{Call, FakeKernel, FakeLink};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use tether_base::time::UnixNanos;
+
+/// The node as the component sees it: pools and local attachments, and a
+/// record of what the component asked of it.
+#[derive(Default)]
+struct Side {
+    pools: Mutex<Option<Pools>>,
+    attachments: Mutex<HashMap<AttachmentKey, Attachment>>,
+    welcomed: Mutex<Vec<String>>,
+    resyncs: AtomicUsize,
+    events: Mutex<Vec<(PodRef, PodEvent)>>,
+}
+
+impl Side {
+    fn new(cidr: &str) -> Side {
+        let cidr = cidr.parse().expect("a CIDR");
+        Side {
+            pools: Mutex::new(Some(Pools::new(&[cidr]).expect("pools"))),
+            ..Side::default()
+        }
+    }
+
+    /// Takes `ips` from the pools, all or nothing.
+    fn take(&self, ips: &[IpAddr]) -> Result<()> {
+        self.with_pools(|p, _| {
+            for (i, ip) in ips.iter().enumerate() {
+                if p.take(*ip) != Take::Taken {
+                    p.release(&ips[..i]);
+                    return Err(Error::AddressInUse(ip.to_string()));
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn used(&self) -> u128 {
+        lock(&self.pools)
+            .as_ref()
+            .map_or(0, |p| p.pools().iter().map(|p| p.used()).sum())
+    }
+}
+
+impl NodeSide for Side {
+    fn attachment(&self, key: &AttachmentKey) -> Option<Attachment> {
+        lock(&self.attachments).get(key).cloned()
+    }
+
+    fn attachments_where(&self, keep: &dyn Fn(&Attachment) -> bool) -> Vec<Attachment> {
+        lock(&self.attachments)
+            .values()
+            .filter(|a| keep(a))
+            .cloned()
+            .collect()
+    }
+
+    fn with_pools<R>(
+        &self,
+        f: impl FnOnce(&mut Pools, &HashMap<AttachmentKey, Attachment>) -> R,
+    ) -> R {
+        let attachments = lock(&self.attachments);
+        let mut pools = lock(&self.pools);
+        let pools = pools.as_mut().expect("the side's pools");
+        f(pools, &attachments)
+    }
+
+    fn addresses_for(&self, req: &Requested) -> impl Future<Output = Result<Vec<IpAddr>>> + Send {
+        let out = if req.ips.is_empty() {
+            self.with_pools(|p, _| p.allocate().map_err(Error::from))
+        } else {
+            self.take(&req.ips).map(|()| req.ips.clone())
+        };
+        std::future::ready(out)
+    }
+
+    fn take_requested(&self, ips: &[IpAddr]) -> impl Future<Output = Result<()>> + Send {
+        std::future::ready(self.take(ips))
+    }
+
+    fn check_mac_free(&self, _mac: Mac, _vm: Option<&VmKey>) -> Result<()> {
+        Ok(())
+    }
+
+    fn claim_addresses(&self, _pod: &VmPod) -> Result<Option<Vec<IpAddr>>> {
+        Ok(None)
+    }
+
+    fn welcome_guest(&self, a: &Attachment) {
+        lock(&self.welcomed).push(a.host_ifname.clone());
+    }
+
+    fn resync_routes(&self) {
+        self.resyncs.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn pod_event(&self, pod: PodRef, event: PodEvent) {
+        lock(&self.events).push((pod, event));
+    }
+}
+
+/// One node: the component, its kernel and its side.
+struct One {
+    vms: Arc<Vms>,
+    kernel: FakeKernel,
+    side: Side,
+}
+
+/// Nodes "node-a" and "node-b" on one control store.
+async fn two() -> (One, One, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let control: Arc<dyn ControlStore> =
+        Arc::new(EmbeddedStore::open(dir.path()).expect("the control store"));
+    let mut nodes = Vec::new();
+    for name in ["node-a", "node-b"] {
+        let records = VmRegistry::open(control.clone(), "/tether")
+            .await
+            .expect("the records");
+        let kernel = FakeKernel::new();
+        nodes.push(One {
+            vms: Arc::new(Vms::new(name, records, Arc::new(kernel.clone()))),
+            kernel,
+            side: Side::new("10.9.0.0/24"),
+        });
+    }
+    let b = nodes.pop().expect("b");
+    let a = nodes.pop().expect("a");
+    (a, b, dir)
+}
+
+fn vm_key() -> VmKey {
+    VmKey::new("ns", "vm1", "eth0").expect("a key")
+}
+
+fn pod(target: bool) -> VmPod {
+    VmPod {
+        key: vm_key(),
+        target,
+        ready: false,
+        guest: None,
+        claim: None,
+    }
+}
+
+/// Container `cid`'s eth0 on network "tether", placed now on `node`.
+fn this(node: &str, cid: &str) -> VmAttachment {
+    VmAttachment {
+        node: node.into(),
+        network: "tether".into(),
+        container_id: cid.into(),
+        ifname: "eth0".into(),
+        pod_name: Some(format!("virt-launcher-{cid}")),
+        pod_uid: None,
+        since_unix_ms: UnixMillis::now(),
+    }
+}
+
+/// The local attachment of container `cid` holding the record's addresses,
+/// with its veth on `one`'s kernel.
+fn attach(one: &One, cid: &str, rec: &VmRecord) -> Attachment {
+    let host_ifname = format!("tth{cid}");
+    let a = Attachment {
+        key: AttachmentKey {
+            network: "tether".into(),
+            container_id: cid.into(),
+            ifname: "eth0".into(),
+        },
+        netns: format!("/run/netns/{cid}"),
+        ips: rec.ips.clone(),
+        mac: rec.mac,
+        host_ifname: host_ifname.clone(),
+        mtu: 1500,
+        created_unix_nanos: UnixNanos::now(),
+        pod_namespace: Some("ns".into()),
+        pod_name: Some(format!("virt-launcher-{cid}")),
+        pod_uid: None,
+        vm: Some(rec.key.clone()),
+        guest: None,
+        pools: Vec::new(),
+        ipam_only: false,
+    };
+    one.kernel.plant_link(
+        &host_ifname,
+        FakeLink {
+            index: 7,
+            netns: a.netns.clone().into(),
+            pod_ifname: "eth0".into(),
+            pod_mac: rec.mac,
+            ips: rec.ips.clone(),
+            mtu: 1500,
+        },
+    );
+    lock(&one.side.attachments).insert(a.key.clone(), a.clone());
+    a
+}
+
+fn now() -> (Instant, UnixNanos) {
+    (Instant::now(), UnixNanos::now())
+}
+
+/// The VM placed active on A (c1) and its migration target on B (c2).
+async fn migrating() -> (One, One, Attachment, Attachment, tempfile::TempDir) {
+    let (a, b, dir) = two().await;
+    let first = a
+        .vms
+        .place(
+            &a.side,
+            this("node-a", "c1"),
+            &pod(false),
+            &Requested::default(),
+        )
+        .await
+        .expect("the first pod");
+    assert!(first.created);
+    assert_eq!(first.role, Role::Active);
+    let c1 = attach(&a, "c1", &first.rec);
+    let target = b
+        .vms
+        .place(
+            &b.side,
+            this("node-b", "c2"),
+            &pod(true),
+            &Requested::default(),
+        )
+        .await
+        .expect("the target");
+    assert_eq!(target.role, Role::Alternate);
+    assert_eq!(
+        target.rec.ips, first.rec.ips,
+        "the target gets the VM's address"
+    );
+    let c2 = attach(&b, "c2", &target.rec);
+    (a, b, c1, c2, dir)
+}
+
+#[tokio::test]
+async fn the_first_pod_creates_the_record_from_its_nodes_pools() {
+    let (a, _b, _dir) = two().await;
+    let p = a
+        .vms
+        .place(
+            &a.side,
+            this("node-a", "c1"),
+            &pod(false),
+            &Requested::default(),
+        )
+        .await
+        .expect("placed");
+    assert!(p.created);
+    assert_eq!(p.rec.ips.len(), 1);
+    assert!(p.rec.ips[0].to_string().starts_with("10.9.0."));
+    assert_eq!(a.side.used(), 1, "the address came from the side's pools");
+    let stored = a.vms.records().read(&vm_key()).await.expect("read");
+    assert_eq!(stored.map(|(r, _)| r.ips), Some(p.rec.ips.clone()));
+    // The record holds the address: freeing it as a VM address keeps it.
+    a.vms.free_ips(&a.side, &p.rec.ips);
+    assert_eq!(a.side.used(), 1, "a held VM address stays in use");
+    // Undone (the wiring failed): the record goes, and so does the mark,
+    // so the address can be freed for the runtime's retry.
+    a.vms.undo_placement(&p).await.expect("undone");
+    a.vms.free_ips(&a.side, &p.rec.ips);
+    assert_eq!(a.side.used(), 0);
+    assert!(a
+        .vms
+        .records()
+        .read(&vm_key())
+        .await
+        .expect("read")
+        .is_none());
+    assert!(a.kernel.log().is_empty(), "placement touches no kernel");
+}
+
+#[tokio::test]
+async fn the_targets_announcement_routes_it_first_then_commits() {
+    let (a, b, _c1, c2, _dir) = migrating().await;
+    let rec = b
+        .vms
+        .cutover(&b.side, &vm_key(), Some(&c2), Trigger::Rarp, now())
+        .await
+        .expect("cut over");
+    assert!(rec.active.as_ref().is_some_and(|x| x.node == "node-b"));
+    assert!(rec.alternate.as_ref().is_some_and(|x| x.node == "node-a"));
+    assert_eq!(
+        b.kernel.log(),
+        vec![(
+            Call::EnsureHostRoutes,
+            format!("{} {}", c2.host_ifname, c2.ips[0])
+        )],
+        "one kernel call on the target's node: its route"
+    );
+    assert_eq!(*lock(&b.side.welcomed), vec![c2.host_ifname.clone()]);
+    let events = lock(&b.side.events).clone();
+    assert_eq!(events.len(), 1);
+    assert_eq!(events[0].0.name, "virt-launcher-c2");
+    assert_eq!(events[0].1.reason(), "CutoverDone");
+    let stats = b.vms.stats();
+    assert_eq!(stats.cutovers, 1);
+    assert_eq!(
+        stats
+            .last_cutover
+            .map(|c| (c.trigger, c.local_route.is_some())),
+        Some((Trigger::Rarp, true))
+    );
+    // The source's node changed nothing itself: its routes follow the
+    // record through the route loop.
+    assert!(a.kernel.log().is_empty());
+    assert_eq!(a.vms.stats().cutovers, 0);
+    // QEMU announces several times: the next one finds the target active
+    // already, writes nothing and asks for no resync.
+    let resyncs = b.side.resyncs.load(Ordering::SeqCst);
+    let again = b
+        .vms
+        .cutover(&b.side, &vm_key(), Some(&c2), Trigger::Rarp, now())
+        .await
+        .expect("no error");
+    assert_eq!(again.generation, rec.generation, "nothing written");
+    assert_eq!(b.side.resyncs.load(Ordering::SeqCst), resyncs);
+    assert_eq!(b.vms.stats().cutovers, 1);
+}
+
+#[tokio::test]
+async fn a_stale_marker_on_the_pod_the_vm_left_touches_nothing() {
+    let (a, b, c1, c2, _dir) = migrating().await;
+    b.vms
+        .cutover(&b.side, &vm_key(), Some(&c2), Trigger::Rarp, now())
+        .await
+        .expect("A to B");
+    // c1 on A is now the alternate, placed before the last cutover: its
+    // ready marker, if it has one, is the one of an older migration.
+    let before = a.vms.records().read(&vm_key()).await.expect("read");
+    for _ in 0..5 {
+        let rec = a
+            .vms
+            .cutover(&a.side, &vm_key(), Some(&c1), Trigger::Annotation, now())
+            .await
+            .expect("refused quietly");
+        assert!(rec.active.as_ref().is_some_and(|x| x.node == "node-b"));
+    }
+    let seen = VmPodSeen {
+        namespace: "ns".into(),
+        name: "virt-launcher-c1".into(),
+        uid: String::new(),
+        target: true,
+        ready: true,
+        gone: false,
+    };
+    assert!(a.vms.vm_pod_seen(&a.side, &seen).await.is_empty());
+    assert_eq!(
+        a.kernel.calls(Call::EnsureHostRoutes) + a.kernel.calls(Call::RemoveHostRoutes),
+        0,
+        "no route touched for a cutover the record refuses"
+    );
+    assert_eq!(
+        a.vms.records().read(&vm_key()).await.expect("read"),
+        before,
+        "the record is unchanged"
+    );
+    assert_eq!(a.vms.stats().cutovers, 0);
+}
+
+#[tokio::test]
+async fn a_promoted_target_that_goes_away_gives_the_vm_back() {
+    let (_a, b, _c1, c2, _dir) = migrating().await;
+    b.vms
+        .cutover(&b.side, &vm_key(), Some(&c2), Trigger::Annotation, now())
+        .await
+        .expect("A to B on the marker");
+    let gone = VmPodSeen {
+        namespace: "ns".into(),
+        name: "virt-launcher-c2".into(),
+        uid: String::new(),
+        target: true,
+        ready: true,
+        gone: true,
+    };
+    let reverts = b.vms.vm_pod_seen(&b.side, &gone).await;
+    assert_eq!(reverts.len(), 1);
+    assert_eq!(reverts[0].source_pod, "virt-launcher-c1");
+    let resyncs = b.side.resyncs.load(Ordering::SeqCst);
+    assert!(b
+        .vms
+        .revert_cutover(&b.side, &reverts[0])
+        .await
+        .expect("revert"));
+    assert_eq!(b.side.resyncs.load(Ordering::SeqCst), resyncs + 1);
+    let rec = b.vms.records().read(&vm_key()).await.expect("read");
+    let rec = rec.expect("a record").0;
+    assert!(rec.active.as_ref().is_some_and(|x| x.node == "node-a"));
+    assert_eq!(
+        rec.last_cutover.map(|c| c.trigger),
+        Some(Trigger::TargetFailed)
+    );
+    // Once only.
+    assert!(!b
+        .vms
+        .revert_cutover(&b.side, &reverts[0])
+        .await
+        .expect("revert"));
+}
+
+#[tokio::test]
+async fn a_reservation_takes_its_address_and_a_release_gives_the_record_up() {
+    let (a, _b, _dir) = two().await;
+    let ip: IpAddr = "10.9.0.50".parse().expect("an address");
+    let rec = a
+        .vms
+        .reserve(&a.side, vm_key(), vec![ip], None)
+        .await
+        .expect("reserved");
+    assert_eq!(rec.origin, Origin::Reserved);
+    assert_eq!(a.side.used(), 1);
+    // The same again is the same record; another address is refused.
+    assert_eq!(
+        a.vms
+            .reserve(&a.side, vm_key(), vec![ip], None)
+            .await
+            .expect("idempotent")
+            .ips,
+        vec![ip]
+    );
+    let other: IpAddr = "10.9.0.51".parse().expect("an address");
+    assert!(matches!(
+        a.vms.reserve(&a.side, vm_key(), vec![other], None).await,
+        Err(Error::VmState(_))
+    ));
+    let released = a.vms.release(&vm_key(), false).await.expect("released");
+    assert_eq!(released.ips, vec![ip]);
+    assert!(a
+        .vms
+        .records()
+        .read(&vm_key())
+        .await
+        .expect("read")
+        .is_none());
+}
