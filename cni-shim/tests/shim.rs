@@ -6,6 +6,7 @@ use serde_json::{json, Value};
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener as StdUnixListener;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
@@ -179,9 +180,21 @@ fn serve_fake(listener: StdUnixListener) {
     });
 }
 
-/// Runs the shim with exactly `env` and `stdin`. Returns its output and pid.
+/// Runs the shim with exactly `env` and `stdin`, and SIGPIPE at its
+/// default, as a runtime starts it (this test process ignores SIGPIPE,
+/// and an ignored signal stays ignored across exec). Returns its output
+/// and pid.
 fn shim(env: &[(&str, &str)], stdin: &[u8]) -> (Output, u32) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tether"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tether"));
+    // SAFETY: between fork and exec only async-signal-safe calls run:
+    // signal(2) is one.
+    unsafe {
+        command.pre_exec(|| {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+            Ok(())
+        });
+    }
+    let mut child = command
         .env_clear()
         .envs(env.iter().copied())
         .stdin(Stdio::piped())
@@ -570,6 +583,41 @@ fn connection_closed_at_once_counts_as_unreachable() {
     let (output, _) = shim(&cri_env("DEL"), &node.config(json!({})));
     assert_eq!(success(&output), b"");
     assert_eq!(node.queued().len(), 1);
+}
+
+#[test]
+fn a_daemon_that_hangs_up_mid_request_is_an_error_not_a_signal() {
+    // This daemon shuts its side for reading at once, then opens the
+    // flow-control windows, so the shim's next write of a request larger
+    // than the first window meets a peer that reads no more (EPIPE). The
+    // shim runs with SIGPIPE at its default, as under a runtime: it must
+    // report the daemon unreachable (11), not die by a signal.
+    let node = Node::new();
+    let listener = StdUnixListener::bind(node.socket()).unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let _ = conn.shutdown(std::net::Shutdown::Read);
+            let mut frames = vec![0, 0, 0, 4, 0, 0, 0, 0, 0]; // SETTINGS
+            for stream in [0u8, 1] {
+                // WINDOW_UPDATE of 1 MiB on the connection and stream 1.
+                frames.extend_from_slice(&[0, 0, 4, 8, 0, 0, 0, 0, stream, 0, 0x10, 0, 0]);
+            }
+            let _ = conn.write_all(&frames);
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    });
+    let mut stdin = node.config(json!({ "pad": "" }));
+    let pad = (1 << 20) - 64 - stdin.len();
+    stdin = node.config(json!({ "pad": "p".repeat(pad) }));
+    let (output, _) = shim(&cri_env("CHECK"), &stdin);
+    assert_eq!(
+        output.status.signal(),
+        None,
+        "killed by a signal; stderr {:?}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(cni_error(&output)["code"], 11);
 }
 
 #[test]
