@@ -336,13 +336,15 @@ impl Veths for Netlink {
     /// routes). On any error it deletes the veth, which takes both ends and
     /// their routes, and returns the first error.
     async fn wire(&self, w: &PodWiring<'_>) -> Result<()> {
-        // The pod thread starts first, so that its start-up, runtime and
-        // socket overlap the veth creation; it then waits for the peer's index.
+        // The pod thread starts first, so that its start-up overlaps the
+        // veth creation; it then waits for the peer's index, and sends the
+        // whole pod side in one batch on a socket it opens in the pod netns.
         let (index_tx, index_rx) = tokio::sync::oneshot::channel::<Option<u32>>();
         let side = pod_side(w);
-        let pod = netns::spawn_with_handle(w.netns.file()?, move |handle| async move {
-            match index_rx.await {
-                Ok(peer_index) => pod::configure(handle, side, peer_index).await,
+        let pod = netns::spawn_in_netns(w.netns.file()?, move || {
+            // The netns thread has no runtime: a blocking wait is its own.
+            match index_rx.blocking_recv() {
+                Ok(peer_index) => pod::configure_here(side, peer_index),
                 // No veth: the caller reports why.
                 Err(_) => Ok(()),
             }

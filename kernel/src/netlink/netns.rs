@@ -155,16 +155,25 @@ where
     F: FnOnce(Handle) -> Fut + Send + 'static,
     Fut: Future<Output = Result<T>>,
 {
-    spawn_in_netns(netns, move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_io()
-            .build()
-            .map_err(|e| KernelError::refused("starting the pod netns runtime", e))?;
-        runtime.block_on(async move {
-            let (connection, handle, _) = rtnetlink::new_connection_with_strict_check()
-                .map_err(|e| KernelError::refused("opening rtnetlink in the pod netns", e))?;
-            tokio::spawn(connection);
-            work(handle).await
-        })
+    spawn_in_netns(netns, move || with_handle_here(work))
+}
+
+/// Runs `work` with an rtnetlink connection opened in this thread's netns,
+/// on a current-thread runtime of this thread (a netns thread, which has
+/// none).
+pub(super) fn with_handle_here<T, F, Fut>(work: F) -> Result<T>
+where
+    F: FnOnce(Handle) -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .map_err(|e| KernelError::refused("starting the pod netns runtime", e))?;
+    runtime.block_on(async move {
+        let (connection, handle, _) = rtnetlink::new_connection_with_strict_check()
+            .map_err(|e| KernelError::refused("opening rtnetlink in the pod netns", e))?;
+        tokio::spawn(connection);
+        work(handle).await
     })
 }

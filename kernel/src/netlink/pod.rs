@@ -1,6 +1,7 @@
 //! The pod side: what is done, or checked, inside the pod netns. Every
-//! function here runs on a netns thread with a connection opened in the pod
-//! netns (see `netns::with_netns_handle`).
+//! function here runs on a netns thread: an ADD's plain pod side on a
+//! blocking socket opened there, the rest with a connection opened in the
+//! pod netns (see `netns::with_netns_handle`).
 
 use std::net::IpAddr;
 
@@ -32,6 +33,18 @@ pub(super) struct PodSide {
     pub managed_tap_peer: Option<u32>,
 }
 
+/// The pod side of an ADD, on the netns thread (which has no runtime):
+/// `index` is the pod end's ifindex as the veth's creation echoed it. The
+/// plain case is one blocking batch on a socket opened here; a tap, or a
+/// kernel that did not echo the index (before 6.3), takes the async path
+/// on a runtime of this thread.
+pub(super) fn configure_here(pod: PodSide, index: Option<u32>) -> Result<()> {
+    match index {
+        Some(index) if pod.tap.is_none() => messages::batch_blocking(plain_steps(&pod, index)),
+        _ => super::netns::with_handle_here(move |handle| configure(handle, pod, index)),
+    }
+}
+
 /// Raises the pod interface, then adds its addresses, gateway neighbours and
 /// default routes, all in one batch: the IPv6 default route needs the link
 /// up, and the kernel handles the batch in order.
@@ -49,17 +62,23 @@ pub(super) async fn configure(handle: Handle, pod: PodSide, index: Option<u32>) 
                 )
             })?,
     };
-    let name = &pod.ifname;
     if let Some((tap, alias)) = &pod.tap {
         let site = super::tap::TapSite {
             spec: tap,
-            eth: name,
+            eth: &pod.ifname,
             eth_index: index,
             mtu: pod.mtu,
             alias,
         };
         return super::tap::configure(&handle, &site).await;
     }
+    messages::batch(&handle, plain_steps(&pod, index)).await
+}
+
+/// The requests of a plain pod side, in order: the link up, its
+/// addresses, the gateway neighbours, the default routes.
+fn plain_steps(pod: &PodSide, index: u32) -> Vec<Step> {
+    let name = &pod.ifname;
     let gateways = messages::gateways(&pod.ips);
     let mut steps = Vec::with_capacity(1 + pod.ips.len() + 2 * gateways.len());
     steps.push(Step::new(
@@ -94,7 +113,7 @@ pub(super) async fn configure(handle: Handle, pod: PodSide, index: Option<u32>) 
             format!("adding default route via {gw} dev {name}"),
         ));
     }
-    messages::batch(&handle, steps).await
+    steps
 }
 
 /// CHECK of the pod side: interface, then addresses, then gateway neighbours
