@@ -10,8 +10,10 @@ use std::io::Write;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 
-/// The nftables command (Debian package `nftables`), found on `PATH`.
-const NFT: &str = "nft";
+/// The nftables command (Debian package `nftables`): looked up on `PATH`,
+/// then where Debian installs it, for a daemon started with a `PATH`
+/// without the sbin directories.
+const NFT: [&str; 3] = ["nft", "/usr/sbin/nft", "/sbin/nft"];
 
 /// The node this daemon runs on, in the daemon's own netns, with the
 /// guest DHCP service the daemon runs there (a layer above this one, so
@@ -82,22 +84,26 @@ impl Host for LinuxHost {
 /// own threads never leave the node's). nft applies a file as one
 /// transaction: all of it or nothing.
 fn run_nft(script: &str, doing: &str) -> Result<()> {
-    let mut child = Command::new(NFT)
-        .args(["-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => KernelError::refused(
-                doing,
-                format!(
-                    "the {NFT} command is not on PATH (Debian package nftables); \
-                     install it, or turn outbound NAT off with --outbound-nat=false"
-                ),
-            ),
-            _ => KernelError::refused(doing, e),
-        })?;
+    let mut spawned = Err(std::io::ErrorKind::NotFound.into());
+    for nft in NFT {
+        spawned = Command::new(nft)
+            .args(["-f", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn();
+        if !matches!(&spawned, Err(e) if e.kind() == std::io::ErrorKind::NotFound) {
+            break;
+        }
+    }
+    let mut child = spawned.map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => KernelError::refused(
+            doing,
+            "no nft command, on PATH or in /usr/sbin (Debian package nftables); \
+             install it, or turn outbound NAT off with --outbound-nat=false",
+        ),
+        _ => KernelError::refused(doing, e),
+    })?;
     // Written whole and closed before the wait, so nft sees end of file.
     let written = match child.stdin.take() {
         Some(mut stdin) => stdin.write_all(script.as_bytes()),
@@ -110,7 +116,7 @@ fn run_nft(script: &str, doing: &str) -> Result<()> {
         let stderr = String::from_utf8_lossy(&out.stderr);
         return Err(KernelError::refused(
             doing,
-            format!("{NFT} -f - failed ({}): {}", out.status, stderr.trim()),
+            format!("nft -f - failed ({}): {}", out.status, stderr.trim()),
         ));
     }
     written.map_err(|e| KernelError::refused(doing, e))
