@@ -1,8 +1,8 @@
 //! `tetherd`: tether's node daemon.
 //!
-//! Startup order: open the store, rebuild the pools, reconcile the kernel
-//! against the store, replay the shim's pending-DEL queue, and only then
-//! create the socket and serve.
+//! Startup order: open the store, program outbound NAT, rebuild the pools,
+//! reconcile the kernel against the store, replay the shim's pending-DEL
+//! queue, and only then create the socket and serve.
 
 use clap::Parser;
 use ipnet::IpNet;
