@@ -12,6 +12,7 @@ iproute2
 iputils-ping
 util-linux
 iptables
+nftables
 containernetworking-plugins
 containerd
 runc
@@ -32,6 +33,10 @@ openssl
 # iproute2, iputils-ping: netns, links, routes, ping between pods
 # util-linux: nsenter (podman's netns, plugins run inside the node netns)
 # iptables: reading portmap's DNAT rules in the chaining test
+# nftables: the `nft` command, through which tetherd programs outbound NAT
+#   (its table `inet tether`) in every node netns of every suite, and which
+#   tests/tests/nat.rs reads the table with. Debian ships its
+#   nftables.service disabled, so installing it loads no ruleset
 # containernetworking-plugins: reference plugins (portmap, ptp, host-local)
 # containerd, runc: `ctr run --cni` in tests/tests/runtimes.rs, and the one-node
 #   Kubernetes of tests/tests/kubelet.rs (containerd's CRI plugin under the kubelet)
@@ -103,7 +108,7 @@ fi
 
 # The cluster-mode suites and the build call these by path or name: fail here,
 # not in the middle of a test, if a package did not provide them.
-for tool in /usr/bin/etcd /usr/bin/etcdctl protoc qemu-system-x86_64 promtool curl openssl; do
+for tool in /usr/bin/etcd /usr/bin/etcdctl nft protoc qemu-system-x86_64 promtool curl openssl; do
     if ! command -v "$tool" >/dev/null 2>&1; then
         echo "setup.sh: $tool is missing after installing the packages" >&2
         exit 1

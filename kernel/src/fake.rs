@@ -20,8 +20,8 @@ use tokio::sync::mpsc;
 
 use super::{
     Announcement, Announcements, ClusterRoute, GuestDhcp, GuestLease, Host, HostRoute, Kernel,
-    NodeRoutes, PodNetns, PodWiring, Synced, Veths, VxlanConfig, VxlanPeer, CLUSTER_ROUTE_PROTOCOL,
-    HOST_IFNAME_PREFIX, ROUTE_PROTOCOL, VM_ROUTE_PROTOCOL,
+    NatPlan, NodeRoutes, PodNetns, PodWiring, Synced, Veths, VxlanConfig, VxlanPeer,
+    CLUSTER_ROUTE_PROTOCOL, HOST_IFNAME_PREFIX, ROUTE_PROTOCOL, VM_ROUTE_PROTOCOL,
 };
 use crate::error::{KernelError, Result};
 use tether_base::error::Mismatch;
@@ -601,12 +601,18 @@ impl Kernel for FakeKernel {
     }
 }
 
-/// The fake node: a boot id the test sets, forwarding as a flag, and
-/// announcements the test sends.
+/// The fake node: a boot id the test sets, forwarding as a flag,
+/// announcements the test sends, and the outbound NAT table as a plan.
 #[derive(Debug)]
 pub struct FakeHost {
     boot_id: Mutex<String>,
     forwarding: Mutex<bool>,
+    /// tether's nftables table: None when there is none.
+    nat: Mutex<Option<NatPlan>>,
+    /// How many times the table was written or removed.
+    nat_writes: Mutex<usize>,
+    /// Whether programming the NAT table fails (no nft).
+    no_nat: Mutex<bool>,
     tx: mpsc::UnboundedSender<Announcement>,
     rx: Mutex<Option<mpsc::UnboundedReceiver<Announcement>>>,
     /// Whether opening the packet sockets fails (no CAP_NET_RAW).
@@ -666,6 +672,9 @@ impl Default for FakeHost {
         Self {
             boot_id: Mutex::new("boot-1".into()),
             forwarding: Mutex::new(false),
+            nat: Mutex::new(None),
+            nat_writes: Mutex::new(0),
+            no_nat: Mutex::new(false),
             tx,
             rx: Mutex::new(Some(rx)),
             no_packet_sockets: Mutex::new(false),
@@ -693,6 +702,26 @@ impl FakeHost {
     /// Whether forwarding was turned on.
     pub fn forwarding(&self) -> bool {
         *lock(&self.forwarding)
+    }
+
+    /// tether's NAT table as last programmed; None if there is none.
+    pub fn outbound_nat(&self) -> Option<NatPlan> {
+        lock(&self.nat).clone()
+    }
+
+    /// How many times the NAT table was written or removed.
+    pub fn nat_writes(&self) -> usize {
+        *lock(&self.nat_writes)
+    }
+
+    /// Leaves a NAT table behind, as a former daemon would have.
+    pub fn set_outbound_nat(&self, plan: Option<NatPlan>) {
+        *lock(&self.nat) = plan;
+    }
+
+    /// Makes programming and removing the NAT table fail.
+    pub fn refuse_nat(&self) {
+        *lock(&self.no_nat) = true;
     }
 
     /// Makes opening the packet sockets fail.
@@ -734,6 +763,28 @@ impl Host for FakeHost {
 
     fn guest_dhcp(&self) -> Arc<dyn GuestDhcp> {
         self.dhcp.clone()
+    }
+
+    fn ensure_outbound_nat(&self, plan: &NatPlan) -> Result<()> {
+        self.write_nat(Some(plan.clone()))
+    }
+
+    fn remove_outbound_nat(&self) -> Result<()> {
+        self.write_nat(None)
+    }
+}
+
+impl FakeHost {
+    fn write_nat(&self, plan: Option<NatPlan>) -> Result<()> {
+        if *lock(&self.no_nat) {
+            return Err(KernelError::refused(
+                "programming outbound NAT",
+                "injected failure",
+            ));
+        }
+        *lock(&self.nat_writes) += 1;
+        *lock(&self.nat) = plan;
+        Ok(())
     }
 }
 

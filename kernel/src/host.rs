@@ -1,11 +1,19 @@
-//! The real [`Host`]: sysctls under /proc/sys, the boot id, and the packet
-//! sockets of [`super::packet`].
+//! The real [`Host`]: sysctls under /proc/sys, the boot id, the packet
+//! sockets of [`super::packet`], and outbound NAT through the system's
+//! `nft` command.
 
 use super::netlink::write_sysctl;
 use super::packet::AnnounceListener;
-use super::{Announcements, GuestDhcp, Host};
+use super::{Announcements, GuestDhcp, Host, NatPlan};
 use crate::error::{KernelError, Result};
+use std::io::Write;
+use std::process::{Command, Stdio};
 use std::sync::Arc;
+
+/// The nftables command (Debian package `nftables`): looked up on `PATH`,
+/// then where Debian installs it, for a daemon started with a `PATH`
+/// without the sbin directories.
+const NFT: [&str; 3] = ["nft", "/usr/sbin/nft", "/sbin/nft"];
 
 /// The node this daemon runs on, in the daemon's own netns, with the
 /// guest DHCP service the daemon runs there (a layer above this one, so
@@ -55,4 +63,61 @@ impl Host for LinuxHost {
     fn guest_dhcp(&self) -> Arc<dyn GuestDhcp> {
         self.dhcp.clone()
     }
+
+    fn ensure_outbound_nat(&self, plan: &NatPlan) -> Result<()> {
+        run_nft(
+            &plan.script(),
+            "programming outbound NAT (nft table inet tether)",
+        )
+    }
+
+    fn remove_outbound_nat(&self) -> Result<()> {
+        run_nft(
+            &NatPlan::removal_script(),
+            "removing outbound NAT (nft table inet tether)",
+        )
+    }
+}
+
+/// Runs `nft -f -` with `script` on stdin, in the daemon's netns (a child
+/// process starts in the netns of the thread that spawns it, and tetherd's
+/// own threads never leave the node's). nft applies a file as one
+/// transaction: all of it or nothing.
+fn run_nft(script: &str, doing: &str) -> Result<()> {
+    let mut spawned = Err(std::io::ErrorKind::NotFound.into());
+    for nft in NFT {
+        spawned = Command::new(nft)
+            .args(["-f", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn();
+        if !matches!(&spawned, Err(e) if e.kind() == std::io::ErrorKind::NotFound) {
+            break;
+        }
+    }
+    let mut child = spawned.map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => KernelError::refused(
+            doing,
+            "no nft command, on PATH or in /usr/sbin (Debian package nftables); \
+             install it, or turn outbound NAT off with --outbound-nat=false",
+        ),
+        _ => KernelError::refused(doing, e),
+    })?;
+    // Written whole and closed before the wait, so nft sees end of file.
+    let written = match child.stdin.take() {
+        Some(mut stdin) => stdin.write_all(script.as_bytes()),
+        None => Ok(()),
+    };
+    let out = child
+        .wait_with_output()
+        .map_err(|e| KernelError::refused(doing, e))?;
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        return Err(KernelError::refused(
+            doing,
+            format!("nft -f - failed ({}): {}", out.status, stderr.trim()),
+        ));
+    }
+    written.map_err(|e| KernelError::refused(doing, e))
 }

@@ -6,8 +6,9 @@
 //!   reads that reconciliation needs.
 //! - [`NodeRoutes`]: routes to other nodes' blocks and to VMs that run
 //!   elsewhere, and the VXLAN device.
-//! - [`Host`]: the rest of the node: forwarding sysctls, the boot id, and
-//!   the packet sockets that see a migrated VM announce itself.
+//! - [`Host`]: the rest of the node: forwarding sysctls, the boot id, the
+//!   packet sockets that see a migrated VM announce itself, and outbound
+//!   NAT ([`nat`]).
 //!
 //! [`netlink::Netlink`] and [`LinuxHost`] are the real implementations;
 //! [`fake`] holds the in-memory ones. This module also fixes what tether
@@ -17,6 +18,7 @@
 pub mod error;
 pub mod fake;
 pub mod host;
+pub mod nat;
 pub mod netlink;
 pub mod packet;
 
@@ -31,6 +33,7 @@ use ipnet::IpNet;
 use crate::error::Result;
 pub use error::{Cause, KernelError};
 pub use host::LinuxHost;
+pub use nat::NatPlan;
 pub use packet::{AnnounceKind, Announcement};
 use tether_base::guest::{DhcpOptions, TapSpec};
 use tether_base::mac::Mac;
@@ -340,6 +343,13 @@ pub trait Host: Send + Sync {
 
     /// The node's DHCP and router-advertisement service for guests.
     fn guest_dhcp(&self) -> Arc<dyn GuestDhcp>;
+
+    /// Makes tether's nftables table exactly `plan` (outbound NAT), in one
+    /// transaction: the same plan again changes nothing.
+    fn ensure_outbound_nat(&self, plan: &NatPlan) -> Result<()>;
+
+    /// Removes tether's nftables table; no table is success.
+    fn remove_outbound_nat(&self) -> Result<()>;
 }
 
 /// Counters of the guest DHCP service since the daemon started.

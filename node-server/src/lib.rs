@@ -10,7 +10,8 @@
 //! `cluster` (membership and blocks), `pools` (named pools), `dhcp` (DHCP
 //! and router advertisements for the guests of tap bindings), `kube` (the
 //! optional Kubernetes API: the migration-target watch, IPAMClaims, the
-//! node's pod CIDRs, events), `metrics`, and `api`, everything that faces
+//! node's pod CIDRs, events), `nat` (outbound NAT), `metrics`, and `api`,
+//! everything that faces
 //! a caller: the CNI and admin gRPC services, the socket, and the shim's
 //! pending-DEL queue.
 
@@ -20,6 +21,7 @@ pub mod cluster;
 pub mod dhcp;
 pub mod kube;
 pub mod metrics;
+pub mod nat;
 pub mod pools;
 pub mod routing;
 pub mod vm;

@@ -1,8 +1,8 @@
 //! `tetherd`: tether's node daemon.
 //!
-//! Startup order: open the store, rebuild the pools, reconcile the kernel
-//! against the store, replay the shim's pending-DEL queue, and only then
-//! create the socket and serve.
+//! Startup order: open the store, program outbound NAT, rebuild the pools,
+//! reconcile the kernel against the store, replay the shim's pending-DEL
+//! queue, and only then create the socket and serve.
 
 use clap::Parser;
 use ipnet::IpNet;
@@ -187,6 +187,19 @@ struct Args {
     #[arg(long, hide = true, default_value_t = 0)]
     test_delete_delay_ms: u64,
 
+    /// Outbound NAT: traffic from pod addresses to anywhere outside the pod
+    /// ranges, the named pools and --no-nat-to leaves with the node's
+    /// address (nft table inet tether). --outbound-nat=false turns it off
+    /// and removes the table.
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
+    outbound_nat: bool,
+
+    /// A destination range never NATed to, besides the pod ranges and the
+    /// named pools: the service CIDR, or in --pod-cidr mode the whole
+    /// cluster's pod range. Repeatable, or comma-separated.
+    #[arg(long = "no-nat-to", value_name = "CIDR", value_delimiter = ',')]
+    no_nat_to: Vec<IpNet>,
+
     /// Log filter, e.g. "info" or "tetherd=debug".
     #[arg(long, default_value = "info", env = "TETHER_LOG")]
     log_level: String,
@@ -334,6 +347,13 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
     let host = Arc::new(tetherd::kernel::LinuxHost::new(Arc::new(
         tetherd::dhcp::DhcpServer::new(),
     )));
+    let nat = Arc::new(tetherd::nat::OutboundNat::new(
+        host.clone(),
+        args.outbound_nat,
+        pod_ranges(&args),
+        args.no_nat_to.clone(),
+    ));
+    nat.apply(&config.pools)?;
     let (node, reconciled) = Node::open(config, store, cluster, vms, kernel, host).await?;
     tracing::info!(?reconciled, "reconciled the kernel against the store");
     let node = Arc::new(node);
@@ -344,6 +364,7 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
     match args.pools_file.clone() {
         Some(path) => reload_pools_on_sighup(
             node.clone(),
+            nat,
             path,
             args.pod_cidrs.clone(),
             args.cluster_cidrs.clone(),
@@ -506,6 +527,17 @@ async fn join_cluster(
     Ok(Some(Cluster::join(store, config).await?))
 }
 
+/// The ranges of this node's pod addresses, which outbound NAT masquerades:
+/// the cluster CIDRs in cluster mode (every node's blocks), else the pod
+/// CIDRs.
+fn pod_ranges(args: &Args) -> Vec<IpNet> {
+    if args.cluster_cidrs.is_empty() {
+        args.pod_cidrs.clone()
+    } else {
+        args.cluster_cidrs.clone()
+    }
+}
+
 /// Reads the pools file and checks that no pool overlaps the pod CIDRs.
 fn load_pools(path: &Path, args: &Args) -> tetherd::error::Result<Vec<PoolDef>> {
     let defs = tetherd::pools::def::load(path)?;
@@ -553,7 +585,13 @@ const POOLS_POLL: std::time::Duration = std::time::Duration::from_secs(10);
 /// Reads the pools file again on every SIGHUP, and when its content
 /// changes (looked at every [`POOLS_POLL`]). A file that does not parse
 /// changes nothing (the error is logged, once per content).
-fn reload_pools_on_sighup(node: Arc<Node>, path: PathBuf, pod: Vec<IpNet>, cluster: Vec<IpNet>) {
+fn reload_pools_on_sighup(
+    node: Arc<Node>,
+    nat: Arc<tetherd::nat::OutboundNat>,
+    path: PathBuf,
+    pod: Vec<IpNet>,
+    cluster: Vec<IpNet>,
+) {
     use tokio::signal::unix::{signal, SignalKind};
     let mut hup = match signal(SignalKind::hangup()) {
         Ok(hup) => Some(hup),
@@ -588,6 +626,11 @@ fn reload_pools_on_sighup(node: Arc<Node>, path: PathBuf, pod: Vec<IpNet>, clust
             match loaded {
                 Ok(defs) => {
                     tracing::info!(file = %path.display(), count = defs.len(), why, "pools read again");
+                    // The pools are never NATed to; a refused table keeps
+                    // the former pools there.
+                    if let Err(e) = nat.apply(&defs) {
+                        tracing::error!("outbound NAT not updated for the new pools: {e}");
+                    }
                     node.reload_pools(defs);
                 }
                 Err(e) => {

@@ -149,6 +149,17 @@ impl Daemon {
         self.state_dir = dir;
     }
 
+    /// Gives `flag` the value `value` from the daemon's next start on: the
+    /// value after the flag's last occurrence is replaced, or both are
+    /// appended. The daemon must be stopped.
+    pub fn set_arg(&mut self, flag: &str, value: &str) {
+        assert!(self.child.is_none(), "set_arg: stop the daemon first");
+        match self.args.iter().rposition(|a| a == flag) {
+            Some(at) if at + 1 < self.args.len() => self.args[at + 1] = value.to_owned(),
+            _ => self.args.extend([flag.to_owned(), value.to_owned()]),
+        }
+    }
+
     /// The temp dir holding socket, state dir and log.
     pub fn dir(&self) -> &Path {
         self.dir.path()

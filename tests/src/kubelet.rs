@@ -439,6 +439,9 @@ state = "{d}/state"
             0o755,
         );
         root.copy_program(crate::tetherd_bin(), "usr/local/bin/tetherd");
+        // The image's nftables package: tetherd writes its outbound NAT
+        // table with nft (on the image's PATH here).
+        root.copy_program("/usr/sbin/nft", "bin/nft");
         let tmp = self.path(&format!("images/marker-{tag}"));
         std::fs::write(&tmp, marker).expect("writing the image marker");
         root.copy(&tmp, "etc/tether-image", 0o644);
@@ -459,7 +462,8 @@ state = "{d}/state"
     ///   finds the socket and its DEL queue where the daemon says), and the
     ///   installer writes that socket into the conflist (`TETHER_SOCKET`);
     /// - `KUBERNETES_SERVICE_HOST`/`PORT` set to the API server (no
-    ///   kube-proxy here).
+    ///   kube-proxy here); of the ConfigMap's variables only `NO_NAT_TO`
+    ///   (`--no-nat-to`) is kept.
     pub fn tether_manifest(&self, image: &str) -> Value {
         let file = workspace_dir().join("install/daemonset.yaml");
         let out = self.api.kubectl(&[
@@ -528,7 +532,9 @@ state = "{d}/state"
             .as_array()
             .expect("tetherd's env")
             .iter()
-            .filter(|e| ["NODE_NAME", "HOST_IP"].contains(&e["name"].as_str().unwrap_or("")))
+            .filter(|e| {
+                ["NODE_NAME", "HOST_IP", "NO_NAT_TO"].contains(&e["name"].as_str().unwrap_or(""))
+            })
             .cloned()
             .collect();
         env.push(json!({"name": "KUBERNETES_SERVICE_HOST", "value": api_host}));
