@@ -242,11 +242,42 @@ fn main() -> ExitCode {
     };
     match runtime.block_on(run(args)) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            tracing::error!(code = e.code(), "{e}");
+        Err(Fatal(message)) => {
+            tracing::error!("{message}");
             ExitCode::FAILURE
         }
     }
+}
+
+/// Why tetherd did not start, or stopped serving: a sentence for the
+/// operator. It carries no CNI code: codes are for a runtime reading a
+/// plugin's answer, and no runtime reads this.
+#[derive(Debug)]
+struct Fatal(String);
+
+impl From<Error> for Fatal {
+    fn from(e: Error) -> Self {
+        Fatal(match e {
+            // At start-up an invalid configuration is the daemon's own
+            // (flags, the pools file), not a network's.
+            Error::InvalidConfig(message) => message,
+            other => other.to_string(),
+        })
+    }
+}
+
+/// CAP_NET_ADMIN's bit in the capability sets (linux/capability.h).
+const CAP_NET_ADMIN: u32 = 12;
+
+/// True when `/proc/self/status` says the effective capabilities lack
+/// CAP_NET_ADMIN; false when they hold it or cannot be read (the kernel
+/// then says what is missing on the first change).
+fn lacks_net_admin(proc_status: &str) -> bool {
+    proc_status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << CAP_NET_ADMIN) == 0)
 }
 
 fn hostname() -> String {
@@ -255,7 +286,16 @@ fn hostname() -> String {
         .unwrap_or_else(|_| "localhost".into())
 }
 
-async fn run(args: Args) -> tetherd::error::Result<()> {
+async fn run(args: Args) -> Result<(), Fatal> {
+    // Without it the first netlink change fails with a bare EPERM, after
+    // the state dir was created; say what to do instead.
+    if lacks_net_admin(&std::fs::read_to_string("/proc/self/status").unwrap_or_default()) {
+        return Err(Fatal(
+            "tetherd must run as root (CAP_NET_ADMIN): it creates the pods' veths and routes \
+             in the node's network namespace. Run it as root, or in a privileged container"
+                .into(),
+        ));
+    }
     // Signal handlers first: a SIGTERM that arrives while the daemon starts
     // (the socket already accepts before the server loop runs) must stop it
     // cleanly, not kill it by the default action.
@@ -271,7 +311,7 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
             Some(tetherd::kube::client(&source).await?)
         }
         None if args.pod_cidr_from_node => {
-            return Err(Error::InvalidConfig(
+            return Err(Fatal(
                 "--pod-cidr-from-node needs the Kubernetes API: give --kubeconfig, or run in a pod with a service account".into(),
             ))
         }
@@ -313,7 +353,8 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
         };
         tokio::task::spawn_blocking(move || LocalStore::open(&dir, fsync))
             .await
-            .map_err(|e| tetherd::error::Error::Internal(e.to_string()))??
+            .map_err(|e| Error::Internal(e.to_string()))?
+            .map_err(Error::from)?
             .into_arc()
     };
     let control = tetherd::metrics::TimedControl::wrap(open_control_store(&args).await?);
@@ -330,7 +371,7 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
         }
     };
     let (cluster, vms) = joined;
-    let kernel = Arc::new(tetherd::kernel::netlink::Netlink::connect()?);
+    let kernel = Arc::new(tetherd::kernel::netlink::Netlink::connect().map_err(Error::from)?);
     let host = Arc::new(tetherd::kernel::LinuxHost::new(Arc::new(
         tetherd::dhcp::DhcpServer::new(),
     )));
@@ -398,7 +439,7 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
         tracing::warn!(error = %e, "cannot remove the socket");
     }
     tracing::info!("stopped");
-    served
+    Ok(served?)
 }
 
 /// Runs [`pending_del::adopt`] for this daemon's socket and state dir, and
@@ -628,5 +669,37 @@ async fn stopped(stop: &tokio::sync::watch::Receiver<bool>) {
     if stop.wait_for(|s| *s).await.is_err() {
         // The handlers could not be installed: never.
         futures::future::pending::<()>().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_without_cap_net_admin_is_told_to_run_as_root() {
+        let root = "Name:\ttetherd\nCapInh:\t0000000000000000\nCapEff:\t000001ffffffffff\n";
+        let nobody = "Name:\ttetherd\nCapEff:\t0000000000000000\n";
+        let net_admin_only = "CapEff:\t0000000000001000\n";
+        assert!(!lacks_net_admin(root));
+        assert!(lacks_net_admin(nobody));
+        assert!(!lacks_net_admin(net_admin_only));
+        // Unreadable: the kernel will say what is missing.
+        assert!(!lacks_net_admin(""));
+        assert!(!lacks_net_admin("CapEff:\tzz\n"));
+    }
+
+    #[test]
+    fn a_fatal_error_is_a_sentence_without_a_cni_code() {
+        let Fatal(said) =
+            Error::InvalidConfig("--metrics-address 0.0.0.0:9654: port 9654 already in use".into())
+                .into();
+        assert_eq!(
+            said,
+            "--metrics-address 0.0.0.0:9654: port 9654 already in use"
+        );
+        let Fatal(said) = Error::Store("reading /x: denied".into()).into();
+        assert_eq!(said, "state store failure: reading /x: denied");
+        assert!(!said.contains("code"));
     }
 }
