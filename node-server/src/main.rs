@@ -44,6 +44,7 @@ struct Args {
     #[arg(
         long = "pod-cidr",
         value_name = "CIDR",
+        value_parser = network,
         required_unless_present_any = ["cluster_cidrs", "pod_cidr_from_node"],
         conflicts_with_all = ["cluster_cidrs", "pod_cidr_from_node"]
     )]
@@ -68,7 +69,7 @@ struct Args {
     /// Cluster mode: the CIDR every node claims address blocks from, once
     /// per family, e.g. --cluster-cidr 10.244.0.0/16 --cluster-cidr
     /// fd00:10:244::/56. Every node of a cluster must be given the same.
-    #[arg(long = "cluster-cidr", value_name = "CIDR")]
+    #[arg(long = "cluster-cidr", value_name = "CIDR", value_parser = network)]
     cluster_cidrs: Vec<IpNet>,
 
     /// Named pools: a JSON file of subnets with ranges, exclusions, a
@@ -80,8 +81,9 @@ struct Args {
     pools_file: Option<PathBuf>,
 
     /// Serve Prometheus metrics over HTTP at /metrics on this address
-    /// (IP:PORT, e.g. 10.0.0.5:9654 or [fd00::5]:9654). Off when unset.
-    #[arg(long = "metrics-address", value_name = "ADDR")]
+    /// (IP:PORT, e.g. 10.0.0.5:9654 or [fd00::5]:9654, or :PORT for every
+    /// address of the node). Off when unset.
+    #[arg(long = "metrics-address", value_name = "ADDR", value_parser = listen_address)]
     metrics_address: Option<std::net::SocketAddr>,
 
     /// Prefix length of the IPv4 blocks claimed from the cluster CIDR.
@@ -192,6 +194,30 @@ struct Args {
     /// Log filter, e.g. "info" or "tetherd=debug".
     #[arg(long, default_value = "info", env = "TETHER_LOG")]
     log_level: String,
+}
+
+/// A `--pod-cidr` or `--cluster-cidr`: a network, refused with host bits
+/// set as the pools file refuses it.
+fn network(s: &str) -> Result<IpNet, String> {
+    let cidr: IpNet = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a CIDR (e.g. 10.244.1.0/24)"))?;
+    tetherd::pools::def::check_network(&cidr)?;
+    Ok(cidr)
+}
+
+/// A listen address: `IP:PORT`, `[IPv6]:PORT`, or `:PORT` for every
+/// address (`[::]`, which takes IPv4 too, or `0.0.0.0` where the node has
+/// no IPv6: see [`tetherd::api::scrape::bind`]).
+fn listen_address(s: &str) -> Result<std::net::SocketAddr, String> {
+    let bad = || format!("{s:?} is not IP:PORT, [IPv6]:PORT or :PORT");
+    match s.strip_prefix(':') {
+        Some(port) => {
+            let port: u16 = port.parse().map_err(|_| bad())?;
+            Ok((std::net::Ipv6Addr::UNSPECIFIED, port).into())
+        }
+        None => s.parse().map_err(|_| bad()),
+    }
 }
 
 /// The --store backend.
@@ -682,6 +708,60 @@ async fn stopped(stop: &tokio::sync::watch::Receiver<bool>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_listen_address_may_be_a_bare_port_for_every_address() {
+        let ok = |s: &str| {
+            listen_address(s)
+                .unwrap_or_else(|e| panic!("{e}"))
+                .to_string()
+        };
+        assert_eq!(ok(":9654"), "[::]:9654");
+        assert_eq!(ok("10.0.0.5:9654"), "10.0.0.5:9654");
+        assert_eq!(ok("[fd00::5]:9654"), "[fd00::5]:9654");
+        assert_eq!(ok("0.0.0.0:9654"), "0.0.0.0:9654");
+        for bad in [":", ":http", ":70000", "9654", "10.0.0.5", "host:9654"] {
+            let e = listen_address(bad).expect_err(bad);
+            assert!(e.contains("is not IP:PORT, [IPv6]:PORT or :PORT"), "{e}");
+        }
+        let args = Args::try_parse_from([
+            "tetherd",
+            "--pod-cidr",
+            "10.0.0.0/24",
+            "--metrics-address",
+            ":9654",
+        ])
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(args.metrics_address.map(|a| a.port()), Some(9654));
+    }
+
+    #[test]
+    fn a_pod_cidr_with_host_bits_is_refused_as_the_pools_file_refuses_it() {
+        let said = Args::try_parse_from(["tetherd", "--pod-cidr", "10.0.0.5/24"])
+            .expect_err("host bits")
+            .to_string();
+        assert!(
+            said.contains("10.0.0.5/24 has host bits set; did you mean 10.0.0.0/24?"),
+            "{said}"
+        );
+        let said = Args::try_parse_from(["tetherd", "--cluster-cidr", "fd00::1/56"])
+            .expect_err("host bits")
+            .to_string();
+        assert!(said.contains("did you mean fd00::/56?"), "{said}");
+        let said = Args::try_parse_from(["tetherd", "--pod-cidr", "10.0.0.0"])
+            .expect_err("no prefix")
+            .to_string();
+        assert!(said.contains("is not a CIDR"), "{said}");
+        let args = Args::try_parse_from([
+            "tetherd",
+            "--pod-cidr",
+            "10.0.0.0/24",
+            "--pod-cidr",
+            "fd00::/64",
+        ])
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(args.pod_cidrs.len(), 2);
+    }
 
     #[test]
     fn a_process_without_cap_net_admin_is_told_to_run_as_root() {

@@ -250,10 +250,29 @@ pub fn registry(node: Arc<Node>) -> Registry {
 
 /// Binds the metrics address: done first thing at start, so that a taken
 /// port fails the daemon before it touches any state.
+///
+/// `[::]` (from `:PORT`) takes IPv4 too; where the node has no IPv6 it
+/// falls back to `0.0.0.0`.
 pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+    let refused = |e: std::io::Error| {
         Error::InvalidConfig(format!("--metrics-address {addr}: {}", why_not(addr, &e)))
-    })
+    };
+    match tokio::net::TcpListener::bind(addr).await {
+        Ok(listener) => Ok(listener),
+        Err(e) if addr.ip() == std::net::Ipv6Addr::UNSPECIFIED && no_ipv6(&e) => {
+            let v4 = SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, addr.port()));
+            tokio::net::TcpListener::bind(v4).await.map_err(refused)
+        }
+        Err(e) => Err(refused(e)),
+    }
+}
+
+/// The errors of an IPv6 bind on a node without IPv6.
+fn no_ipv6(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EAFNOSUPPORT | libc::EADDRNOTAVAIL)
+    )
 }
 
 /// Why `addr` cannot be listened on, in words that say what to do.
@@ -265,7 +284,8 @@ fn why_not(addr: SocketAddr, e: &std::io::Error) -> String {
              choose another port, or stop what listens on it"
         ),
         std::io::ErrorKind::AddrNotAvailable => format!(
-            "no interface of this node has the address {}: give one of the node's addresses",
+            "no interface of this node has the address {}: give one of the node's \
+             addresses, or :{port} for all of them",
             addr.ip()
         ),
         std::io::ErrorKind::PermissionDenied => {
