@@ -194,6 +194,28 @@ struct Args {
     /// Log filter, e.g. "info" or "tetherd=debug".
     #[arg(long, default_value = "info", env = "TETHER_LOG")]
     log_level: String,
+
+    /// Log format: "text", one line per event (coloured only when stderr
+    /// is a terminal and NO_COLOR is unset), or "json", one object per
+    /// line, for a log collector.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "TETHER_LOG_FORMAT")]
+    log_format: LogFormat,
+}
+
+/// The --log-format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    /// Plain lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Whether text logs carry ANSI colours: only for a person at a terminal,
+/// never into a file or `kubectl logs`, and never under NO_COLOR
+/// (no-color.org: set and not empty).
+fn colour(stderr_is_terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    stderr_is_terminal && no_color.is_none_or(|v| v.is_empty())
 }
 
 /// A `--pod-cidr` or `--cluster-cidr`: a network, refused with host bits
@@ -250,13 +272,21 @@ enum FsyncArg {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_new(&args.log_level)
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match args.log_format {
+        LogFormat::Text => {
+            use std::io::IsTerminal;
+            let no_color = std::env::var_os("NO_COLOR");
+            logs.with_ansi(colour(std::io::stderr().is_terminal(), no_color.as_deref()))
+                .init()
+        }
+        LogFormat::Json => logs.json().init(),
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("tetherd")
@@ -761,6 +791,35 @@ mod tests {
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(args.pod_cidrs.len(), 2);
+    }
+
+    #[test]
+    fn logs_are_coloured_only_for_a_terminal_without_no_color() {
+        use std::ffi::OsStr;
+        assert!(colour(true, None));
+        assert!(colour(true, Some(OsStr::new(""))));
+        assert!(!colour(true, Some(OsStr::new("1"))));
+        assert!(!colour(false, None));
+        let args = Args::try_parse_from(["tetherd", "--pod-cidr", "10.0.0.0/24"])
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(args.log_format, LogFormat::Text);
+        let args = Args::try_parse_from([
+            "tetherd",
+            "--pod-cidr",
+            "10.0.0.0/24",
+            "--log-format",
+            "json",
+        ])
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(args.log_format, LogFormat::Json);
+        assert!(Args::try_parse_from([
+            "tetherd",
+            "--pod-cidr",
+            "10.0.0.0/24",
+            "--log-format",
+            "xml"
+        ])
+        .is_err());
     }
 
     #[test]
