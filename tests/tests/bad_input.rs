@@ -536,3 +536,59 @@ fn bad_input_is_refused_with_the_exact_code_and_changes_nothing() {
         failures.join("\n")
     );
 }
+
+/// A typo in a top-level netconf key is no error (the spec lets a plugin
+/// ignore what it does not know), but it is not silent either: the daemon
+/// warns once per network, naming the key and the one probably meant, and
+/// the pod gets what the netconf says without the misspelt key.
+#[test]
+fn unknown_netconf_keys_are_accepted_and_warned_once_per_network() {
+    require_root();
+    let daemon = Daemon::start(DaemonOpts {
+        pod_cidrs: vec!["10.82.0.0/24".into()],
+        ..DaemonOpts::default()
+    });
+    const WARNING: &str = "netconf keys tether does not know, ignored";
+    let typo = |network: &str| {
+        let mut conf = daemon.netconf("1.1.0", network);
+        conf["mut"] = json!(1400);
+        conf["sokcet"] = json!("/run/tether/tether.sock");
+        conf
+    };
+    let pods: Vec<Netns> = (0..3).map(|i| Netns::new(&format!("uk{i}"))).collect();
+    // Two ADDs and a CHECK on one network, as a runtime sends them.
+    for (i, pod) in pods[..2].iter().enumerate() {
+        let out = cni(
+            &tether_bin(),
+            &CniEnv::new("ADD", &format!("uk-{i}"), pod),
+            &to_vec(&typo("typos")),
+        );
+        out.assert_success();
+        // "mut" is not "mtu": the pod has the daemon's MTU.
+        let mtu = pod.ip_json(&["link", "show", "dev", "eth0"])[0]["mtu"].clone();
+        assert_eq!(mtu, json!(1500), "{}", pod.name());
+    }
+    let log = daemon.log();
+    let warnings: Vec<&str> = log.lines().filter(|l| l.contains(WARNING)).collect();
+    assert_eq!(warnings.len(), 1, "{warnings:#?}");
+    for needle in [
+        "network=typos",
+        r#""mut" (did you mean mtu?)"#,
+        r#""sokcet" (did you mean socket?)"#,
+    ] {
+        assert!(warnings[0].contains(needle), "{needle}: {}", warnings[0]);
+    }
+    // Another network with the same typos is warned about in its turn.
+    cni(
+        &tether_bin(),
+        &CniEnv::new("ADD", "uk-2", &pods[2]),
+        &to_vec(&typo("typos2")),
+    )
+    .assert_success();
+    let log = daemon.log();
+    let warnings: Vec<&str> = log.lines().filter(|l| l.contains(WARNING)).collect();
+    assert_eq!(warnings.len(), 2, "{warnings:#?}");
+    assert!(warnings[1].contains("network=typos2"), "{}", warnings[1]);
+    // A netconf without unknown keys is never warned about.
+    assert!(!log.contains(&format!("network={NET}")));
+}
