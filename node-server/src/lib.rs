@@ -9,7 +9,7 @@
 //! records and pods), `routing` (route planning and the route manager),
 //! `cluster` (membership and blocks), `pools` (named pools), `dhcp` (DHCP
 //! and router advertisements for the guests of tap bindings), `instance`
-//! (one daemon per state dir and socket), `kube` (the
+//! (one daemon per state dir, socket and network namespace), `kube` (the
 //! optional Kubernetes API: the migration-target watch, IPAMClaims, the
 //! node's pod CIDRs, events), `metrics`, and `api`, everything that faces
 //! a caller: the CNI and admin gRPC services, the socket, and the shim's

@@ -1,8 +1,8 @@
 //! `tetherd`: tether's node daemon.
 //!
-//! Startup order: lock the state dir and the socket's path and check that
-//! nobody serves the socket (a second daemon stops here, having changed
-//! nothing), open the store, rebuild the pools, reconcile the kernel
+//! Startup order: lock the state dir, the socket's path and the network
+//! namespace and check that nobody serves the socket (a second daemon
+//! stops here, having changed nothing), open the store, rebuild the pools, reconcile the kernel
 //! against the store, replay the shim's pending-DEL queue, and only then
 //! create the socket and serve.
 
@@ -359,7 +359,8 @@ async fn run(args: Args) -> Result<(), Fatal> {
     // cleanly, not kill it by the default action.
     let stop = stop_on_signal();
     // Before anything is read or written: a second daemon on this state
-    // dir or socket must leave the first's routes, links and files alone.
+    // dir, socket or netns must leave the first's routes, links and files
+    // alone.
     let _instance = tetherd::instance::InstanceLock::acquire(&args.state_dir, &args.socket)
         .await
         .map_err(|e| Fatal(e.to_string()))?;

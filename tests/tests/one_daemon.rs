@@ -1,6 +1,7 @@
 //! One daemon per node: a second `tetherd` started beside a live one, on
-//! the same state dir or on the same socket, exits at once with a message
-//! naming the first, and changes nothing: the node's routes and links, the
+//! the same state dir, on the same socket, or on neither but in the same
+//! network namespace, exits at once with a message naming the first, and
+//! changes nothing: the node's routes and links, the
 //! bytes of every file in the state dir, the socket, and the pods' traffic
 //! (two pods ping each other, both families, throughout). Run as root.
 
@@ -316,4 +317,36 @@ fn a_second_daemon_on_the_same_socket_with_another_state_dir_exits_and_changes_n
     // It opened no store: its own state dir holds its lock file only.
     let files: Vec<String> = file_bytes(&state).into_keys().collect();
     assert_eq!(files, ["tetherd.lock"]);
+}
+
+#[test]
+fn a_second_daemon_with_its_own_paths_in_the_same_netns_exits_and_changes_nothing() {
+    require_root();
+    let mut fx = fixture();
+    let pid = fx.daemon.pid().expect("running");
+    let own = TempDir::new("odns");
+    let (state, socket) = (own.path().join("state"), own.path().join("t.sock"));
+    let its_own_paths = |d: &Daemon| {
+        second_tetherd(
+            d,
+            &[
+                "--socket",
+                &socket.display().to_string(),
+                "--state-dir",
+                &state.display().to_string(),
+            ],
+        )
+    };
+    let outputs = attempts_change_nothing(&mut fx, &[&its_own_paths]);
+    assert!(
+        outputs[0].contains(&format!(
+            "another tetherd (pid {pid}) runs in this network namespace"
+        )),
+        "{}",
+        outputs[0]
+    );
+    // It opened no store and served nothing.
+    let files: Vec<String> = file_bytes(&state).into_keys().collect();
+    assert_eq!(files, ["tetherd.lock"]);
+    assert!(!socket.exists());
 }
