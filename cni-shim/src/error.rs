@@ -30,8 +30,6 @@ const VERBS: &str = "expected one of ADD, DEL, CHECK, STATUS, GC, VERSION";
 /// A failure the shim reports itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ShimError {
-    /// CNI_COMMAND is not set.
-    MissingCommand,
     /// CNI_COMMAND names no verb the shim knows.
     UnknownCommand(String),
     /// A CNI_* variable is not UTF-8 and cannot travel in the proto.
@@ -75,9 +73,7 @@ impl ShimError {
     /// The CNI error code of this failure. The one place the shim picks codes.
     pub fn code(&self) -> u32 {
         match self {
-            ShimError::MissingCommand | ShimError::UnknownCommand(_) | ShimError::EnvNotUtf8(_) => {
-                CODE_INVALID_ENV
-            }
+            ShimError::UnknownCommand(_) | ShimError::EnvNotUtf8(_) => CODE_INVALID_ENV,
             ShimError::ReadStdin(_) => CODE_IO,
             ShimError::ConfigNotObject(_) => CODE_DECODE,
             ShimError::ConfigTooLarge | ShimError::InvalidField { .. } => CODE_INVALID_CONFIG,
@@ -93,7 +89,6 @@ impl ShimError {
     /// The error's `msg`: what happened, with the socket or variable named.
     pub fn msg(&self) -> String {
         match self {
-            ShimError::MissingCommand => "CNI_COMMAND is not set".to_owned(),
             ShimError::UnknownCommand(c) => format!("unknown CNI_COMMAND {c:?}"),
             ShimError::EnvNotUtf8(var) => format!("{var} is not valid UTF-8"),
             ShimError::ReadStdin(e) => {
@@ -127,7 +122,7 @@ impl ShimError {
     /// The error's `details`: background that helps the operator, or "".
     pub fn details(&self) -> String {
         match self {
-            ShimError::MissingCommand | ShimError::UnknownCommand(_) => VERBS.to_owned(),
+            ShimError::UnknownCommand(_) => VERBS.to_owned(),
             ShimError::ConfigNotObject(e) => e.clone(),
             ShimError::Daemon { failure, .. } => failure.details(),
             ShimError::DelNotQueued { .. } => {
@@ -220,7 +215,6 @@ mod tests {
 
     #[test]
     fn local_failures_have_distinct_codes() {
-        assert_eq!(ShimError::MissingCommand.code(), 4);
         assert_eq!(ShimError::UnknownCommand("FOO".into()).code(), 4);
         assert_eq!(ShimError::EnvNotUtf8("CNI_ARGS").code(), 4);
         assert_eq!(ShimError::ReadStdin("EIO".into()).code(), 5);

@@ -42,6 +42,20 @@ enum Reply {
     Success(Vec<u8>),
     /// Print this error object and exit 1.
     Failure(ErrorObject),
+    /// No CNI_COMMAND: a person ran the binary. Print this on stderr and
+    /// exit 0.
+    About(String),
+}
+
+/// What the binary is, for a person who runs it without CNI_COMMAND
+/// (`tether`, `tether --help`): the reference plugins' two lines (their
+/// skel's "about" text), with tether's own version.
+fn about() -> String {
+    format!(
+        "CNI tether plugin version {}\nCNI protocol versions supported: {}\n",
+        env!("CARGO_PKG_VERSION"),
+        tether_proto::cni::SUPPORTED_VERSIONS.join(", ")
+    )
 }
 
 /// The process entry point (see the module's docs).
@@ -77,6 +91,12 @@ fn shim_main() -> Exit {
     let (bytes, status) = match reply {
         Reply::Success(bytes) => (bytes, Exit::Success),
         Reply::Failure(error) => (error.to_json_line(), Exit::Failure),
+        Reply::About(text) => {
+            // stdout stays a runtime's: the text goes to stderr, as skel's.
+            let mut err = io::stderr().lock();
+            let _ = err.write_all(text.as_bytes());
+            return Exit::Success;
+        }
     };
     if !bytes.is_empty() {
         let mut out = io::stdout().lock();
@@ -95,10 +115,12 @@ fn run(env: &dyn Fn(&str) -> Option<OsString>, name: &str, stdin: &mut dyn Read)
     // must succeed whatever else is there (podman sends dummy values), and a
     // bad CNI_COMMAND is reported at once instead of waiting on a stdin that
     // a person at a terminal never closes. Such errors cannot know the
-    // configuration's cniVersion and use the shim's own.
+    // configuration's cniVersion and use the shim's own. Without a verb
+    // (unset or empty, as skel reads it), a person ran the binary, maybe
+    // with --help: arguments are never a runtime's, so they are ignored.
     let command = match invocation::command(env) {
-        Ok(Some(command)) => command,
-        Ok(None) => return fail(ShimError::MissingCommand, DEFAULT_CNI_VERSION),
+        Ok(Some(command)) if !command.is_empty() => command,
+        Ok(_) => return Reply::About(about()),
         Err(e) => return fail(e, DEFAULT_CNI_VERSION),
     };
     if command == "VERSION" {
@@ -231,12 +253,27 @@ mod tests {
     }
 
     #[test]
-    fn missing_command_is_code_4() {
-        let Reply::Failure(error) = run(&no_env, "tether", &mut &b"{}"[..]) else {
-            panic!("expected a failure");
-        };
-        assert_eq!(error.code, 4);
-        assert_eq!(error.cni_version, "1.1.0");
+    fn without_a_command_the_binary_says_what_it_is_without_reading_stdin() {
+        struct Broken;
+        impl Read for Broken {
+            fn read(&mut self, _: &mut [u8]) -> io::Result<usize> {
+                Err(io::Error::other("must not be read"))
+            }
+        }
+        let empty = |name: &str| (name == "CNI_COMMAND").then(OsString::new);
+        for env in [&no_env as &dyn Fn(&str) -> Option<OsString>, &empty] {
+            let Reply::About(text) = run(env, "tether", &mut Broken) else {
+                panic!("expected the about text");
+            };
+            assert_eq!(
+                text,
+                format!(
+                    "CNI tether plugin version {}\nCNI protocol versions supported: \
+                     0.3.0, 0.3.1, 0.4.0, 1.0.0, 1.1.0\n",
+                    env!("CARGO_PKG_VERSION")
+                )
+            );
+        }
     }
 
     #[test]

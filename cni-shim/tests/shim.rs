@@ -272,19 +272,36 @@ fn version_with_empty_stdin() {
     assert_eq!(success(&output), format!("{VERSION_REPLY}\n").as_bytes());
 }
 
+/// As the reference plugins (skel) do: without CNI_COMMAND, or with an
+/// empty one, the binary says what it is on stderr and exits 0; stdout,
+/// a runtime's, stays empty, and arguments such as --help are ignored.
 #[test]
-fn missing_command_is_code_4() {
+fn without_a_command_it_says_what_it_is() {
     let node = Node::new().with_daemon();
-    let (output, _) = shim(&[("CNI_CONTAINERID", "c1")], &node.config(json!({})));
-    let error = cni_error(&output);
-    assert_eq!(error["code"], 4);
-    assert_eq!(error["msg"], "CNI_COMMAND is not set");
+    let about = format!(
+        "CNI tether plugin version {}\nCNI protocol versions supported: 0.3.0, 0.3.1, 0.4.0, 1.0.0, 1.1.0\n",
+        env!("CARGO_PKG_VERSION")
+    );
+    for env in [vec![("CNI_CONTAINERID", "c1")], vec![("CNI_COMMAND", "")]] {
+        let (output, _) = shim(&env, &node.config(json!({})));
+        assert!(output.status.success(), "{env:?}: {output:?}");
+        assert_eq!(String::from_utf8_lossy(&output.stderr), about, "{env:?}");
+        assert!(output.stdout.is_empty(), "{env:?}");
+    }
+    let help = Command::new(env!("CARGO_BIN_EXE_tether"))
+        .arg("--help")
+        .env_clear()
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(help.status.success());
+    assert_eq!(String::from_utf8_lossy(&help.stderr), about);
 }
 
 #[test]
 fn unknown_command_is_code_4() {
     let node = Node::new().with_daemon();
-    for command in ["FOO", "add", ""] {
+    for command in ["FOO", "add"] {
         let (output, _) = shim(&[("CNI_COMMAND", command)], &node.config(json!({})));
         let error = cni_error(&output);
         assert_eq!(error["code"], 4, "{command:?}");

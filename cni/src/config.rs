@@ -63,6 +63,116 @@ pub struct NetConf {
     pub pools: Vec<String>,
     /// Set when tether runs as another plugin's IPAM: the `ipam` section.
     pub ipam: Option<IpamConf>,
+    /// Top-level keys neither tether nor the runtime defines, in key order:
+    /// accepted, as the spec lets a plugin ignore them, for the daemon to
+    /// warn about (a typo such as `"mut": 1400` would otherwise go unseen).
+    /// Empty when tether is another plugin's IPAM: the top level is then
+    /// that plugin's.
+    pub unknown_keys: Vec<UnknownKey>,
+}
+
+/// A top-level netconf key tether does not know.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownKey {
+    /// The key as given.
+    pub key: String,
+    /// What it probably meant: a known key within a typo or two (case
+    /// ignored), or the flag that replaced a key earlier versions read.
+    pub hint: Option<&'static str>,
+}
+
+impl std::fmt::Display for UnknownKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.hint {
+            Some(hint) => write!(f, "{:?} (did you mean {hint}?)", self.key),
+            None => write!(f, "{:?}", self.key),
+        }
+    }
+}
+
+/// The top-level keys of tether's own netconf: tether's settings.
+const TETHER_KEYS: [&str; 10] = [
+    "cniVersion",
+    "name",
+    "type",
+    "socket",
+    "mtu",
+    "dns",
+    "pool",
+    "ipam",
+    "vmAddressPolicy",
+    "kubevirt",
+];
+
+/// The top-level keys the runtime and the spec's conventions put in any
+/// plugin's netconf.
+const RUNTIME_KEYS: [&str; 6] = [
+    "prevResult",
+    "runtimeConfig",
+    "capabilities",
+    "args",
+    VALID_ATTACHMENTS_KEY,
+    LEGACY_ATTACHMENTS_KEY,
+];
+
+/// Keys that earlier versions read, with what replaced them.
+const RETIRED_KEYS: [(&str, &str); 1] = [("stateDir", "tetherd's --state-dir")];
+
+/// The keys of `obj` that tether does not know, each with its likely
+/// meaning when there is one.
+fn unknown_keys(obj: &Map<String, Value>) -> Vec<UnknownKey> {
+    let known = TETHER_KEYS.iter().chain(&RUNTIME_KEYS);
+    obj.keys()
+        .filter(|k| !known.clone().any(|known| known == k))
+        .map(|key| UnknownKey {
+            hint: RETIRED_KEYS
+                .iter()
+                .find(|(old, _)| old == key)
+                .map(|(_, new)| *new)
+                .or_else(|| closest_key(key)),
+            key: key.clone(),
+        })
+        .collect()
+}
+
+/// The known key `key` is most likely a typo of: within one edit for keys
+/// of up to four letters, two for longer ones (a swap of neighbours counts
+/// as one, case is ignored), and the nearest of those.
+fn closest_key(key: &str) -> Option<&'static str> {
+    let key = key.to_ascii_lowercase();
+    let limit = if key.chars().count() <= 4 { 1 } else { 2 };
+    TETHER_KEYS
+        .iter()
+        .chain(&RUNTIME_KEYS)
+        .map(|k| (edit_distance(&key, &k.to_ascii_lowercase()), *k))
+        .filter(|(d, _)| *d <= limit)
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, k)| k)
+}
+
+/// The optimal string alignment distance: insertions, deletions,
+/// substitutions and swaps of neighbours, each costing one.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
+    let width = b.len() + 1;
+    let mut d = vec![0usize; (a.len() + 1) * width];
+    for i in 0..=a.len() {
+        for j in 0..=b.len() {
+            d[i * width + j] = if i == 0 || j == 0 {
+                i + j
+            } else {
+                let cost = usize::from(a[i - 1] != b[j - 1]);
+                let mut best = (d[(i - 1) * width + j] + 1)
+                    .min(d[i * width + j - 1] + 1)
+                    .min(d[(i - 1) * width + j - 1] + cost);
+                if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                    best = best.min(d[(i - 2) * width + j - 2] + 1);
+                }
+                best
+            };
+        }
+    }
+    d[a.len() * width + b.len()]
 }
 
 /// The `ipam` section of another plugin's configuration, when that plugin
@@ -225,8 +335,9 @@ impl PrevResult {
 impl NetConf {
     /// Parses a configuration object whose `cniVersion` is already known to
     /// be `version`. Unknown keys are allowed (the spec says runtimes pass
-    /// them through and plugins may ignore them), except `ipam`: tether does
-    /// its own IPAM and must not silently ignore a delegated one (2).
+    /// them through and plugins may ignore them) and listed in
+    /// [`NetConf::unknown_keys`], except `ipam`: tether does its own IPAM
+    /// and must not silently ignore a delegated one (2).
     pub fn parse(obj: &Map<String, Value>, version: CniVersion) -> Result<Self> {
         Self::parse_as(obj, version, DEFAULT_PLUGIN_NAME)
     }
@@ -303,6 +414,7 @@ impl NetConf {
             kubevirt,
             pools,
             ipam: None,
+            unknown_keys: unknown_keys(obj),
         })
     }
 
@@ -367,6 +479,7 @@ impl NetConf {
             kubevirt: KubevirtConf::default(),
             pools,
             ipam: Some(conf),
+            unknown_keys: Vec::new(),
         })
     }
 }
@@ -863,7 +976,78 @@ mod tests {
         v["bridge"] = json!("cni0");
         v["args"] = json!({"cni": {"labels": []}});
         v["capabilities"] = json!({"portMappings": true});
-        assert!(conf(v).is_ok());
+        let c = conf(v).unwrap();
+        assert_eq!(
+            c.unknown_keys,
+            [UnknownKey {
+                key: "bridge".into(),
+                hint: None
+            }]
+        );
+    }
+
+    #[test]
+    fn unknown_keys_are_listed_with_the_key_they_probably_meant() {
+        let mut v = base();
+        v["mut"] = json!(1400);
+        v["sokcet"] = json!("/run/tether/tether.sock");
+        v["MTU"] = json!(1400);
+        v["vmAdressPolicy"] = json!("ephemeral");
+        v["runtimeconfig"] = json!({});
+        v["stateDir"] = json!("/var/lib/tether");
+        v["labels"] = json!({});
+        v["mtu"] = json!(1450);
+        v["socket"] = json!("/run/tether/tether.sock");
+        v["prevResult"] = json!({"cniVersion": "1.1.0"});
+        v[VALID_ATTACHMENTS_KEY] = json!([]);
+        let c = conf(v).unwrap();
+        // Accepted: the known keys still apply, the unknown are ignored.
+        assert_eq!(c.mtu, Some(1450));
+        let found: Vec<String> = c.unknown_keys.iter().map(|k| k.to_string()).collect();
+        assert_eq!(
+            found,
+            [
+                r#""MTU" (did you mean mtu?)"#,
+                r#""labels""#,
+                r#""mut" (did you mean mtu?)"#,
+                r#""runtimeconfig" (did you mean runtimeConfig?)"#,
+                r#""sokcet" (did you mean socket?)"#,
+                r#""stateDir" (did you mean tetherd's --state-dir?)"#,
+                r#""vmAdressPolicy" (did you mean vmAddressPolicy?)"#,
+            ]
+        );
+    }
+
+    #[test]
+    fn an_unrelated_key_gets_no_hint() {
+        for key in [
+            "bridge",
+            "isGateway",
+            "ipMasq",
+            "hairpinMode",
+            "foo",
+            "ips",
+            "xyz",
+        ] {
+            assert_eq!(closest_key(key), None, "{key}");
+        }
+        assert_eq!(edit_distance("mut", "mtu"), 1);
+        assert_eq!(edit_distance("sokcet", "socket"), 1);
+        assert_eq!(edit_distance("", "mtu"), 3);
+        assert_eq!(edit_distance("kubevrit", "kubevirt"), 1);
+    }
+
+    #[test]
+    fn another_plugins_top_level_keys_are_not_tethers_to_warn_about() {
+        let Value::Object(obj) = json!({
+            "cniVersion": "1.1.0", "name": "n", "type": "macvlan", "master": "eth0",
+            "ipam": {"type": "tether"}
+        }) else {
+            unreachable!()
+        };
+        let c = NetConf::parse(&obj, CniVersion::V1_1_0).unwrap();
+        assert!(c.ipam.is_some());
+        assert_eq!(c.unknown_keys, []);
     }
 
     #[test]

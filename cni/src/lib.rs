@@ -20,7 +20,9 @@ pub mod result;
 pub mod version;
 
 pub use args::{CniArgs, RequestedMac};
-pub use config::{AttachmentId, IpamConf, NetConf, PrevResult, RuntimeConfig, VmAddressPolicy};
+pub use config::{
+    AttachmentId, IpamConf, NetConf, PrevResult, RuntimeConfig, UnknownKey, VmAddressPolicy,
+};
 pub use pod::{pools, requested, vm_pod, Requested, VmPod, POOL_ANNOTATION};
 pub use request::{parse_request, Invocation, MAX_STDIN};
 pub use result::{

@@ -368,6 +368,7 @@ mod tests {
             kubevirt: Default::default(),
             pools: Vec::new(),
             ipam: None,
+            unknown_keys: Vec::new(),
         }
     }
 

@@ -8,7 +8,8 @@
 //! attachment lifecycle that ties them together), `vm` (KubeVirt VM
 //! records and pods), `routing` (route planning and the route manager),
 //! `cluster` (membership and blocks), `pools` (named pools), `dhcp` (DHCP
-//! and router advertisements for the guests of tap bindings), `kube` (the
+//! and router advertisements for the guests of tap bindings), `instance`
+//! (one daemon per state dir, socket and network namespace), `kube` (the
 //! optional Kubernetes API: the migration-target watch, IPAMClaims, the
 //! node's pod CIDRs, events), `nat` (outbound NAT), `metrics`, and `api`,
 //! everything that faces
@@ -19,6 +20,7 @@ pub mod api;
 pub mod attach;
 pub mod cluster;
 pub mod dhcp;
+pub mod instance;
 pub mod kube;
 pub mod metrics;
 pub mod nat;

@@ -1,8 +1,10 @@
 //! `tetherd`: tether's node daemon.
 //!
-//! Startup order: open the store, program outbound NAT, rebuild the pools,
-//! reconcile the kernel against the store, replay the shim's pending-DEL
-//! queue, and only then create the socket and serve.
+//! Startup order: lock the state dir, the socket's path and the network
+//! namespace and check that nobody serves the socket (a second daemon
+//! stops here, having changed nothing), open the store, program outbound
+//! NAT, rebuild the pools, reconcile the kernel against the store, replay
+//! the shim's pending-DEL queue, and only then create the socket and serve.
 
 use clap::Parser;
 use ipnet::IpNet;
@@ -42,6 +44,7 @@ struct Args {
     #[arg(
         long = "pod-cidr",
         value_name = "CIDR",
+        value_parser = network,
         required_unless_present_any = ["cluster_cidrs", "pod_cidr_from_node"],
         conflicts_with_all = ["cluster_cidrs", "pod_cidr_from_node"]
     )]
@@ -66,7 +69,7 @@ struct Args {
     /// Cluster mode: the CIDR every node claims address blocks from, once
     /// per family, e.g. --cluster-cidr 10.244.0.0/16 --cluster-cidr
     /// fd00:10:244::/56. Every node of a cluster must be given the same.
-    #[arg(long = "cluster-cidr", value_name = "CIDR")]
+    #[arg(long = "cluster-cidr", value_name = "CIDR", value_parser = network)]
     cluster_cidrs: Vec<IpNet>,
 
     /// Named pools: a JSON file of subnets with ranges, exclusions, a
@@ -78,8 +81,9 @@ struct Args {
     pools_file: Option<PathBuf>,
 
     /// Serve Prometheus metrics over HTTP at /metrics on this address
-    /// (IP:PORT, e.g. 10.0.0.5:9654 or [fd00::5]:9654). Off when unset.
-    #[arg(long = "metrics-address", value_name = "ADDR")]
+    /// (IP:PORT, e.g. 10.0.0.5:9654 or [fd00::5]:9654, or :PORT for every
+    /// address of the node). Off when unset.
+    #[arg(long = "metrics-address", value_name = "ADDR", value_parser = listen_address)]
     metrics_address: Option<std::net::SocketAddr>,
 
     /// Prefix length of the IPv4 blocks claimed from the cluster CIDR.
@@ -203,6 +207,52 @@ struct Args {
     /// Log filter, e.g. "info" or "tetherd=debug".
     #[arg(long, default_value = "info", env = "TETHER_LOG")]
     log_level: String,
+
+    /// Log format: "text", one line per event (coloured only when stderr
+    /// is a terminal and NO_COLOR is unset), or "json", one object per
+    /// line, for a log collector.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "TETHER_LOG_FORMAT")]
+    log_format: LogFormat,
+}
+
+/// The --log-format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    /// Plain lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Whether text logs carry ANSI colours: only for a person at a terminal,
+/// never into a file or `kubectl logs`, and never under NO_COLOR
+/// (no-color.org: set and not empty).
+fn colour(stderr_is_terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    stderr_is_terminal && no_color.is_none_or(|v| v.is_empty())
+}
+
+/// A `--pod-cidr` or `--cluster-cidr`: a network, refused with host bits
+/// set as the pools file refuses it.
+fn network(s: &str) -> Result<IpNet, String> {
+    let cidr: IpNet = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a CIDR (e.g. 10.244.1.0/24)"))?;
+    tetherd::pools::def::check_network(&cidr)?;
+    Ok(cidr)
+}
+
+/// A listen address: `IP:PORT`, `[IPv6]:PORT`, or `:PORT` for every
+/// address (`[::]`, which takes IPv4 too, or `0.0.0.0` where the node has
+/// no IPv6: see [`tetherd::api::scrape::bind`]).
+fn listen_address(s: &str) -> Result<std::net::SocketAddr, String> {
+    let bad = || format!("{s:?} is not IP:PORT, [IPv6]:PORT or :PORT");
+    match s.strip_prefix(':') {
+        Some(port) => {
+            let port: u16 = port.parse().map_err(|_| bad())?;
+            Ok((std::net::Ipv6Addr::UNSPECIFIED, port).into())
+        }
+        None => s.parse().map_err(|_| bad()),
+    }
 }
 
 /// The --store backend.
@@ -235,13 +285,21 @@ enum FsyncArg {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_new(&args.log_level)
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match args.log_format {
+        LogFormat::Text => {
+            use std::io::IsTerminal;
+            let no_color = std::env::var_os("NO_COLOR");
+            logs.with_ansi(colour(std::io::stderr().is_terminal(), no_color.as_deref()))
+                .init()
+        }
+        LogFormat::Json => logs.json().init(),
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("tetherd")
@@ -255,11 +313,42 @@ fn main() -> ExitCode {
     };
     match runtime.block_on(run(args)) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            tracing::error!(code = e.code(), "{e}");
+        Err(Fatal(message)) => {
+            tracing::error!("{message}");
             ExitCode::FAILURE
         }
     }
+}
+
+/// Why tetherd did not start, or stopped serving: a sentence for the
+/// operator. It carries no CNI code: codes are for a runtime reading a
+/// plugin's answer, and no runtime reads this.
+#[derive(Debug)]
+struct Fatal(String);
+
+impl From<Error> for Fatal {
+    fn from(e: Error) -> Self {
+        Fatal(match e {
+            // At start-up an invalid configuration is the daemon's own
+            // (flags, the pools file), not a network's.
+            Error::InvalidConfig(message) => message,
+            other => other.to_string(),
+        })
+    }
+}
+
+/// CAP_NET_ADMIN's bit in the capability sets (linux/capability.h).
+const CAP_NET_ADMIN: u32 = 12;
+
+/// True when `/proc/self/status` says the effective capabilities lack
+/// CAP_NET_ADMIN; false when they hold it or cannot be read (the kernel
+/// then says what is missing on the first change).
+fn lacks_net_admin(proc_status: &str) -> bool {
+    proc_status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << CAP_NET_ADMIN) == 0)
 }
 
 fn hostname() -> String {
@@ -268,11 +357,26 @@ fn hostname() -> String {
         .unwrap_or_else(|_| "localhost".into())
 }
 
-async fn run(args: Args) -> tetherd::error::Result<()> {
+async fn run(args: Args) -> Result<(), Fatal> {
+    // Without it the first netlink change fails with a bare EPERM, after
+    // the state dir was created; say what to do instead.
+    if lacks_net_admin(&std::fs::read_to_string("/proc/self/status").unwrap_or_default()) {
+        return Err(Fatal(
+            "tetherd must run as root (CAP_NET_ADMIN): it creates the pods' veths and routes \
+             in the node's network namespace. Run it as root, or in a privileged container"
+                .into(),
+        ));
+    }
     // Signal handlers first: a SIGTERM that arrives while the daemon starts
     // (the socket already accepts before the server loop runs) must stop it
     // cleanly, not kill it by the default action.
     let stop = stop_on_signal();
+    // Before anything is read or written: a second daemon on this state
+    // dir, socket or netns must leave the first's routes, links and files
+    // alone.
+    let _instance = tetherd::instance::InstanceLock::acquire(&args.state_dir, &args.socket)
+        .await
+        .map_err(|e| Fatal(e.to_string()))?;
     let metrics_listener = match args.metrics_address {
         Some(addr) => Some(tetherd::api::scrape::bind(addr).await?),
         None => None,
@@ -284,7 +388,7 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
             Some(tetherd::kube::client(&source).await?)
         }
         None if args.pod_cidr_from_node => {
-            return Err(Error::InvalidConfig(
+            return Err(Fatal(
                 "--pod-cidr-from-node needs the Kubernetes API: give --kubeconfig, or run in a pod with a service account".into(),
             ))
         }
@@ -326,7 +430,8 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
         };
         tokio::task::spawn_blocking(move || LocalStore::open(&dir, fsync))
             .await
-            .map_err(|e| tetherd::error::Error::Internal(e.to_string()))??
+            .map_err(|e| Error::Internal(e.to_string()))?
+            .map_err(Error::from)?
             .into_arc()
     };
     let control = tetherd::metrics::TimedControl::wrap(open_control_store(&args).await?);
@@ -343,7 +448,7 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
         }
     };
     let (cluster, vms) = joined;
-    let kernel = Arc::new(tetherd::kernel::netlink::Netlink::connect()?);
+    let kernel = Arc::new(tetherd::kernel::netlink::Netlink::connect().map_err(Error::from)?);
     let host = Arc::new(tetherd::kernel::LinuxHost::new(Arc::new(
         tetherd::dhcp::DhcpServer::new(),
     )));
@@ -419,7 +524,7 @@ async fn run(args: Args) -> tetherd::error::Result<()> {
         tracing::warn!(error = %e, "cannot remove the socket");
     }
     tracing::info!("stopped");
-    served
+    Ok(served?)
 }
 
 /// Runs [`pending_del::adopt`] for this daemon's socket and state dir, and
@@ -671,5 +776,120 @@ async fn stopped(stop: &tokio::sync::watch::Receiver<bool>) {
     if stop.wait_for(|s| *s).await.is_err() {
         // The handlers could not be installed: never.
         futures::future::pending::<()>().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_listen_address_may_be_a_bare_port_for_every_address() {
+        let ok = |s: &str| {
+            listen_address(s)
+                .unwrap_or_else(|e| panic!("{e}"))
+                .to_string()
+        };
+        assert_eq!(ok(":9654"), "[::]:9654");
+        assert_eq!(ok("10.0.0.5:9654"), "10.0.0.5:9654");
+        assert_eq!(ok("[fd00::5]:9654"), "[fd00::5]:9654");
+        assert_eq!(ok("0.0.0.0:9654"), "0.0.0.0:9654");
+        for bad in [":", ":http", ":70000", "9654", "10.0.0.5", "host:9654"] {
+            let e = listen_address(bad).expect_err(bad);
+            assert!(e.contains("is not IP:PORT, [IPv6]:PORT or :PORT"), "{e}");
+        }
+        let args = Args::try_parse_from([
+            "tetherd",
+            "--pod-cidr",
+            "10.0.0.0/24",
+            "--metrics-address",
+            ":9654",
+        ])
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(args.metrics_address.map(|a| a.port()), Some(9654));
+    }
+
+    #[test]
+    fn a_pod_cidr_with_host_bits_is_refused_as_the_pools_file_refuses_it() {
+        let said = Args::try_parse_from(["tetherd", "--pod-cidr", "10.0.0.5/24"])
+            .expect_err("host bits")
+            .to_string();
+        assert!(
+            said.contains("10.0.0.5/24 has host bits set; did you mean 10.0.0.0/24?"),
+            "{said}"
+        );
+        let said = Args::try_parse_from(["tetherd", "--cluster-cidr", "fd00::1/56"])
+            .expect_err("host bits")
+            .to_string();
+        assert!(said.contains("did you mean fd00::/56?"), "{said}");
+        let said = Args::try_parse_from(["tetherd", "--pod-cidr", "10.0.0.0"])
+            .expect_err("no prefix")
+            .to_string();
+        assert!(said.contains("is not a CIDR"), "{said}");
+        let args = Args::try_parse_from([
+            "tetherd",
+            "--pod-cidr",
+            "10.0.0.0/24",
+            "--pod-cidr",
+            "fd00::/64",
+        ])
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(args.pod_cidrs.len(), 2);
+    }
+
+    #[test]
+    fn logs_are_coloured_only_for_a_terminal_without_no_color() {
+        use std::ffi::OsStr;
+        assert!(colour(true, None));
+        assert!(colour(true, Some(OsStr::new(""))));
+        assert!(!colour(true, Some(OsStr::new("1"))));
+        assert!(!colour(false, None));
+        let args = Args::try_parse_from(["tetherd", "--pod-cidr", "10.0.0.0/24"])
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(args.log_format, LogFormat::Text);
+        let args = Args::try_parse_from([
+            "tetherd",
+            "--pod-cidr",
+            "10.0.0.0/24",
+            "--log-format",
+            "json",
+        ])
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(args.log_format, LogFormat::Json);
+        assert!(Args::try_parse_from([
+            "tetherd",
+            "--pod-cidr",
+            "10.0.0.0/24",
+            "--log-format",
+            "xml"
+        ])
+        .is_err());
+    }
+
+    #[test]
+    fn a_process_without_cap_net_admin_is_told_to_run_as_root() {
+        let root = "Name:\ttetherd\nCapInh:\t0000000000000000\nCapEff:\t000001ffffffffff\n";
+        let nobody = "Name:\ttetherd\nCapEff:\t0000000000000000\n";
+        let net_admin_only = "CapEff:\t0000000000001000\n";
+        assert!(!lacks_net_admin(root));
+        assert!(lacks_net_admin(nobody));
+        assert!(!lacks_net_admin(net_admin_only));
+        // Unreadable: the kernel will say what is missing.
+        assert!(!lacks_net_admin(""));
+        assert!(!lacks_net_admin("CapEff:\tzz\n"));
+    }
+
+    #[test]
+    fn a_fatal_error_is_a_sentence_without_a_cni_code() {
+        let Fatal(said) =
+            Error::InvalidConfig("--metrics-address 0.0.0.0:9654: port 9654 already in use".into())
+                .into();
+        assert_eq!(
+            said,
+            "--metrics-address 0.0.0.0:9654: port 9654 already in use"
+        );
+        let Fatal(said) = Error::Store("reading /x: denied".into()).into();
+        assert_eq!(said, "state store failure: reading /x: denied");
+        assert!(!said.contains("code"));
     }
 }

@@ -225,8 +225,7 @@ const CASES: &[Case] = &[
     field("vmAddressPolicy a number", "vmAddressPolicy", |fx| fx.add(|c| c["vmAddressPolicy"] = json!(1))),
     field("prevResult interfaces a map on ADD", "prevResult", |fx| fx.add(|c| c["prevResult"] = json!({"cniVersion": "1.1.0", "interfaces": {}}))),
     // CNI_COMMAND
-    case("missing CNI_COMMAND", 4, |fx| fx.add_env(|e| e.command = None)),
-    case("empty CNI_COMMAND", 4, |fx| fx.add_env(|e| e.command = Some(String::new()))),
+    // (Unset or empty, it is no error: the about text, tested below.)
     case("unknown CNI_COMMAND", 4, |fx| fx.add_env(|e| e.command = Some("FROB".into()))),
     case("lower-case CNI_COMMAND", 4, |fx| fx.add_env(|e| e.command = Some("add".into()))),
     // CNI_CONTAINERID
@@ -535,4 +534,94 @@ fn bad_input_is_refused_with_the_exact_code_and_changes_nothing() {
         CASES.len(),
         failures.join("\n")
     );
+}
+
+/// Without CNI_COMMAND, or with an empty one, `tether` is being run by a
+/// person (`tether`, `tether --help`): it prints the reference plugins'
+/// about text on stderr, exits 0, reads no stdin, and never reaches the
+/// daemon, so nothing changes.
+#[test]
+fn without_cni_command_tether_says_what_it_is_and_changes_nothing() {
+    require_root();
+    let fx = fixture();
+    let about = format!(
+        "CNI tether plugin version {}\nCNI protocol versions supported: 0.3.0, 0.3.1, 0.4.0, 1.0.0, 1.1.0\n",
+        env!("CARGO_PKG_VERSION")
+    );
+    let unset = fx.add_env(|e| e.command = None);
+    let empty = fx.add_env(|e| e.command = Some(String::new()));
+    for (what, input) in [("unset", unset), ("empty", empty)] {
+        let before = Snapshot::take(&fx);
+        let out = cni(&tether_bin(), &input.env, &input.stdin);
+        let after = Snapshot::take(&fx);
+        assert_eq!(out.status, 0, "CNI_COMMAND {what}: {out}");
+        assert_eq!(out.stderr, about, "CNI_COMMAND {what}");
+        assert_eq!(out.stdout, "", "CNI_COMMAND {what}");
+        let changed = before.diff(&after);
+        assert!(changed.is_empty(), "CNI_COMMAND {what}: {changed:?}");
+    }
+    let help = std::process::Command::new(tether_bin())
+        .arg("--help")
+        .env_clear()
+        .output()
+        .expect("running tether --help");
+    assert!(help.status.success(), "{help:?}");
+    assert_eq!(String::from_utf8_lossy(&help.stderr), about);
+    assert!(help.stdout.is_empty());
+}
+
+/// A typo in a top-level netconf key is no error (the spec lets a plugin
+/// ignore what it does not know), but it is not silent either: the daemon
+/// warns once per network, naming the key and the one probably meant, and
+/// the pod gets what the netconf says without the misspelt key.
+#[test]
+fn unknown_netconf_keys_are_accepted_and_warned_once_per_network() {
+    require_root();
+    let daemon = Daemon::start(DaemonOpts {
+        pod_cidrs: vec!["10.82.0.0/24".into()],
+        ..DaemonOpts::default()
+    });
+    const WARNING: &str = "netconf keys tether does not know, ignored";
+    let typo = |network: &str| {
+        let mut conf = daemon.netconf("1.1.0", network);
+        conf["mut"] = json!(1400);
+        conf["sokcet"] = json!("/run/tether/tether.sock");
+        conf
+    };
+    let pods: Vec<Netns> = (0..3).map(|i| Netns::new(&format!("uk{i}"))).collect();
+    // Two ADDs and a CHECK on one network, as a runtime sends them.
+    for (i, pod) in pods[..2].iter().enumerate() {
+        let out = cni(
+            &tether_bin(),
+            &CniEnv::new("ADD", &format!("uk-{i}"), pod),
+            &to_vec(&typo("typos")),
+        );
+        out.assert_success();
+        // "mut" is not "mtu": the pod has the daemon's MTU.
+        let mtu = pod.ip_json(&["link", "show", "dev", "eth0"])[0]["mtu"].clone();
+        assert_eq!(mtu, json!(1500), "{}", pod.name());
+    }
+    let log = daemon.log();
+    let warnings: Vec<&str> = log.lines().filter(|l| l.contains(WARNING)).collect();
+    assert_eq!(warnings.len(), 1, "{warnings:#?}");
+    for needle in [
+        "network=typos",
+        r#""mut" (did you mean mtu?)"#,
+        r#""sokcet" (did you mean socket?)"#,
+    ] {
+        assert!(warnings[0].contains(needle), "{needle}: {}", warnings[0]);
+    }
+    // Another network with the same typos is warned about in its turn.
+    cni(
+        &tether_bin(),
+        &CniEnv::new("ADD", "uk-2", &pods[2]),
+        &to_vec(&typo("typos2")),
+    )
+    .assert_success();
+    let log = daemon.log();
+    let warnings: Vec<&str> = log.lines().filter(|l| l.contains(WARNING)).collect();
+    assert_eq!(warnings.len(), 2, "{warnings:#?}");
+    assert!(warnings[1].contains("network=typos2"), "{}", warnings[1]);
+    // A netconf without unknown keys is never warned about.
+    assert!(!log.contains(&format!("network={NET}")));
 }

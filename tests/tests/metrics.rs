@@ -284,13 +284,13 @@ fn metrics_are_off_by_default_and_a_taken_port_fails_the_start() {
     ]);
     assert!(!out.status.success(), "something answers on {METRICS}");
     assert!(!daemon.log().contains("serving metrics"));
-    // A second daemon in the same netns cannot take a metrics port that is
-    // in use: it fails at start, saying why.
-    let sock = daemon
-        .node()
-        .run(|| std::net::TcpListener::bind(METRICS).expect("bind in the node netns"));
+    // A daemon cannot take a metrics port that is in use: it fails at
+    // start, saying why. (In a netns of its own: a second daemon in this
+    // one is refused before it looks at the port.)
+    let other = Netns::new("m");
+    let sock = other.run(|| std::net::TcpListener::bind(METRICS).expect("bind in the netns"));
     let dir = tether_e2e::TempDir::new("m");
-    let out = daemon.node().exec(&[
+    let out = other.exec(&[
         &tether_e2e::tetherd_bin().display().to_string(),
         "--node-name",
         "m",

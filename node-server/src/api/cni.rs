@@ -8,11 +8,12 @@
 
 use crate::api::pending_del;
 use crate::attach::Node;
-use crate::cni::{self, Command, Invocation};
+use crate::cni::{self, Command, Invocation, NetConf, UnknownKey};
 use crate::error::{Error, Result};
 use crate::time::UnixNanos;
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tether_proto::cni::v1::{cni_response::Outcome, cni_server, CniRequest, CniResponse};
 use tonic::{Request, Response, Status};
@@ -85,16 +86,62 @@ impl Stats {
     }
 }
 
+/// How many (network, key) pairs [`KeyWarnings`] remembers: far more than
+/// real netconfs hold, few enough that a caller sending ever new keys
+/// cannot grow the daemon without end (past it, nothing more is warned).
+const MAX_KEY_WARNINGS: usize = 1024;
+
+/// The unknown netconf keys already warned about: each once per network,
+/// not on every call of a runtime that sends the same netconf each time.
+#[derive(Debug, Default)]
+pub struct KeyWarnings(Mutex<HashSet<(String, String)>>);
+
+impl KeyWarnings {
+    /// The unknown keys of `conf` not yet warned about for its network,
+    /// now remembered as warned.
+    pub fn first_seen<'a>(&self, conf: &'a NetConf) -> Vec<&'a UnknownKey> {
+        if conf.unknown_keys.is_empty() {
+            return Vec::new();
+        }
+        let mut seen = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        conf.unknown_keys
+            .iter()
+            .filter(|k| {
+                seen.len() < MAX_KEY_WARNINGS && seen.insert((conf.name.clone(), k.key.clone()))
+            })
+            .collect()
+    }
+
+    /// Logs the unknown keys of `conf` that were not logged before.
+    fn warn(&self, conf: &NetConf) {
+        let new = self.first_seen(conf);
+        if new.is_empty() {
+            return;
+        }
+        let keys: Vec<String> = new.iter().map(|k| k.to_string()).collect();
+        tracing::warn!(
+            network = %conf.name,
+            "netconf keys tether does not know, ignored: {} (said once per network)",
+            keys.join(", ")
+        );
+    }
+}
+
 /// The CNI service.
 pub struct CniService {
     node: Arc<Node>,
     stats: Arc<Stats>,
+    key_warnings: KeyWarnings,
 }
 
 impl CniService {
     /// A service over the node.
     pub fn new(node: Arc<Node>, stats: Arc<Stats>) -> Self {
-        CniService { node, stats }
+        CniService {
+            node,
+            stats,
+            key_warnings: KeyWarnings::default(),
+        }
     }
 
     async fn run(&self, rpc: Command, req: CniRequest) -> CniResponse {
@@ -108,6 +155,9 @@ impl CniService {
                 })
             }
         });
+        if let Ok(inv) = &parsed {
+            self.key_warnings.warn(&inv.conf);
+        }
         let version = match &parsed {
             Ok(inv) => inv.conf.cni_version.as_str().to_string(),
             Err(_) => cni::error_version(&req.stdin),
@@ -224,4 +274,60 @@ pub async fn drain_pending_dels(node: &Node, stats: &Stats) -> u64 {
         }
     }
     processed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cni::CniVersion;
+
+    fn conf(json: serde_json::Value) -> NetConf {
+        let serde_json::Value::Object(obj) = json else {
+            unreachable!("an object")
+        };
+        NetConf::parse(&obj, CniVersion::V1_1_0).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn keys(found: Vec<&UnknownKey>) -> Vec<String> {
+        found.iter().map(|k| k.to_string()).collect()
+    }
+
+    #[test]
+    fn an_unknown_key_is_warned_once_per_network() {
+        let w = KeyWarnings::default();
+        let net1 = conf(serde_json::json!({
+            "cniVersion": "1.1.0", "name": "net1", "type": "tether", "mut": 1400
+        }));
+        assert_eq!(keys(w.first_seen(&net1)), [r#""mut" (did you mean mtu?)"#]);
+        // The same netconf again, as a runtime sends it on every call.
+        assert!(w.first_seen(&net1).is_empty());
+        // Another network with the same typo is told too.
+        let net2 = conf(serde_json::json!({
+            "cniVersion": "1.1.0", "name": "net2", "type": "tether", "mut": 1400, "sokcet": "/x"
+        }));
+        assert_eq!(
+            keys(w.first_seen(&net2)),
+            [
+                r#""mut" (did you mean mtu?)"#,
+                r#""sokcet" (did you mean socket?)"#
+            ]
+        );
+        // A new typo on a network already warned about is told.
+        let net1b = conf(serde_json::json!({
+            "cniVersion": "1.1.0", "name": "net1", "type": "tether", "mut": 1400, "dsn": {}
+        }));
+        assert_eq!(keys(w.first_seen(&net1b)), [r#""dsn" (did you mean dns?)"#]);
+    }
+
+    #[test]
+    fn the_warned_keys_are_bounded() {
+        let w = KeyWarnings::default();
+        for i in 0..MAX_KEY_WARNINGS + 10 {
+            let c = conf(serde_json::json!({
+                "cniVersion": "1.1.0", "name": format!("n{i}"), "type": "tether", "k": 1
+            }));
+            let new = w.first_seen(&c);
+            assert_eq!(new.len(), usize::from(i < MAX_KEY_WARNINGS), "{i}");
+        }
+    }
 }

@@ -250,10 +250,49 @@ pub fn registry(node: Arc<Node>) -> Registry {
 
 /// Binds the metrics address: done first thing at start, so that a taken
 /// port fails the daemon before it touches any state.
+///
+/// `[::]` (from `:PORT`) takes IPv4 too; where the node has no IPv6 it
+/// falls back to `0.0.0.0`.
 pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| Error::InvalidConfig(format!("--metrics-address {addr}: cannot listen: {e}")))
+    let refused = |e: std::io::Error| {
+        Error::InvalidConfig(format!("--metrics-address {addr}: {}", why_not(addr, &e)))
+    };
+    match tokio::net::TcpListener::bind(addr).await {
+        Ok(listener) => Ok(listener),
+        Err(e) if addr.ip() == std::net::Ipv6Addr::UNSPECIFIED && no_ipv6(&e) => {
+            let v4 = SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, addr.port()));
+            tokio::net::TcpListener::bind(v4).await.map_err(refused)
+        }
+        Err(e) => Err(refused(e)),
+    }
+}
+
+/// The errors of an IPv6 bind on a node without IPv6.
+fn no_ipv6(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EAFNOSUPPORT | libc::EADDRNOTAVAIL)
+    )
+}
+
+/// Why `addr` cannot be listened on, in words that say what to do.
+fn why_not(addr: SocketAddr, e: &std::io::Error) -> String {
+    let port = addr.port();
+    match e.kind() {
+        std::io::ErrorKind::AddrInUse => format!(
+            "port {port} already in use (another tetherd, or another exporter on this node?): \
+             choose another port, or stop what listens on it"
+        ),
+        std::io::ErrorKind::AddrNotAvailable => format!(
+            "no interface of this node has the address {}: give one of the node's \
+             addresses, or :{port} for all of them",
+            addr.ip()
+        ),
+        std::io::ErrorKind::PermissionDenied => {
+            format!("not allowed to listen on port {port} ({e}): choose a port above 1023")
+        }
+        _ => format!("cannot listen: {e}"),
+    }
 }
 
 /// Serves `/metrics` of `node` on `listener` from a task, and `/readyz`:
@@ -360,5 +399,28 @@ mod tests {
             r#"tether_build_info{{version="{}"}} 1"#,
             env!("CARGO_PKG_VERSION")
         )));
+    }
+
+    #[tokio::test]
+    async fn a_taken_port_is_refused_in_plain_words() {
+        let taken = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = taken.local_addr().expect("local address");
+        let said = bind(addr).await.expect_err("the port is taken").to_string();
+        assert!(
+            said.contains(&format!(
+                "--metrics-address {addr}: port {} already in use",
+                addr.port()
+            )),
+            "{said}"
+        );
+        // Not an address of this node.
+        let foreign: SocketAddr = "192.0.2.77:9654".parse().expect("addr");
+        let said = bind(foreign).await.expect_err("not ours").to_string();
+        assert!(
+            said.contains("no interface of this node has the address 192.0.2.77"),
+            "{said}"
+        );
     }
 }

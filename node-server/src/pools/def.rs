@@ -183,6 +183,22 @@ pub fn load(path: &Path) -> Result<Vec<PoolDef>> {
 
 /// Parses and checks the text of a pools file.
 pub fn parse(text: &str) -> Result<Vec<PoolDef>> {
+    // serde reads a struct from an array too (its fields in order), so a
+    // bare list of pools would be told "invalid type: map, expected a
+    // sequence": say what the file must hold instead.
+    if let Ok(top) = serde_json::from_str::<Value>(text) {
+        if !top.is_object() {
+            return Err(Error::InvalidConfig(format!(
+                "pools file: expected an object {{\"pools\": [...]}}, found {}{}",
+                crate::cni::config::json_type(&top),
+                if top.is_array() {
+                    "; put the list under \"pools\""
+                } else {
+                    ""
+                }
+            )));
+        }
+    }
     let file: FileJson =
         serde_json::from_str(text).map_err(|e| Error::InvalidConfig(format!("pools file: {e}")))?;
     let mut defs: Vec<PoolDef> = Vec::with_capacity(file.pools.len());
@@ -204,6 +220,20 @@ pub fn parse(text: &str) -> Result<Vec<PoolDef>> {
         defs.push(def);
     }
     Ok(defs)
+}
+
+/// Refuses a CIDR with host bits set (`10.0.0.5/24`), which is most often
+/// an address typed where its network was meant: the pools file's `cidr`
+/// and the daemon's `--pod-cidr` and `--cluster-cidr` share this check
+/// and its message.
+pub fn check_network(cidr: &IpNet) -> std::result::Result<(), String> {
+    if cidr.trunc() == *cidr {
+        return Ok(());
+    }
+    Err(format!(
+        "{cidr} has host bits set; did you mean {}?",
+        cidr.trunc()
+    ))
 }
 
 /// True when two subnets share an address.
@@ -229,12 +259,7 @@ fn parse_pool(p: PoolJson) -> std::result::Result<PoolDef, String> {
         .cidr
         .parse()
         .map_err(|_| at(format!("cidr {:?} is not a CIDR", p.cidr)))?;
-    if cidr.trunc() != cidr {
-        return Err(at(format!(
-            "cidr {cidr} has host bits set; did you mean {}?",
-            cidr.trunc()
-        )));
-    }
+    check_network(&cidr).map_err(|m| at(format!("cidr {m}")))?;
     let inside = |field: &str, ip: IpAddr| -> std::result::Result<IpAddr, String> {
         if cidr.contains(&ip) {
             Ok(ip)
@@ -413,11 +438,33 @@ mod tests {
                 r#"{"pools":[{"name":"a","cidr":"10.0.0.0/24","routes":[{"dst":"::/0"}]}]}"#,
                 "family",
             ),
+            (
+                r#"[{"name":"a","cidr":"10.0.0.0/24"}]"#,
+                r#"expected an object {"pools": [...]}, found an array; put the list under "pools""#,
+            ),
+            (r#""pools""#, "found a string"),
         ] {
             let e = parse(text).map(|_| ()).expect_err(text);
             assert_eq!(e.code(), 7, "{text}");
             assert!(e.to_string().contains(needle), "{text}: {e}");
         }
+    }
+
+    #[test]
+    fn a_network_with_host_bits_is_refused_with_the_network_meant() {
+        let net = |s: &str| s.parse::<IpNet>().expect("CIDR");
+        assert_eq!(check_network(&net("10.0.0.0/24")), Ok(()));
+        assert_eq!(check_network(&net("fd00::/64")), Ok(()));
+        assert_eq!(
+            check_network(&net("10.0.0.5/24")),
+            Err("10.0.0.5/24 has host bits set; did you mean 10.0.0.0/24?".into())
+        );
+        let e = parse(r#"{"pools":[{"name":"a","cidr":"10.0.0.1/24"}]}"#).expect_err("host bits");
+        assert!(
+            e.to_string()
+                .contains("a: cidr 10.0.0.1/24 has host bits set; did you mean 10.0.0.0/24?"),
+            "{e}"
+        );
     }
 
     #[test]
