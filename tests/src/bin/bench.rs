@@ -14,7 +14,7 @@
 //! cycles again while the node already holds `--pods` attached pods.
 //!
 //! Run: `cargo run --release -p tether-e2e --bin bench -- [--cycles 200]
-//! [--concurrency 100] [--plugins tether,floor,ptp,bridge] [--pods 0,50,500]
+//! [--concurrency 100] [--plugins tether,tether-host,floor,ptp,bridge] [--pods 0,50,500]
 //! [--pods-cycles 30] [--write BENCHMARKS.md]`.
 
 use std::fmt::Write as _;
@@ -36,7 +36,7 @@ use tether_e2e::{
 };
 
 const USAGE: &str = "usage: bench [--cycles N] [--concurrency N] [--rounds N] [--warmup N] \
-[--batch N] [--plugins tether,floor,ptp,bridge] [--pods 0,50,500] [--pods-cycles N] \
+[--batch N] [--plugins tether,tether-host,floor,ptp,bridge] [--pods 0,50,500] [--pods-cycles N] \
 [--pods-plugins tether,floor,ptp] [--no-build] [--write FILE]";
 
 /// Where `--write` puts its section in the file.
@@ -64,6 +64,10 @@ struct Args {
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Kind {
     Tether,
+    /// tether again, with its own daemon, but the plugin spawned from the
+    /// bench's own netns (the host's), as a runtime there starts it: the
+    /// view of a harness outside the node netns.
+    TetherHost,
     /// `floor_add`: tetherd's kernel work for one ADD, nothing else.
     Floor,
     Ptp,
@@ -74,16 +78,20 @@ impl Kind {
     fn parse(s: &str) -> Result<Kind, String> {
         match s {
             "tether" => Ok(Kind::Tether),
+            "tether-host" => Ok(Kind::TetherHost),
             "floor" => Ok(Kind::Floor),
             "ptp" => Ok(Kind::Ptp),
             "bridge" => Ok(Kind::Bridge),
-            _ => Err(format!("unknown plugin {s:?} (tether, floor, ptp, bridge)")),
+            _ => Err(format!(
+                "unknown plugin {s:?} (tether, tether-host, floor, ptp, bridge)"
+            )),
         }
     }
 
     fn label(self) -> &'static str {
         match self {
             Kind::Tether => "tether",
+            Kind::TetherHost => "tether, spawned from the host netns",
             Kind::Floor => "floor (floor_add)",
             Kind::Ptp => "ptp + host-local",
             Kind::Bridge => "bridge + host-local",
@@ -93,6 +101,7 @@ impl Kind {
     fn short(self) -> &'static str {
         match self {
             Kind::Tether => "tether",
+            Kind::TetherHost => "tether-host",
             Kind::Floor => "floor",
             Kind::Ptp => "ptp",
             Kind::Bridge => "bridge",
@@ -251,6 +260,9 @@ impl Subject {
     /// One invocation from a thread in the node netns; the caller's thread
     /// stays where it is.
     fn invoke(&self, env: &CniEnv) -> CniOutput {
+        if self.kind == Kind::TetherHost {
+            return cni(&self.bin, env, &self.netconf);
+        }
         self.node.netns().run(|| cni(&self.bin, env, &self.netconf))
     }
 
@@ -429,7 +441,7 @@ fn setup(kind: Kind, subnet: &str, args: &Args) -> Result<Subject, String> {
             s.netconf = Vec::new();
             Ok(s)
         }
-        Kind::Tether => {
+        Kind::Tether | Kind::TetherHost => {
             let bins = match std::env::var_os("TETHER_BIN_DIR") {
                 Some(dir) => PathBuf::from(dir),
                 None => target_dir().join("release"),
@@ -860,8 +872,12 @@ fn table(subjects: &[Subject], args: &Args) -> String {
         );
     }
     let find = |k: Kind| subjects.iter().find(|s| s.kind == k).map(row);
-    for other in [Kind::Floor, Kind::Ptp] {
-        if let (Some(a), Some(b)) = (find(Kind::Tether), find(other)) {
+    for (mine, other) in [
+        (Kind::Tether, Kind::Floor),
+        (Kind::TetherHost, Kind::Floor),
+        (Kind::Tether, Kind::Ptp),
+    ] {
+        if let (Some(a), Some(b)) = (find(mine), find(other)) {
             let cells: Vec<String> = a
                 .cells
                 .iter()
@@ -870,7 +886,8 @@ fn table(subjects: &[Subject], args: &Args) -> String {
                 .collect();
             let _ = writeln!(
                 t,
-                "| tether / {} | {} | | |",
+                "| {} / {} | {} | | |",
+                mine.short(),
                 other.short(),
                 cells.join(" | ")
             );
@@ -1012,6 +1029,17 @@ fn report(
             ms(add(Kind::Tether, 0.99)),
             ratio(add(Kind::Tether, 0.99), add(Kind::Floor, 0.99)),
         );
+        if add(Kind::TetherHost, 0.5).is_some() {
+            let _ = writeln!(
+                r,
+                "- The outside view: tether spawned from the bench's own (the host's) netns, \
+                 with a daemon of its own, ADD p50 {} = {} the floor, p99 {} = {} the floor.",
+                ms(add(Kind::TetherHost, 0.5)),
+                ratio(add(Kind::TetherHost, 0.5), add(Kind::Floor, 0.5)),
+                ms(add(Kind::TetherHost, 0.99)),
+                ratio(add(Kind::TetherHost, 0.99), add(Kind::Floor, 0.99)),
+            );
+        }
     }
     let _ = writeln!(r, "- Failures: {failures}.\n");
     r.push_str(table);
