@@ -518,3 +518,16 @@ mod command_line_tests {
             .starts_with("--cycles: "));
     }
 }
+
+/// [`poll_until`] for something cheap to read (files): every 5 ms.
+pub fn poll_until_fast(deadline: Instant, mut done: impl FnMut() -> bool) -> bool {
+    loop {
+        if done() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}

@@ -25,9 +25,10 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use tether_e2e::admin;
 use tether_e2e::benchkit::{
     build_release, cargo_build_release, finish, first_lines, judge, number, panic_text,
-    parse_command_line, poll_until, start, stdout_of, CommonArgs, Machine, Start,
+    parse_command_line, poll_until, poll_until_fast, start, stdout_of, CommonArgs, Machine, Start,
 };
 use tether_e2e::reference::{bridge_netconf, host_local_leases, ptp_netconf};
 use tether_e2e::{
@@ -316,11 +317,19 @@ fn add_del(s: &mut Subject, id: &str, pod: &Netns) -> (Option<Duration>, Option<
     // tether removes the veth after answering DEL (by design); wait,
     // untimed, until it is gone, so that the next call, another plugin's
     // maybe, does not pay for that work.
-    poll_until(
-        Instant::now() + SETTLE,
-        || pod.link_names(),
-        |l| *l == ["lo"],
-    );
+    let deadline = Instant::now() + SETTLE;
+    poll_until(deadline, || pod.link_names(), |l| *l == ["lo"]);
+    // The pod's link vanishes before the kernel has finished the veth's
+    // teardown, which holds the kernel's RTNL lock that the next ADD's
+    // veth creation needs: wait until tetherd counts no deletion in flight
+    // (as bench_cluster does), as the floor's veth is deleted, untimed, to
+    // the end. bench_cluster's "ADD right after a DEL" measures the case
+    // this wait keeps out.
+    if let Node::Daemon(d) = &s.node {
+        poll_until_fast(deadline, || {
+            admin::stats(d.socket()).link_deletions_in_flight == 0
+        });
+    }
     (add, del)
 }
 

@@ -43,8 +43,8 @@ use std::time::{Duration, Instant};
 use ipnet::IpNet;
 use tether_e2e::admin;
 use tether_e2e::benchkit::{
-    finish, first_lines, guarded, judge, parse_command_line, poll_until, release_dir, start,
-    stdout_of, CommonArgs, Failures, Machine, Start,
+    finish, first_lines, guarded, judge, parse_command_line, poll_until, poll_until_fast,
+    release_dir, start, stdout_of, CommonArgs, Failures, Machine, Start,
 };
 use tether_e2e::cluster::{Cluster, ClusterOpts, NodeOpts, Overlay, CLUSTER_ROUTE_PROTOCOL};
 use tether_e2e::{
@@ -650,19 +650,6 @@ fn claim_phase(bins: &Bins, args: &Args, f: &mut Failures) -> Claims {
         stats_claim_ms,
         route_events,
         node_names,
-    }
-}
-
-/// [`poll_until`] for something cheap to read (files): every 5 ms.
-fn poll_until_fast(deadline: Instant, mut done: impl FnMut() -> bool) -> bool {
-    loop {
-        if done() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
