@@ -319,9 +319,9 @@ fn tether_then_portmap_through_libcni() {
     );
 
     // CHECK: libcni checks tether, then portmap. Debian's portmap 1.1.1
-    // fails its own CHECK (it looks for IPv6 chains even for IPv4: DESIGN.md
-    // section 7), so a failure is accepted only if it is portmap's, after
-    // tether's CHECK passed.
+    // fails its own CHECK (it looks for IPv6 chains even for IPv4), so a
+    // failure is accepted only if it is portmap's, after tether's CHECK
+    // passed.
     let out = attachment.cnitool("check");
     let calls = recorded_calls(&calls_dir);
     let tether_checks = calls_of(&calls, "tether", "CHECK");

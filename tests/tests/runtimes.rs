@@ -6,7 +6,7 @@
 //! wires it to that node netns, so the machine's root netns is never
 //! touched. The tether plugin the runtime executes is a small recording
 //! wrapper that execs the real binary: the tests can then assert what the
-//! runtime sent (DESIGN.md section 3) as well as what the user sees.
+//! runtime sent as well as what the user sees.
 //!
 //! Run as root, after `tests/setup.sh`.
 
@@ -906,7 +906,7 @@ fn podman_cni_backend_wires_the_container_and_cleans_up_after_it() {
     );
 
     // The container sees its address on eth0, from inside and through the
-    // netns podman made (nsenter, not `ip netns exec`: DESIGN.md section 7).
+    // netns podman made (nsenter, not `ip netns exec`).
     let inside = podman.run_ok(&[
         "exec", &name, "/bin/ip", "-4", "addr", "show", "dev", "eth0",
     ]);
