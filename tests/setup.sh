@@ -50,7 +50,7 @@ openssl
 # protobuf-compiler, libprotobuf-dev: protoc, which the etcd-client crate's
 #   build runs, and the well-known .proto files (google/protobuf/*.proto) that
 #   etcd's protos import; protoc recommends the latter, and --no-install-recommends
-#   would otherwise leave them out (README, "Dependencies": why protoc at all)
+#   would otherwise leave them out (docs/DEPENDENCIES.md: why protoc at all)
 # qemu-system-x86: the real guests of the VM suites (tests/tests/vm_guest.rs),
 #   run under TCG; its SeaBIOS comes with it as a dependency. The guest's
 #   kernel and dhcpcd are downloaded and unpacked, never installed
