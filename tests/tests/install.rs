@@ -328,3 +328,36 @@ fn the_daemonset_passes_only_flags_tetherd_knows() {
         );
     }
 }
+
+/// The DaemonSet's images carry the crates' version, never `:latest`, and
+/// are pulled only if absent, so that an image imported into containerd
+/// (the README's Quick start) is used; the build context leaves `target/`
+/// out.
+#[test]
+fn the_daemonset_names_a_versioned_image_used_if_present() {
+    let root = tether_e2e::workspace_dir();
+    let yaml = std::fs::read_to_string(root.join("install/daemonset.yaml"))
+        .expect("reading install/daemonset.yaml");
+    let images: Vec<&str> = yaml
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("image: "))
+        .collect();
+    assert_eq!(
+        images.len(),
+        2,
+        "the init container and tetherd: {images:?}"
+    );
+    let want = format!("tether:{}", env!("CARGO_PKG_VERSION"));
+    for image in &images {
+        assert_eq!(*image, want, "install/daemonset.yaml");
+    }
+    let policies: Vec<&str> = yaml
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("imagePullPolicy: "))
+        .collect();
+    assert_eq!(policies, ["IfNotPresent", "IfNotPresent"]);
+    for ignore in [".containerignore", ".dockerignore"] {
+        let text = std::fs::read_to_string(root.join(ignore)).expect(ignore);
+        assert!(text.lines().any(|l| l.trim() == "target/"), "{ignore}");
+    }
+}
