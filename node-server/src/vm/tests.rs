@@ -208,32 +208,28 @@ fn now() -> (Instant, UnixNanos) {
     (Instant::now(), UnixNanos::now())
 }
 
+/// Places container `cid` of `one` (on node `node`) in vm1's record: a
+/// migration's target if `target`.
+async fn place(one: &One, node: &str, cid: &str, target: bool) -> Placement {
+    one.vms
+        .place(
+            &one.side,
+            this(node, cid),
+            &pod(target),
+            &Requested::default(),
+        )
+        .await
+        .expect("placed")
+}
+
 /// The VM placed active on A (c1) and its migration target on B (c2).
 async fn migrating() -> (One, One, Attachment, Attachment, tempfile::TempDir) {
     let (a, b, dir) = two().await;
-    let first = a
-        .vms
-        .place(
-            &a.side,
-            this("node-a", "c1"),
-            &pod(false),
-            &Requested::default(),
-        )
-        .await
-        .expect("the first pod");
+    let first = place(&a, "node-a", "c1", false).await;
     assert!(first.created);
     assert_eq!(first.role, Role::Active);
     let c1 = attach(&a, "c1", &first.rec);
-    let target = b
-        .vms
-        .place(
-            &b.side,
-            this("node-b", "c2"),
-            &pod(true),
-            &Requested::default(),
-        )
-        .await
-        .expect("the target");
+    let target = place(&b, "node-b", "c2", true).await;
     assert_eq!(target.role, Role::Alternate);
     assert_eq!(
         target.rec.ips, first.rec.ips,
@@ -246,16 +242,7 @@ async fn migrating() -> (One, One, Attachment, Attachment, tempfile::TempDir) {
 #[tokio::test]
 async fn the_first_pod_creates_the_record_from_its_nodes_pools() {
     let (a, _b, _dir) = two().await;
-    let p = a
-        .vms
-        .place(
-            &a.side,
-            this("node-a", "c1"),
-            &pod(false),
-            &Requested::default(),
-        )
-        .await
-        .expect("placed");
+    let p = place(&a, "node-a", "c1", false).await;
     assert!(p.created);
     assert_eq!(p.rec.ips.len(), 1);
     assert!(p.rec.ips[0].to_string().starts_with("10.9.0."));
