@@ -47,7 +47,7 @@ shim-size:
 ## plugin binary; ping, CHECK, admin state, DEL, cleanup; a KubeVirt VM that
 ## keeps its address; a real QEMU guest on the tap binding leasing it.
 demo: setup release
-	bash tests/demo.sh $(RELEASE_DIR)
+	bash tests/demo.sh $(RELEASE_DIR) $(DEMO_FLAGS)
 
 ## lint: formatting and clippy, as CI enforces them (with and without the
 ## root tests compiled in).
