@@ -258,8 +258,8 @@ impl Subject {
         CniEnv::new(command, id, pod)
     }
 
-    /// One invocation from a thread in the node netns; the caller's thread
-    /// stays where it is.
+    /// One invocation from a thread in the node netns (the caller's thread
+    /// stays where it is), or, for `tether-host`, from the caller's own.
     fn invoke(&self, env: &CniEnv) -> CniOutput {
         if self.kind == Kind::TetherHost {
             return cni(&self.bin, env, &self.netconf);
