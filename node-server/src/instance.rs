@@ -285,6 +285,22 @@ mod tests {
     }
 
     /// An abstract name no other test (or tetherd) uses.
+    /// Takes the locks of state dir `state` and socket `socket`, both
+    /// under `dir`, and the network namespace name `name`.
+    fn acquire(
+        rt: &tokio::runtime::Runtime,
+        dir: &Path,
+        state: &str,
+        socket: &str,
+        name: &str,
+    ) -> Result<InstanceLock, Refused> {
+        rt.block_on(InstanceLock::acquire_as(
+            &dir.join(state),
+            &dir.join(socket),
+            name,
+        ))
+    }
+
     fn netns_name(test: &str) -> String {
         format!("tether-test/{}/{test}", std::process::id())
     }
@@ -383,32 +399,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let rt = runtime();
         let name = netns_name("netns");
-        let first = rt
-            .block_on(InstanceLock::acquire_as(
-                &dir.path().join("s1"),
-                &dir.path().join("1.sock"),
-                &name,
-            ))
-            .unwrap();
+        let first = acquire(&rt, dir.path(), "s1", "1.sock", &name).unwrap();
         // Many refused attempts: the holder never accepts, and a full
         // backlog must not make a later attempt hang.
         for _ in 0..300 {
-            let err = rt
-                .block_on(InstanceLock::acquire_as(
-                    &dir.path().join("s2"),
-                    &dir.path().join("2.sock"),
-                    &name,
-                ))
-                .unwrap_err();
+            let err = acquire(&rt, dir.path(), "s2", "2.sock", &name).unwrap_err();
             assert!(matches!(err, Refused::Netns { .. }), "{err}");
         }
-        let err = rt
-            .block_on(InstanceLock::acquire_as(
-                &dir.path().join("s2"),
-                &dir.path().join("2.sock"),
-                &name,
-            ))
-            .unwrap_err();
+        let err = acquire(&rt, dir.path(), "s2", "2.sock", &name).unwrap_err();
         // With a full backlog it cannot name the holder, but says why.
         assert!(
             err.to_string().contains("runs in this network namespace"),
@@ -416,12 +414,7 @@ mod tests {
         );
         // Released with the lock, at once.
         drop(first);
-        rt.block_on(InstanceLock::acquire_as(
-            &dir.path().join("s2"),
-            &dir.path().join("2.sock"),
-            &name,
-        ))
-        .unwrap();
+        acquire(&rt, dir.path(), "s2", "2.sock", &name).unwrap();
     }
 
     #[test]
@@ -429,19 +422,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let rt = runtime();
         let name = netns_name("pid");
-        let _first = rt
-            .block_on(InstanceLock::acquire_as(
-                &dir.path().join("a"),
-                &dir.path().join("a.sock"),
-                &name,
-            ))
-            .unwrap();
-        let said = rt
-            .block_on(InstanceLock::acquire_as(
-                &dir.path().join("b"),
-                &dir.path().join("b.sock"),
-                &name,
-            ))
+        let _first = acquire(&rt, dir.path(), "a", "a.sock", &name).unwrap();
+        let said = acquire(&rt, dir.path(), "b", "b.sock", &name)
             .unwrap_err()
             .to_string();
         assert!(

@@ -204,6 +204,19 @@ fn attach(one: &One, cid: &str, rec: &VmRecord) -> Attachment {
     a
 }
 
+/// What the pod watch reports of container `cid`'s pod: a migration
+/// target marked ready, going away if `gone`.
+fn ready_target(cid: &str, gone: bool) -> VmPodSeen {
+    VmPodSeen {
+        namespace: "ns".into(),
+        name: format!("virt-launcher-{cid}"),
+        uid: String::new(),
+        target: true,
+        ready: true,
+        gone,
+    }
+}
+
 fn now() -> (Instant, UnixNanos) {
     (Instant::now(), UnixNanos::now())
 }
@@ -333,15 +346,11 @@ async fn a_stale_marker_on_the_pod_the_vm_left_touches_nothing() {
             .expect("refused quietly");
         assert!(rec.active.as_ref().is_some_and(|x| x.node == "node-b"));
     }
-    let seen = VmPodSeen {
-        namespace: "ns".into(),
-        name: "virt-launcher-c1".into(),
-        uid: String::new(),
-        target: true,
-        ready: true,
-        gone: false,
-    };
-    assert!(a.vms.vm_pod_seen(&a.side, &seen).await.is_empty());
+    assert!(a
+        .vms
+        .vm_pod_seen(&a.side, &ready_target("c1", false))
+        .await
+        .is_empty());
     assert_eq!(
         a.kernel.calls(Call::EnsureHostRoutes) + a.kernel.calls(Call::RemoveHostRoutes),
         0,
@@ -362,14 +371,7 @@ async fn a_promoted_target_that_goes_away_gives_the_vm_back() {
         .cutover(&b.side, &vm_key(), Some(&c2), Trigger::Annotation, now())
         .await
         .expect("A to B on the marker");
-    let gone = VmPodSeen {
-        namespace: "ns".into(),
-        name: "virt-launcher-c2".into(),
-        uid: String::new(),
-        target: true,
-        ready: true,
-        gone: true,
-    };
+    let gone = ready_target("c2", true);
     let reverts = b.vms.vm_pod_seen(&b.side, &gone).await;
     assert_eq!(reverts.len(), 1);
     assert_eq!(reverts[0].source_pod, "virt-launcher-c1");
