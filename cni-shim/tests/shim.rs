@@ -603,6 +603,45 @@ fn connection_closed_at_once_counts_as_unreachable() {
 }
 
 #[test]
+fn an_answer_to_a_runtime_that_went_away_is_an_error_not_a_signal() {
+    // The shim's C main ignores SIGPIPE, as the Rust runtime's start-up
+    // would have. Its stdout is a pipe whose reading end is already
+    // closed, so its answer meets EPIPE: exit 1, not a death by SIGPIPE.
+    let mut fds = [0; 2];
+    // SAFETY: `fds` has room for the two descriptors pipe(2) writes.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: both descriptors were just made by pipe(2) and are owned
+    // here only: the reading end is closed, the writing end handed over.
+    let (read, write) = unsafe {
+        use std::os::fd::FromRawFd;
+        (
+            std::os::fd::OwnedFd::from_raw_fd(fds[0]),
+            std::os::fd::OwnedFd::from_raw_fd(fds[1]),
+        )
+    };
+    drop(read);
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tether"));
+    // SAFETY: only signal(2), which is async-signal-safe, runs between
+    // fork and exec.
+    unsafe {
+        command.pre_exec(|| {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+            Ok(())
+        });
+    }
+    let status = command
+        .env_clear()
+        .env("CNI_COMMAND", "VERSION")
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(write))
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert_eq!(status.signal(), None, "killed by a signal");
+    assert_eq!(status.code(), Some(1));
+}
+
+#[test]
 fn a_daemon_that_hangs_up_mid_request_is_an_error_not_a_signal() {
     // This daemon shuts its side for reading at once, then opens the
     // flow-control windows, so the shim's next write of a request larger
