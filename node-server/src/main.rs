@@ -17,7 +17,7 @@ use tetherd::api::cni::{self as cni_api, Stats};
 use tetherd::api::pending_del;
 use tetherd::api::server::{self, ServeOptions};
 use tetherd::attach::{Node, NodeConfig};
-use tetherd::cluster::{Cluster, ClusterConfig, Overlay};
+use tetherd::cluster::{Cluster, ClusterConfig, Overlay, Peers};
 use tetherd::control::etcd::{EtcdOptions, EtcdStore};
 use tetherd::control::{embedded::EmbeddedStore, ControlStore};
 use tetherd::error::Error;
@@ -54,7 +54,10 @@ struct Args {
     /// (needs the Kubernetes API: --kubeconfig, or the in-cluster service
     /// account), instead of --pod-cidr: one DaemonSet for every node. The
     /// daemon waits for them at start-up; a later change applies at the
-    /// next restart, and never re-addresses a running pod.
+    /// next restart, and never re-addresses a running pod. Every other
+    /// node's pod CIDRs are routed as their Node objects show them (watched;
+    /// through each node's InternalIP, per --overlay), and are never NATed
+    /// to.
     #[arg(long, conflicts_with = "cluster_cidrs")]
     pod_cidr_from_node: bool,
 
@@ -128,14 +131,17 @@ struct Args {
     etcd_timeout_ms: u64,
 
     /// This node's underlay address that other nodes route its pods
-    /// through (once per family). Default: the address of the interface
-    /// the default route uses.
+    /// through (once per family). Default: with --pod-cidr-from-node the
+    /// Node's InternalIP, else (and without one) the address of the
+    /// interface the default route uses.
     #[arg(long = "node-ip", value_name = "IP")]
     node_ips: Vec<IpAddr>,
 
-    /// How pods reach other nodes' pods: "none" (host-gw: a route per block
-    /// via the node's IP; the nodes share an L2 segment) or "vxlan" (one
-    /// VXLAN device with static entries per node, for any IP underlay).
+    /// How pods reach other nodes' pods (cluster mode and
+    /// --pod-cidr-from-node): "none" (host-gw: a route per block or pod
+    /// CIDR via the node's IP; the nodes share an L2 segment) or "vxlan"
+    /// (one VXLAN device with static entries per node, for any IP
+    /// underlay).
     #[arg(long, value_enum, default_value_t = OverlayArg::None)]
     overlay: OverlayArg,
 
@@ -398,10 +404,14 @@ async fn run(args: Args) -> Result<(), Fatal> {
         }
     };
     let mut args = args;
+    // --pod-cidr-from-node: the other nodes, from their Node objects.
+    let mut node_peers = None;
     if let (true, Some(client)) = (args.pod_cidr_from_node, &kube) {
         tokio::select! {
-            cidrs = tetherd::kube::node_cidrs::wait_for(client.clone(), &node_name) => {
-                args.pod_cidrs = cidrs?;
+            facts = tetherd::kube::node_cidrs::wait_for(client.clone(), &node_name) => {
+                let facts = facts?;
+                args.pod_cidrs = facts.pod_cidrs.clone();
+                node_peers = Some(start_node_peers(&args, client, &node_name, facts).await?);
             }
             () = stopped(&stop) => {
                 tracing::info!("stopped while waiting for the Node's pod CIDRs");
@@ -459,7 +469,15 @@ async fn run(args: Args) -> Result<(), Fatal> {
         args.no_nat_to.clone(),
     ));
     nat.apply(&config.pools)?;
-    let (node, reconciled) = Node::open(config, store, cluster, vms, kernel, host).await?;
+    if let (Some(peers), true) = (&node_peers, args.outbound_nat) {
+        nat.clone().follow_peers(peers.clone());
+    }
+    let peers: Option<Arc<dyn Peers>> = match (&cluster, node_peers) {
+        (Some(c), _) => Some(c.clone()),
+        (None, Some(p)) => Some(p),
+        (None, None) => None,
+    };
+    let (node, reconciled) = Node::open(config, store, cluster, peers, vms, kernel, host).await?;
     tracing::info!(?reconciled, "reconciled the kernel against the store");
     let node = Arc::new(node);
     node.start_vm_tasks();
@@ -592,6 +610,59 @@ async fn open_control_store(args: &Args) -> tetherd::error::Result<Arc<dyn Contr
     })
 }
 
+/// With --pod-cidr-from-node: starts the watch on the Node objects that
+/// this node routes to the other nodes by, and waits (a while) for its
+/// first listing, so that the routes are in place before the node serves.
+/// This node's underlay address: --node-ip, else the Node's InternalIP,
+/// else the default route's.
+async fn start_node_peers(
+    args: &Args,
+    client: &kube::Client,
+    node_name: &str,
+    facts: tetherd::kube::node_cidrs::NodeFacts,
+) -> tetherd::error::Result<Arc<dyn Peers>> {
+    use tetherd::kube::node_peers::{my_record, NodePeers};
+    let node_ips = if !args.node_ips.is_empty() {
+        args.node_ips.clone()
+    } else if !facts.internal_ips.is_empty() {
+        facts.internal_ips
+    } else {
+        default_route_addresses().await?
+    };
+    let me = my_record(node_name, &facts.pod_cidrs, node_ips);
+    tracing::info!(node = %me.name, id = me.id, ips = ?me.node_ips, overlay = overlay(args).name(), "routing to the other nodes' pod CIDRs from their Node objects");
+    let peers = NodePeers::start(client.clone(), me, overlay(args));
+    if !peers.wait_synced(Duration::from_secs(10)).await {
+        tracing::warn!("no listing of the Node objects within 10 s: serving now; routes to other nodes follow when it comes");
+    }
+    Ok(peers)
+}
+
+/// The addresses of the interface the default route uses, for a node given
+/// no --node-ip; an error when there is no default route.
+async fn default_route_addresses() -> tetherd::error::Result<Vec<IpAddr>> {
+    let netlink = tetherd::kernel::netlink::Netlink::connect()?;
+    let node_ips = netlink.default_route_addresses().await?;
+    if node_ips.is_empty() {
+        return Err(Error::InvalidConfig(
+            "no default route to find the node's address by: give --node-ip".into(),
+        ));
+    }
+    tracing::info!(?node_ips, "node address found through the default route");
+    Ok(node_ips)
+}
+
+/// `--overlay` and its VXLAN settings.
+fn overlay(args: &Args) -> Overlay {
+    match args.overlay {
+        OverlayArg::None => Overlay::HostGw,
+        OverlayArg::Vxlan => Overlay::Vxlan {
+            vni: args.vxlan_vni,
+            port: args.vxlan_port,
+        },
+    }
+}
+
 /// In cluster mode: joins the cluster through the control plane.
 async fn join_cluster(
     args: &Args,
@@ -602,22 +673,9 @@ async fn join_cluster(
     }
     let mut node_ips = args.node_ips.clone();
     if node_ips.is_empty() {
-        let netlink = tetherd::kernel::netlink::Netlink::connect()?;
-        node_ips = netlink.default_route_addresses().await?;
-        if node_ips.is_empty() {
-            return Err(Error::InvalidConfig(
-                "no default route to find the node's address by: give --node-ip".into(),
-            ));
-        }
-        tracing::info!(?node_ips, "node address found through the default route");
+        node_ips = default_route_addresses().await?;
     }
-    let overlay = match args.overlay {
-        OverlayArg::None => Overlay::HostGw,
-        OverlayArg::Vxlan => Overlay::Vxlan {
-            vni: args.vxlan_vni,
-            port: args.vxlan_port,
-        },
-    };
+    let overlay = overlay(args);
     let config = ClusterConfig {
         node_name: args.node_name.clone().unwrap_or_else(hostname),
         node_ips,

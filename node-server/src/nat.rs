@@ -8,25 +8,42 @@
 //! `--pod-cidr`s, or in cluster mode the `--cluster-cidr`s, which hold
 //! every node's blocks); the destinations left alone are those, every
 //! named pool (cluster addresses too, but routed by the network that
-//! carries them), multicast, and the `--no-nat-to` ranges (the service
-//! CIDR, or in `--pod-cidr` mode the other nodes' pod CIDRs).
+//! carries them), multicast, the `--no-nat-to` ranges (the service CIDR,
+//! or in `--pod-cidr` mode the other nodes' pod CIDRs), and with
+//! `--pod-cidr-from-node` every node's pod CIDRs, as the Node objects
+//! show them while the daemon runs.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use ipnet::IpNet;
+use tether_base::sync::lock;
 
+use crate::cluster::Peers;
 use crate::error::Result;
 use crate::kernel::{Host, NatPlan};
 use crate::pools::PoolDef;
 
 /// The node's outbound NAT: what was asked on the command line, and the
 /// host it is programmed on. Applied at start (which also puts back a
-/// table someone changed) and again when the named pools change.
+/// table someone changed), again when the named pools change, and, with
+/// `--pod-cidr-from-node`, when another node's pod CIDRs do.
 pub struct OutboundNat {
     host: Arc<dyn Host>,
     enabled: bool,
     pod_ranges: Vec<IpNet>,
     no_nat_to: Vec<IpNet>,
+    /// What the table was last written from: the named pools' CIDRs and
+    /// the other nodes' pod CIDRs. Held while the table is written, so
+    /// that two writers cannot leave the older of their tables.
+    last: Mutex<Exempt>,
+}
+
+/// The ranges that change while the daemon runs, and that the table
+/// leaves alone.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct Exempt {
+    pools: Vec<IpNet>,
+    peers: Vec<IpNet>,
 }
 
 impl OutboundNat {
@@ -43,22 +60,32 @@ impl OutboundNat {
             enabled,
             pod_ranges,
             no_nat_to,
+            last: Mutex::new(Exempt::default()),
         }
     }
 
-    /// The table this node wants with these named pools; None when
-    /// outbound NAT is off.
+    /// The table this node wants with these named pools (and the other
+    /// nodes' pod CIDRs last given); None when outbound NAT is off.
     pub fn plan(&self, pools: &[PoolDef]) -> Option<NatPlan> {
+        let exempt = Exempt {
+            pools: pools.iter().map(|p| p.cidr).collect(),
+            peers: lock(&self.last).peers.clone(),
+        };
+        self.plan_for(&exempt)
+    }
+
+    fn plan_for(&self, exempt: &Exempt) -> Option<NatPlan> {
         if !self.enabled {
             return None;
         }
-        let exempt: Vec<IpNet> = self
+        let ranges: Vec<IpNet> = self
             .no_nat_to
             .iter()
+            .chain(&exempt.pools)
+            .chain(&exempt.peers)
             .copied()
-            .chain(pools.iter().map(|p| p.cidr))
             .collect();
-        Some(NatPlan::new(&self.pod_ranges, &exempt))
+        Some(NatPlan::new(&self.pod_ranges, &ranges))
     }
 
     /// Makes tether's table what [`OutboundNat::plan`] says. On: a table
@@ -67,7 +94,64 @@ impl OutboundNat {
     /// failure to remove it is logged, since nothing the daemon serves
     /// depends on it.
     pub fn apply(&self, pools: &[PoolDef]) -> Result<()> {
-        match self.plan(pools) {
+        let mut last = lock(&self.last);
+        let exempt = Exempt {
+            pools: pools.iter().map(|p| p.cidr).collect(),
+            peers: last.peers.clone(),
+        };
+        self.write(&exempt)?;
+        *last = exempt;
+        Ok(())
+    }
+
+    /// With `--pod-cidr-from-node`: the other nodes' pod CIDRs, which pod
+    /// traffic reaches unchanged. The table is written again only when
+    /// they differ from the last ones.
+    pub fn set_peer_ranges(&self, mut peers: Vec<IpNet>) -> Result<()> {
+        peers.sort();
+        peers.dedup();
+        let mut last = lock(&self.last);
+        if !self.enabled || last.peers == peers {
+            return Ok(());
+        }
+        let exempt = Exempt {
+            pools: last.pools.clone(),
+            peers,
+        };
+        self.write(&exempt)?;
+        *last = exempt;
+        Ok(())
+    }
+
+    /// Follows `peers`' view for as long as the daemon runs: every node's
+    /// pod CIDRs are left alone by the table. A table the host refuses is
+    /// logged and tried again on the next change.
+    pub fn follow_peers(self: Arc<Self>, peers: Arc<dyn Peers>) {
+        let mut rx = peers.subscribe();
+        tokio::spawn(async move {
+            loop {
+                // A stale view is no reason to NAT what was exempt.
+                let ranges = {
+                    let view = rx.borrow_and_update();
+                    view.synced
+                        .then(|| view.blocks.keys().copied().collect::<Vec<_>>())
+                };
+                if let Some(ranges) = ranges {
+                    if let Err(e) = self.set_peer_ranges(ranges) {
+                        tracing::error!(
+                            "outbound NAT: cannot exempt the other nodes' pod CIDRs: {e}"
+                        );
+                    }
+                }
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+
+    fn write(&self, exempt: &Exempt) -> Result<()> {
+        match self.plan_for(exempt) {
             Some(plan) => {
                 self.host.ensure_outbound_nat(&plan)?;
                 tracing::info!(
@@ -148,6 +232,32 @@ mod tests {
         assert_eq!(nat.plan(&[]), None);
         nat.apply(&[]).unwrap();
         assert_eq!(host.outbound_nat(), None);
+    }
+
+    #[test]
+    fn the_other_nodes_pod_cidrs_are_exempt_as_they_come_and_go() {
+        let host = Arc::new(FakeHost::new());
+        let nat = OutboundNat::new(host.clone(), true, nets(&["10.244.1.0/24"]), vec![]);
+        nat.apply(&[pool("blue", "10.50.0.0/24")]).unwrap();
+        nat.set_peer_ranges(nets(&["10.244.5.0/24", "10.244.3.0/24"]))
+            .unwrap();
+        let exempt = host.outbound_nat().unwrap().exempt().to_vec();
+        for n in ["10.244.3.0/24", "10.244.5.0/24", "10.50.0.0/24"] {
+            assert!(exempt.contains(&n.parse().unwrap()), "{n}: {exempt:?}");
+        }
+        // The same set again writes nothing; a pools reload keeps the peers.
+        let writes = host.nat_writes();
+        nat.set_peer_ranges(nets(&["10.244.3.0/24", "10.244.5.0/24"]))
+            .unwrap();
+        assert_eq!(host.nat_writes(), writes);
+        nat.apply(&[]).unwrap();
+        let exempt = host.outbound_nat().unwrap().exempt().to_vec();
+        assert!(exempt.contains(&"10.244.5.0/24".parse().unwrap()));
+        assert!(!exempt.contains(&"10.50.0.0/24".parse().unwrap()));
+        // A node that goes away is NATed to again.
+        nat.set_peer_ranges(nets(&["10.244.3.0/24"])).unwrap();
+        let exempt = host.outbound_nat().unwrap().exempt().to_vec();
+        assert!(!exempt.contains(&"10.244.5.0/24".parse().unwrap()));
     }
 
     #[test]

@@ -634,6 +634,7 @@ fn outage_pod_cidr_from_node_events_and_least_privilege() {
     for (verb, what, yes) in [
         ("watch", "pods", true),
         ("get", "nodes", true),
+        ("watch", "nodes", true),
         ("patch", "ipamclaims.k8s.cni.cncf.io/status", true),
         ("create", "events.events.k8s.io", true),
         ("delete", "pods", false),

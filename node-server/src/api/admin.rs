@@ -234,6 +234,14 @@ impl admin_server::Admin for AdminService {
                 c.probe().await
             }
             None => {
+                if let Some(p) = self.node.peers() {
+                    // --pod-cidr-from-node: routes from the Node objects.
+                    let me = p.me();
+                    node.node_id = me.id;
+                    node.ipam_mode = "node-cidr".into();
+                    node.routing = p.overlay().name().into();
+                    node.node_ip = join(&me.node_ips);
+                }
                 let store = self.node.store().clone();
                 tokio::task::spawn_blocking(move || store.probe().map_err(Error::from))
                     .await
@@ -252,9 +260,9 @@ impl admin_server::Admin for AdminService {
         &self,
         _: Request<pb::ListNodesRequest>,
     ) -> Result<Response<pb::ListNodesResponse>, Status> {
-        let Some(c) = self.node.cluster() else {
+        let Some(c) = self.node.peers() else {
             return Err(Status::failed_precondition(
-                "not in cluster mode (this node runs with --pod-cidr)",
+                "this node routes to no other node (it runs with --pod-cidr)",
             ));
         };
         let view = c.view();

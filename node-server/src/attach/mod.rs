@@ -35,7 +35,7 @@ use reconcile::rebooted_since_last_run;
 
 pub use crate::vm::{CutoverTiming, RouteUpdateTiming, VmStats};
 
-use crate::cluster::Cluster;
+use crate::cluster::{Cluster, Peers};
 use crate::cni::{self, Invocation, VmAddressPolicy};
 use crate::error::{Error, Mismatch, Result};
 use crate::ipam::{Family, Pools};
@@ -97,8 +97,11 @@ pub struct Reconciled {
 pub struct Node {
     pub(crate) config: NodeConfig,
     pub(crate) store: Arc<dyn Store>,
-    /// Cluster mode: membership, blocks and routes to other nodes.
+    /// Cluster mode: membership and blocks.
     pub(crate) cluster: Option<Arc<Cluster>>,
+    /// The other nodes this node routes to: the cluster (cluster mode) or
+    /// the Node objects (`--pod-cidr-from-node`); none on a lone node.
+    pub(crate) peers: Option<Arc<dyn Peers>>,
     pub(crate) kernel: Arc<dyn Kernel>,
     pub(crate) host: Arc<dyn Host>,
     pub(crate) pools: Mutex<Pools>,
@@ -202,12 +205,15 @@ fn wired(a: &Attachment) -> cni::Wired {
 
 impl Node {
     /// Opens the node: loads the store, rebuilds the pools, and reconciles
-    /// the kernel against the store. Call [`Node::drain_pending_dels`] next,
-    /// then serve.
+    /// the kernel against the store. `peers` are the other nodes it routes
+    /// to (in cluster mode, `cluster` itself). Call
+    /// [`Node::drain_pending_dels`] next, then serve.
+    #[allow(clippy::too_many_arguments)]
     pub async fn open(
         config: NodeConfig,
         store: Arc<dyn Store>,
         cluster: Option<Arc<Cluster>>,
+        peers: Option<Arc<dyn Peers>>,
         vms: Arc<VmRegistry>,
         kernel: Arc<dyn Kernel>,
         host: Arc<dyn Host>,
@@ -292,6 +298,7 @@ impl Node {
             config,
             store,
             cluster,
+            peers,
             kernel,
             dhcp: host.guest_dhcp(),
             host,
@@ -317,11 +324,16 @@ impl Node {
                     tracing::warn!(family = family.name(), error = %e, "cannot claim a first block yet");
                 }
             }
-            routing::manager::prepare_overlay(c, node.kernel.as_ref(), node.config.mtu).await?;
+        }
+        if let Some(c) = &node.peers {
+            routing::manager::prepare_overlay(c.as_ref(), node.kernel.as_ref(), node.config.mtu)
+                .await?;
             // A route the kernel refuses now (the underlay not up yet, say)
             // must not stop the node from serving its own pods: the route
             // manager keeps trying.
-            let first = routing::manager::program_cluster(c, node.kernel.as_ref(), &c.view()).await;
+            let first =
+                routing::manager::program_cluster(c.as_ref(), node.kernel.as_ref(), &c.view())
+                    .await;
             match &first {
                 Ok((added, removed)) => {
                     reconciled.cluster_routes_added = *added;
@@ -349,6 +361,12 @@ impl Node {
     /// The cluster membership, in cluster mode.
     pub fn cluster(&self) -> Option<&Arc<Cluster>> {
         self.cluster.as_ref()
+    }
+
+    /// The other nodes this node routes to, if any: the cluster, or the
+    /// Node objects with `--pod-cidr-from-node`.
+    pub fn peers(&self) -> Option<&Arc<dyn Peers>> {
+        self.peers.as_ref()
     }
 
     /// Connects the node to the Kubernetes API (once; later calls are

@@ -32,15 +32,10 @@ impl Node {
             .filter(|(_, a)| a.vm.is_some())
             .map(|(k, a)| (k.clone(), a.clone()))
             .collect();
-        let cluster = self.cluster.as_ref().map(|c| (c.me(), c.view()));
-        let side = match (&self.cluster, &cluster) {
-            (Some(c), Some((me, view))) => Some(ClusterSide {
-                me,
-                overlay: &c.config().overlay,
-                view,
-            }),
-            _ => None,
-        };
+        let peers = self.peers.as_ref().map(|c| (c.me(), c.overlay(), c.view()));
+        let side = peers
+            .as_ref()
+            .map(|(me, overlay, view)| ClusterSide { me, overlay, view });
         let VmPlan {
             wants,
             targets: pending,
@@ -81,7 +76,7 @@ impl Node {
         let node = self.clone();
         tokio::spawn(async move {
             let mut rx = node.vms.records().subscribe();
-            let mut cluster_rx = node.cluster.as_ref().map(|c| c.subscribe());
+            let mut cluster_rx = node.peers.as_ref().map(|c| c.subscribe());
             let mut cluster_failing = cluster_failing;
             let mut cluster_dirty = cluster_failing;
             let mut vm_failing = false;
@@ -106,15 +101,16 @@ impl Node {
                     () = retry => cluster_dirty |= cluster_failing,
                 }
                 if let (Some(c), Some(crx), true) =
-                    (&node.cluster, cluster_rx.as_mut(), cluster_dirty)
+                    (&node.peers, cluster_rx.as_mut(), cluster_dirty)
                 {
                     let view = crx.borrow_and_update().clone();
                     cluster_dirty = false;
                     // A stale view must not withdraw routes; the relisting
                     // that makes it current again is a change too.
                     if view.synced {
-                        let outcome = program_cluster(c, node.kernel.as_ref(), &view).await.map(
-                            |(added, removed)| {
+                        let outcome = program_cluster(c.as_ref(), node.kernel.as_ref(), &view)
+                            .await
+                            .map(|(added, removed)| {
                                 if added + removed > 0 {
                                     tracing::info!(
                                         added,
@@ -123,8 +119,7 @@ impl Node {
                                         "cluster routes updated"
                                     );
                                 }
-                            },
-                        );
+                            });
                         note(&mut cluster_failing, "cluster", &outcome);
                     } else {
                         cluster_failing = false;

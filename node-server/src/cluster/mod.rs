@@ -21,10 +21,12 @@
 
 mod blocks;
 mod membership;
+mod peers;
 mod reaper;
 mod view;
 
 use membership::register;
+pub use peers::Peers;
 pub use view::ClusterView;
 use view::{apply, put_kv, KeyKind, Keys};
 

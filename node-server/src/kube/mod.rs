@@ -1,7 +1,8 @@
 //! The Kubernetes API, when the daemon has one (`--kubeconfig`, or the
 //! in-cluster service account): the migration-target watch on this node's
 //! pods ([`pods`]), IPAMClaims ([`claims`]), the node's pod CIDRs
-//! ([`node_cidrs`]) and events on pods ([`events`]).
+//! ([`node_cidrs`]) and the other nodes' ([`node_peers`]), and events on
+//! pods ([`events`]).
 //!
 //! None of it stands between a CNI call and its answer. ADD and DEL answer
 //! from the node's own state; what they learn from the API comes from
@@ -13,6 +14,7 @@
 pub mod claims;
 pub mod events;
 pub mod node_cidrs;
+pub mod node_peers;
 pub mod pods;
 
 use crate::error::{Error, Result};

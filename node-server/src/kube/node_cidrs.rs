@@ -1,12 +1,14 @@
 //! `--pod-cidr-from-node`: the node's pod CIDRs from its Node object
 //! (`spec.podCIDRs`, which kube-controller-manager's node IPAM or the
 //! cluster's installer fills), so that one DaemonSet serves every node
-//! without a per-node flag.
+//! without a per-node flag. The other nodes' pod CIDRs, which this node
+//! routes to, come from their Node objects too ([`super::node_peers`]).
 
 use crate::error::{Error, Result};
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node as KubeNode;
 use kube::Api;
+use std::net::IpAddr;
 use std::time::Duration;
 
 /// How often the Node is read again while it has no pod CIDR yet.
@@ -40,10 +42,39 @@ pub fn from_spec(node: &KubeNode) -> Result<Vec<IpNet>> {
     Ok(cidrs)
 }
 
+/// The node's `InternalIP` addresses (`status.addresses`), at most one
+/// per family, the first of each: the underlay address other nodes route
+/// its pods through, as the kubelet reports it (its `--node-ip`, or the
+/// address of its default route).
+pub fn internal_ips(node: &KubeNode) -> Vec<IpAddr> {
+    let mut ips: Vec<IpAddr> = Vec::new();
+    let addresses = node.status.as_ref().and_then(|s| s.addresses.as_ref());
+    for a in addresses.into_iter().flatten() {
+        if a.type_ != "InternalIP" {
+            continue;
+        }
+        if let Ok(ip) = a.address.parse::<IpAddr>() {
+            if !ips.iter().any(|i| i.is_ipv4() == ip.is_ipv4()) {
+                ips.push(ip);
+            }
+        }
+    }
+    ips
+}
+
+/// What this node's Node object says: its pod CIDRs and its `InternalIP`s.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeFacts {
+    /// `spec.podCIDRs`, at most one per family.
+    pub pod_cidrs: Vec<IpNet>,
+    /// [`internal_ips`].
+    pub internal_ips: Vec<IpAddr>,
+}
+
 /// Reads this node's pod CIDRs, waiting (and saying so every 30 s) while
 /// the Node does not exist yet or has none, or the API server does not
 /// answer. A Node with a malformed CIDR is an error at once.
-pub async fn wait_for(client: kube::Client, node_name: &str) -> Result<Vec<IpNet>> {
+pub async fn wait_for(client: kube::Client, node_name: &str) -> Result<NodeFacts> {
     let api: Api<KubeNode> = Api::all(client);
     let started = std::time::Instant::now();
     let mut said = std::time::Instant::now() - Duration::from_secs(3600);
@@ -52,8 +83,12 @@ pub async fn wait_for(client: kube::Client, node_name: &str) -> Result<Vec<IpNet
             Ok(Some(node)) => {
                 let cidrs = from_spec(&node)?;
                 if !cidrs.is_empty() {
-                    tracing::info!(node = node_name, ?cidrs, "pod CIDRs from the Node object");
-                    return Ok(cidrs);
+                    let ips = internal_ips(&node);
+                    tracing::info!(node = node_name, ?cidrs, internal_ips = ?ips, "pod CIDRs from the Node object");
+                    return Ok(NodeFacts {
+                        pod_cidrs: cidrs,
+                        internal_ips: ips,
+                    });
                 }
                 "its spec.podCIDRs is empty".to_owned()
             }

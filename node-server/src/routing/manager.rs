@@ -1,7 +1,7 @@
 //! The route manager: applies the routes the plan wants.
 
 use super::plan::{self, ClusterSide, Want};
-use crate::cluster::{vtep_mac, vtep_underlay, Cluster, ClusterView, Overlay};
+use crate::cluster::{vtep_mac, vtep_underlay, ClusterView, Overlay, Peers};
 use crate::error::{Error, Result};
 use crate::kernel::{ClusterRoute, Kernel, NodeRoutes, VxlanConfig};
 use crate::store::{Attachment, AttachmentKey};
@@ -161,20 +161,22 @@ pub(crate) fn note(failing: &mut bool, what: &str, outcome: &Result<()>) {
 }
 
 /// Programs the routes to other nodes' blocks (and the VXLAN peers) that
-/// the plan wants for `view`. Returns (added, removed) routes.
+/// the plan wants for `view`, as `c` sees the cluster. Returns (added,
+/// removed) routes.
 pub async fn program_cluster(
-    c: &Cluster,
+    c: &dyn Peers,
     kernel: &dyn NodeRoutes,
     view: &ClusterView,
 ) -> Result<(usize, usize)> {
     let me = c.me();
+    let overlay = c.overlay();
     let side = ClusterSide {
         me: &me,
-        overlay: &c.config().overlay,
+        overlay: &overlay,
         view,
     };
     let (routes, peers) = plan::cluster_routes(&side);
-    if let Overlay::Vxlan { .. } = c.config().overlay {
+    if let Overlay::Vxlan { .. } = overlay {
         kernel.sync_vxlan_peers(&peers).await?;
     }
     let synced = kernel.sync_cluster_routes(&routes).await?;
@@ -183,8 +185,8 @@ pub async fn program_cluster(
 
 /// Creates (or checks) the VXLAN device in vxlan mode, and removes a
 /// leftover one in host-gw mode.
-pub async fn prepare_overlay(c: &Cluster, kernel: &dyn NodeRoutes, pod_mtu: u32) -> Result<()> {
-    match c.config().overlay {
+pub async fn prepare_overlay(c: &dyn Peers, kernel: &dyn NodeRoutes, pod_mtu: u32) -> Result<()> {
+    match c.overlay() {
         Overlay::HostGw => Ok(kernel.delete_vxlan().await?),
         Overlay::Vxlan { vni, port } => {
             let me = c.me();

@@ -217,6 +217,7 @@ impl Parts {
             config,
             store.clone(),
             None,
+            None,
             vms,
             Arc::new(self.kernel.clone()),
             self.host.clone(),
