@@ -83,6 +83,15 @@ fn openssl(dir: &Path, args: &[&str]) {
     );
 }
 
+/// The API server's audit policy: every request at the Metadata level,
+/// once, when its response is complete.
+const AUDIT_POLICY: &str = "apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+";
+
 impl KubeApi {
     /// Starts etcd and kube-apiserver on `fabric`, and waits until the
     /// server is ready and its default namespaces exist.
@@ -191,6 +200,10 @@ impl KubeApi {
     pub fn start_apiserver(&mut self) {
         assert!(self.apiserver.is_none(), "kube-apiserver already runs");
         let ip = self.address.to_string();
+        // Every request's metadata (who, from which agent, what) in
+        // audit.log, as a cluster's audit trail would have it.
+        std::fs::write(self.path("audit-policy.yaml"), AUDIT_POLICY)
+            .expect("writing the audit policy");
         let child = self.spawn(
             "apiserver",
             &k8s_bin_dir().join("kube-apiserver"),
@@ -214,6 +227,8 @@ impl KubeApi {
                 // Watch caches are on, as in a real cluster; a short
                 // event TTL keeps etcd small.
                 "--event-ttl=10m",
+                "--audit-policy-file=audit-policy.yaml",
+                "--audit-log-path=audit.log",
             ],
         );
         self.apiserver = Some(child);
@@ -236,6 +251,36 @@ impl KubeApi {
             self.log_tail()
         );
         eprintln!("harness: kube-apiserver ready in {:?}", started.elapsed());
+    }
+
+    /// The audit log's events so far (`audit.k8s.io/v1` Event objects, at
+    /// the Metadata level: user, user agent, verb, object, response code).
+    pub fn audit_events(&self) -> Vec<Value> {
+        let text = std::fs::read_to_string(self.path("audit.log")).unwrap_or_default();
+        text.lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
+    /// Compacts the API server's etcd up to now, after one write of a key
+    /// of the test's own, so that every resource version the API server
+    /// handed out before is gone: a watch that resumes from one gets 410
+    /// Gone. Run while the API server is stopped, so that its watch cache
+    /// starts after the compaction.
+    pub fn compact_etcd(&self) {
+        let etcdctl = |args: &[&str]| {
+            let mut argv = vec!["etcdctl", "--endpoints=http://127.0.0.1:2379"];
+            argv.extend_from_slice(args);
+            self.netns.exec_ok(&argv)
+        };
+        etcdctl(&["put", "/tether-test/compaction", "now"]);
+        let status: Value = serde_json::from_str(&etcdctl(&["endpoint", "status", "-w", "json"]))
+            .expect("etcdctl printed JSON");
+        let revision = status[0]["Status"]["header"]["revision"]
+            .as_i64()
+            .unwrap_or_else(|| panic!("no revision in {status}"));
+        etcdctl(&["compact", &revision.to_string()]);
+        eprintln!("harness: the API server's etcd compacted at revision {revision}");
     }
 
     /// Stops kube-apiserver (SIGKILL; etcd keeps the data), as an outage.

@@ -334,7 +334,7 @@ pub fn start(client: kube::Client, vms: Arc<Vms>) -> Arc<Claims> {
         let claims = claims.clone();
         tokio::spawn(async move {
             let mut stream = watcher(api, watcher::Config::default())
-                .default_backoff()
+                .backoff(super::WatchBackoff::default())
                 .boxed();
             let mut failing = false;
             // A (re)list in progress: what it has returned so far. It
@@ -366,6 +366,7 @@ pub fn start(client: kube::Client, vms: Arc<Vms>) -> Arc<Claims> {
                         failing = false;
                     }
                     Err(e) => {
+                        super::note_gone("IPAMClaims", &e);
                         if !failing {
                             tracing::warn!(error = %e, "the IPAMClaims watch failed; retrying with backoff (CNI calls are not affected)");
                         }
@@ -381,15 +382,26 @@ pub fn start(client: kube::Client, vms: Arc<Vms>) -> Arc<Claims> {
         let claims = claims.clone();
         tokio::spawn(async move {
             let mut records = vms.records().subscribe();
+            // Passes in a row that left a status unwritten: the next one
+            // comes after a backoff, not after the 30 s resync.
+            let mut failed_passes = 0;
             loop {
+                let next = match failed_passes {
+                    0 => RESYNC,
+                    n => super::backoff(n - 1),
+                };
                 tokio::select! {
                     () = claims.wake.notified() => {}
                     r = records.changed() => if r.is_err() { return },
-                    () = tokio::time::sleep(RESYNC) => {}
+                    () = tokio::time::sleep(next) => {}
                 }
                 // Let a burst of changes settle into one pass.
                 tokio::time::sleep(Duration::from_millis(20)).await;
-                write_pass(&client, &vms, &claims).await;
+                if write_pass(&client, &vms, &claims).await {
+                    failed_passes = 0;
+                } else {
+                    failed_passes += 1;
+                }
             }
         });
     }
@@ -397,8 +409,9 @@ pub fn start(client: kube::Client, vms: Arc<Vms>) -> Arc<Claims> {
 }
 
 /// One pass over every claim that has a record, a cache entry or a
-/// failure to report.
-async fn write_pass(client: &kube::Client, vms: &Vms, claims: &Claims) {
+/// failure to report. False when a status could not be written.
+async fn write_pass(client: &kube::Client, vms: &Vms, claims: &Claims) -> bool {
+    let mut written = true;
     let me = vms.node_name().to_owned();
     let records: Vec<(ClaimRef, VmRecord, i64)> = vms
         .records()
@@ -430,7 +443,7 @@ async fn write_pass(client: &kube::Client, vms: &Vms, claims: &Claims) {
                 }
                 let owner = active.and_then(|a| a.pod_name.as_deref());
                 if let Some(status) = desired_status(&seen, &rec, owner) {
-                    patch_status(client, &claim, status).await;
+                    written &= patch_status(client, &claim, status).await;
                 }
             }
             None if claims.synced.load(Ordering::Acquire) => {
@@ -455,9 +468,12 @@ async fn write_pass(client: &kube::Client, vms: &Vms, claims: &Claims) {
         if let Some(status) = failed_status(&seen, f.reason, &f.message, f.pod.as_deref()) {
             if patch_status(client, &claim, status).await {
                 lock(&claims.failures).remove(&claim);
+            } else {
+                written = false;
             }
         }
     }
+    written
 }
 
 /// Writes a claim's status (a merge patch of the status subresource).
@@ -471,7 +487,7 @@ async fn patch_status(client: &kube::Client, claim: &ClaimRef, status: Value) ->
             true
         }
         Err(e) => {
-            tracing::warn!(%claim, error = %e, "cannot write an IPAMClaim's status; retried on the next pass");
+            tracing::warn!(%claim, error = %e, "cannot write an IPAMClaim's status; retried with backoff");
             false
         }
     }

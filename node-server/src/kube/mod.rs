@@ -73,8 +73,56 @@ pub async fn client(source: &Source) -> Result<::kube::Client> {
             .map_err(|e| Error::InvalidConfig(format!("the in-cluster service account: {e}")))?,
     };
     config.connect_timeout = Some(CONNECT_TIMEOUT);
+    // Every request says who makes it: the API server's audit log and its
+    // request metrics name tetherd and its version, not an empty agent.
+    config.headers.push((
+        ::http::header::USER_AGENT,
+        ::http::HeaderValue::from_static(USER_AGENT),
+    ));
     ::kube::Client::try_from(config)
         .map_err(|e| Error::InvalidConfig(format!("the Kubernetes client: {e}")))
+}
+
+/// The `User-Agent` of every request to the API server.
+pub const USER_AGENT: &str = concat!("tetherd/", env!("CARGO_PKG_VERSION"));
+
+/// The backoff of tether's watches while the API server does not answer:
+/// 250 ms doubling to 1.6 s, each delay shortened by up to a quarter so
+/// that the nodes do not retry in step; reset once the watch delivers
+/// again. client-go's reflectors go up to 30 s; tether's watches are three
+/// per node and what they carry (IPAMClaims' status, migration markers,
+/// the other nodes' pod CIDRs) must catch up within 2 s of the server's
+/// return, so they retry more often while it is away: about one request
+/// per watch and node every 1.4 s.
+#[derive(Debug, Default)]
+pub struct WatchBackoff {
+    attempt: u32,
+}
+
+/// [`WatchBackoff`]'s first delay and its ceiling.
+const WATCH_BACKOFF_MIN: Duration = Duration::from_millis(250);
+const WATCH_BACKOFF_MAX: Duration = Duration::from_millis(1600);
+
+impl Iterator for WatchBackoff {
+    type Item = Duration;
+    fn next(&mut self) -> Option<Duration> {
+        let full = WATCH_BACKOFF_MIN
+            .saturating_mul(1 << self.attempt.min(6))
+            .min(WATCH_BACKOFF_MAX);
+        self.attempt = self.attempt.saturating_add(1);
+        // Jitter from the clock's nanoseconds: no generator needed for it.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let cut = full.mul_f64(f64::from(nanos % 1000) / 4000.0);
+        Some(full.saturating_sub(cut))
+    }
+}
+
+impl ::kube::runtime::utils::Backoff for WatchBackoff {
+    fn reset(&mut self) {
+        self.attempt = 0;
+    }
 }
 
 /// The node's link to the API: set on the node once the client is up,
@@ -96,6 +144,25 @@ pub fn start(vms: &Arc<Vms>, client: ::kube::Client) -> Arc<KubeLink> {
     Arc::new(KubeLink { events, claims })
 }
 
+/// Says so when a watch's resource version has expired (410 Gone: the API
+/// server no longer has the history since the last event this node saw,
+/// as after a compaction of its etcd): kube's watcher then lists anew, and
+/// the list replaces what the watch knew. Other failures are the caller's
+/// to log.
+pub(crate) fn note_gone(watch: &str, e: &::kube::runtime::watcher::Error) {
+    use ::kube::runtime::watcher::Error as W;
+    let code = match e {
+        W::WatchError(status) => Some(status.code),
+        W::WatchStartFailed(::kube::Error::Api(status))
+        | W::WatchFailed(::kube::Error::Api(status))
+        | W::InitialListFailed(::kube::Error::Api(status)) => Some(status.code),
+        _ => None,
+    };
+    if code == Some(410) {
+        tracing::info!(watch, "resource version expired (410 Gone): listing again");
+    }
+}
+
 /// How long one request (not a watch) may take before it is given up:
 /// the connection may be up while the server does not answer.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -112,9 +179,31 @@ pub(crate) async fn bounded<T, E: std::fmt::Display>(
 }
 
 /// The delay before the `attempt`-th retry of a failed API call or watch:
-/// 0.5 s doubling to 30 s. The watches use kube's own backoff; this is for
+/// 0.5 s doubling to 30 s. The watches use [`WatchBackoff`]; this is for
 /// the writers.
 pub(crate) fn backoff(attempt: u32) -> Duration {
     let ms = 500u64.saturating_mul(1u64 << attempt.min(6));
     Duration::from_millis(ms.min(30_000))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watch_backoff_stays_under_its_ceiling_and_starts_again_after_a_reset() {
+        use ::kube::runtime::utils::Backoff;
+        let mut b = WatchBackoff::default();
+        let delays: Vec<Duration> = (&mut b).take(12).collect();
+        assert!(delays[0] <= WATCH_BACKOFF_MIN && delays[0] >= WATCH_BACKOFF_MIN * 3 / 4);
+        assert!(delays.iter().all(|d| *d <= WATCH_BACKOFF_MAX), "{delays:?}");
+        assert!(delays[11] >= WATCH_BACKOFF_MAX * 3 / 4, "{delays:?}");
+        b.reset();
+        assert!(b.next().is_some_and(|d| d <= WATCH_BACKOFF_MIN));
+    }
+
+    #[test]
+    fn requests_name_tetherd_and_its_version() {
+        assert_eq!(USER_AGENT, format!("tetherd/{}", env!("CARGO_PKG_VERSION")));
+    }
 }

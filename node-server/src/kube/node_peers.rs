@@ -191,7 +191,7 @@ impl NodePeers {
     async fn follow(self: Arc<Self>, client: kube::Client) {
         let api: Api<KubeNode> = Api::all(client);
         let mut stream = watcher(api, watcher::Config::default())
-            .default_backoff()
+            .backoff(super::WatchBackoff::default())
             .boxed();
         let mut nodes: BTreeMap<String, Seen> = BTreeMap::new();
         // A listing in progress: it replaces `nodes` when complete.
@@ -228,6 +228,7 @@ impl NodePeers {
                     }
                 }
                 Err(e) => {
+                    super::note_gone("Node objects", &e);
                     if !failing {
                         tracing::warn!(error = %e, "the watch on Node objects failed; routes to other nodes stay as they are until it is back (retrying with backoff)");
                     }

@@ -68,7 +68,9 @@ pub fn start<N: NodeSide + 'static>(client: kube::Client, vms: Arc<Vms>, side: A
     let api: Api<Pod> = Api::all(client.clone());
     let config = watcher::Config::default().fields(&format!("spec.nodeName={name}"));
     tokio::spawn(async move {
-        let mut stream = watcher(api, config).default_backoff().boxed();
+        let mut stream = watcher(api, config)
+            .backoff(super::WatchBackoff::default())
+            .boxed();
         let mut failing = false;
         while let Some(item) = stream.next().await {
             let (pod, deleted) = match item {
@@ -84,6 +86,7 @@ pub fn start<N: NodeSide + 'static>(client: kube::Client, vms: Arc<Vms>, side: A
                     continue;
                 }
                 Err(e) => {
+                    super::note_gone("pods of this node", &e);
                     if !failing {
                         tracing::warn!(error = %e, "the watch on this node's pods failed; retrying with backoff (CNI calls are not affected)");
                     }

@@ -1,0 +1,153 @@
+//! tetherd's Kubernetes client against a real kube-apiserver (with its
+//! audit log on), beyond what it serves:
+//!
+//! - every request it makes carries `User-Agent: tetherd/<version>` (the
+//!   audit log's `userAgent` of every request by its service account);
+//! - after an outage, an IPAMClaim whose status could not be written while
+//!   the server was away is filled from the watch's relist, not from the
+//!   30 s resync (the time is printed);
+//! - the server's etcd is compacted during the outage, so the watches'
+//!   resource versions are gone: each gets 410 Gone, lists again, and goes
+//!   on (a claim made after it is filled as before).
+
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tether_e2e::cluster::{Cluster, ClusterOpts, NodeOpts, CLUSTER_NETWORK};
+use tether_e2e::kube::{KubeApi, TETHER_SA};
+use tether_e2e::vm::{add_vm_pod, VmPodSpec};
+use tether_e2e::{admin, require_root, wait_until};
+
+const CONVERGE: Duration = Duration::from_secs(20);
+const NS: &str = "vms";
+
+/// An IPAMClaim as KubeVirt's ipam-extensions creates it.
+fn create_claim(api: &KubeApi, name: &str, vm: &str) {
+    let claim = json!({
+        "apiVersion": "k8s.cni.cncf.io/v1alpha1", "kind": "IPAMClaim",
+        "metadata": {"name": name, "namespace": NS, "labels": {"kubevirt.io/vm": vm},
+                     "finalizers": ["kubevirt.io/persistent-ipam"]},
+        "spec": {"network": CLUSTER_NETWORK, "interface": ""},
+    });
+    api.apply(&claim.to_string());
+}
+
+/// Waits until the claim's `status.ips` are `ips` (as /32 and /128) and
+/// its owner is `owner`; panics with the claim otherwise.
+fn wait_claim_filled(api: &KubeApi, name: &str, ips: &[IpAddr], owner: &str) {
+    let want: Vec<String> = ips
+        .iter()
+        .map(|ip| match ip {
+            IpAddr::V4(a) => format!("{a}/32"),
+            IpAddr::V6(a) => format!("{a}/128"),
+        })
+        .collect();
+    let mut last = Value::Null;
+    let ok = wait_until(CONVERGE, || {
+        last = api
+            .get(&["-n", NS, "ipamclaims.k8s.cni.cncf.io", name])
+            .unwrap_or(Value::Null);
+        let got: Vec<String> = last["status"]["ips"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default();
+        got == want && last["status"]["ownerPod"]["name"] == owner
+    });
+    assert!(
+        ok,
+        "claim {name} not filled with {want:?} by {owner}: {last:#}"
+    );
+}
+
+fn claimed_vm(vm: &str) -> VmPodSpec {
+    let mut spec = VmPodSpec::new(NS, vm, &format!("virt-launcher-{vm}-aaaaa"));
+    spec.claim = Some(format!("{vm}.default"));
+    spec
+}
+
+#[test]
+fn the_client_names_itself_catches_up_after_an_outage_and_relists_on_410_gone() {
+    require_root();
+    let mut cluster = Cluster::new(ClusterOpts {
+        nodes: 0,
+        ..ClusterOpts::default()
+    });
+    let mut api = KubeApi::start(cluster.fabric());
+    api.install_tether();
+    let kubeconfig = api.token_kubeconfig(TETHER_SA.0, TETHER_SA.1);
+    cluster.add_node_with(&NodeOpts {
+        extra_args: vec!["--kubeconfig".into(), kubeconfig.display().to_string()],
+        ..NodeOpts::default()
+    });
+    api.kubectl_ok(&["create", "namespace", NS]);
+    let node = cluster.node(0);
+
+    // Two claims, vm1's first: once vm0's status is written, the daemon's
+    // cache (fed by one watch, in order) has seen vm1's too.
+    create_claim(&api, "vm1.default", "vm1");
+    create_claim(&api, "vm0.default", "vm0");
+    let vm0 = add_vm_pod(node, &claimed_vm("vm0"));
+    wait_claim_filled(&api, "vm0.default", vm0.ips(), "virt-launcher-vm0-aaaaa");
+
+    // The API server goes away. vm1's pod is added meanwhile: the ADD
+    // answers from the node's own state, and the claim's status cannot be
+    // written. The server's etcd is compacted before it comes back.
+    api.stop_apiserver();
+    let vm1 = add_vm_pod(node, &claimed_vm("vm1"));
+    std::thread::sleep(Duration::from_secs(2));
+    api.compact_etcd();
+    api.start_apiserver();
+    let back = Instant::now();
+    wait_claim_filled(&api, "vm1.default", vm1.ips(), "virt-launcher-vm1-aaaaa");
+    eprintln!(
+        "claim status written {:?} after the API server was ready again",
+        back.elapsed()
+    );
+
+    // Each watch's resource version was compacted away: 410 Gone, a new
+    // listing, and the watches go on.
+    let log = || node.daemon().log();
+    assert!(
+        wait_until(CONVERGE, || log().contains("410 Gone")),
+        "no watch reported 410 Gone:\n{}",
+        log()
+    );
+    create_claim(&api, "vm2.default", "vm2");
+    let vm2 = add_vm_pod(node, &claimed_vm("vm2"));
+    wait_claim_filled(&api, "vm2.default", vm2.ips(), "virt-launcher-vm2-aaaaa");
+
+    // Every request by tetherd's service account named tetherd.
+    let version = admin::node(node.daemon().socket()).version;
+    let user = format!("system:serviceaccount:{}:{}", TETHER_SA.0, TETHER_SA.1);
+    let mine: Vec<Value> = api
+        .audit_events()
+        .into_iter()
+        .filter(|e| e["user"]["username"] == user.as_str())
+        .collect();
+    assert!(mine.len() > 5, "{} requests by {user}", mine.len());
+    let agents: std::collections::BTreeSet<String> = mine
+        .iter()
+        .map(|e| e["userAgent"].as_str().unwrap_or("").to_owned())
+        .collect();
+    assert_eq!(
+        agents,
+        std::collections::BTreeSet::from([format!("tetherd/{version}")]),
+        "user agents of {} requests by {user}",
+        mine.len()
+    );
+    let verbs: std::collections::BTreeSet<&str> =
+        mine.iter().filter_map(|e| e["verb"].as_str()).collect();
+    eprintln!(
+        "{} requests by {user}, verbs {verbs:?}, all as tetherd/{version}",
+        mine.len()
+    );
+    assert!(
+        verbs.contains("watch") && verbs.contains("patch"),
+        "{verbs:?}"
+    );
+}
