@@ -167,7 +167,7 @@ busybox depmod -b "$root" "$rel"
 echo "$threads" > "$root/etc/ksuite/threads"
 install -m 0755 "$here/suite-init" "$root/init"
 
-# Uncompressed: the guest's kernel unpacks it faster than it inflates it.
+# Uncompressed: nothing for the emulated guest to inflate at boot.
 (cd "$root" && find . | busybox cpio -o -H newc 2>/dev/null) > "$work/initramfs.cpio"
 
 # ---- The run. No network device (-nodefaults, -nic none); the console on
