@@ -58,18 +58,42 @@ fn root_test_features() -> String {
 /// already and cargo only says where they are.
 fn unit_test_binaries() -> HashMap<String, PathBuf> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let out = Command::new(cargo)
+    let mut cmd = Command::new(cargo);
+    // What cargo set for this test's own process (CARGO_MANIFEST_DIR,
+    // CARGO_PKG_NAME, OUT_DIR...) is not passed on: build scripts rerun
+    // when such a variable changes (ring's does), and cargo would rebuild
+    // their crates and all above them, here and again in the next build.
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy();
+        if ["CARGO_PKG_", "CARGO_BIN_", "CARGO_MANIFEST_"]
+            .iter()
+            .any(|p| key.starts_with(p))
+            || [
+                "CARGO_CRATE_NAME",
+                "CARGO_PRIMARY_PACKAGE",
+                "CARGO_TARGET_TMPDIR",
+                "CARGO_RUSTC_CURRENT_DIR",
+                "OUT_DIR",
+            ]
+            .contains(&key.as_ref())
+        {
+            cmd.env_remove(key.as_ref());
+        }
+    }
+    let out = cmd
         .args(["test", "--workspace", "--lib", "--no-run"])
         .args(["--features", &root_test_features()])
         .arg("--message-format=json")
         .current_dir(workspace_dir())
         .output()
         .expect("running cargo");
+    let log = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success(),
-        "building the unit tests failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
+        "building the unit tests failed:\n{log}"
     );
+    let built = log.lines().filter(|l| l.contains("Compiling ")).count();
+    eprintln!("cargo compiled {built} crates for the unit-test binaries");
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
