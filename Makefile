@@ -8,7 +8,7 @@ RELEASE_DIR := target/release
 ROOT_TESTS := tether-kernel/root-tests,tether-node-server/root-tests
 DEBUG_DIR := target/debug
 
-.PHONY: all setup k8s build release demo check test unit integration lint bench clean shim-size
+.PHONY: all setup k8s build release demo check test unit integration lint bench clean shim-size min-kernel
 
 all: build
 
@@ -71,6 +71,13 @@ check:
 test: setup k8s lint build shim-size
 	@test "$$(id -u)" = 0 || { echo "make test must run as root (it creates network namespaces)"; exit 1; }
 	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test --workspace --features $(ROOT_TESTS) --no-fail-fast -- --test-threads=2
+
+## min-kernel: the netlink suites (tether-kernel's unit tests with the root
+## tests, node-server's DHCP server against udhcpc) on Debian 12's stock
+## 6.1 cloud kernel, in a QEMU guest (tests/guest/kernel-suite.sh); about a
+## minute. `make test` runs it too (tests/tests/min_kernel.rs). Root only.
+min-kernel: setup
+	$(CARGO) test -p tether-e2e --test min_kernel -- --nocapture
 
 ## bench: tether vs the reference ptp/bridge + host-local, side by side; then
 ## cluster mode (3 nodes on etcd) vs one node, block claims, claim to route;

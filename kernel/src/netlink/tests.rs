@@ -119,6 +119,17 @@ macro_rules! require_root {
 }
 pub(super) use require_root;
 
+/// The running kernel's (major, minor), for the few tests whose answer
+/// depends on it.
+fn kernel_release() -> (u32, u32) {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").expect("osrelease");
+    let mut parts = release
+        .trim()
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|n| n.parse().expect("a kernel release starts major.minor"));
+    (parts.next().expect("major"), parts.next().expect("minor"))
+}
+
 pub(super) fn netns_inode(path: &str) -> u64 {
     std::fs::metadata(path).expect(path).ino()
 }
@@ -209,6 +220,28 @@ fn ip_json(ns: &str, args: &[&str]) -> Vec<Value> {
     match serde_json::from_str(&text).expect("ip -j output") {
         Value::Array(v) => v,
         other => panic!("unexpected ip output {other}"),
+    }
+}
+
+/// A link's operational state as `ip` shows it, read again while the
+/// kernel has not yet settled it. On 6.1 a veth whose peer, in another
+/// netns, has the same ifindex (eth0 and its peer are both index 2 in
+/// these fresh netns) shows UNKNOWN or DOWN for up to a second after both
+/// ends are up: linkwatch takes such a link for a local one and applies
+/// the delay of a non-urgent event (tests/guest/kernel-suite.sh runs this
+/// on 6.1). On 6.18 it is UP at once. The limit is a guard against a state
+/// that never comes, not a measure.
+fn operstate_once_settled(ns: &str, ifname: &str) -> String {
+    let limit = Instant::now() + Duration::from_secs(10);
+    loop {
+        let state = ip_json(ns, &["link", "show", "dev", ifname])[0]["operstate"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        if !matches!(state.as_str(), "UNKNOWN" | "DOWN") || Instant::now() > limit {
+            return state;
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -325,7 +358,7 @@ fn wired_pods_have_their_addresses_routes_and_reach_each_other() {
             flags.contains(&"UP".to_string()) && flags.contains(&"LOWER_UP".to_string()),
             "{link}"
         );
-        assert_eq!(link["operstate"], "UP", "{link}");
+        assert_eq!(operstate_once_settled(a.path(), "eth0"), "UP", "{link}");
         assert_eq!(link["address"], a.mac.to_string());
         assert_eq!(link["mtu"], 1450);
         let addrs: Vec<(String, u64)> = link["addr_info"]
@@ -449,14 +482,22 @@ fn veth_creation_answers_both_indexes() {
             .try_create_veth(&p.wiring(), &p.ns.file)
             .await
             .expect("create");
-        // The echo saves a lookup on each side.
+        // From 6.3 the kernel echoes the new link, and the echo saves a
+        // lookup on each side; before, the host end is looked up by name
+        // and the pod end is left to the pod side.
         let host = &ip_json(&node_ns_path(), &["link", "show", &p.host])[0];
         assert_eq!(
             u64::from(created.host_index),
             host["ifindex"].as_u64().unwrap()
         );
         let pod = &ip_json(p.path(), &["link", "show", "eth0"])[0];
-        assert_eq!(created.peer_index.map(u64::from), pod["ifindex"].as_u64());
+        let echoed = kernel_release() >= (6, 3);
+        assert_eq!(
+            created.peer_index.map(u64::from),
+            pod["ifindex"].as_u64().filter(|_| echoed),
+            "kernel {:?}",
+            kernel_release()
+        );
         assert_eq!(pod["address"], p.mac.to_string());
     });
 }
