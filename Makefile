@@ -8,13 +8,19 @@ RELEASE_DIR := target/release
 ROOT_TESTS := tether-kernel/root-tests,tether-node-server/root-tests
 DEBUG_DIR := target/debug
 
-.PHONY: all setup k8s build release demo check test unit integration lint bench clean shim-size min-kernel
+.PHONY: all setup setup-demo k8s build release demo check test unit integration lint bench clean shim-size min-kernel
 
 all: build
 
-## setup: install the Debian packages and tools the demo and tests need.
+## setup: install the Debian packages and tools the tests need (all of
+## tests/setup.sh's list; the demo's are among them).
 setup:
 	bash tests/setup.sh
+
+## setup-demo: install only what `make demo` uses (the packages setup.sh
+## marks "demo", grpcurl and the test guest).
+setup-demo:
+	bash tests/setup.sh demo
 
 ## k8s: kube-apiserver, kubectl, kube-controller-manager, kube-scheduler
 ## and kubelet for the Kubernetes suites, built from the k8s.io/kubernetes
@@ -46,7 +52,7 @@ shim-size:
 ## demo: a node daemon in a node netns plus two pods wired through the real
 ## plugin binary; ping, CHECK, admin state, DEL, cleanup; a KubeVirt VM that
 ## keeps its address; a real QEMU guest on the tap binding leasing it.
-demo: setup release
+demo: setup-demo release
 	bash tests/demo.sh $(RELEASE_DIR) $(DEMO_FLAGS)
 
 ## lint: formatting and clippy, as CI enforces them (with and without the

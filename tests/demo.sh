@@ -246,7 +246,7 @@ if have_grpcurl; then
   ATTACHED=$(jx 'len(r["attachments"])' <<<"$OUT")
   outcome "$ATTACHED attachments: $(jx '"; ".join(a["containerId"] + " " + " ".join(a["ips"]) + " on " + a["hostInterface"] for a in r["attachments"])' <<<"$OUT")"
 else
-  note "($GRPCURL not installed; make setup installs it)"
+  note "($GRPCURL not installed; tests/setup.sh installs it)"
 fi
 
 step "5. DEL both pods"

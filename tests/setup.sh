@@ -1,60 +1,83 @@
 #!/bin/sh
-# Installs what tether's root test suites need on a Debian 12 machine.
+# Installs what tether's root test suites need on a Debian 12 machine, or
+# only what `make demo` needs.
+#
+#   setup.sh        everything: every suite of `make test` (and `make bench`)
+#   setup.sh demo   only what `make demo` uses: tests/demo.sh and the
+#                   release build it runs (the packages marked "demo" below,
+#                   grpcurl and the test guest)
 #
 # Idempotent and fast when everything is present: apt runs only when dpkg says
 # a package is missing, and the grpcurl build and the test guest are cached.
 # Run as root (make test / make demo do).
 set -eu
 
-# Every Debian package a suite in tests/ uses, and why.
+mode=${1:-test}
+case "$mode" in
+demo | test) ;;
+*)
+    echo "usage: setup.sh [demo]" >&2
+    exit 2
+    ;;
+esac
+
+# Every Debian package the demo or a suite in tests/ uses, who uses it, and
+# (below) why: "demo" for tests/demo.sh or the release build `make demo`
+# runs (`make test` installs these too), "test" for the suites only.
 PACKAGES="
-iproute2
-iputils-ping
-util-linux
-iptables
-nftables
-containernetworking-plugins
-containerd
-runc
-podman
-busybox-static
-golang-go
-golang-github-appc-cni-dev
-python3
-etcd-server
-etcd-client
-protobuf-compiler
-libprotobuf-dev
-qemu-system-x86
-prometheus
-curl
-openssl
+iproute2                     demo
+iputils-ping                 demo
+util-linux                   demo
+iptables                     test
+nftables                     demo
+containernetworking-plugins  test
+containerd                   test
+runc                         test
+podman                       test
+busybox-static               demo
+golang-go                    test
+golang-github-appc-cni-dev   test
+python3                      demo
+etcd-server                  test
+etcd-client                  test
+protobuf-compiler            demo
+libprotobuf-dev              demo
+qemu-system-x86              demo
+prometheus                   test
+curl                         test
+openssl                      test
 "
-# iproute2, iputils-ping: netns, links, routes, ping between pods
-# util-linux: nsenter (podman's netns, plugins run inside the node netns)
+# iproute2, iputils-ping: netns, links, routes, ping between pods (the demo
+#   and every suite)
+# util-linux: unshare and setpriv, with which the demo and the VM suites start
+#   QEMU as uid 107 in a private mount namespace; nsenter (podman's netns,
+#   plugins run inside the node netns)
 # iptables: reading portmap's DNAT rules in the chaining test
 # nftables: the `nft` command, through which tetherd programs outbound NAT
-#   (its table `inet tether`) in every node netns of every suite, and which
-#   tests/tests/nat.rs reads the table with. Debian ships its
+#   (its table `inet tether`) in every node netns of every suite and of the
+#   demo, and which tests/tests/nat.rs reads the table with. Debian ships its
 #   nftables.service disabled, so installing it loads no ruleset
 # containernetworking-plugins: reference plugins (portmap, ptp, host-local)
 # containerd, runc: `ctr run --cni` in tests/tests/runtimes.rs, and the one-node
 #   Kubernetes of tests/tests/kubelet.rs (containerd's CRI plugin under the kubelet)
 # podman: podman with the CNI backend in tests/tests/runtimes.rs
-# busybox-static: the containers' rootfs, and the images the kubelet's pods run
-#   (tests/src/oci.rs builds them; no registry)
+# busybox-static: the test guest's initramfs, which tests/guest/build.sh
+#   builds with it (the demo's QEMU guest, the VM suites); the containers'
+#   rootfs, and the images the kubelet's pods run (tests/src/oci.rs builds
+#   them; no registry)
 # golang-go, golang-github-appc-cni-dev: tests/runtimes/cnitool, a libcni client
 # python3: the demo's JSON handling (tests/demo.sh)
 # etcd-server, etcd-client: the 3-member etcd cluster (etcd 3.4) and etcdctl
 #   of the cluster-mode suites (tests/src/cluster.rs)
 # protobuf-compiler, libprotobuf-dev: protoc, which the etcd-client crate's
-#   build runs, and the well-known .proto files (google/protobuf/*.proto) that
-#   etcd's protos import; protoc recommends the latter, and --no-install-recommends
-#   would otherwise leave them out (docs/DEPENDENCIES.md: why protoc at all)
-# qemu-system-x86: the real guests of the VM suites (tests/tests/vm_guest.rs),
-#   run under TCG; its SeaBIOS comes with it as a dependency. The guest's
-#   kernel and dhcpcd are downloaded and unpacked, never installed
-#   (tests/guest/build.sh, below)
+#   build runs (tetherd's, in `make demo`'s release build too), and the
+#   well-known .proto files (google/protobuf/*.proto) that etcd's protos
+#   import; protoc recommends the latter, and --no-install-recommends would
+#   otherwise leave them out (docs/DEPENDENCIES.md: why protoc at all)
+# qemu-system-x86: the real guests of the demo and of the VM suites
+#   (tests/tests/vm_guest.rs), run under TCG; its SeaBIOS comes with it as a
+#   dependency. The guest's kernel and dhcpcd are downloaded and unpacked,
+#   never installed (tests/guest/build.sh, below)
 # prometheus: promtool, which checks a real scrape of tetherd's metrics
 #   (tests/tests/metrics.rs); the server it also installs is stopped below
 # curl: scrapes the metrics endpoint from inside the node's netns
@@ -63,14 +86,18 @@ openssl
 #   kube-scheduler and kubelet themselves are built
 #   from the k8s.io/kubernetes Go module (tests/k8s/build.sh, `make k8s`) with
 #   the machine's own Go (1.26 or newer), never with Debian's golang-go
+# Neither list has Rust or the C toolchain (Debian build-essential) the builds
+# need: README, "Requirements".
 
 if [ "$(id -u)" -ne 0 ]; then
     echo "setup.sh: must run as root" >&2
     exit 1
 fi
 
+# This mode's packages: every line, or the lines marked "demo".
+wanted=$(printf '%s\n' "$PACKAGES" | awk -v mode="$mode" 'NF == 2 && (mode == "test" || $2 == "demo") { print $1 }')
 missing=""
-for pkg in $PACKAGES; do
+for pkg in $wanted; do
     if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q '^install ok installed$'; then
         missing="$missing $pkg"
     fi
@@ -106,9 +133,11 @@ else
     echo "setup.sh: all Debian packages present"
 fi
 
-# The cluster-mode suites and the build call these by path or name: fail here,
-# not in the middle of a test, if a package did not provide them.
-for tool in /usr/bin/etcd /usr/bin/etcdctl nft protoc qemu-system-x86_64 promtool curl openssl; do
+# The build, the demo and the suites call these by path or name: fail here,
+# not in the middle of a run, if a package did not provide them.
+tools="nft protoc qemu-system-x86_64"
+[ "$mode" = demo ] || tools="/usr/bin/etcd /usr/bin/etcdctl $tools promtool curl openssl"
+for tool in $tools; do
     if ! command -v "$tool" >/dev/null 2>&1; then
         echo "setup.sh: $tool is missing after installing the packages" >&2
         exit 1
@@ -119,7 +148,11 @@ if [ ! -f /usr/include/google/protobuf/descriptor.proto ]; then
     echo "setup.sh: google/protobuf/descriptor.proto is missing (libprotobuf-dev); etcd-client cannot build" >&2
     exit 1
 fi
-echo "setup.sh: $(/usr/bin/etcd --version | head -n 1); $(protoc --version)"
+if [ "$mode" = demo ]; then
+    echo "setup.sh: $(protoc --version); only what make demo uses (make test installs the rest)"
+else
+    echo "setup.sh: $(/usr/bin/etcd --version | head -n 1); $(protoc --version)"
+fi
 
 # grpcurl is built from its Go module (github.com/fullstorydev/grpcurl, the
 # version pinned in tests/k8s/grpcurl/go.mod) with the machine's Go, once,

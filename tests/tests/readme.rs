@@ -1,0 +1,683 @@
+//! The README's Quick start "By hand, on one machine", run as it is written.
+//!
+//! Its second block (marked `<!-- quickstart-run ... -->`) runs in bash,
+//! traced, and what each command prints is checked against what the README
+//! says it prints: the CNI results, the pod's address, MAC and route, the
+//! node's host routes, the ping, the admin API's answers, the silent DELs;
+//! then that the block's own last step removed its netns and its directory.
+//! Its first block (`<!-- quickstart-build ... -->`) is not run, since it
+//! installs packages and builds: its packages must be among those `make
+//! demo`'s set-up installs (`tests/setup.sh demo`, which the fresh-machine
+//! run proves), its cargo commands must be `make release`'s, and its grpcurl
+//! version the one tests/setup.sh builds.
+//!
+//! What is changed, and only that, so that runs never meet each other or a
+//! user's own Quick start: the netns names `tether-node`, `pod1` and `pod2`
+//! get this run's prefix, and `/tmp/tether` becomes a directory of this
+//! run's. The block runs in a directory where `target/release` is a link to
+//! the binaries under test ([`bin_dir`]: the debug build under `make test`),
+//! with the grpcurl tests/setup.sh installs first on `PATH`, and with `set
+//! -e`, so that any command that fails fails the test. Whatever happens, the
+//! block's processes (its tetherd) are killed by their process group and its
+//! netns and directory removed.
+//!
+//! Run as root, after `tests/setup.sh`.
+
+use std::collections::BTreeSet;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::Value;
+use tether_e2e::runtime::GRPCURL;
+use tether_e2e::{
+    bin_dir, require_root, tether_bin, tetherd_bin, unique_name, wait_until, workspace_dir, TempDir,
+};
+
+/// The heading the two blocks live under.
+const HEADING: &str = "### By hand, on one machine";
+/// What starts each traced command line in the block's output (bash's PS4).
+const TRACE: &str = "+readme+ ";
+/// A guard against a block that hangs (a daemon that never opens its
+/// socket, say): every step of the block takes well under a second but the
+/// 3-packet ping, so reaching this means something is stuck. Not a
+/// measure of speed.
+const HANG_GUARD: Duration = Duration::from_secs(300);
+
+#[test]
+fn the_readme_quick_start_by_hand_builds_a_pinging_pod_and_removes_everything() {
+    require_root();
+    let readme = std::fs::read_to_string(workspace_dir().join("README.md")).expect("README.md");
+    let block = marked_block(&readme, "quickstart-run");
+
+    let work = TempDir::new("readme");
+    let names = Names {
+        node: unique_name("qs-node"),
+        pods: [unique_name("qs-pod1"), unique_name("qs-pod2")],
+        dir: work.path().join("tether"),
+    };
+    let script = names.substitute(&block);
+    let script_path = work.path().join("quickstart.sh");
+    std::fs::write(&script_path, &script).expect("writing quickstart.sh");
+    for bin in [tether_bin(), tetherd_bin()] {
+        assert!(bin.exists(), "{} is missing: build first", bin.display());
+    }
+    std::fs::create_dir(work.path().join("target")).expect("mkdir target");
+    std::os::unix::fs::symlink(bin_dir(), work.path().join("target/release"))
+        .expect("linking target/release to the binaries under test");
+    assert!(
+        Path::new(GRPCURL).exists(),
+        "{GRPCURL} is missing: run tests/setup.sh (as root) first"
+    );
+
+    let log = work.path().join("quickstart.out");
+    let mut run = Run::start(&script_path, &log, &names);
+    let finished = wait_until(HANG_GUARD, || run.has_exited());
+    let status = run.finish();
+    let output = std::fs::read_to_string(&log).unwrap_or_default();
+    let context =
+        || format!("--- the block, as run ---\n{script}\n--- its trace and output ---\n{output}");
+    assert!(
+        finished,
+        "the Quick start did not finish in {HANG_GUARD:?}\n{}",
+        context()
+    );
+    assert!(
+        status.success(),
+        "the Quick start failed ({status})\n{}",
+        context()
+    );
+
+    check_output(&parse_trace(&output), &script, &names)
+        .unwrap_or_else(|e| panic!("{e}\n{}", context()));
+    for ns in names.netns() {
+        assert!(
+            !Path::new("/run/netns").join(ns).exists(),
+            "the block's last step left netns {ns}\n{}",
+            context()
+        );
+    }
+    assert!(
+        !names.dir.exists(),
+        "the block's last step left {}\n{}",
+        names.dir.display(),
+        context()
+    );
+}
+
+#[test]
+fn the_readme_quick_start_build_is_what_make_demo_installs_and_builds() {
+    let readme = std::fs::read_to_string(workspace_dir().join("README.md")).expect("README.md");
+    let block = marked_block(&readme, "quickstart-build");
+    let lines: Vec<&str> = block
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+
+    let apt: Vec<&str> = lines
+        .iter()
+        .filter_map(|l| l.strip_prefix("apt-get install -y "))
+        .flat_map(|l| l.split_whitespace())
+        .collect();
+    assert!(!apt.is_empty(), "no `apt-get install -y` line in:\n{block}");
+    let setup = std::fs::read_to_string(workspace_dir().join("tests/setup.sh")).expect("setup.sh");
+    let demo_packages = setup_packages(&setup, "demo");
+    // The C toolchain is the one thing the set-up leaves to the machine
+    // (README, "Requirements").
+    let unknown: Vec<&&str> = apt
+        .iter()
+        .filter(|p| **p != "build-essential" && !demo_packages.contains(**p))
+        .collect();
+    assert!(
+        unknown.is_empty(),
+        "the README installs {unknown:?}, which tests/setup.sh does not mark \"demo\" \
+         (the demo's set-up: {demo_packages:?})"
+    );
+
+    let cargo: Vec<String> = lines
+        .iter()
+        .filter(|l| l.starts_with("cargo "))
+        .map(|l| without_comment(l))
+        .collect();
+    let makefile = std::fs::read_to_string(workspace_dir().join("Makefile")).expect("Makefile");
+    assert_eq!(
+        cargo,
+        make_recipe(&makefile, "release"),
+        "the README's build vs `make release`"
+    );
+
+    let go_mod = std::fs::read_to_string(workspace_dir().join("tests/k8s/grpcurl/go.mod"))
+        .expect("tests/k8s/grpcurl/go.mod");
+    let pinned = go_mod
+        .lines()
+        .find_map(|l| {
+            let mut w = l.split_whitespace();
+            (w.next() == Some("github.com/fullstorydev/grpcurl")).then(|| w.next())?
+        })
+        .expect("grpcurl's version in tests/k8s/grpcurl/go.mod");
+    let install = format!("go install github.com/fullstorydev/grpcurl/cmd/grpcurl@{pinned}");
+    assert!(
+        block.contains(&install),
+        "the README's grpcurl is not the one tests/setup.sh builds ({install})"
+    );
+}
+
+/// The netns names and the directory the block uses, this run's own.
+struct Names {
+    node: String,
+    pods: [String; 2],
+    dir: PathBuf,
+}
+
+impl Names {
+    fn netns(&self) -> Vec<&str> {
+        let mut all = vec![self.node.as_str()];
+        all.extend(self.pods.iter().map(String::as_str));
+        all
+    }
+
+    /// The block with the README's fixed names replaced by this run's
+    /// (whole words only), and nothing else changed. Panics unless each
+    /// name was there, and unless every netns the block creates is one of
+    /// ours.
+    fn substitute(&self, block: &str) -> String {
+        let dir = self.dir.to_str().expect("a UTF-8 temp dir");
+        let mut script = block.to_string();
+        for (fixed, ours) in [
+            ("tether-node", self.node.as_str()),
+            ("pod1", self.pods[0].as_str()),
+            ("pod2", self.pods[1].as_str()),
+            ("/tmp/tether", dir),
+        ] {
+            let (replaced, n) = replace_word(&script, fixed, ours);
+            assert!(n > 0, "the Quick start no longer names {fixed}:\n{block}");
+            script = replaced;
+        }
+        // A netns the block adds under a name not substituted above would
+        // be shared with every other run: refuse to run it. `ip netns add
+        // $VAR` takes its names from a `for VAR in ...; do` before it.
+        let mut lists: Vec<(String, Vec<String>)> = Vec::new();
+        for line in script.lines() {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            if let ["for", var, "in", items @ ..] = &words[..] {
+                let items = items.iter().take_while(|w| **w != "do");
+                let items = items.map(|w| w.trim_end_matches(';').to_string());
+                lists.push((format!("${var}"), items.collect()));
+            }
+            for added in words
+                .windows(4)
+                .filter(|w| w[..3] == ["ip", "netns", "add"])
+            {
+                let names = match lists.iter().rev().find(|(var, _)| var == added[3]) {
+                    Some((_, items)) => items.clone(),
+                    None => vec![added[3].to_string()],
+                };
+                for name in names {
+                    assert!(
+                        self.netns().contains(&name.as_str()),
+                        "the Quick start adds netns {name}, a fixed name: {line}"
+                    );
+                }
+            }
+        }
+        assert!(
+            !script.replace(dir, "").contains("/tmp/"),
+            "the Quick start uses a path under /tmp other than /tmp/tether:\n{block}"
+        );
+        script
+    }
+}
+
+/// `text` with every whole-word `word` (not inside a longer name or path
+/// component) replaced by `with`, and how many there were.
+fn replace_word(text: &str, word: &str, with: &str) -> (String, usize) {
+    let is_name = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-';
+    let (mut out, mut rest, mut n) = (String::new(), text, 0);
+    while let Some(at) = rest.find(word) {
+        let before = rest[..at].chars().next_back();
+        let after = rest[at + word.len()..].chars().next();
+        let whole = !before.is_some_and(|c| is_name(c) || c == '/') && !after.is_some_and(is_name);
+        out.push_str(&rest[..at]);
+        out.push_str(if whole { with } else { word });
+        n += usize::from(whole);
+        rest = &rest[at + word.len()..];
+    }
+    out.push_str(rest);
+    (out, n)
+}
+
+/// The fenced block that follows the README's `<!-- MARKER ... -->` line,
+/// which must sit under [`HEADING`], once.
+fn marked_block(readme: &str, marker: &str) -> String {
+    let under = section(readme, HEADING);
+    let tag = format!("<!-- {marker}");
+    let starts: Vec<_> = under.match_indices(&tag).collect();
+    assert_eq!(
+        starts.len(),
+        1,
+        "README.md, {HEADING}: one {tag} line wanted"
+    );
+    let mut lines = under[starts[0].0..].lines().skip(1);
+    assert_eq!(
+        lines.next().map(str::trim),
+        Some("```sh"),
+        "README.md: {tag} must be followed by a ```sh block"
+    );
+    let body: Vec<&str> = lines.by_ref().take_while(|l| l.trim() != "```").collect();
+    assert!(
+        !body.is_empty(),
+        "README.md: the block after {tag} is empty"
+    );
+    body.join("\n") + "\n"
+}
+
+/// The lines under `heading` up to the next heading (a `#` line outside a
+/// fenced block).
+fn section(readme: &str, heading: &str) -> String {
+    let mut lines = readme.lines().skip_while(|l| *l != heading);
+    assert!(
+        lines.next().is_some(),
+        "README.md has no heading {heading:?}"
+    );
+    let mut fenced = false;
+    let mut body = Vec::new();
+    for line in lines {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+        } else if !fenced && line.starts_with('#') {
+            break;
+        }
+        body.push(line);
+    }
+    body.join("\n")
+}
+
+/// tests/setup.sh's packages marked `who` ("demo" or "test").
+fn setup_packages(setup: &str, who: &str) -> BTreeSet<String> {
+    let list = setup
+        .split_once("PACKAGES=\"")
+        .and_then(|(_, rest)| rest.split_once('"'))
+        .map(|(list, _)| list)
+        .expect("tests/setup.sh: PACKAGES=\"...\"");
+    list.lines()
+        .filter_map(|l| match l.split_whitespace().collect::<Vec<_>>()[..] {
+            [pkg, mark] if mark == who => Some(pkg.to_string()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The commands of the Makefile's `target`, with `$(CARGO)` as `cargo`.
+fn make_recipe(makefile: &str, target: &str) -> Vec<String> {
+    makefile
+        .lines()
+        .skip_while(|l| !l.starts_with(&format!("{target}:")))
+        .skip(1)
+        .take_while(|l| l.starts_with('\t'))
+        .map(|l| l.trim().replace("$(CARGO)", "cargo"))
+        .collect()
+}
+
+fn without_comment(line: &str) -> String {
+    line.split(" #").next().unwrap_or(line).trim().to_string()
+}
+
+/// The block running in bash, in a process group of its own: the group is
+/// how its background tetherd is found again, whatever the block did.
+struct Run<'a> {
+    child: Child,
+    names: &'a Names,
+    reaped: bool,
+}
+
+impl<'a> Run<'a> {
+    fn start(script: &Path, log: &Path, names: &'a Names) -> Run<'a> {
+        let out = std::fs::File::create(log).expect("creating the output file");
+        let err = out.try_clone().expect("duplicating the output fd");
+        let path = format!(
+            "{}:{}",
+            Path::new(GRPCURL)
+                .parent()
+                .expect("grpcurl's dir")
+                .display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        // The block is sourced as it is; PS4 and `set -e -x` come from the
+        // caller. Output goes to a file, not a pipe, so that a tetherd left
+        // running cannot hold the read open.
+        let child = Command::new("bash")
+            .args([
+                "-c",
+                &format!("PS4='{TRACE}'; set -e -x; . \"$0\""),
+                "./quickstart.sh",
+            ])
+            .current_dir(script.parent().expect("the script's dir"))
+            .env("PATH", path)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .process_group(0)
+            .spawn()
+            .expect("spawning bash");
+        Run {
+            child,
+            names,
+            reaped: false,
+        }
+    }
+
+    /// Whether bash has exited, leaving it unreaped: while it is a zombie,
+    /// its pid, which is the group's id, cannot go to anyone else.
+    fn has_exited(&self) -> bool {
+        let pid = self.child.id() as libc::id_t;
+        // SAFETY: a zeroed siginfo_t is a valid out-parameter for waitid.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waitid on our own child, WNOWAIT leaves it unreaped.
+        let rc = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                pid,
+                &mut info,
+                libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+            )
+        };
+        // SAFETY: si_pid is set when waitid found an exited child.
+        rc == 0 && unsafe { info.si_pid() } != 0
+    }
+
+    /// Kills whatever is left of the block's process group (its tetherd
+    /// when the block stopped early, and bash itself when it hangs), then
+    /// reaps bash and returns how it exited.
+    fn finish(&mut self) -> std::process::ExitStatus {
+        self.kill_group();
+        self.reaped = true;
+        self.child.wait().expect("waiting for bash")
+    }
+
+    fn kill_group(&self) {
+        if !self.reaped {
+            // SAFETY: kill has no memory preconditions; the group is ours
+            // (bash, unreaped, leads it).
+            unsafe { libc::kill(-(self.child.id() as libc::pid_t), libc::SIGKILL) };
+        }
+    }
+}
+
+impl Drop for Run<'_> {
+    fn drop(&mut self) {
+        if !self.reaped {
+            self.kill_group();
+            let _ = self.child.wait();
+        }
+        for ns in self.names.netns() {
+            if Path::new("/run/netns").join(ns).exists() {
+                let _ = Command::new("ip").args(["netns", "del", ns]).status();
+            }
+        }
+        let _ = std::fs::remove_dir_all(&self.names.dir);
+    }
+}
+
+/// One traced command: the variables bash traced just before it (the
+/// `VAR=value cmd` form traces them on lines of their own), the command
+/// line, and what it printed.
+#[derive(Debug)]
+struct Traced {
+    env: Vec<String>,
+    command: String,
+    output: String,
+}
+
+impl Traced {
+    fn env(&self, name: &str) -> Option<&str> {
+        self.env
+            .iter()
+            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+    }
+}
+
+/// The comment at the end of the block's line that runs `command`.
+fn comment_of<'s>(script: &'s str, command: &str) -> Option<&'s str> {
+    script.lines().find_map(|line| {
+        let (code, comment) = line.split_once(" #")?;
+        (code.trim() == command).then(|| comment.trim())
+    })
+}
+
+/// The trace split at each [`TRACE`] mark (found anywhere, since a command
+/// whose output has no final newline leaves the next mark mid-line). bash
+/// repeats PS4's first character once more for the sourced file, so every
+/// mark comes as `++readme+ `: the extra `+` ends each command's output, and
+/// is dropped.
+fn parse_trace(output: &str) -> Vec<Traced> {
+    let is_assignment = |line: &str| {
+        line.split_once('=').is_some_and(|(name, value)| {
+            !name.is_empty()
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                && !value.contains(' ')
+        })
+    };
+    let mut traced = Vec::new();
+    let mut env = Vec::new();
+    for part in output.split(TRACE).skip(1) {
+        let (command, out) = part.split_once('\n').unwrap_or((part, ""));
+        let out = out.trim_end_matches('+');
+        if is_assignment(command) && out.is_empty() {
+            env.push(command.to_string());
+            continue;
+        }
+        traced.push(Traced {
+            env: std::mem::take(&mut env),
+            command: command.to_string(),
+            output: out.to_string(),
+        });
+    }
+    traced
+}
+
+/// Checks what the block printed against what the README says it prints.
+fn check_output(traced: &[Traced], script: &str, names: &Names) -> Result<(), String> {
+    let find = |what: &str, pick: &dyn Fn(&Traced) -> bool| -> Result<Vec<&Traced>, String> {
+        let found: Vec<&Traced> = traced.iter().filter(|t| pick(t)).collect();
+        if found.is_empty() {
+            Err(format!("no {what} in the trace"))
+        } else {
+            Ok(found)
+        }
+    };
+    let plugin = |verb: &'static str| {
+        move |t: &Traced| t.command == "target/release/tether" && t.env("CNI_COMMAND") == Some(verb)
+    };
+
+    // Step 4: each ADD's result, at the netconf's cniVersion.
+    let adds = find("ADD", &plugin("ADD"))?;
+    let ids: Vec<_> = adds.iter().map(|t| t.env("CNI_CONTAINERID")).collect();
+    if ids != [Some(names.pods[0].as_str()), Some(names.pods[1].as_str())] {
+        return Err(format!("ADDs for {ids:?}, not the two pods"));
+    }
+    let mut host_veths = Vec::new();
+    for (n, (add, pod)) in adds.iter().zip(&names.pods).enumerate() {
+        let r: Value = serde_json::from_str(add.output.trim())
+            .map_err(|e| format!("ADD {pod}: not a CNI result ({e}): {:?}", add.output))?;
+        let ip = format!("10.244.0.{}", n + 1);
+        let mac = format!("0a:58:0a:f4:00:{:02x}", n + 1);
+        let ips = r["ips"].as_array().map(Vec::as_slice).unwrap_or_default();
+        let want_ok = r["cniVersion"] == "1.0.0"
+            && ips.len() == 1
+            && ips[0]["address"] == format!("{ip}/32").as_str()
+            && ips[0]["gateway"] == "169.254.1.1"
+            && r["routes"] == serde_json::json!([{"dst": "0.0.0.0/0", "gw": "169.254.1.1"}]);
+        let pod_if = ips
+            .first()
+            .and_then(|i| i["interface"].as_u64())
+            .map(|i| &r["interfaces"][i as usize]);
+        let pod_if_ok = pod_if.is_some_and(|i| {
+            i["name"] == "eth0"
+                && i["mac"] == mac.as_str()
+                && i["sandbox"] == format!("/run/netns/{pod}").as_str()
+        });
+        let host_if = r["interfaces"]
+            .as_array()
+            .and_then(|all| all.iter().find(|i| i.get("sandbox").is_none()));
+        let host_ok = host_if.is_some_and(|i| {
+            i["name"].as_str().is_some_and(|n| n.starts_with("tth"))
+                && i["mac"] == "0a:58:a9:fe:01:01"
+        });
+        if !(want_ok && pod_if_ok && host_ok) {
+            return Err(format!(
+                "ADD {pod}: wanted {ip}/32 on eth0 (MAC {mac}) in /run/netns/{pod}, gateway and \
+                 default route 169.254.1.1, a tth… host veth with the anycast MAC 0a:58:a9:fe:01:01, \
+                 at cniVersion 1.0.0; got {r}"
+            ));
+        }
+        host_veths.push(
+            host_if
+                .and_then(|i| i["name"].as_str())
+                .unwrap_or_default()
+                .to_string(),
+        );
+    }
+
+    // Step 5: what the comments say, and that they say it.
+    let pod1 = &names.pods[0];
+    let said = |command: String, want: &str| match comment_of(script, &command) {
+        Some(comment) if comment == want => Ok(()),
+        other => Err(format!(
+            "the README's comment on `{command}` is {other:?}, not {want:?}"
+        )),
+    };
+    said(
+        format!("ip -n {pod1} addr show eth0"),
+        "10.244.0.1/32, MAC 0a:58:0a:f4:00:01",
+    )?;
+    said(
+        format!("ip -n {pod1} route"),
+        "default via 169.254.1.1 dev eth0 proto 201 onlink",
+    )?;
+    let addr = &find("addr show", &|t| {
+        t.command == format!("ip -n {pod1} addr show eth0")
+    })?[0]
+        .output;
+    if !addr.contains("inet 10.244.0.1/32 ") || !addr.contains("link/ether 0a:58:0a:f4:00:01 ") {
+        return Err(format!(
+            "{pod1}'s eth0 lacks 10.244.0.1/32 or MAC 0a:58:0a:f4:00:01:\n{addr}"
+        ));
+    }
+    let route = &find("pod route", &|t| t.command == format!("ip -n {pod1} route"))?[0].output;
+    if route.trim() != "default via 169.254.1.1 dev eth0 proto 201 onlink" {
+        return Err(format!("{pod1}'s routes:\n{route}"));
+    }
+    let node = &names.node;
+    let host = &find("host routes", &|t| {
+        t.command == format!("ip -n {node} route show proto 201")
+    })?[0]
+        .output;
+    let host_lines: Vec<&str> = host.lines().map(str::trim).collect();
+    let want: Vec<String> = host_veths
+        .iter()
+        .enumerate()
+        .map(|(n, veth)| format!("10.244.0.{} dev {veth} scope link", n + 1))
+        .collect();
+    if host_lines != want {
+        return Err(format!(
+            "the node's proto 201 routes: {host_lines:?}, wanted {want:?}"
+        ));
+    }
+    let ping = &find("ping", &|t| {
+        t.command == format!("ip netns exec {pod1} ping -c 3 10.244.0.2")
+    })?[0]
+        .output;
+    if !ping.contains("3 packets transmitted, 3 received") {
+        return Err(format!("the ping:\n{ping}"));
+    }
+
+    // Step 6: the admin API, as the text under the block says.
+    let grpcurl = |call: &str| {
+        format!(
+            "grpcurl -plaintext -unix {}/tether.sock {call}",
+            names.dir.display()
+        )
+    };
+    let list = &find("list", &|t| t.command == grpcurl("list"))?[0].output;
+    let services: BTreeSet<&str> = list.lines().map(str::trim).collect();
+    let reflection = services.iter().any(|s| s.starts_with("grpc.reflection."));
+    if ![
+        "tether.cni.v1.Cni",
+        "tether.admin.v1.Admin",
+        "grpc.health.v1.Health",
+    ]
+    .iter()
+    .all(|s| services.contains(s))
+        || !reflection
+    {
+        return Err(format!("list: {services:?}"));
+    }
+    let get_node = &find("GetNode", &|t| {
+        t.command == grpcurl("tether.admin.v1.Admin/GetNode")
+    })?[0]
+        .output;
+    let node_info: Value =
+        serde_json::from_str(get_node).map_err(|e| format!("GetNode ({e}): {get_node}"))?;
+    let pools = node_info["pools"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    if pools.len() != 1
+        || pools[0]["cidr"] != "10.244.0.0/24"
+        || pools[0]["used"] != "2"
+        || node_info["storeBackend"] != "local"
+        || node_info["pendingDelDir"].as_str().is_none()
+    {
+        return Err(format!(
+            "GetNode: wanted the pool with 2 used, the local store and the DEL queue: {node_info}"
+        ));
+    }
+    let list_att = &find("ListAttachments", &|t| {
+        t.command == grpcurl("tether.admin.v1.Admin/ListAttachments")
+    })?[0]
+        .output;
+    let attachments: Value =
+        serde_json::from_str(list_att).map_err(|e| format!("ListAttachments ({e}): {list_att}"))?;
+    let seen: Vec<(String, String, String)> = attachments["attachments"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .map(|a| {
+            (
+                a["containerId"].as_str().unwrap_or_default().to_string(),
+                a["ips"].to_string(),
+                a["hostInterface"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect();
+    let want: Vec<(String, String, String)> = names
+        .pods
+        .iter()
+        .zip(&host_veths)
+        .enumerate()
+        .map(|(n, (pod, veth))| {
+            (
+                pod.clone(),
+                format!("[\"10.244.0.{}/32\"]", n + 1),
+                veth.clone(),
+            )
+        })
+        .collect();
+    if seen != want {
+        return Err(format!("ListAttachments: {seen:?}, wanted {want:?}"));
+    }
+
+    // Step 7: DEL prints nothing, then the echo says ok.
+    let dels = find("DEL", &plugin("DEL"))?;
+    if dels.len() != 2 || dels.iter().any(|t| !t.output.is_empty()) {
+        return Err(format!("DELs: {dels:?}"));
+    }
+    for pod in &names.pods {
+        let said = format!("DEL {pod}: ok");
+        find(&said, &|t| t.output.trim() == said)?;
+    }
+    Ok(())
+}
