@@ -353,7 +353,7 @@ fn each_mode_renders_its_flags_and_only_flags_tetherd_knows() {
     ];
     let modes: [(&str, &[&str]); 3] = [
         ("singleNode", &["--pod-cidr=10.244.0.0/24"]),
-        ("nodeCidrs", &["--pod-cidr-from-node"]),
+        ("nodeCidrs", &["--pod-cidr-from-node", "--overlay=none"]),
         (
             "etcd",
             &[
@@ -431,6 +431,7 @@ fn the_chart_refuses_what_it_cannot_render() {
     for (set, says) in [
         ("mode=kubernetes", "planned, not yet in tetherd"),
         ("mode=etcdd", "mode must be singleNode, nodeCidrs or etcd"),
+        ("overlay=geneve", "overlay must be none or vxlan"),
         ("image.tag=latest", "never \"latest\""),
         (
             "migrationNetwork.enabled=true",
@@ -519,7 +520,7 @@ fn the_defaults_render_a_versioned_image_and_nothing_optional() {
         chart::find(&objects, "ClusterRole", "tether")["rules"],
         json!([
             {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-            {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
+            {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
             {"apiGroups": ["k8s.cni.cncf.io"], "resources": ["ipamclaims"], "verbs": ["get", "list", "watch"]},
             {"apiGroups": ["k8s.cni.cncf.io"], "resources": ["ipamclaims/status"], "verbs": ["patch"]},
             {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},

@@ -51,11 +51,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if not .Values.cluster.cidrs -}}
 {{- fail "mode etcd needs cluster.cidrs (one CIDR per family)" -}}
 {{- end -}}
-{{- if not (has .Values.cluster.overlay (list "none" "vxlan")) -}}
-{{- fail (printf "cluster.overlay must be none or vxlan, not %q" (toString .Values.cluster.overlay)) -}}
-{{- end -}}
 {{- else if ne $mode "nodeCidrs" -}}
 {{- fail (printf "mode must be singleNode, nodeCidrs or etcd, not %q" (toString $mode)) -}}
+{{- end -}}
+{{- if not (has .Values.overlay (list "none" "vxlan")) -}}
+{{- fail (printf "overlay must be none or vxlan, not %q" (toString .Values.overlay)) -}}
 {{- end -}}
 {{- if .Values.migrationNetwork.enabled -}}
 {{- $found := false -}}
