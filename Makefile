@@ -8,7 +8,7 @@ RELEASE_DIR := target/release
 ROOT_TESTS := tether-kernel/root-tests,tether-node-server/root-tests
 DEBUG_DIR := target/debug
 
-.PHONY: all setup setup-demo k8s build release demo check test unit integration lint bench clean shim-size min-kernel
+.PHONY: all setup setup-demo k8s helm manifests build release demo check test unit integration lint bench clean shim-size min-kernel
 
 all: build
 
@@ -28,6 +28,18 @@ setup-demo:
 ## (tests/k8s/build.sh).
 k8s: setup
 	@dir=$$(sh tests/k8s/build.sh) && echo "k8s: $$($$dir/kube-apiserver --version) in $$dir"
+
+## helm: helm, built from its Go module (helm.sh/helm/v4, pinned in
+## tests/k8s/helm/go.mod) and cached in /var/tmp/tether-k8s
+## (tests/k8s/helm/build.sh): the chart's tests, and `make manifests`.
+helm: setup
+	@dir=$$(sh tests/k8s/helm/build.sh) && echo "helm: $$($$dir/helm version --short) in $$dir"
+
+## manifests: install/manifests/, the plain manifests (one per mode), from
+## the chart install/helm/tether (install/generate.sh); the install suite
+## fails while a committed file differs from the chart's output.
+manifests:
+	sh install/generate.sh
 
 ## build: debug build of every crate (the integration tests use it), with
 ## the root unit tests compiled in, as `make test` runs them.
@@ -74,7 +86,7 @@ check:
 ## runtimes, chaining, concurrency, crash, bad input, security, real QEMU
 ## guests, a real kube-apiserver, a one-node Kubernetes whose kubelet calls
 ## tether). Root only.
-test: setup k8s lint build shim-size
+test: setup k8s helm lint build shim-size
 	@test "$$(id -u)" = 0 || { echo "make test must run as root (it creates network namespaces)"; exit 1; }
 	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test --workspace --features $(ROOT_TESTS) --no-fail-fast -- --test-threads=2
 

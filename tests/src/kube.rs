@@ -6,7 +6,7 @@
 //! - a service-account signing key, so that `kubectl create token` gives
 //!   tetherd a real service-account token;
 //! - RBAC authorisation, so that tetherd's token can do exactly what
-//!   `install/rbac.yaml` grants.
+//!   the chart's RBAC (`install/helm/tether/templates/rbac.yaml`) grants.
 //!
 //! It runs in a netns of its own on the test fabric (host [`API_HOST`]),
 //! its etcd on that netns's loopback; node daemons reach it over the
@@ -29,7 +29,7 @@ use crate::{wait_until, workspace_dir, Netns, TempDir};
 pub const API_HOST: u8 = 5;
 /// Its secure port.
 pub const API_PORT: u16 = 6443;
-/// The service account tetherd runs as (install/daemonset.yaml).
+/// The service account tetherd runs as (the chart's, release `tether`).
 pub const TETHER_SA: (&str, &str) = ("kube-system", "tether");
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -349,7 +349,7 @@ impl KubeApi {
     }
 
     /// `kubectl apply -f` of a file of the repository (e.g.
-    /// `install/rbac.yaml`).
+    /// `install/manifests/ipamclaims-crd.yaml`).
     pub fn apply_file(&self, relative: &str) {
         let path = workspace_dir().join(relative);
         self.kubectl_ok(&["apply", "-f", &path.display().to_string()]);
@@ -420,12 +420,31 @@ impl KubeApi {
         path
     }
 
-    /// Installs what tether's install/ defines for the API (the IPAMClaim
-    /// CRD and the RBAC), the service account, and waits for the CRD.
+    /// Installs what tether's chart defines for the API: the IPAMClaim CRD,
+    /// and the service account with its RBAC as `helm template` renders
+    /// them with the chart's defaults; waits for the CRD.
     pub fn install_tether(&self) {
-        self.kubectl_ok(&["-n", TETHER_SA.0, "create", "serviceaccount", TETHER_SA.1]);
-        self.apply_file("install/ipamclaims-crd.yaml");
-        self.apply_file("install/rbac.yaml");
+        self.apply_file("install/helm/tether/crds/ipamclaims.yaml");
+        let kinds = [
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Role",
+            "RoleBinding",
+        ];
+        let items: Vec<Value> = crate::chart::objects(&crate::chart::template(&[]))
+            .into_iter()
+            .filter(|o| kinds.iter().any(|k| o["kind"] == *k))
+            .collect();
+        assert!(
+            items.iter().any(|o| o["kind"] == "ServiceAccount"
+                && o["metadata"]["name"] == TETHER_SA.1
+                && o["metadata"]["namespace"] == TETHER_SA.0),
+            "the chart's service account is not {TETHER_SA:?}"
+        );
+        self.apply(
+            &serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items}).to_string(),
+        );
         self.kubectl_ok(&[
             "wait",
             "--for=condition=Established",

@@ -30,7 +30,7 @@
 //!   DaemonSet probes readiness over HTTP.
 //! - Every directory the node would keep in `/etc`, `/opt`, `/run` or
 //!   `/var/lib` is under a temp dir of this run, and the DaemonSet's
-//!   hostPaths are moved there ([`OneNode::tether_manifest`]).
+//!   hostPaths are moved there ([`OneNode::tether_values`]).
 //!
 //! The kubelet also sets a few sysctls that are the whole machine's
 //! (`kernel.panic`, `vm.overcommit_memory`, ...): their values from before
@@ -51,6 +51,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use crate::chart::{self, Helm};
 use crate::cluster::{Fabric, Underlay};
 use crate::kube::{k8s_bin_dir, KubeApi};
 use crate::oci::Rootfs;
@@ -66,6 +67,8 @@ pub const PAUSE_IMAGE: &str = "localhost/tether-test/pause:1";
 pub const BUSYBOX_IMAGE: &str = "localhost/tether-test/busybox:1";
 /// tether's image, without its tag (`:1`, `:2`, ...).
 pub const TETHER_IMAGE: &str = "localhost/tether-test/tether";
+/// The label selector of tether's DaemonSet pods (the chart's).
+pub const TETHER_SELECTOR: &str = "app.kubernetes.io/name=tether";
 /// The one Debian containerd is started from.
 pub const CONTAINERD_BIN: &str = "/usr/bin/containerd";
 const READY: Duration = Duration::from_secs(90);
@@ -102,6 +105,8 @@ pub struct OneNode {
     underlay: Underlay,
     /// The API server (and its etcd), with kubectl.
     pub api: KubeApi,
+    /// helm against the API server.
+    helm: Helm,
     node: Netns,
     fabric: Fabric,
     dir: TempDir,
@@ -115,6 +120,7 @@ impl OneNode {
         let bins = k8s_bin_dir();
         let fabric = Fabric::new();
         let api = KubeApi::start(&fabric);
+        let helm = Helm::against(&api);
         let node = Netns::new("kn");
         let underlay = fabric.attach_host(&node, NODE_HOST);
         let dir = TempDir::new("kn");
@@ -131,6 +137,7 @@ impl OneNode {
             name,
             underlay,
             api,
+            helm,
             node,
             fabric,
             dir,
@@ -417,8 +424,8 @@ state = "{d}/state"
 
     /// Builds tether's image `TETHER_IMAGE:<tag>` the way
     /// install/Containerfile lays it out (the plugin, Debian's portmap and
-    /// the conflist in `/tether`, the installer and tetherd in
-    /// `/usr/local/bin`), from the binaries in [`crate::bin_dir`] and the
+    /// the conflist in `/tether`, the installer, the uninstaller and
+    /// tetherd in `/usr/local/bin`, nft and curl), from the binaries in [`crate::bin_dir`] and the
     /// files of install/, on busybox (the installer's shell, the readiness
     /// probe's `test`), and imports it. `marker` is written to
     /// `/etc/tether-image`, so that two tags differ.
@@ -438,6 +445,14 @@ state = "{d}/state"
             "usr/local/bin/tether-install",
             0o755,
         );
+        root.copy(
+            install.join("uninstall.sh"),
+            "usr/local/bin/tether-uninstall",
+            0o755,
+        );
+        // The image's curl package: the uninstall container asks the API
+        // for the DaemonSet with it.
+        root.copy_program("/usr/bin/curl", "bin/curl");
         root.copy_program(crate::tetherd_bin(), "usr/local/bin/tetherd");
         // The image's nftables package: tetherd writes its outbound NAT
         // table with nft (on the image's PATH here).
@@ -451,43 +466,21 @@ state = "{d}/state"
         name
     }
 
-    /// install/daemonset.yaml as `kubectl` reads it (as a List), changed as
-    /// its header says for one node without etcd, and for this node:
-    /// - image `image`, `imagePullPolicy: Never`;
-    /// - `--pod-cidr-from-node` instead of the etcd and cluster flags, and
-    ///   no etcd Secret;
+    /// The chart's values for this node (a JSON values file for helm):
+    /// - image `image` (`repository:tag`), `pullPolicy: Never`;
+    /// - mode `nodeCidrs` (`--pod-cidr-from-node`: the node CIDR that
+    ///   kube-controller-manager gave it);
     /// - the hostPaths of the CNI dirs, `/run/tether` and `/var/lib/tether`
-    ///   moved under this run's dir; the daemon's socket and state dir are
-    ///   mounted at their host paths (so that the plugin, on the host,
-    ///   finds the socket and its DEL queue where the daemon says), and the
-    ///   installer writes that socket into the conflist (`TETHER_SOCKET`);
+    ///   moved under this run's dir (the chart mounts the socket's and the
+    ///   state's dirs at their host paths, so that the plugin, on the host,
+    ///   finds the socket and its DEL queue where the daemon says, and has
+    ///   the installer write that socket into the conflist);
     /// - `KUBERNETES_SERVICE_HOST`/`PORT` set to the API server (no
-    ///   kube-proxy here); of the ConfigMap's variables only `NO_NAT_TO`
-    ///   (`--no-nat-to`) is kept.
-    pub fn tether_manifest(&self, image: &str) -> Value {
-        let file = workspace_dir().join("install/daemonset.yaml");
-        let out = self.api.kubectl(&[
-            "create",
-            "--dry-run=client",
-            "-o",
-            "json",
-            "-f",
-            &file.display().to_string(),
-        ]);
-        assert!(
-            out.status.success(),
-            "kubectl create --dry-run of install/daemonset.yaml: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        // One JSON object per document, one after the other.
-        let items: Vec<Value> = serde_json::Deserializer::from_slice(&out.stdout)
-            .into_iter::<Value>()
-            .collect::<Result<_, _>>()
-            .expect("kubectl printed JSON objects");
-        let mut list = json!({"apiVersion": "v1", "kind": "List", "items": items});
-        let run = self.tether_run_dir().display().to_string();
-        let state = self.tether_state_dir().display().to_string();
-        let socket = self.tether_socket().display().to_string();
+    ///   kube-proxy here), through `extraEnv`.
+    pub fn tether_values(&self, image: &str) -> Value {
+        let (repository, tag) = image
+            .rsplit_once(':')
+            .unwrap_or_else(|| panic!("{image} has no tag"));
         let api = self.api.server();
         let api_host = api
             .trim_start_matches("https://")
@@ -495,86 +488,62 @@ state = "{d}/state"
             .next()
             .unwrap_or_default()
             .to_string();
-        let items = list["items"].as_array_mut().expect("a List");
-        let ds = items
-            .iter_mut()
-            .find(|i| i["kind"] == "DaemonSet")
-            .expect("install/daemonset.yaml has a DaemonSet");
-        let spec = &mut ds["spec"]["template"]["spec"];
-        let init = &mut spec["initContainers"][0];
-        init["image"] = json!(image);
-        init["imagePullPolicy"] = json!("Never");
-        init["env"] = json!([{"name": "TETHER_SOCKET", "value": socket}]);
-        let c = &mut spec["containers"][0];
-        c["image"] = json!(image);
-        c["imagePullPolicy"] = json!("Never");
-        let args: Vec<Value> = c["args"]
-            .as_array()
-            .expect("tetherd's args")
-            .iter()
-            .filter_map(|a| {
-                let a = a.as_str().unwrap_or_default();
-                let dropped = ["--store", "--etcd-", "--cluster-cidr", "--overlay"];
-                if dropped.iter().any(|d| a.starts_with(d)) {
-                    None
-                } else if a.starts_with("--socket=") {
-                    Some(json!(format!("--socket={socket}")))
-                } else if a.starts_with("--state-dir=") {
-                    Some(json!(format!("--state-dir={state}")))
-                } else {
-                    Some(json!(a))
-                }
-            })
-            .chain([json!("--pod-cidr-from-node")])
-            .collect();
-        c["args"] = json!(args);
-        let mut env: Vec<Value> = c["env"]
-            .as_array()
-            .expect("tetherd's env")
-            .iter()
-            .filter(|e| {
-                ["NODE_NAME", "HOST_IP", "NO_NAT_TO"].contains(&e["name"].as_str().unwrap_or(""))
-            })
-            .cloned()
-            .collect();
-        env.push(json!({"name": "KUBERNETES_SERVICE_HOST", "value": api_host}));
-        env.push(
-            json!({"name": "KUBERNETES_SERVICE_PORT", "value": crate::kube::API_PORT.to_string()}),
-        );
-        c["env"] = json!(env);
-        let mounts = c["volumeMounts"].as_array_mut().expect("volumeMounts");
-        mounts.retain(|m| m["name"] != "etcd-tls");
-        for m in mounts.iter_mut() {
-            match m["name"].as_str() {
-                Some("run") => m["mountPath"] = json!(run),
-                Some("state") => m["mountPath"] = json!(state),
-                _ => {}
-            }
-        }
-        let volumes = spec["volumes"].as_array_mut().expect("volumes");
-        volumes.retain(|v| v["name"] != "etcd-tls");
-        for v in volumes.iter_mut() {
-            let moved = match v["name"].as_str() {
-                Some("cni-bin") => Some(self.cni_bin_dir().display().to_string()),
-                Some("cni-conf") => Some(self.cni_conf_dir().display().to_string()),
-                Some("run") => Some(run.clone()),
-                Some("state") => Some(state.clone()),
-                _ => None,
-            };
-            if let Some(path) = moved {
-                v["hostPath"]["path"] = json!(path);
-            }
-        }
-        list
+        json!({
+            "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
+            "mode": "nodeCidrs",
+            "hostPaths": {
+                "cniBinDir": self.cni_bin_dir().display().to_string(),
+                "cniConfDir": self.cni_conf_dir().display().to_string(),
+                "runDir": self.tether_run_dir().display().to_string(),
+                "stateDir": self.tether_state_dir().display().to_string(),
+            },
+            "extraEnv": [
+                {"name": "KUBERNETES_SERVICE_HOST", "value": api_host},
+                {"name": "KUBERNETES_SERVICE_PORT", "value": crate::kube::API_PORT.to_string()},
+            ],
+        })
     }
 
-    /// Applies install/ipamclaims-crd.yaml, install/rbac.yaml and
-    /// [`OneNode::tether_manifest`] of `image`.
+    /// `helm install` of the chart (release `tether` in kube-system) with
+    /// [`OneNode::tether_values`] of `image`, against the API server; the
+    /// IPAMClaim CRD comes from the chart's crds/.
     pub fn install_tether(&self, image: &str) {
-        self.api.apply_file("install/ipamclaims-crd.yaml");
-        self.api.apply_file("install/rbac.yaml");
-        let manifest = self.tether_manifest(image);
-        self.api.apply(&manifest.to_string());
+        let values = self.helm.values_file("install", &self.tether_values(image));
+        self.helm.run_ok(&[
+            "install",
+            chart::RELEASE,
+            chart::CHART,
+            "--namespace",
+            chart::NAMESPACE,
+            "--values",
+            &values.display().to_string(),
+        ]);
+    }
+
+    /// `helm upgrade` of the release to `image` (the same values
+    /// otherwise) plus `sets` (`--set`).
+    pub fn upgrade_tether(&self, image: &str, sets: &[&str]) {
+        let values = self.helm.values_file("upgrade", &self.tether_values(image));
+        let values = values.display().to_string();
+        let mut args = vec![
+            "upgrade",
+            chart::RELEASE,
+            chart::CHART,
+            "--namespace",
+            chart::NAMESPACE,
+            "--values",
+            &values,
+        ];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        self.helm.run_ok(&args);
+    }
+
+    /// `helm uninstall` of the release (it does not wait for the pods).
+    pub fn uninstall_tether(&self) {
+        self.helm
+            .run_ok(&["uninstall", chart::RELEASE, "--namespace", chart::NAMESPACE]);
     }
 
     /// The node's Ready condition: its status ("True", "False", "Unknown")
@@ -718,7 +687,7 @@ state = "{d}/state"
     pub fn tether_pods(&self) -> Vec<(String, String, bool)> {
         let list = self
             .api
-            .get(&["-n", "kube-system", "pods", "-l", "app=tether"])
+            .get(&["-n", "kube-system", "pods", "-l", TETHER_SELECTOR])
             .unwrap_or(Value::Null);
         list["items"]
             .as_array()
@@ -832,7 +801,7 @@ state = "{d}/state"
             let pods = self.tether_pods();
             let list = self
                 .api
-                .get(&["-n", "kube-system", "pods", "-l", "app=tether"])
+                .get(&["-n", "kube-system", "pods", "-l", TETHER_SELECTOR])
                 .unwrap_or(Value::Null);
             let images_ok = list["items"].as_array().is_some_and(|items| {
                 items.len() == 1 && items[0]["spec"]["containers"][0]["image"] == image
@@ -1090,5 +1059,96 @@ impl Drop for PodWatch {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Removals of given files, as inotify reports them from the moment the
+/// watch is made: a file deleted, or renamed away. (Replacing a file by
+/// renaming another over it, as the installer does, is neither.)
+#[derive(Debug)]
+pub struct Removals {
+    fd: std::os::fd::OwnedFd,
+    dirs: std::collections::HashMap<i32, PathBuf>,
+    files: Vec<PathBuf>,
+}
+
+impl Removals {
+    /// Starts watching `files` (through their directories).
+    pub fn watch(files: &[PathBuf]) -> Removals {
+        let mut dirs: Vec<PathBuf> = files
+            .iter()
+            .map(|f| f.parent().expect("a file in a dir").to_path_buf())
+            .collect();
+        dirs.sort();
+        dirs.dedup();
+        use std::os::fd::FromRawFd;
+        use std::os::unix::ffi::OsStrExt;
+        // SAFETY: inotify_init1 has no memory preconditions.
+        let raw = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
+        assert!(
+            raw >= 0,
+            "inotify_init1: {}",
+            std::io::Error::last_os_error()
+        );
+        // SAFETY: raw is a new descriptor that nothing else owns.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
+        let mut map = std::collections::HashMap::new();
+        for dir in &dirs {
+            let mut c = dir.as_os_str().as_bytes().to_vec();
+            c.push(0);
+            // SAFETY: c is a NUL-terminated path that outlives the call.
+            let wd = unsafe {
+                libc::inotify_add_watch(
+                    raw,
+                    c.as_ptr().cast(),
+                    libc::IN_DELETE | libc::IN_MOVED_FROM,
+                )
+            };
+            assert!(
+                wd >= 0,
+                "inotify_add_watch {}: {}",
+                dir.display(),
+                std::io::Error::last_os_error()
+            );
+            map.insert(wd, dir.clone());
+        }
+        Removals {
+            fd,
+            dirs: map,
+            files: files.to_vec(),
+        }
+    }
+
+    /// The watched files removed since the last call (or the watch's
+    /// start), in order.
+    pub fn take(&self) -> Vec<PathBuf> {
+        use std::os::fd::AsRawFd;
+        let mut removed = Vec::new();
+        let mut buf = [0u8; 16384];
+        loop {
+            // SAFETY: buf is writable for its whole length.
+            let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if n <= 0 {
+                break;
+            }
+            let mut off = 0usize;
+            let head = std::mem::size_of::<libc::inotify_event>();
+            while off + head <= n as usize {
+                // SAFETY: the kernel wrote a whole event at off; read_unaligned
+                // copes with the byte buffer's alignment.
+                let ev: libc::inotify_event =
+                    unsafe { std::ptr::read_unaligned(buf[off..].as_ptr().cast()) };
+                let name_bytes = &buf[off + head..off + head + ev.len as usize];
+                let name = name_bytes.split(|b| *b == 0).next().unwrap_or_default();
+                if let Some(dir) = self.dirs.get(&ev.wd) {
+                    let path = dir.join(String::from_utf8_lossy(name).as_ref());
+                    if self.files.contains(&path) {
+                        removed.push(path);
+                    }
+                }
+                off += head + ev.len as usize;
+            }
+        }
+        removed
     }
 }

@@ -17,6 +17,8 @@
 //! - [`mod@reference`]: netconfs for Debian's reference plugins;
 //! - [`mod@cluster`]: a multi-node topology (fabric bridge, etcd cluster,
 //!   nodes running tetherd in cluster mode, pods and ping between them);
+//! - [`mod@chart`]: tether's Helm chart rendered (`helm template`), and
+//!   helm against a real API server;
 //! - [`mod@kubelet`], [`mod@oci`]: a one-node Kubernetes (control plane,
 //!   containerd, kubelet) and the registry-free images its pods run;
 //! - [`mod@qemu`]: real QEMU guests on a pod's tap, leasing with real DHCP
@@ -33,6 +35,7 @@
 
 pub mod admin;
 pub mod benchkit;
+pub mod chart;
 pub mod cluster;
 mod cni;
 mod daemon;

@@ -2,13 +2,20 @@
 //! directories in a temp dir: the right files with the right modes, no
 //! temporary files left, a valid conflist with tether first, idempotent
 //! reruns. Run as root (like the init container).
+//!
+//! The Helm chart (install/helm/tether), with helm built from its Go
+//! module: `helm lint`, `helm template` of every mode (tetherd's flags,
+//! the images, the RBAC, the optional objects behind their values, what it
+//! refuses), and the plain manifests of install/manifests/ compared with
+//! the chart's output.
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use serde_json::Value;
+use serde_json::{json, Value};
+use tether_e2e::chart::{self, Helm};
 use tether_e2e::{ref_plugin, require_root, tether_bin, workspace_dir, TempDir};
 
 const CONFLIST: &str = "10-tether.conflist";
@@ -304,60 +311,334 @@ fn a_missing_conflist_fails_without_leaving_temp_files() {
     assert_eq!(names(&bin), ["tether"]);
 }
 
-/// Every flag the DaemonSet passes to tetherd is one tetherd knows: a
-/// renamed flag would otherwise only show in a crash-looping pod.
+/// `helm lint` of the chart passes, with no warning (`--strict`), in
+/// every mode.
 #[test]
-fn the_daemonset_passes_only_flags_tetherd_knows() {
-    let yaml = std::fs::read_to_string(tether_e2e::workspace_dir().join("install/daemonset.yaml"))
-        .expect("reading install/daemonset.yaml");
+fn helm_lint_passes_in_every_mode() {
+    let helm = Helm::new();
+    for (mode, _) in chart::MODES {
+        let out = helm.run_ok(&[
+            "lint",
+            "--strict",
+            chart::CHART,
+            "--set",
+            &format!("mode={mode}"),
+        ]);
+        assert!(
+            out.contains("1 chart(s) linted, 0 chart(s) failed"),
+            "{mode}: {out}"
+        );
+    }
+}
+
+/// What each mode passes to tetherd: its flags, exactly, and only flags
+/// tetherd knows (a renamed flag would otherwise only show in a
+/// crash-looping pod).
+#[test]
+fn each_mode_renders_its_flags_and_only_flags_tetherd_knows() {
     let help = std::process::Command::new(tether_e2e::tetherd_bin())
         .arg("--help")
         .output()
         .expect("running tetherd --help");
     let help = String::from_utf8_lossy(&help.stdout);
-    let flags: Vec<&str> = yaml
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix("- --"))
-        .map(|f| f.split('=').next().unwrap_or(f))
-        .collect();
-    assert!(flags.len() >= 8, "{flags:?}");
-    for flag in flags {
-        assert!(
-            help.contains(&format!("--{flag} ")) || help.contains(&format!("--{flag}\n")),
-            "install/daemonset.yaml passes --{flag}, which tetherd --help does not list"
+    let common = [
+        "--node-name=$(NODE_NAME)",
+        "--socket=/run/tether/tether.sock",
+        "--state-dir=/var/lib/tether",
+    ];
+    let tail = [
+        "--no-nat-to=10.96.0.0/12,fd00:10:96::/112",
+        "--pools=/etc/tether/pools/pools.json",
+        "--metrics-address=$(HOST_IP):9654",
+    ];
+    let modes: [(&str, &[&str]); 3] = [
+        ("singleNode", &["--pod-cidr=10.244.0.0/24"]),
+        ("nodeCidrs", &["--pod-cidr-from-node", "--overlay=none"]),
+        (
+            "etcd",
+            &[
+                "--store=etcd",
+                "--etcd-endpoints=https://10.0.0.1:2379,https://10.0.0.2:2379,https://10.0.0.3:2379",
+                "--etcd-ca=/etc/tether/etcd/ca.pem",
+                "--etcd-cert=/etc/tether/etcd/cert.pem",
+                "--etcd-key=/etc/tether/etcd/key.pem",
+                "--cluster-cidr=10.244.0.0/16",
+                "--cluster-cidr=fd00:10:244::/56",
+                "--overlay=none",
+            ],
+        ),
+    ];
+    for (mode, own) in modes {
+        let objects = chart::objects(&chart::template(&[&format!("mode={mode}")]));
+        let args = chart::tetherd_args(&objects);
+        let want: Vec<&str> = common.iter().chain(own).chain(&tail).copied().collect();
+        assert_eq!(args, want, "mode {mode}");
+        for arg in &args {
+            let flag = arg.split('=').next().unwrap_or(arg);
+            assert!(
+                help.contains(&format!("{flag} ")) || help.contains(&format!("{flag}\n")),
+                "mode {mode} passes {flag}, which tetherd --help does not list"
+            );
+        }
+        // The etcd client certificate is mounted in mode etcd only.
+        let ds = chart::find(&objects, "DaemonSet", chart::RELEASE);
+        let volumes = ds["spec"]["template"]["spec"]["volumes"].to_string();
+        assert_eq!(
+            volumes.contains("tether-etcd"),
+            mode == "etcd",
+            "{mode}: {volumes}"
         );
     }
+    // Values that change the flags.
+    let objects = chart::objects(&chart::template(&[
+        "mode=singleNode",
+        "podCidrs={10.1.0.0/24,fd00:1::/64}",
+        "outboundNat.enabled=false",
+        "metrics.address=",
+        "metrics.port=9700",
+        "hostPaths.runDir=/var/run/t",
+        "extraArgs={--mtu=1450}",
+    ]));
+    let args = chart::tetherd_args(&objects);
+    for want in [
+        "--pod-cidr=10.1.0.0/24",
+        "--pod-cidr=fd00:1::/64",
+        "--outbound-nat=false",
+        "--metrics-address=:9700",
+        "--socket=/var/run/t/tether.sock",
+        "--mtu=1450",
+    ] {
+        assert!(args.iter().any(|a| a == want), "no {want} in {args:?}");
+    }
+    assert!(
+        !args.iter().any(|a| a.starts_with("--no-nat-to")),
+        "{args:?}"
+    );
+    let ds = chart::find(&objects, "DaemonSet", chart::RELEASE);
+    let init = &ds["spec"]["template"]["spec"]["initContainers"][0];
+    assert_eq!(
+        init["env"],
+        json!([{"name": "TETHER_SOCKET", "value": "/var/run/t/tether.sock"}]),
+        "the installer writes the socket into the conflist"
+    );
 }
 
-/// The DaemonSet's images carry the crates' version, never `:latest`, and
-/// are pulled only if absent, so that an image imported into containerd
-/// (the README's Quick start) is used; the build context leaves `target/`
-/// out.
+/// Modes and values the chart cannot render fail `helm template` with a
+/// message that says what to do.
 #[test]
-fn the_daemonset_names_a_versioned_image_used_if_present() {
-    let root = tether_e2e::workspace_dir();
-    let yaml = std::fs::read_to_string(root.join("install/daemonset.yaml"))
-        .expect("reading install/daemonset.yaml");
-    let images: Vec<&str> = yaml
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix("image: "))
+fn the_chart_refuses_what_it_cannot_render() {
+    let helm = Helm::new();
+    for (set, says) in [
+        ("mode=kubernetes", "planned, not yet in tetherd"),
+        ("mode=etcdd", "mode must be singleNode, nodeCidrs or etcd"),
+        ("overlay=geneve", "overlay must be none or vxlan"),
+        ("image.tag=latest", "never \"latest\""),
+        (
+            "migrationNetwork.enabled=true",
+            "is not one of pools' names",
+        ),
+        (
+            "metrics.serviceMonitor.enabled=true,metrics.service.enabled=false",
+            "needs metrics.service.enabled",
+        ),
+    ] {
+        let out = helm.run(&["template", chart::RELEASE, chart::CHART, "--set", set]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{set} rendered");
+        assert!(err.contains(says), "{set}: {err}");
+    }
+    let out = helm.run(&[
+        "template",
+        chart::RELEASE,
+        chart::CHART,
+        "--set",
+        "mode=etcd",
+        "--set",
+        "etcd.endpoints=null",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("mode etcd needs etcd.endpoints"));
+}
+
+/// The chart's defaults: the versioned image used if present, what is
+/// rendered and what is not (the ServiceMonitor, the dashboard and the
+/// Multus network only behind their values), the least-privilege RBAC;
+/// and the build context leaves `target/` out.
+#[test]
+fn the_defaults_render_a_versioned_image_and_nothing_optional() {
+    let objects = chart::objects(&chart::template(&[]));
+    let kinds: Vec<String> = objects
+        .iter()
+        .map(|o| {
+            format!(
+                "{}/{}",
+                o["kind"].as_str().unwrap_or(""),
+                o["metadata"]["name"].as_str().unwrap_or("")
+            )
+        })
         .collect();
     assert_eq!(
-        images.len(),
-        2,
-        "the init container and tetherd: {images:?}"
+        kinds,
+        [
+            "ServiceAccount/tether",
+            "ConfigMap/tether-pools",
+            "ClusterRole/tether",
+            "ClusterRoleBinding/tether",
+            "Role/tether-uninstall",
+            "RoleBinding/tether-uninstall",
+            "Service/tether-metrics",
+            "DaemonSet/tether",
+        ],
+        "the default objects, in helm's install order"
     );
+    let ds = chart::find(&objects, "DaemonSet", chart::RELEASE);
+    let pod = &ds["spec"]["template"]["spec"];
     let want = format!("tether:{}", env!("CARGO_PKG_VERSION"));
-    for image in &images {
-        assert_eq!(*image, want, "install/daemonset.yaml");
-    }
-    let policies: Vec<&str> = yaml
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix("imagePullPolicy: "))
+    let containers: Vec<&Value> = pod["initContainers"]
+        .as_array()
+        .into_iter()
+        .chain(pod["containers"].as_array())
+        .flatten()
         .collect();
-    assert_eq!(policies, ["IfNotPresent", "IfNotPresent"]);
+    let names: Vec<&str> = containers
+        .iter()
+        .map(|c| c["name"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(names, ["install", "tetherd", "uninstall"]);
+    for c in &containers {
+        assert_eq!(c["image"], want.as_str(), "{}", c["name"]);
+        assert_eq!(c["imagePullPolicy"], "IfNotPresent", "{}", c["name"]);
+    }
+    assert_eq!(
+        chart::find(&objects, "ConfigMap", "tether-pools")["data"]["pools.json"],
+        r#"{"pools":[]}"#
+    );
+    // tetherd's ClusterRole, rule by rule (the kube_api suite proves it is
+    // enough, with the service account's token), and the uninstall
+    // container's one read.
+    assert_eq!(
+        chart::find(&objects, "ClusterRole", "tether")["rules"],
+        json!([
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["k8s.cni.cncf.io"], "resources": ["ipamclaims"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["k8s.cni.cncf.io"], "resources": ["ipamclaims/status"], "verbs": ["patch"]},
+            {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+        ])
+    );
+    assert_eq!(
+        chart::find(&objects, "Role", "tether-uninstall")["rules"],
+        json!([{"apiGroups": ["apps"], "resources": ["daemonsets"],
+                "resourceNames": ["tether"], "verbs": ["get"]}])
+    );
+    // The optional objects, behind their values.
+    let objects = chart::objects(&chart::template(&[
+        "metrics.serviceMonitor.enabled=true",
+        "metrics.dashboard.enabled=true",
+        "migrationNetwork.enabled=true",
+        "pools[0].name=migration",
+        "pools[0].cidr=192.168.100.0/24",
+        "uninstall.enabled=false",
+    ]));
+    let sm = chart::find(&objects, "ServiceMonitor", "tether");
+    assert_eq!(sm["spec"]["endpoints"][0]["port"], "metrics");
+    let dashboard = chart::find(&objects, "ConfigMap", "tether-dashboard");
+    let json: Value = serde_json::from_str(
+        dashboard["data"]["tether.json"]
+            .as_str()
+            .expect("the dashboard's JSON"),
+    )
+    .expect("the dashboard is JSON");
+    assert!(json["panels"].is_array(), "a Grafana dashboard");
+    let nad = chart::find(&objects, "NetworkAttachmentDefinition", "migration-network");
+    let conf: Value =
+        serde_json::from_str(nad["spec"]["config"].as_str().expect("its config")).expect("JSON");
+    assert_eq!(
+        conf["ipam"],
+        json!({"type": "tether", "pool": "migration", "socket": "/run/tether/tether.sock"})
+    );
+    assert_eq!(
+        chart::find(&objects, "ConfigMap", "tether-pools")["data"]["pools.json"],
+        r#"{"pools":[{"cidr":"192.168.100.0/24","name":"migration"}]}"#
+    );
+    assert!(
+        !objects.iter().any(|o| o["kind"] == "Role"),
+        "uninstall.enabled=false keeps its Role"
+    );
+    let ds = chart::find(&objects, "DaemonSet", chart::RELEASE);
+    assert_eq!(
+        ds["spec"]["template"]["spec"]["containers"]
+            .as_array()
+            .map(Vec::len),
+        Some(1)
+    );
+
+    let root = workspace_dir();
     for ignore in [".containerignore", ".dockerignore"] {
         let text = std::fs::read_to_string(root.join(ignore)).expect(ignore);
         assert!(text.lines().any(|l| l.trim() == "target/"), "{ignore}");
+    }
+}
+
+/// The plain manifests are the chart's output: install/generate.sh, run
+/// into a temp dir, writes exactly the committed files of
+/// install/manifests/, byte for byte; none of them needs the Prometheus
+/// Operator or Multus, and `kubectl apply -f install/` finds nothing to
+/// choke on (no JSON or YAML lies directly in install/).
+#[test]
+fn the_committed_manifests_are_the_charts_output() {
+    let dir = TempDir::new("manifests");
+    let out = Command::new("sh")
+        .arg(workspace_dir().join("install/generate.sh"))
+        .arg(dir.path())
+        .env("HELM", chart::helm_bin())
+        .output()
+        .expect("running install/generate.sh");
+    assert!(
+        out.status.success(),
+        "install/generate.sh failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let committed = workspace_dir().join("install/manifests");
+    let generated = listing(dir.path());
+    let files = listing(&committed);
+    assert_eq!(
+        names(&files),
+        names(&generated),
+        "install/manifests/ has other files than generate.sh writes"
+    );
+    let mut expected = vec!["ipamclaims-crd.yaml"];
+    expected.extend(chart::MODES.iter().map(|(_, f)| *f));
+    expected.sort();
+    assert_eq!(names(&files), expected);
+    for (name, (_, content)) in &generated {
+        assert!(
+            files[name].1 == *content,
+            "install/manifests/{name} differs from the chart's output: run `make manifests` and commit it"
+        );
+    }
+    for (_, file) in chart::MODES {
+        let text = String::from_utf8_lossy(&files[file].1).into_owned();
+        for kind in [
+            "ServiceMonitor",
+            "NetworkAttachmentDefinition",
+            "CustomResourceDefinition",
+        ] {
+            assert!(
+                !text.contains(&format!("kind: {kind}")),
+                "{file} has a {kind}"
+            );
+        }
+    }
+    for entry in std::fs::read_dir(workspace_dir().join("install")).expect("install/") {
+        let name = entry
+            .expect("an entry")
+            .file_name()
+            .to_string_lossy()
+            .into_owned();
+        assert!(
+            !(name.ends_with(".yaml") || name.ends_with(".yml") || name.ends_with(".json")),
+            "install/{name} would be read by `kubectl apply -f install/`"
+        );
     }
 }

@@ -1,7 +1,8 @@
 //! tetherd against a real kube-apiserver (built from the k8s.io/kubernetes
 //! module, TLS, RBAC on; see `tether_e2e::kube`), authenticating with a
-//! token of the service account that `install/rbac.yaml` binds: a rule
-//! missing from the install's ClusterRole fails these tests.
+//! token of the service account that the Helm chart's RBAC binds
+//! (install/helm/tether/templates/rbac.yaml): a rule missing from the
+//! install's ClusterRole fails these tests.
 //!
 //! - IPAMClaims: a claim made as KubeVirt's ipam-extensions makes it; its
 //!   VM pod gets addresses and the claim's status is filled; the VM
@@ -14,6 +15,13 @@
 //! - Events on pods; an API server outage (ADD and DEL go on, the watch
 //!   resumes, nothing is done twice); `--pod-cidr-from-node`; what the
 //!   service account may and may not do.
+//! - The plain manifests (install/manifests/): `kubectl apply -f` of each
+//!   mode's file on this API server, which has neither the Prometheus
+//!   Operator's nor Multus's CRDs; and install/uninstall.sh's decision,
+//!   asked with a real service-account token: it removes tether's files
+//!   when the DaemonSet is gone or being deleted, or the service account
+//!   or its Role is, and leaves them when the DaemonSet is there or the
+//!   API does not answer.
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
@@ -658,6 +666,37 @@ fn outage_pod_cidr_from_node_events_and_least_privilege() {
         let said = String::from_utf8_lossy(&out.stdout).trim().to_owned();
         assert_eq!(said == "yes", yes, "can-i {verb} {what}: {said}");
     }
+    // The uninstall container's one read: tether's own DaemonSet, by name.
+    for (verb, what, yes) in [
+        ("get", "daemonsets.apps/tether", true),
+        ("get", "daemonsets.apps/other", false),
+        ("list", "daemonsets.apps", false),
+        ("watch", "daemonsets.apps", false),
+        ("delete", "daemonsets.apps/tether", false),
+    ] {
+        let out = api.kubectl(&["auth", "can-i", verb, &sa, "-n", TETHER_SA.0, what]);
+        let said = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        assert_eq!(
+            said == "yes",
+            yes,
+            "can-i {verb} {what} in {}: {said}",
+            TETHER_SA.0
+        );
+    }
+    let out = api.kubectl(&[
+        "auth",
+        "can-i",
+        "get",
+        &sa,
+        "-n",
+        NS,
+        "daemonsets.apps/tether",
+    ]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "no",
+        "only in its own namespace"
+    );
 
     // 5. The API server goes away: ADD and DEL keep working. The VM's pods
     // exist in the API already (as a kubelet would have them); their CNI
@@ -718,4 +757,233 @@ fn outage_pod_cidr_from_node_events_and_least_privilege() {
     let stats = admin::stats(sock);
     assert_eq!(stats.vm_cutovers, 1, "cutovers: {stats:#?}");
     let _ = (&source_ns, &target_ns);
+}
+
+/// A node's CNI dirs in a temp dir, with tether's files and portmap, and
+/// a service-account dir with a token of tether's service account.
+struct FakeNode {
+    dir: tether_e2e::TempDir,
+}
+
+impl FakeNode {
+    fn new(api: &KubeApi) -> FakeNode {
+        let dir = tether_e2e::TempDir::new("unin");
+        let d = dir.path();
+        for sub in ["conf", "bin", "sa"] {
+            std::fs::create_dir(d.join(sub)).expect("mkdir");
+        }
+        std::fs::write(d.join("conf/10-tether.conflist"), "{}").expect("conflist");
+        std::fs::write(d.join("bin/tether"), "").expect("tether");
+        std::fs::write(d.join("bin/portmap"), "").expect("portmap");
+        let token = api.kubectl_ok(&["-n", TETHER_SA.0, "create", "token", TETHER_SA.1]);
+        std::fs::write(d.join("sa/token"), token.trim()).expect("token");
+        std::fs::copy(api.ca_cert(), d.join("sa/ca.crt")).expect("ca.crt");
+        FakeNode { dir }
+    }
+
+    /// Runs install/uninstall.sh (at once, not on SIGTERM) in the API
+    /// server's netns; its output.
+    fn uninstall(&self, api: &KubeApi, port: u16) -> String {
+        let d = self.dir.path();
+        let host = api.server();
+        let host = host
+            .trim_start_matches("https://")
+            .split(':')
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        let out = std::process::Command::new("ip")
+            .args(["netns", "exec", api.netns().name(), "sh"])
+            .arg(tether_e2e::workspace_dir().join("install/uninstall.sh"))
+            .env("TETHER_DAEMONSET", "tether")
+            .env("TETHER_NAMESPACE", TETHER_SA.0)
+            .env("KUBERNETES_SERVICE_HOST", host)
+            .env("KUBERNETES_SERVICE_PORT", port.to_string())
+            .env("SA_DIR", d.join("sa"))
+            .env("CNI_BIN_DIR", d.join("bin"))
+            .env("CNI_CONF_DIR", d.join("conf"))
+            .output()
+            .expect("running install/uninstall.sh");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "uninstall.sh failed: {text}");
+        text
+    }
+
+    /// (conflist there, plugin there, portmap there).
+    fn files(&self) -> (bool, bool, bool) {
+        let d = self.dir.path();
+        (
+            d.join("conf/10-tether.conflist").exists(),
+            d.join("bin/tether").exists(),
+            d.join("bin/portmap").exists(),
+        )
+    }
+}
+
+/// The DaemonSet's args on the API server.
+fn daemonset_args(api: &KubeApi) -> Vec<String> {
+    let ds = api
+        .get(&["-n", TETHER_SA.0, "daemonset", "tether"])
+        .expect("the DaemonSet");
+    ds["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .map(|a| a.as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
+#[test]
+fn plain_manifests_apply_and_the_uninstaller_removes_only_on_removal() {
+    require_root();
+    let fabric = Fabric::new();
+    let api = KubeApi::start(&fabric);
+    let manifest = |file: &str| format!("install/manifests/{file}");
+
+    // Each mode's file is accepted on a cluster without the Prometheus
+    // Operator or Multus (which a ServiceMonitor would need: proved here).
+    api.apply_file(&manifest("ipamclaims-crd.yaml"));
+    for (mode, file, flag) in [
+        (
+            "singleNode",
+            "tether-single-node.yaml",
+            "--pod-cidr=10.244.0.0/24",
+        ),
+        ("etcd", "tether-etcd.yaml", "--store=etcd"),
+        (
+            "nodeCidrs",
+            "tether-node-cidrs.yaml",
+            "--pod-cidr-from-node",
+        ),
+    ] {
+        api.apply_file(&manifest(file));
+        let args = daemonset_args(&api);
+        assert!(args.iter().any(|a| a == flag), "{mode}: {args:?}");
+    }
+    let with_monitor = tether_e2e::chart::template(&["metrics.serviceMonitor.enabled=true"]);
+    let path = tether_e2e::TempDir::new("sm");
+    let file = path.path().join("sm.yaml");
+    std::fs::write(&file, with_monitor).expect("writing");
+    let out = api.kubectl(&["apply", "-f", &file.display().to_string()]);
+    assert!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("ServiceMonitor"),
+        "this API server has no ServiceMonitor kind: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // The DaemonSet is there (a restart, an upgrade): everything stays.
+    let node = FakeNode::new(&api);
+    let said = node.uninstall(&api, tether_e2e::kube::API_PORT);
+    assert!(said.contains("is still there"), "{said}");
+    assert_eq!(node.files(), (true, true, true), "{said}");
+    // No answer from the API: everything stays.
+    let said = node.uninstall(&api, 1);
+    assert!(said.contains("could not tell"), "{said}");
+    assert_eq!(node.files(), (true, true, true), "{said}");
+
+    // Being deleted (foreground: no garbage collector runs here, so it
+    // stays, with its deletionTimestamp).
+    api.kubectl_ok(&[
+        "-n",
+        TETHER_SA.0,
+        "delete",
+        "daemonset",
+        "tether",
+        "--cascade=foreground",
+        "--wait=false",
+    ]);
+    let said = node.uninstall(&api, tether_e2e::kube::API_PORT);
+    assert!(said.contains("is being deleted"), "{said}");
+    assert_eq!(node.files(), (false, false, true), "portmap stays: {said}");
+    // Gone.
+    api.kubectl_ok(&[
+        "-n",
+        TETHER_SA.0,
+        "patch",
+        "daemonset",
+        "tether",
+        "--type=merge",
+        "-p",
+        r#"{"metadata":{"finalizers":null}}"#,
+    ]);
+    let gone = wait_until(CONVERGE, || {
+        api.get(&["-n", TETHER_SA.0, "daemonset", "tether"])
+            .is_none()
+    });
+    assert!(gone, "the DaemonSet is still there");
+    let node = FakeNode::new(&api);
+    let said = node.uninstall(&api, tether_e2e::kube::API_PORT);
+    assert!(said.contains("is gone"), "{said}");
+    assert_eq!(node.files(), (false, false, true), "{said}");
+
+    // The DaemonSet there, but its Role's binding gone (helm uninstall
+    // deletes it right after the DaemonSet).
+    api.apply_file(&manifest("tether-node-cidrs.yaml"));
+    let node = FakeNode::new(&api);
+    api.kubectl_ok(&[
+        "-n",
+        TETHER_SA.0,
+        "delete",
+        "rolebinding",
+        "tether-uninstall",
+    ]);
+    // The authorizer's cache of bindings follows a watch: wait until it
+    // has seen the deletion.
+    let sa = format!("--as=system:serviceaccount:{}:{}", TETHER_SA.0, TETHER_SA.1);
+    let denied = wait_until(CONVERGE, || {
+        let out = api.kubectl(&[
+            "auth",
+            "can-i",
+            "get",
+            &sa,
+            "-n",
+            TETHER_SA.0,
+            "daemonsets.apps/tether",
+        ]);
+        String::from_utf8_lossy(&out.stdout).trim() == "no"
+    });
+    assert!(
+        denied,
+        "the RoleBinding's deletion did not reach the authorizer"
+    );
+    let said = node.uninstall(&api, tether_e2e::kube::API_PORT);
+    assert!(said.contains("may no longer read"), "{said}");
+    assert_eq!(node.files(), (false, false, true), "{said}");
+
+    // `kubectl delete -f` of a mode's file: the service account goes first
+    // (the file's order), so the token no longer authenticates.
+    api.apply_file(&manifest("tether-node-cidrs.yaml"));
+    let node = FakeNode::new(&api);
+    let kubeconfig = api.token_kubeconfig(TETHER_SA.0, TETHER_SA.1);
+    api.kubectl_ok(&["-n", TETHER_SA.0, "delete", "serviceaccount", TETHER_SA.1]);
+    // The token authenticator's cache of service accounts follows a
+    // watch: wait until a token of the deleted account is refused.
+    let refused = wait_until(CONVERGE, || {
+        !api.kubectl_as(&kubeconfig, &["auth", "whoami"])
+            .status
+            .success()
+    });
+    assert!(
+        refused,
+        "tokens of the deleted service account still authenticate"
+    );
+    let said = node.uninstall(&api, tether_e2e::kube::API_PORT);
+    assert!(said.contains("no longer knows"), "{said}");
+    assert_eq!(node.files(), (false, false, true), "{said}");
+    // And that delete leaves the CRD (and so the claims).
+    let file = tether_e2e::workspace_dir().join(manifest("tether-node-cidrs.yaml"));
+    api.kubectl_ok(&[
+        "delete",
+        "--ignore-not-found",
+        "-f",
+        &file.display().to_string(),
+    ]);
+    assert!(api.get(&["crd", "ipamclaims.k8s.cni.cncf.io"]).is_some());
+    assert!(api
+        .get(&["-n", TETHER_SA.0, "daemonset", "tether"])
+        .is_none());
 }

@@ -1,9 +1,10 @@
 //! The kubelet calls tether: a one-node Kubernetes on this machine
 //! (`tether_e2e::kubelet`: kube-apiserver, kube-controller-manager,
 //! kube-scheduler and kubelet v1.37.2, Debian's containerd 1.6 and runc),
-//! where install/'s manifests install tether through its DaemonSet and the
-//! kubelet wires pods through containerd's CRI plugin and the plugin
-//! binary the init container put in the node's CNI bin dir.
+//! where the Helm chart (install/helm/tether, `helm install` against the
+//! API server) installs tether through its DaemonSet and the kubelet wires
+//! pods through containerd's CRI plugin and the plugin binary the init
+//! container put in the node's CNI bin dir.
 //!
 //! One test, in steps on one cluster (it takes about 40 s to start):
 //! 1. the node is NotReady until the init container has written tether's
@@ -14,14 +15,19 @@
 //!    other, and deleting a pod releases its address;
 //! 3. restarting the kubelet, then containerd, loses nothing;
 //! 4. `kubectl delete` of the DaemonSet's pod while pods run loses nothing,
-//!    and a DEL made while no tetherd runs is queued and replayed;
+//!    and a DEL made while no tetherd runs is queued and replayed; the
+//!    DaemonSet stays, so its pods' uninstall containers leave the files;
 //! 5. VM pods (KubeVirt's virt-launcher labels and annotations, passed by
 //!    containerd as `io.kubernetes.cri.pod-annotations`) get the VM's
 //!    address and MAC, keep them across pods, and a simulated migration on
 //!    this node (a target pod, then the ready annotation through the API)
 //!    moves the VM's route;
-//! 6. rolling the DaemonSet to a new image keeps pods reachable and loses
-//!    no DEL.
+//! 6. `helm upgrade` to a new image keeps pods reachable, loses no DEL,
+//!    and never removes the conflist or the plugin (inotify says so);
+//! 7. `helm uninstall` takes the conflist, then the plugin, and the NAT
+//!    table off the node; the node goes NotReady, and a new pod waits
+//!    with NetworkNotReady ("cni plugin not initialized") instead of
+//!    failing in tether.
 //!
 //! KubeVirt itself does not run here (it needs its own images and
 //! virt-handler's privileges): the VM pods are busybox pods that carry
@@ -33,7 +39,7 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use serde_json::{json, Value};
-use tether_e2e::kubelet::OneNode;
+use tether_e2e::kubelet::{OneNode, Removals};
 use tether_e2e::vm::VmPodSpec;
 use tether_e2e::{admin, require_root, wait_until};
 
@@ -106,6 +112,15 @@ fn metric(k: &OneNode, name: &str) -> f64 {
                 .and_then(|v| v.parse().ok())
         })
         .unwrap_or(0.0)
+}
+
+/// What tether installs on the node and its removal takes away: the
+/// conflist and the plugin.
+fn tether_files(k: &OneNode) -> [std::path::PathBuf; 2] {
+    [
+        k.cni_conf_dir().join("10-tether.conflist"),
+        k.cni_bin_dir().join("tether"),
+    ]
 }
 
 /// The names in `dir`, sorted.
@@ -245,6 +260,7 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     k.create_pod(&k.pod_manifest("d", json!({}), json!({})));
     let ip_d = k.wait_running("d");
     let before = attachment_set(&k);
+    let kept = Removals::watch(&tether_files(&k));
     k.api.kubectl_ok(&[
         "-n",
         "kube-system",
@@ -309,6 +325,12 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     );
     assert!(metric(&k, "tether_pending_del_replayed_total") >= 1.0);
     ping(&k, "a", &ip_b);
+    // The DaemonSet stayed: each pod's uninstall container left the files.
+    assert_eq!(
+        kept.take(),
+        Vec::<std::path::PathBuf>::new(),
+        "a pod of a DaemonSet still there removed files"
+    );
     eprintln!("step 4: the DaemonSet's pod deleted and gone; d's DEL queued and replayed");
 
     // 5. VM pods.
@@ -402,15 +424,8 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
         .args(["-n", "default", "exec", "a", "--"])
         .args(["ping", "-c", "120", "-i", "0.25", "-W", "1", &ip_b]);
     let pinger = std::thread::spawn(move || pings.output());
-    k.api.kubectl_ok(&[
-        "-n",
-        "kube-system",
-        "set",
-        "image",
-        "daemonset/tether",
-        &format!("install={v2}"),
-        &format!("tetherd={v2}"),
-    ]);
+    let removals = Removals::watch(&tether_files(&k));
+    k.upgrade_tether(&v2, &[]);
     k.api
         .kubectl_ok(&["-n", "default", "delete", "pod", "e", "--wait=false"]);
     k.wait_tether_ready(&v2);
@@ -459,7 +474,94 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     );
     ping(&k, "a", &ip_b);
     ping(&k, "b", &vm_ip);
-    eprintln!("step 6: rolled to {v2}; pods kept, e's DEL not lost");
+    // The old pod's uninstall container found the DaemonSet there: the
+    // node kept its conflist and plugin across the restart.
+    assert_eq!(
+        removals.take(),
+        Vec::<std::path::PathBuf>::new(),
+        "the upgrade removed the conflist or the plugin"
+    );
+    assert_eq!(names_in(&k.cni_conf_dir()), ["10-tether.conflist"]);
+    assert_eq!(
+        names_in(&k.cni_bin_dir()),
+        ["loopback", "portmap", "tether"]
+    );
+    eprintln!("step 6: helm upgrade to {v2}; pods kept, e's DEL not lost, files kept");
+
+    // 7. Uninstall: the pods go first (as the README says), then
+    //    `helm uninstall`; the DaemonSet's removal takes the conflist, the
+    //    plugin and the NAT table off the node, which goes NotReady, and a
+    //    new pod waits for a network instead of failing in tether.
+    for name in ["a", "b", &again.pod_name] {
+        k.delete_pod(name);
+    }
+    assert!(
+        attachment_set(&k).is_empty(),
+        "attachments left: {:?}",
+        attachment_set(&k)
+    );
+    assert!(
+        k.netns()
+            .exec(&["nft", "list", "table", "inet", "tether"])
+            .status
+            .success(),
+        "no NAT table before the uninstall"
+    );
+    k.uninstall_tether();
+    let gone = wait_until(CONVERGE, || k.tether_pods().is_empty());
+    assert!(gone, "tether's pods did not go: {:?}", k.tether_pods());
+    assert_eq!(
+        removals.take(),
+        tether_files(&k),
+        "the conflist, then the plugin, removed"
+    );
+    assert!(names_in(&k.cni_conf_dir()).is_empty());
+    assert_eq!(
+        names_in(&k.cni_bin_dir()),
+        ["loopback", "portmap"],
+        "portmap, which other networks may use, stays"
+    );
+    let nat = k.netns().exec(&["nft", "list", "table", "inet", "tether"]);
+    assert!(
+        !nat.status.success(),
+        "the NAT table is still there:\n{}",
+        String::from_utf8_lossy(&nat.stdout)
+    );
+    let not_ready = wait_until(CONVERGE, || k.ready_condition().0 == "False");
+    let (status, message) = k.ready_condition();
+    assert!(not_ready, "the node stayed {status}: {message}");
+    assert!(
+        message.contains("cni") && !message.contains("tether"),
+        "NotReady for another reason than a missing CNI config: {message}"
+    );
+    k.create_pod(&k.pod_manifest("f", json!({}), json!({})));
+    let mut why = String::new();
+    let waits = wait_until(CONVERGE, || {
+        why = k.api.kubectl_ok(&[
+            "-n",
+            "default",
+            "get",
+            "events",
+            "--field-selector",
+            "involvedObject.name=f",
+            "-o",
+            "jsonpath={range .items[*]}{.reason}: {.message}{\"\\n\"}{end}",
+        ]);
+        why.contains("NetworkNotReady")
+    });
+    assert!(
+        waits,
+        "pod f has no NetworkNotReady event: {why}\n{}",
+        k.kubelet_log_tail()
+    );
+    assert!(
+        why.contains("cni plugin not initialized") && !why.contains("tether"),
+        "pod f failed for another reason than a missing CNI config: {why}"
+    );
+    let f = k.pod("f").expect("pod f");
+    assert_eq!(f["status"]["phase"], "Pending", "{}", f["status"]);
+    assert!(f["status"]["podIP"].is_null(), "{}", f["status"]);
+    eprintln!("step 7: helm uninstall; conflist, plugin and NAT table gone; node NotReady: {message}; f: {}", why.trim());
 }
 
 /// Pings `to` from the pod netns `netns` (a pin of containerd's, as

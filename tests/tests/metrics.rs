@@ -3,7 +3,8 @@
 //! scrapes it from inside that netns. Debian's `promtool check metrics`
 //! must accept the scrape; a burst of 40 concurrent ADDs through the real
 //! plugin is scraped while it runs and after, and the counts must add up;
-//! and every metric the Grafana dashboard in `install/` queries must exist.
+//! and every metric the Grafana dashboard of the Helm chart
+//! (`install/helm/tether/dashboards/tether.json`) queries must exist.
 //!
 //! Run as root, after `tests/setup.sh` (which installs curl and promtool).
 
@@ -228,8 +229,9 @@ fn metrics_pass_promtool_and_add_up_during_a_burst() {
     promtool_check(&done);
 
     // Every metric the dashboard queries exists in a real scrape.
-    let dashboard = std::fs::read_to_string(workspace_dir().join("install/grafana-dashboard.json"))
-        .expect("install/grafana-dashboard.json");
+    let dashboard =
+        std::fs::read_to_string(workspace_dir().join("install/helm/tether/dashboards/tether.json"))
+            .expect("install/helm/tether/dashboards/tether.json");
     let json: serde_json::Value = serde_json::from_str(&dashboard).expect("the dashboard is JSON");
     let mut queried = BTreeSet::new();
     for panel in json["panels"].as_array().expect("panels") {

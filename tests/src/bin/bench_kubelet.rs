@@ -3,7 +3,7 @@
 //! (`tether_e2e::kubelet`: kube-apiserver, kube-controller-manager,
 //! kube-scheduler and kubelet v1.37.2; Debian's containerd 1.6 and runc).
 //!
-//! tether is installed the real way, by install/'s DaemonSet (its image
+//! tether is installed the real way, by the Helm chart's DaemonSet (its image
 //! built from the release binaries). The two sides take turns in rounds:
 //! a round switches containerd's CNI config to one side (ptp's conflist
 //! written, or tether's put back; containerd 1.6 uses the first conflist
@@ -259,7 +259,7 @@ fn report(
     let _ = writeln!(r, "{}", machine.report_line());
     let _ = writeln!(
         r,
-        "- tether {} (installed by install/'s DaemonSet, release binaries); Debian's ptp and host-local (containernetworking-plugins {}); kubelet, kube-apiserver, kube-controller-manager, kube-scheduler v1.37.2 (built from k8s.io/kubernetes); Debian's containerd {} and runc.",
+        "- tether {} (installed by the Helm chart's DaemonSet, release binaries); Debian's ptp and host-local (containernetworking-plugins {}); kubelet, kube-apiserver, kube-controller-manager, kube-scheduler v1.37.2 (built from k8s.io/kubernetes); Debian's containerd {} and runc.",
         machine.tether_version,
         tether_e2e::benchkit::stdout_of(
             "dpkg-query",
