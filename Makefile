@@ -68,11 +68,13 @@ demo: setup-demo release
 	bash tests/demo.sh $(RELEASE_DIR) $(DEMO_FLAGS)
 
 ## lint: formatting and clippy, as CI enforces them (with and without the
-## root tests compiled in).
+## root tests compiled in), and the Markdown files' links and anchors
+## (tests/doc_links.py).
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --workspace --all-targets --features $(ROOT_TESTS) -- -D warnings
+	python3 tests/doc_links.py
 
 ## check: what a contributor runs before a commit, as any user, in minutes:
 ## formatting, clippy, and the unit tests of every crate (on the fake
