@@ -388,6 +388,12 @@ async fn run(args: Args) -> Result<(), Fatal> {
         None => None,
     };
     let node_name = args.node_name.clone().unwrap_or_else(hostname);
+    if args.overlay == OverlayArg::Vxlan
+        && args.cluster_cidrs.is_empty()
+        && !args.pod_cidr_from_node
+    {
+        tracing::warn!("--overlay vxlan has no effect with --pod-cidr: this node routes to no other node (use --pod-cidr-from-node or --cluster-cidr)");
+    }
     let kube = match tetherd::kube::Source::find(args.kubeconfig.as_deref()) {
         Some(source) => {
             tracing::info!(?source, "Kubernetes API: on");
