@@ -4,7 +4,8 @@
 //! flags that were refused or accepted wrongly: `:PORT` for the metrics
 //! address is accepted, a `--pod-cidr` with host bits is refused as the
 //! pools file refuses it, a pools file that is a bare list says what it
-//! must hold. Each case runs in a netns of its own. Run as root.
+//! must hold, `--overlay vxlan` with a fixed `--pod-cidr` is said to have
+//! no effect. Each case runs in a netns of its own. Run as root.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -207,4 +208,16 @@ fn a_pools_file_that_is_a_bare_list_says_what_it_must_hold() {
     );
     assert!(!said(&out).contains("invalid type"), "{}", said(&out));
     assert!(!dir.path().join("state/attachments.journal").exists());
+}
+
+#[test]
+fn vxlan_without_other_nodes_is_said_to_have_no_effect() {
+    require_root();
+    let daemon = Daemon::with_cidrs(&["10.0.9.0/24"], &["--overlay", "vxlan"]);
+    let log = daemon.log();
+    assert!(
+        log.contains("--overlay vxlan has no effect with --pod-cidr"),
+        "{log}"
+    );
+    assert!(!daemon.node().has_link("tether.vxlan"), "{log}");
 }
