@@ -179,7 +179,9 @@ impl Drop for PodListener {
 
 /// tether then portmap, the way a runtime runs a conflist: portmap gets
 /// tether's result as prevResult and installs the hostPort DNAT to the pod
-/// tether wired (which answers through it); CHECK reaches portmap, so
+/// tether wired (which answers through it, on the node's address and on a
+/// hostPort bound to 127.0.0.1, as Kubernetes' hostPort conformance test
+/// asks); CHECK reaches portmap, so
 /// tether's CHECK passed; DEL walks the list backwards and leaves neither
 /// DNAT rules nor any tether state behind.
 #[test]
@@ -235,7 +237,10 @@ fn tether_then_portmap_through_libcni() {
         netns: pod.path().to_owned(),
         id: unique_name("chain"),
         capability_args: json!({
-            "portMappings": [{ "hostPort": HOST_PORT, "containerPort": 80, "protocol": "tcp" }],
+            "portMappings": [
+                { "hostPort": HOST_PORT, "containerPort": 80, "protocol": "tcp" },
+                { "hostPort": HOST_PORT + 1, "containerPort": 80, "protocol": "tcp", "hostIP": "127.0.0.1" },
+            ],
         }),
         deleted: false,
     };
@@ -317,6 +322,22 @@ fn tether_then_portmap_through_libcni() {
         "hostPort {NODE_ADDRESS}:{HOST_PORT} answered: {}",
         reply.trim()
     );
+    // A hostIP of 127.0.0.1: the connection leaves 127.0.0.1 for the
+    // pod's veth, which portmap allows (route_localnet) and masquerades.
+    // The listener answers once: a new one.
+    drop(_listener);
+    let _listener = PodListener::start(&pod, 80, &format!("{greeting}\n"));
+    let local_port = (HOST_PORT + 1).to_string();
+    let reply = wait_for(
+        "the 127.0.0.1 hostPort to answer",
+        Duration::from_secs(20),
+        || {
+            let out = node.exec(&["busybox", "nc", "-w", "3", "127.0.0.1", &local_port]);
+            let got = String::from_utf8_lossy(&out.stdout).into_owned();
+            got.contains(greeting).then_some(got)
+        },
+    );
+    eprintln!("hostPort 127.0.0.1:{local_port} answered: {}", reply.trim());
 
     // CHECK: libcni checks tether, then portmap. Debian's portmap 1.1.1
     // fails its own CHECK (it looks for IPv6 chains even for IPv4), so a
