@@ -22,8 +22,8 @@ setup:
 setup-demo:
 	bash tests/setup.sh demo
 
-## k8s: kube-apiserver, kubectl, kube-controller-manager, kube-scheduler
-## and kubelet for the Kubernetes suites, built from the k8s.io/kubernetes
+## k8s: kube-apiserver, kubectl, kube-controller-manager, kube-scheduler,
+## kubelet and kube-proxy for the Kubernetes suites, built from the k8s.io/kubernetes
 ## Go module in one `go build` and cached in /var/tmp/tether-k8s
 ## (tests/k8s/build.sh).
 k8s: setup

@@ -4,10 +4,11 @@
 # modules exist for the tests only.
 #
 #   build.sh              kube-apiserver, kubectl, kube-controller-manager,
-#                         kube-scheduler and kubelet, from the k8s.io/kubernetes
-#                         module of tests/k8s/go.mod (the API and kubelet
-#                         suites). One `go build` for all five, so that the
-#                         packages they share are compiled once.
+#                         kube-scheduler, kubelet and kube-proxy, from the
+#                         k8s.io/kubernetes module of tests/k8s/go.mod (the
+#                         API, kubelet and Services suites). One `go build`
+#                         for all six, so that the packages they share are
+#                         compiled once.
 #   build.sh whereabouts  whereabouts v0.9.2 and its CRDs, from
 #                         tests/k8s/whereabouts/go.mod (bench_ipam only)
 #   build.sh grpcurl      grpcurl (github.com/fullstorydev/grpcurl/cmd/grpcurl)
@@ -90,8 +91,8 @@ kube)
     "$GO" build -mod=mod -trimpath -ldflags="$ldflags" -o "$tmp/" \
         k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubectl \
         k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler \
-        k8s.io/kubernetes/cmd/kubelet >&2
-    for b in kube-apiserver kube-controller-manager kube-scheduler kubelet; do
+        k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy >&2
+    for b in kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy; do
         "$tmp/$b" --version >&2
     done
     ;;
