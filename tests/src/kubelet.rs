@@ -96,7 +96,7 @@ fn sysctl_path(key: &str) -> PathBuf {
 #[derive(Debug)]
 pub struct OneNode {
     /// The machine-wide sysctls the kubelet sets, as they were before it.
-    sysctls: Vec<(&'static str, String)>,
+    sysctls: SavedSysctls,
     kubelet: Option<Child>,
     containerd: Option<Child>,
     controller_manager: Option<Child>,
@@ -126,10 +126,7 @@ impl OneNode {
         let dir = TempDir::new("kn");
         let name = node.name().to_string();
         let mut one = OneNode {
-            sysctls: KUBELET_SYSCTLS
-                .iter()
-                .filter_map(|k| Some((*k, std::fs::read_to_string(sysctl_path(k)).ok()?)))
-                .collect(),
+            sysctls: SavedSysctls::save(),
             kubelet: None,
             containerd: None,
             controller_manager: None,
@@ -260,61 +257,21 @@ impl OneNode {
 
     fn write_containerd_config(&self) {
         let d = self.path("ctd");
-        let config = format!(
-            r#"version = 2
-root = "{d}/root"
-state = "{d}/state"
-[grpc]
-  address = "{sock}"
-[ttrpc]
-  address = "{sock}.ttrpc"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "{PAUSE_IMAGE}"
-  # This machine does not give root CAP_SYS_RESOURCE: runc cannot set a
-  # sandbox's oom_score_adj below containerd's own.
-  restrict_oom_score_adj = true
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "{bin}"
-    conf_dir = "{conf}"
-  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-    runtime_type = "io.containerd.runc.v2"
-  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-    Root = "{d}/runc"
-"#,
-            d = d.display(),
-            sock = self.containerd_socket().display(),
-            bin = self.cni_bin_dir().display(),
-            conf = self.cni_conf_dir().display(),
-        );
+        let config = containerd_config(&ContainerdPaths {
+            root: d.join("root"),
+            state: d.join("state"),
+            socket: self.containerd_socket(),
+            cni_bin: self.cni_bin_dir(),
+            cni_conf: self.cni_conf_dir(),
+            runc_root: d.join("runc"),
+        });
         std::fs::write(d.join("config.toml"), config).expect("writing containerd's config");
     }
 
     fn write_kubelet_config(&self) {
-        let config = json!({
-            "apiVersion": "kubelet.config.k8s.io/v1beta1",
-            "kind": "KubeletConfiguration",
-            "containerRuntimeEndpoint": format!("unix://{}", self.containerd_socket().display()),
-            // This machine: cgroup v1 mounted by hand, no systemd, swap
-            // possibly on.
-            "failCgroupV1": false,
-            "cgroupDriver": "cgroupfs",
-            "cgroupsPerQOS": false,
-            "enforceNodeAllocatable": ["none"],
-            "failSwapOn": false,
-            // The API server reaches the kubelet (exec, logs) as an
-            // anonymous client: a test cluster.
-            "authentication": {"anonymous": {"enabled": true}, "webhook": {"enabled": false}},
-            "authorization": {"mode": "AlwaysAllow"},
-            "readOnlyPort": 0,
-            // The imported images have no registry to come back from.
-            "imageGCHighThresholdPercent": 100,
-            "imageGCLowThresholdPercent": 99,
-            "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%",
-                             "imagefs.available": "1%", "nodefs.inodesFree": "1%"},
-            "nodeStatusUpdateFrequency": "2s",
-            "volumePluginDir": self.path("kubelet-plugins").display().to_string(),
-            "podLogsDir": self.path("pod-logs").display().to_string(),
-        });
+        let mut config = kubelet_config(&self.containerd_socket());
+        config["volumePluginDir"] = json!(self.path("kubelet-plugins").display().to_string());
+        config["podLogsDir"] = json!(self.path("pod-logs").display().to_string());
         std::fs::write(self.path("kubelet.json"), config.to_string())
             .expect("writing the kubelet's config");
     }
@@ -430,38 +387,7 @@ state = "{d}/state"
     /// probe's `test`), and imports it. `marker` is written to
     /// `/etc/tether-image`, so that two tags differ.
     pub fn build_tether_image(&self, tag: &str, marker: &str) -> String {
-        let name = format!("{TETHER_IMAGE}:{tag}");
-        let root = Rootfs::busybox(&self.path(&format!("images/tether-{tag}")));
-        let install = workspace_dir().join("install");
-        root.copy(crate::tether_bin(), "tether/tether", 0o755);
-        root.copy("/usr/lib/cni/portmap", "tether/portmap", 0o755);
-        root.copy(
-            install.join("10-tether.conflist"),
-            "tether/10-tether.conflist",
-            0o644,
-        );
-        root.copy(
-            install.join("install.sh"),
-            "usr/local/bin/tether-install",
-            0o755,
-        );
-        root.copy(
-            install.join("uninstall.sh"),
-            "usr/local/bin/tether-uninstall",
-            0o755,
-        );
-        // The image's curl package: the uninstall container asks the API
-        // for the DaemonSet with it.
-        root.copy_program("/usr/bin/curl", "bin/curl");
-        root.copy_program(crate::tetherd_bin(), "usr/local/bin/tetherd");
-        // The image's nftables package: tetherd writes its outbound NAT
-        // table with nft (on the image's PATH here).
-        root.copy_program("/usr/sbin/nft", "bin/nft");
-        let tmp = self.path(&format!("images/marker-{tag}"));
-        std::fs::write(&tmp, marker).expect("writing the image marker");
-        root.copy(&tmp, "etc/tether-image", 0o644);
-        let archive = self.path(&format!("images/tether-{tag}.tar"));
-        root.pack(&name, &["/usr/local/bin/tetherd"], &archive);
+        let (name, archive) = tether_image(&self.path("images"), tag, marker);
         self.import(&archive);
         name
     }
@@ -937,14 +863,7 @@ state = "{d}/state"
         let _ = std::fs::remove_file(plugins.join("kubelet.sock"));
         let _ = std::fs::remove_dir(plugins);
         let _ = plugins.parent().map(std::fs::remove_dir);
-        for (key, value) in &self.sysctls {
-            let path = sysctl_path(key);
-            if std::fs::read_to_string(&path).ok().as_deref() != Some(value.as_str()) {
-                if let Err(e) = std::fs::write(&path, value.trim()) {
-                    eprintln!("harness: cannot restore {key} to {}: {e}", value.trim());
-                }
-            }
-        }
+        self.sysctls.restore();
     }
 
     /// SIGKILLs the containerd shims of this node (their command lines name
@@ -991,8 +910,146 @@ state = "{d}/state"
     }
 }
 
+/// Builds tether's image `TETHER_IMAGE:<tag>` as an OCI archive in `dir`
+/// (see [`OneNode::build_tether_image`]); its name and the archive.
+pub(crate) fn tether_image(dir: &Path, tag: &str, marker: &str) -> (String, PathBuf) {
+    let name = format!("{TETHER_IMAGE}:{tag}");
+    let root = Rootfs::busybox(&dir.join(format!("tether-{tag}")));
+    let install = workspace_dir().join("install");
+    root.copy(crate::tether_bin(), "tether/tether", 0o755);
+    root.copy("/usr/lib/cni/portmap", "tether/portmap", 0o755);
+    root.copy(
+        install.join("10-tether.conflist"),
+        "tether/10-tether.conflist",
+        0o644,
+    );
+    root.copy(
+        install.join("install.sh"),
+        "usr/local/bin/tether-install",
+        0o755,
+    );
+    root.copy(
+        install.join("uninstall.sh"),
+        "usr/local/bin/tether-uninstall",
+        0o755,
+    );
+    // The image's curl package: the uninstall container asks the API
+    // for the DaemonSet with it.
+    root.copy_program("/usr/bin/curl", "bin/curl");
+    root.copy_program(crate::tetherd_bin(), "usr/local/bin/tetherd");
+    // The image's nftables package: tetherd writes its outbound NAT
+    // table with nft (on the image's PATH here).
+    root.copy_program("/usr/sbin/nft", "bin/nft");
+    let tmp = dir.join(format!("marker-{tag}"));
+    std::fs::write(&tmp, marker).expect("writing the image marker");
+    root.copy(&tmp, "etc/tether-image", 0o644);
+    let archive = dir.join(format!("tether-{tag}.tar"));
+    root.pack(&name, &["/usr/local/bin/tetherd"], &archive);
+    (name, archive)
+}
+
+/// Where a node's containerd keeps its state and finds the CNI plugins.
+#[derive(Debug)]
+pub(crate) struct ContainerdPaths {
+    pub root: PathBuf,
+    pub state: PathBuf,
+    pub socket: PathBuf,
+    pub cni_bin: PathBuf,
+    pub cni_conf: PathBuf,
+    pub runc_root: PathBuf,
+}
+
+/// containerd's config for a test node: its CRI plugin with our sandbox
+/// image, the CNI dirs, and runc (see the module doc for
+/// `restrict_oom_score_adj`).
+pub(crate) fn containerd_config(p: &ContainerdPaths) -> String {
+    format!(
+        r#"version = 2
+root = "{root}"
+state = "{state}"
+[grpc]
+  address = "{sock}"
+[ttrpc]
+  address = "{sock}.ttrpc"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{PAUSE_IMAGE}"
+  # This machine does not give root CAP_SYS_RESOURCE: runc cannot set a
+  # sandbox's oom_score_adj below containerd's own.
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{bin}"
+    conf_dir = "{conf}"
+  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+    runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+    Root = "{runc}"
+"#,
+        root = p.root.display(),
+        state = p.state.display(),
+        sock = p.socket.display(),
+        bin = p.cni_bin.display(),
+        conf = p.cni_conf.display(),
+        runc = p.runc_root.display(),
+    )
+}
+
+/// The kubelet's config on this machine (cgroup v1 by hand, no systemd),
+/// talking to the containerd at `socket`.
+pub(crate) fn kubelet_config(socket: &Path) -> Value {
+    json!({
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "containerRuntimeEndpoint": format!("unix://{}", socket.display()),
+        // This machine: cgroup v1 mounted by hand, no systemd, swap
+        // possibly on.
+        "failCgroupV1": false,
+        "cgroupDriver": "cgroupfs",
+        "cgroupsPerQOS": false,
+        "enforceNodeAllocatable": ["none"],
+        "failSwapOn": false,
+        // The API server reaches the kubelet (exec, logs) as an
+        // anonymous client: a test cluster.
+        "authentication": {"anonymous": {"enabled": true}, "webhook": {"enabled": false}},
+        "authorization": {"mode": "AlwaysAllow"},
+        "readOnlyPort": 0,
+        // The imported images have no registry to come back from.
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%",
+                         "imagefs.available": "1%", "nodefs.inodesFree": "1%"},
+        "nodeStatusUpdateFrequency": "2s",
+    })
+}
+
+/// The machine-wide sysctls the kubelet sets at start, as they were
+/// before: put back by [`SavedSysctls::restore`].
+#[derive(Debug)]
+pub(crate) struct SavedSysctls(Vec<(&'static str, String)>);
+
+impl SavedSysctls {
+    pub(crate) fn save() -> SavedSysctls {
+        SavedSysctls(
+            KUBELET_SYSCTLS
+                .iter()
+                .filter_map(|k| Some((*k, std::fs::read_to_string(sysctl_path(k)).ok()?)))
+                .collect(),
+        )
+    }
+
+    pub(crate) fn restore(&self) {
+        for (key, value) in &self.0 {
+            let path = sysctl_path(key);
+            if std::fs::read_to_string(&path).ok().as_deref() != Some(value.as_str()) {
+                if let Err(e) = std::fs::write(&path, value.trim()) {
+                    eprintln!("harness: cannot restore {key} to {}: {e}", value.trim());
+                }
+            }
+        }
+    }
+}
+
 /// SIGTERM, then up to 20 s for it to exit, then SIGKILL.
-fn terminate(mut c: Child) {
+pub(crate) fn terminate(mut c: Child) {
     // SAFETY: kill has no memory preconditions; the PID is our child's.
     unsafe {
         libc::kill(c.id() as i32, libc::SIGTERM);

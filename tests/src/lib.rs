@@ -43,6 +43,7 @@ pub mod kube;
 pub mod kubelet;
 pub mod migration;
 mod netns;
+pub mod nodes;
 pub mod oci;
 pub mod qemu;
 pub mod reference;

@@ -1,0 +1,718 @@
+//! A Kubernetes cluster of several kubelet nodes on this machine, for the
+//! suites that need what a real cluster has: pods on two nodes talking to
+//! each other, Services through kube-proxy, cluster DNS, and tether
+//! installed by its own chart.
+//!
+//! - **The control plane**: the API server of [`crate::kube`] in a netns of
+//!   its own on the test fabric, kube-controller-manager (every default
+//!   controller) and kube-scheduler beside it. The server reaches pod IPs
+//!   (its pod proxy, the conformance tests' proxy checks) by one route,
+//!   the cluster CIDR via the first node, which forwards by tether's
+//!   routes: a control-plane host that is not itself a tether node.
+//! - **Each node** ([`KubeNode`]) is its own network namespace on the
+//!   fabric, its own mount namespace, and its own PID namespace, whose
+//!   init is `node_init` (`tests/src/bin/node_init.rs`): `/proc/1` inside a
+//!   node is the node's own init, and the node's standard paths
+//!   ([`NODE_PATHS`]: `/var/lib/kubelet`, containerd's root and state, the
+//!   CNI dirs, `/run/tether`, `/var/lib/tether`, `/run/netns`, the pod
+//!   logs) are directories of this run bound in, so that two kubelets
+//!   never share the device-plugin socket and a tether DaemonSet installed
+//!   with the chart's default hostPaths finds its node's own dirs. The
+//!   node's mounts are shared inside its namespace (the DaemonSet's
+//!   `HostToContainer` mounts need it), never the machine's.
+//! - Per node: Debian's containerd (1.6, CRI plugin) with runc, the
+//!   kubelet, and kube-proxy (iptables mode), all started inside the node's
+//!   namespaces with `nsenter`. kube-proxy runs as a node process, not as
+//!   kubeadm's DaemonSet: the same binary and flags, started before the
+//!   pod network exists.
+//! - **tether**, installed with its Helm chart in etcd cluster mode (its own
+//!   one-member etcd on the fabric), with the chart's default hostPaths.
+//! - **Cluster DNS**: CoreDNS deployed as kubeadm deploys it
+//!   (`tests/k8s/coredns.yaml`), the kubelets' `clusterDNS` pointing at the
+//!   `kube-dns` Service; the nodes' own resolver (what `dnsPolicy: Default`
+//!   pods and CoreDNS's `forward` get) is the fabric's gateway, where
+//!   nothing answers: no query leaves the test's namespaces.
+//!
+//! What differs from a production cluster: the cgroups are the machine's
+//! (cgroup v1, `cgroupsPerQOS: false`, see [`crate::kubelet`]); `/sys` is
+//! the machine's (a node's `/sys/class/net` shows the machine's links); no
+//! registry (images are imported into every node's containerd).
+//!
+//! Dropping the cluster ends each node's init, which ends every process in
+//! the node's PID namespace (kubelet, containerd, shims, containers); the
+//! node's mount namespace and its netns pins go with it. Then the control
+//! plane, tether's etcd and the fabric go, and the mount points this run
+//! had to create on the machine (empty directories) are removed.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::chart::{self, Helm};
+use crate::cluster::{EtcdCluster, Fabric, Underlay, GATEWAY_V4};
+use crate::kube::{k8s_bin_dir, KubeApi};
+use crate::kubelet::{
+    containerd_config, kubelet_config, terminate, tether_image, ContainerdPaths, SavedSysctls,
+};
+use crate::{bin_dir, wait_until, Netns, TempDir};
+
+/// The pod network (tether's cluster CIDR).
+pub const POD_CIDR: &str = "10.244.0.0/16";
+/// The Services' range (the API server's `--service-cluster-ip-range`).
+pub const SERVICE_CIDR: &str = "10.96.0.0/16";
+/// The `kube-dns` Service's ClusterIP, the kubelets' `clusterDNS`.
+pub const CLUSTER_DNS: &str = "10.96.0.10";
+/// The cluster's DNS domain.
+pub const CLUSTER_DOMAIN: &str = "cluster.local";
+/// The first node's host number on the fabric; node `i` is this plus `i`.
+pub const FIRST_NODE_HOST: u8 = 31;
+const READY: Duration = Duration::from_secs(120);
+
+/// A node's standard paths, each bound from a directory of this run
+/// (`<node dir>/<name>`) onto the path a real node keeps it at.
+pub const NODE_PATHS: &[(&str, &str)] = &[
+    ("kubelet", "/var/lib/kubelet"),
+    ("containerd", "/var/lib/containerd"),
+    ("run-containerd", "/run/containerd"),
+    ("cni-bin", "/opt/cni/bin"),
+    ("cni-conf", "/etc/cni/net.d"),
+    ("run-tether", "/run/tether"),
+    ("tether", "/var/lib/tether"),
+    ("netns", "/run/netns"),
+    ("pod-logs", "/var/log/pods"),
+    ("container-logs", "/var/log/containers"),
+    ("etc-kubernetes", "/etc/kubernetes"),
+];
+
+/// What a cluster is started with.
+#[derive(Clone, Debug)]
+pub struct ClusterOpts {
+    /// How many kubelet nodes.
+    pub nodes: usize,
+    /// OCI archives imported into every node's containerd (the sandbox
+    /// image among them, see [`ClusterOpts::sandbox_image`]).
+    pub images: Vec<PathBuf>,
+    /// containerd's sandbox (pause) image, by name.
+    pub sandbox_image: String,
+}
+
+/// The mount points this run created on the machine (the node paths that
+/// did not exist): removed, if still empty, when dropped.
+#[derive(Debug, Default)]
+struct MountPoints(Vec<PathBuf>);
+
+impl MountPoints {
+    fn ensure(&mut self, path: &Path) {
+        let mut missing = Vec::new();
+        let mut p = Some(path);
+        while let Some(d) = p {
+            if d.exists() {
+                break;
+            }
+            missing.push(d.to_path_buf());
+            p = d.parent();
+        }
+        std::fs::create_dir_all(path)
+            .unwrap_or_else(|e| panic!("creating the mount point {}: {e}", path.display()));
+        // Deepest last, so that removal in reverse order goes deepest first.
+        missing.reverse();
+        self.0.extend(missing);
+    }
+}
+
+impl Drop for MountPoints {
+    fn drop(&mut self) {
+        for d in self.0.iter().rev() {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+}
+
+/// One kubelet node (see the module doc).
+#[derive(Debug)]
+pub struct KubeNode {
+    name: String,
+    underlay: Underlay,
+    /// `unshare`, whose one child is `node_init`.
+    init: Option<Child>,
+    /// `node_init`'s PID as this machine sees it.
+    init_pid: i32,
+    containerd: Option<Child>,
+    kubelet: Option<Child>,
+    proxy: Option<Child>,
+    // Dropped after the processes: the netns, then the dir.
+    netns: Netns,
+    dir: TempDir,
+}
+
+impl KubeNode {
+    /// Creates the node's namespaces and its directories, and starts its
+    /// init; nothing else runs yet.
+    fn create(fabric: &Fabric, host: u8, mount_points: &mut MountPoints) -> KubeNode {
+        let netns = Netns::new("kn");
+        let underlay = fabric.attach_host(&netns, host);
+        let dir = TempDir::new("kn");
+        let name = netns.name().to_string();
+        let mut binds = Vec::new();
+        for (src, target) in NODE_PATHS {
+            let src = dir.path().join(src);
+            std::fs::create_dir_all(&src).expect("creating a node dir");
+            mount_points.ensure(Path::new(target));
+            binds.push(format!("{}:{target}", src.display()));
+        }
+        let staging = dir.path().join("root");
+        std::fs::create_dir_all(&staging).expect("creating the node's staging dir");
+        let ready = dir.path().join("init.ready");
+        let (log, err) = crate::log_outputs(&dir.path().join("init.log"));
+        let mut init = Command::new("nsenter")
+            .arg(format!("--net={}", netns.path().display()))
+            .args([
+                "unshare",
+                "--mount",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                "--propagation",
+                "private",
+            ])
+            .arg(bin_dir().join("node_init"))
+            .arg(&ready)
+            .arg(&staging)
+            .args(&binds)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .spawn()
+            .expect("spawning the node's init");
+        let up = wait_until(Duration::from_secs(10), || ready.exists());
+        if !up {
+            let _ = init.kill();
+            let _ = init.wait();
+            panic!(
+                "node {name}'s init did not come up\n{}",
+                crate::log_tail(&dir.path().join("init.log"), 20)
+            );
+        }
+        let init_pid = child_of(init.id() as i32).expect("node_init's PID (unshare's child)");
+        let node = KubeNode {
+            name,
+            underlay,
+            init: Some(init),
+            init_pid,
+            containerd: None,
+            kubelet: None,
+            proxy: None,
+            netns,
+            dir,
+        };
+        // The loopback plugin: containerd's CRI sets up every sandbox's lo.
+        std::fs::copy("/usr/lib/cni/loopback", node.path("cni-bin/loopback"))
+            .expect("installing the loopback plugin");
+        // The node's resolver: the fabric's gateway, where no DNS server
+        // answers (see the module doc).
+        std::fs::write(
+            node.path("resolv.conf"),
+            format!("nameserver {GATEWAY_V4}\n"),
+        )
+        .expect("writing the node's resolv.conf");
+        node
+    }
+
+    fn path(&self, rel: &str) -> PathBuf {
+        self.dir.path().join(rel)
+    }
+
+    /// The node's name (the kubelet's `--hostname-override`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The node's netns (containerd, the kubelet, host-network pods).
+    pub fn netns(&self) -> &Netns {
+        &self.netns
+    }
+
+    /// The node's address on the fabric (its InternalIP).
+    pub fn underlay(&self) -> &Underlay {
+        &self.underlay
+    }
+
+    /// Where the node's own `<standard path>` is, as this machine sees it
+    /// (`/var/lib/tether` → `<node dir>/tether`).
+    pub fn host_path(&self, standard: &str) -> PathBuf {
+        let (src, _) = NODE_PATHS
+            .iter()
+            .find(|(_, t)| *t == standard)
+            .unwrap_or_else(|| panic!("{standard} is not one of the node's own paths"));
+        self.path(src)
+    }
+
+    /// A command run inside all the node's namespaces (net, mount, PID).
+    pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut c = Command::new("nsenter");
+        c.arg("-t")
+            .arg(self.init_pid.to_string())
+            .args(["--net", "--mount", "--pid", "--"])
+            .arg(program);
+        c
+    }
+
+    /// Runs `argv` on the node and returns its output.
+    pub fn run(&self, argv: &[&str]) -> Output {
+        self.command(argv[0])
+            .args(&argv[1..])
+            .output()
+            .unwrap_or_else(|e| panic!("running {argv:?} on {}: {e}", self.name))
+    }
+
+    /// Spawns `program` on the node, logging to `<name>.log`.
+    fn spawn(&self, name: &str, program: &Path, args: &[String]) -> Child {
+        let (log, err) = crate::log_outputs(&self.path(&format!("{name}.log")));
+        self.command(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning {} on {}: {e}", program.display(), self.name))
+    }
+
+    /// The last lines of `<name>.log` (containerd, kubelet, kube-proxy).
+    pub fn log_tail(&self, name: &str) -> String {
+        crate::log_tail(&self.path(&format!("{name}.log")), 40)
+    }
+
+    /// `ctr -n k8s.io` against the node's containerd.
+    pub fn ctr(&self, args: &[&str]) -> Output {
+        self.command("ctr")
+            .args(["-n", "k8s.io"])
+            .args(args)
+            .output()
+            .expect("running ctr")
+    }
+
+    fn start_containerd(&mut self, sandbox_image: &str) {
+        let config = containerd_config(&ContainerdPaths {
+            root: "/var/lib/containerd".into(),
+            state: "/run/containerd".into(),
+            socket: "/run/containerd/containerd.sock".into(),
+            cni_bin: "/opt/cni/bin".into(),
+            cni_conf: "/etc/cni/net.d".into(),
+            runc_root: "/run/containerd/runc".into(),
+        })
+        .replace(crate::kubelet::PAUSE_IMAGE, sandbox_image);
+        std::fs::write(self.path("containerd.toml"), config).expect("writing containerd's config");
+        let args = vec![
+            "--config".to_string(),
+            self.path("containerd.toml").display().to_string(),
+        ];
+        self.containerd = Some(self.spawn(
+            "containerd",
+            Path::new(crate::kubelet::CONTAINERD_BIN),
+            &args,
+        ));
+        let up = wait_until(Duration::from_secs(30), || {
+            self.ctr(&["version"]).status.success()
+        });
+        assert!(
+            up,
+            "containerd on {} did not answer in 30 s\n{}",
+            self.name,
+            self.log_tail("containerd")
+        );
+    }
+
+    /// Imports an OCI archive into the node's containerd (CRI namespace).
+    pub fn import(&self, archive: &Path) {
+        let out = self.ctr(&["images", "import", &archive.display().to_string()]);
+        assert!(
+            out.status.success(),
+            "ctr images import {} on {}: {}",
+            archive.display(),
+            self.name,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Starts the kubelet with a client certificate of `system:node:<name>`.
+    pub fn start_kubelet(&mut self, api: &KubeApi) {
+        assert!(self.kubelet.is_none(), "the kubelet already runs");
+        let mut config = kubelet_config(Path::new("/run/containerd/containerd.sock"));
+        config["clusterDNS"] = json!([CLUSTER_DNS]);
+        config["clusterDomain"] = json!(CLUSTER_DOMAIN);
+        config["resolvConf"] = json!(self.path("resolv.conf").display().to_string());
+        std::fs::write(self.path("kubelet.json"), config.to_string())
+            .expect("writing the kubelet's config");
+        let kubeconfig = api.cert_kubeconfig(
+            &format!("node-{}", self.name),
+            &format!("/O=system:nodes/CN=system:node:{}", self.name),
+        );
+        let args = vec![
+            format!("--config={}", self.path("kubelet.json").display()),
+            format!("--kubeconfig={}", kubeconfig.display()),
+            format!("--hostname-override={}", self.name),
+            format!("--node-ip={}", self.underlay.v4),
+            "--v=2".into(),
+        ];
+        self.kubelet = Some(self.spawn("kubelet", &k8s_bin_dir().join("kubelet"), &args));
+    }
+
+    /// Stops the kubelet (SIGTERM, then waits); pods keep running.
+    pub fn stop_kubelet(&mut self) {
+        if let Some(c) = self.kubelet.take() {
+            stop_entered(c);
+        }
+    }
+
+    /// Starts kube-proxy in iptables mode, as a kubeadm node runs it (it
+    /// leaves `nf_conntrack_max` alone: read-only in a netns).
+    fn start_proxy(&mut self, api: &KubeApi) {
+        let kubeconfig =
+            api.cert_kubeconfig(&format!("proxy-{}", self.name), "/CN=system:kube-proxy");
+        let args = vec![
+            format!("--kubeconfig={}", kubeconfig.display()),
+            format!("--hostname-override={}", self.name),
+            "--proxy-mode=iptables".into(),
+            format!("--cluster-cidr={POD_CIDR}"),
+            "--conntrack-max-per-core=0".into(),
+            "--metrics-bind-address=127.0.0.1:10249".into(),
+            "--healthz-bind-address=127.0.0.1:10256".into(),
+        ];
+        self.proxy = Some(self.spawn("kube-proxy", &k8s_bin_dir().join("kube-proxy"), &args));
+    }
+
+    fn teardown(&mut self) {
+        for c in [
+            self.proxy.take(),
+            self.kubelet.take(),
+            self.containerd.take(),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            stop_entered(c);
+        }
+        if let Some(mut init) = self.init.take() {
+            // SAFETY: kill has no memory preconditions; the PID is this
+            // node's init (our child's child).
+            unsafe {
+                libc::kill(self.init_pid, libc::SIGTERM);
+            }
+            let deadline = Instant::now() + Duration::from_secs(15);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = init.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            // SAFETY: as above.
+            unsafe {
+                libc::kill(self.init_pid, libc::SIGKILL);
+            }
+            let _ = init.wait();
+        }
+    }
+}
+
+impl Drop for KubeNode {
+    fn drop(&mut self) {
+        self.teardown();
+    }
+}
+
+/// The first child of `pid` (`/proc/<pid>/task/<pid>/children`).
+fn child_of(pid: i32) -> Option<i32> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        let children =
+            std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+        if let Some(c) = children
+            .split_whitespace()
+            .next()
+            .and_then(|c| c.parse().ok())
+        {
+            return Some(c);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    None
+}
+
+/// Stops a process started through `nsenter --pid` (which forks it and
+/// waits): SIGTERM to the process itself, then `nsenter` exits with it.
+fn stop_entered(c: Child) {
+    if let Some(inner) = child_of(c.id() as i32) {
+        // SAFETY: kill has no memory preconditions; the PID is our child's
+        // child, which it waits for (so it cannot be reused before).
+        unsafe {
+            libc::kill(inner, libc::SIGTERM);
+        }
+    }
+    terminate(c);
+}
+
+/// The cluster (see the module doc).
+#[derive(Debug)]
+pub struct KubeCluster {
+    sysctls: SavedSysctls,
+    controller_manager: Option<Child>,
+    scheduler: Option<Child>,
+    nodes: Vec<KubeNode>,
+    /// The API server (and its etcd), with kubectl.
+    pub api: KubeApi,
+    helm: Helm,
+    /// tether's own etcd (cluster mode).
+    etcd: EtcdCluster,
+    fabric: Fabric,
+    mount_points: MountPoints,
+    dir: TempDir,
+}
+
+impl KubeCluster {
+    /// Starts the control plane, tether's etcd and `opts.nodes` nodes
+    /// (containerd with the images, kubelet, kube-proxy), and waits until
+    /// every node is registered (NotReady until tether is installed).
+    pub fn start(opts: &ClusterOpts) -> KubeCluster {
+        let bins = k8s_bin_dir();
+        let fabric = Fabric::new();
+        let api = KubeApi::start(&fabric);
+        let helm = Helm::against(&api);
+        let etcd = EtcdCluster::start(&fabric, 1);
+        let mut cluster = KubeCluster {
+            sysctls: SavedSysctls::save(),
+            controller_manager: None,
+            scheduler: None,
+            nodes: Vec::new(),
+            api,
+            helm,
+            etcd,
+            fabric,
+            mount_points: MountPoints::default(),
+            dir: TempDir::new("kc"),
+        };
+        let admin = cluster.api.admin_kubeconfig().display().to_string();
+        let d = cluster.api.dir().to_path_buf();
+        cluster.controller_manager = Some(cluster.api.spawn(
+            "kube-controller-manager",
+            &bins.join("kube-controller-manager"),
+            &[
+                &format!("--kubeconfig={admin}"),
+                // Every default controller (Deployments, EndpointSlices,
+                // namespaces, garbage collection, service accounts, ...).
+                "--controllers=*",
+                &format!("--service-cluster-ip-range={SERVICE_CIDR}"),
+                &format!(
+                    "--service-account-private-key-file={}",
+                    d.join("sa.key").display()
+                ),
+                "--use-service-account-credentials=true",
+                "--leader-elect=false",
+                &format!("--cert-dir={}", d.join("kcm-certs").display()),
+                &format!("--root-ca-file={}", cluster.api.ca_cert().display()),
+                // The API server's node-status grace: nodes that stop
+                // reporting become NotReady.
+                "--node-monitor-grace-period=20s",
+            ],
+        ));
+        cluster.scheduler = Some(cluster.api.spawn(
+            "kube-scheduler",
+            &bins.join("kube-scheduler"),
+            &[
+                &format!("--kubeconfig={admin}"),
+                "--leader-elect=false",
+                &format!("--cert-dir={}", d.join("sched-certs").display()),
+            ],
+        ));
+        for i in 0..opts.nodes {
+            let host = FIRST_NODE_HOST + i as u8;
+            let mut node = KubeNode::create(&cluster.fabric, host, &mut cluster.mount_points);
+            node.start_containerd(&opts.sandbox_image);
+            for image in &opts.images {
+                node.import(image);
+            }
+            node.start_proxy(&cluster.api);
+            node.start_kubelet(&cluster.api);
+            cluster.nodes.push(node);
+        }
+        for node in &cluster.nodes {
+            let registered =
+                wait_until(READY, || cluster.api.get(&["node", node.name()]).is_some());
+            assert!(
+                registered,
+                "the kubelet did not register node {} in {READY:?}\n{}",
+                node.name(),
+                node.log_tail("kubelet")
+            );
+        }
+        // The API server reaches pod IPs through the first node.
+        let via = cluster.nodes[0].underlay().v4.to_string();
+        cluster
+            .api
+            .netns()
+            .exec_ok(&["ip", "route", "add", POD_CIDR, "via", &via]);
+        cluster
+    }
+
+    /// The nodes.
+    pub fn nodes(&self) -> &[KubeNode] {
+        &self.nodes
+    }
+
+    /// Stops node `i`'s kubelet and starts it again (its pods keep
+    /// running meanwhile).
+    pub fn restart_kubelet(&mut self, i: usize) {
+        let node = &mut self.nodes[i];
+        node.stop_kubelet();
+        node.start_kubelet(&self.api);
+    }
+
+    /// The fabric the nodes and the control plane are on.
+    pub fn fabric(&self) -> &Fabric {
+        &self.fabric
+    }
+
+    /// The cluster's scratch directory.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Builds tether's image from this build's binaries (tag `tag`) and
+    /// imports it into every node.
+    pub fn build_tether_image(&self, tag: &str) -> String {
+        let images = self.dir.path().join("images");
+        std::fs::create_dir_all(&images).expect("creating the images dir");
+        let (name, archive) = tether_image(&images, tag, tag);
+        for node in &self.nodes {
+            node.import(&archive);
+        }
+        name
+    }
+
+    /// The chart's values: etcd mode against tether's etcd, the cluster
+    /// CIDR [`POD_CIDR`], the chart's default hostPaths (the nodes' own),
+    /// `image` with `pullPolicy: Never`, and the Service range left out of
+    /// outbound NAT.
+    pub fn tether_values(&self, image: &str) -> Value {
+        let (repository, tag) = image
+            .rsplit_once(':')
+            .unwrap_or_else(|| panic!("{image} has no tag"));
+        let endpoints: Vec<String> = self
+            .etcd
+            .endpoints()
+            .split(',')
+            .map(str::to_string)
+            .collect();
+        json!({
+            "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
+            "mode": "etcd",
+            "etcd": {"endpoints": endpoints, "tlsSecret": ""},
+            "cluster": {"cidrs": [POD_CIDR]},
+            "outboundNat": {"enabled": true, "noNatTo": [SERVICE_CIDR]},
+        })
+    }
+
+    /// `helm install` of the chart with [`KubeCluster::tether_values`],
+    /// then waits until every node is Ready (its conflist is in place).
+    pub fn install_tether(&self, image: &str) {
+        let values = self.helm.values_file("install", &self.tether_values(image));
+        self.helm.run_ok(&[
+            "install",
+            chart::RELEASE,
+            chart::CHART,
+            "--namespace",
+            chart::NAMESPACE,
+            "--values",
+            &values.display().to_string(),
+        ]);
+        for node in &self.nodes {
+            let ready = wait_until(READY, || self.node_ready(node.name()));
+            assert!(
+                ready,
+                "node {} not Ready in {READY:?} after tether's install\n{}\n{}",
+                node.name(),
+                self.api
+                    .kubectl(&["-n", "kube-system", "get", "pods", "-o", "wide"])
+                    .stdout
+                    .iter()
+                    .map(|b| *b as char)
+                    .collect::<String>(),
+                node.log_tail("kubelet")
+            );
+        }
+    }
+
+    /// Whether node `name`'s Ready condition is True.
+    pub fn node_ready(&self, name: &str) -> bool {
+        let node = self.api.get(&["node", name]).unwrap_or(Value::Null);
+        node["status"]["conditions"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["type"] == "Ready"))
+            .is_some_and(|c| c["status"] == "True")
+    }
+
+    /// Deploys CoreDNS as kubeadm does (`tests/k8s/coredns.yaml`, with
+    /// `image`) and waits until its Deployment is available.
+    pub fn deploy_coredns(&self, image: &str) {
+        let manifest =
+            std::fs::read_to_string(crate::workspace_dir().join("tests/k8s/coredns.yaml"))
+                .expect("reading tests/k8s/coredns.yaml")
+                .replace("@IMAGE@", image)
+                .replace("@CLUSTER_DNS@", CLUSTER_DNS)
+                .replace("@CLUSTER_DOMAIN@", CLUSTER_DOMAIN);
+        self.api.apply(&manifest);
+        let out = self.api.kubectl(&[
+            "-n",
+            "kube-system",
+            "rollout",
+            "status",
+            "deployment/coredns",
+            "--timeout=180s",
+        ]);
+        assert!(
+            out.status.success(),
+            "CoreDNS not available: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            String::from_utf8_lossy(
+                &self
+                    .api
+                    .kubectl(&["-n", "kube-system", "get", "pods", "-o", "wide"])
+                    .stdout
+            )
+        );
+    }
+
+    fn teardown(&mut self) {
+        // No pod is deleted first: ending a node ends its pods, their
+        // netns and links with its namespaces, and tether's records live
+        // in this run's etcd.
+        for node in self.nodes.iter_mut() {
+            node.stop_kubelet();
+        }
+        self.nodes.clear();
+        for c in [self.controller_manager.take(), self.scheduler.take()]
+            .into_iter()
+            .flatten()
+        {
+            terminate(c);
+        }
+        self.sysctls.restore();
+    }
+}
+
+impl Drop for KubeCluster {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for node in &self.nodes {
+                eprintln!(
+                    "harness: node {}:\n{}\n{}",
+                    node.name(),
+                    node.log_tail("kubelet"),
+                    node.log_tail("containerd")
+                );
+            }
+        }
+        self.teardown();
+    }
+}
