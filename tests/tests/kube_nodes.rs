@@ -7,13 +7,24 @@
 //! nodes go Ready once tether is installed; pods on the two nodes ping
 //! each other; a hostNetwork pod on each node reaches a pod on the other
 //! and on its own node; the API server reaches a pod IP (pod proxy).
+//!
+//! And VM pods across the two kubelets (busybox pods with virt-launcher's
+//! labels and annotations; KubeVirt itself is another suite): a VM's pod
+//! on node A, its migration target on node B with the same IP and MAC, the
+//! cutover by the target's ready annotation (tetherd's pod watch), then
+//! back to A cut over by a RARP from the target's interface (as QEMU
+//! announces a migrated guest), then the VM restarted in a new pod on B:
+//! the same IP and MAC throughout, and an observer pod on each node
+//! reaching it after every step.
+
+use std::time::Duration;
 
 use serde_json::{json, Value};
-use std::time::Duration;
 use tether_e2e::kubelet::{BUSYBOX_IMAGE, PAUSE_IMAGE};
-use tether_e2e::nodes::{ClusterOpts, KubeCluster};
+use tether_e2e::nodes::{ClusterOpts, KubeCluster, KubeNode};
 use tether_e2e::oci::Rootfs;
-use tether_e2e::{require_root, wait_until, TempDir};
+use tether_e2e::vm::VmPodSpec;
+use tether_e2e::{admin, require_root, wait_until, TempDir};
 
 fn busybox_images(dir: &TempDir) -> Vec<std::path::PathBuf> {
     [
@@ -144,4 +155,216 @@ fn two_kubelet_nodes_with_their_own_namespaces_wire_pods_through_the_installed_c
         out.status.success(),
         "p0 → p1 after node 1's kubelet restart"
     );
+}
+
+/// The two-node cluster with tether installed.
+fn cluster(images: &TempDir) -> KubeCluster {
+    let c = KubeCluster::start(&ClusterOpts {
+        nodes: 2,
+        images: busybox_images(images),
+        sandbox_image: PAUSE_IMAGE.to_string(),
+    });
+    let image = c.build_tether_image("1");
+    c.install_tether(&image);
+    c
+}
+
+/// A virt-launcher-like pod of `spec` on `node`.
+fn vm_pod(spec: &VmPodSpec, node: &str) -> Value {
+    let mut p = pod(&spec.pod_name, node, false);
+    let mut labels = json!({"kubevirt.io": "virt-launcher", "vm.kubevirt.io/name": spec.vm});
+    if spec.target {
+        labels["kubevirt.io/migrationJobUID"] = json!("job-uid-1");
+    }
+    p["metadata"]["labels"] = labels;
+    p["metadata"]["annotations"] = spec.annotations();
+    p
+}
+
+/// tether's attachment of pod `default/name` on `node`.
+fn attachment(node: &KubeNode, name: &str) -> tether_e2e::pb::Attachment {
+    let socket = node.host_path("/run/tether").join("tether.sock");
+    let mut list: Vec<_> = admin::attachments(&socket)
+        .into_iter()
+        .filter(|a| a.pod_namespace == "default" && a.pod_name == name)
+        .collect();
+    assert_eq!(list.len(), 1, "pod {name} on {}: {list:?}", node.name());
+    list.remove(0)
+}
+
+/// `node`'s route to `ip`: its device.
+fn route_dev(node: &KubeNode, ip: &str) -> String {
+    let out = node.netns().exec_ok(&["ip", "-j", "route", "get", ip]);
+    let v: Value = serde_json::from_str(&out).expect("ip -j route get");
+    v[0]["dev"].as_str().unwrap_or_default().to_string()
+}
+
+fn ping_ok(c: &KubeCluster, from: &str, to: &str) {
+    let out = exec(c, from, &["ping", "-c", "2", "-W", "2", to]);
+    assert!(
+        out.status.success(),
+        "{from} → {to}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Sends the RARP QEMU announces a migrated guest with, from `mac`, out of
+/// `eth0` of the pod whose netns (as its node sees it) is `netns`.
+fn send_rarp(node: &KubeNode, netns: &str, mac: &str) {
+    const SEND: &str = "import socket, sys
+mac = bytes.fromhex(sys.argv[1].replace(':', ''))
+frame = b'\\xff' * 6 + mac + b'\\x80\\x35' + bytes([0, 1, 8, 0, 6, 4, 0, 3]) + mac + bytes(4) + mac + bytes(4)
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind(('eth0', 0))
+s.send(frame + bytes(60 - len(frame)))
+";
+    let out = node.run(&[
+        "nsenter",
+        &format!("--net={netns}"),
+        "python3",
+        "-c",
+        SEND,
+        mac,
+    ]);
+    assert!(
+        out.status.success(),
+        "sending a RARP from {netns}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping_ip_and_mac() {
+    require_root();
+    let images = TempDir::new("kimg");
+    let c = cluster(&images);
+    let (a, b) = (&c.nodes()[0], &c.nodes()[1]);
+    let converge = Duration::from_secs(30);
+    c.api.apply(&pod("obs-a", a.name(), false).to_string());
+    c.api.apply(&pod("obs-b", b.name(), false).to_string());
+    wait_running(&c, "obs-a");
+    wait_running(&c, "obs-b");
+
+    // The VM on A.
+    let vm = VmPodSpec::new("default", "vm1", "virt-launcher-vm1-aaaaa");
+    c.api.apply(&vm_pod(&vm, a.name()).to_string());
+    let vm_ip = wait_running(&c, &vm.pod_name);
+    let src = attachment(a, &vm.pod_name);
+    let vm_mac = src.mac.clone();
+    assert_eq!(route_dev(a, &vm_ip), src.host_interface);
+    assert_eq!(
+        route_dev(b, &vm_ip),
+        b.underlay().ifname,
+        "B routes the VM to A"
+    );
+    ping_ok(&c, "obs-b", &vm_ip);
+
+    // Its migration target on B: the same IP and MAC; nothing moves until
+    // the target is ready.
+    let t1 = vm.target("virt-launcher-vm1-bbbbb");
+    c.api.apply(&vm_pod(&t1, b.name()).to_string());
+    assert_eq!(
+        wait_running(&c, &t1.pod_name),
+        vm_ip,
+        "the target has the VM's IP"
+    );
+    let tgt = attachment(b, &t1.pod_name);
+    assert_eq!(tgt.mac, vm_mac, "the target has the VM's MAC");
+    assert_eq!(
+        route_dev(b, &vm_ip),
+        b.underlay().ifname,
+        "cut over before ready"
+    );
+    assert_eq!(
+        route_dev(a, &vm_ip),
+        src.host_interface,
+        "cut over before ready"
+    );
+    // Ready (virt-handler's annotation): B routes to its pod, A to B.
+    c.api.kubectl_ok(&[
+        "-n",
+        "default",
+        "annotate",
+        "pod",
+        &t1.pod_name,
+        "kubevirt.io/migration-target-ready-timestamp=2026-11-26T12:00:00Z",
+    ]);
+    assert!(
+        wait_until(converge, || route_dev(b, &vm_ip) == tgt.host_interface
+            && route_dev(a, &vm_ip) == a.underlay().ifname),
+        "the ready annotation did not move the VM to B: A via {}, B via {}",
+        route_dev(a, &vm_ip),
+        route_dev(b, &vm_ip)
+    );
+    c.api.kubectl_ok(&[
+        "-n",
+        "default",
+        "delete",
+        "pod",
+        &vm.pod_name,
+        "--wait=true",
+    ]);
+    ping_ok(&c, "obs-a", &vm_ip);
+    ping_ok(&c, "obs-b", &vm_ip);
+    eprintln!(
+        "step: {} {vm_ip} {vm_mac} moved A → B by the ready annotation",
+        vm.vm
+    );
+
+    // Back to A, cut over by the RARP the target's QEMU would send.
+    let t2 = vm.target("virt-launcher-vm1-ccccc");
+    c.api.apply(&vm_pod(&t2, a.name()).to_string());
+    assert_eq!(wait_running(&c, &t2.pod_name), vm_ip);
+    let back = attachment(a, &t2.pod_name);
+    assert_eq!(back.mac, vm_mac);
+    assert_eq!(
+        route_dev(a, &vm_ip),
+        a.underlay().ifname,
+        "cut over before the RARP"
+    );
+    send_rarp(a, &back.netns, &vm_mac);
+    assert!(
+        wait_until(converge, || route_dev(a, &vm_ip) == back.host_interface
+            && route_dev(b, &vm_ip) == b.underlay().ifname),
+        "the RARP did not move the VM to A: A via {}, B via {}",
+        route_dev(a, &vm_ip),
+        route_dev(b, &vm_ip)
+    );
+    c.api.kubectl_ok(&[
+        "-n",
+        "default",
+        "delete",
+        "pod",
+        &t1.pod_name,
+        "--wait=true",
+    ]);
+    ping_ok(&c, "obs-b", &vm_ip);
+    ping_ok(&c, "obs-a", &vm_ip);
+    eprintln!("step: {vm_ip} moved B → A by a RARP");
+
+    // The VM stops, and starts again in a new pod on B.
+    c.api.kubectl_ok(&[
+        "-n",
+        "default",
+        "delete",
+        "pod",
+        &t2.pod_name,
+        "--wait=true",
+    ]);
+    let again = VmPodSpec::new("default", "vm1", "virt-launcher-vm1-ddddd");
+    c.api.apply(&vm_pod(&again, b.name()).to_string());
+    assert_eq!(
+        wait_running(&c, &again.pod_name),
+        vm_ip,
+        "the VM's IP is kept"
+    );
+    let restarted = attachment(b, &again.pod_name);
+    assert_eq!(restarted.mac, vm_mac, "the VM's MAC is kept");
+    assert!(
+        wait_until(converge, || route_dev(a, &vm_ip) == a.underlay().ifname),
+        "A does not route the restarted VM to B"
+    );
+    ping_ok(&c, "obs-a", &vm_ip);
+    eprintln!("step: {vm_ip} {vm_mac} restarted on B");
 }
