@@ -21,6 +21,9 @@
 #                         static) with the porter's TLS files, from the same
 #                         go.mod as `build.sh`, for sig-network's
 #                         Conformance tests; and their conformance.yaml
+#   build.sh coredns      CoreDNS with the plugins kubeadm's Corefile uses,
+#                         from tests/k8s/coredns/go.mod (the cluster DNS of
+#                         the Conformance tests, and agnhost's /coredns)
 #
 # k8s.io/kubernetes cannot be required as it is: its go.mod points every
 # k8s.io/<staging> module at ./staging/src/..., which a module download does
@@ -40,8 +43,9 @@ kube) mod=$here ;;
 whereabouts) mod=$here/whereabouts ;;
 grpcurl) mod=$here/grpcurl ;;
 e2e) mod=$here ;;
+coredns) mod=$here/coredns ;;
 *)
-    echo "k8s/build.sh: nothing called $what to build (kube, whereabouts, grpcurl or e2e)" >&2
+    echo "k8s/build.sh: nothing called $what to build (kube, whereabouts, grpcurl, e2e or coredns)" >&2
     exit 2
     ;;
 esac
@@ -68,9 +72,10 @@ GO=$(pick_go) || {
 }
 goversion=$("$GO" env GOVERSION)
 # The Go sources of this project's own packages count too: tests/k8s/e2e
-# for e2e (none for the others).
+# for e2e, tests/k8s/coredns for coredns (none for the others).
 case "$what" in
 e2e) own=$here/e2e/e2e_test.go ;;
+coredns) own=$here/coredns/main.go ;;
 *) own= ;;
 esac
 # shellcheck disable=SC2086 # $own is one path or none
@@ -154,6 +159,13 @@ e2e)
     cp "$src/test/images/agnhost/porter/localhost.crt" "$src/test/images/agnhost/porter/localhost.key" \
         "$src/test/conformance/testdata/conformance.yaml" "$tmp/"
     chmod 0644 "$tmp/localhost.crt" "$tmp/localhost.key" "$tmp/conformance.yaml"
+    ;;
+coredns)
+    # Static, as CoreDNS's release build (CGO_ENABLED=0): its image has
+    # nothing beside it, and agnhost's /coredns runs it too. Its version
+    # is a constant of the module (coremain.CoreVersion).
+    CGO_ENABLED=0 "$GO" build -mod=mod -trimpath -ldflags="-s -w" -o "$tmp/coredns" . >&2
+    "$tmp/coredns" -version >&2
     ;;
 esac
 echo "k8s/build.sh: built $what in $(($(date +%s) - start)) s" >&2
