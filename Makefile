@@ -8,7 +8,7 @@ RELEASE_DIR := target/release
 ROOT_TESTS := tether-kernel/root-tests,tether-node-server/root-tests
 DEBUG_DIR := target/debug
 
-.PHONY: all setup setup-demo k8s helm manifests build release demo check test unit integration lint bench clean shim-size min-kernel
+.PHONY: all setup setup-demo k8s helm e2e-bins conformance-images manifests build release demo check test unit integration lint bench clean shim-size min-kernel
 
 all: build
 
@@ -34,6 +34,24 @@ k8s: setup
 ## (tests/k8s/helm/build.sh): the chart's tests, and `make manifests`.
 helm: setup
 	@dir=$$(sh tests/k8s/helm/build.sh) && echo "helm: $$($$dir/helm version --short) in $$dir"
+
+## e2e-bins: what Kubernetes' sig-network Conformance tests run beside the
+## cluster: e2e.test (the e2e tests of the network packages, from the
+## k8s.io/kubernetes module of `make k8s`), agnhost, and CoreDNS with the
+## plugins of kubeadm's Corefile, built from their Go modules and cached in
+## /var/tmp/tether-k8s (tests/k8s/build.sh e2e and coredns).
+e2e-bins: setup
+	@dir=$$(sh tests/k8s/build.sh e2e) && echo "e2e: e2e.test $$($$dir/e2e.test --version), agnhost $$($$dir/agnhost --version | awk '{ print $$NF }') in $$dir"
+	@dir=$$(sh tests/k8s/build.sh coredns) && echo "coredns: $$($$dir/coredns -version | head -n 1) in $$dir"
+
+## conformance-images: the images those tests run (agnhost, glibc-dns-testing,
+## nginx, pause, busybox, and CoreDNS's), under the names they ask for, as
+## OCI archives for `ctr -n k8s.io images import`: Debian roots made with
+## mmdebstrap (tests/k8s/images.sh) and packed with the e2e-bins on top
+## (tests/src/conformance_images.rs), cached in /var/tmp/tether-k8s. Prints
+## each name and archive. Root only.
+conformance-images: setup e2e-bins
+	$(CARGO) run -q -p tether-e2e --bin conformance_images
 
 ## manifests: install/manifests/, the plain manifests (one per mode), from
 ## the chart install/helm/tether (install/generate.sh); the install suite

@@ -46,6 +46,7 @@ qemu-system-x86              demo
 prometheus                   test
 curl                         test
 openssl                      test
+mmdebstrap                   test
 "
 # iproute2, iputils-ping: netns, links, routes, ping between pods (the demo
 #   and every suite)
@@ -86,6 +87,10 @@ openssl                      test
 #   kube-scheduler and kubelet themselves are built
 #   from the k8s.io/kubernetes Go module (tests/k8s/build.sh, `make k8s`) with
 #   the machine's own Go (1.26 or newer), never with Debian's golang-go
+# mmdebstrap: the Debian roots of the images the Kubernetes Conformance
+#   tests run (agnhost with dig, curl and nc; glibc-dns-testing; nginx),
+#   made from Debian packages by tests/k8s/images.sh, because those images
+#   are not pulled from a registry (tests/src/conformance_images.rs)
 # Neither list has Rust or the C toolchain (Debian build-essential) the builds
 # need: README, "Requirements".
 
@@ -136,7 +141,7 @@ fi
 # The build, the demo and the suites call these by path or name: fail here,
 # not in the middle of a run, if a package did not provide them.
 tools="nft protoc qemu-system-x86_64"
-[ "$mode" = demo ] || tools="/usr/bin/etcd /usr/bin/etcdctl $tools promtool curl openssl"
+[ "$mode" = demo ] || tools="/usr/bin/etcd /usr/bin/etcdctl $tools promtool curl openssl mmdebstrap"
 for tool in $tools; do
     if ! command -v "$tool" >/dev/null 2>&1; then
         echo "setup.sh: $tool is missing after installing the packages" >&2

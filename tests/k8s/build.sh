@@ -15,6 +15,15 @@
 #                         at the version of tests/k8s/grpcurl/go.mod, which
 #                         tests/setup.sh installs as /usr/local/bin/grpcurl
 #                         (the admin suites and the demo)
+#   build.sh e2e          e2e.test, the Kubernetes e2e tests of the network
+#                         packages only (tests/k8s/e2e, `go test -c`), and
+#                         agnhost (k8s.io/kubernetes/test/images/agnhost,
+#                         static) with the porter's TLS files, from the same
+#                         go.mod as `build.sh`, for sig-network's
+#                         Conformance tests; and their conformance.yaml
+#   build.sh coredns      CoreDNS with the plugins kubeadm's Corefile uses,
+#                         from tests/k8s/coredns/go.mod (the cluster DNS of
+#                         the Conformance tests, and agnhost's /coredns)
 #
 # k8s.io/kubernetes cannot be required as it is: its go.mod points every
 # k8s.io/<staging> module at ./staging/src/..., which a module download does
@@ -33,8 +42,10 @@ case "$what" in
 kube) mod=$here ;;
 whereabouts) mod=$here/whereabouts ;;
 grpcurl) mod=$here/grpcurl ;;
+e2e) mod=$here ;;
+coredns) mod=$here/coredns ;;
 *)
-    echo "k8s/build.sh: nothing called $what to build (kube, whereabouts or grpcurl)" >&2
+    echo "k8s/build.sh: nothing called $what to build (kube, whereabouts, grpcurl, e2e or coredns)" >&2
     exit 2
     ;;
 esac
@@ -60,7 +71,15 @@ GO=$(pick_go) || {
     exit 1
 }
 goversion=$("$GO" env GOVERSION)
-inputs=$(cat "$mod/go.mod" "$mod/go.sum" "$here/build.sh" | sha256sum | cut -c1-16)
+# The Go sources of this project's own packages count too: tests/k8s/e2e
+# for e2e, tests/k8s/coredns for coredns (none for the others).
+case "$what" in
+e2e) own=$here/e2e/e2e_test.go ;;
+coredns) own=$here/coredns/main.go ;;
+*) own= ;;
+esac
+# shellcheck disable=SC2086 # $own is one path or none
+inputs=$(cat "$mod/go.mod" "$mod/go.sum" "$here/build.sh" $own | sha256sum | cut -c1-16)
 out="$base/$what-$inputs-$goversion"
 if [ -f "$out/done" ]; then
     echo "$out"
@@ -113,6 +132,40 @@ grpcurl)
     "$GO" build -mod=mod -trimpath -ldflags="-s -w -X main.version=$v" -o "$tmp/grpcurl" \
         github.com/fullstorydev/grpcurl/cmd/grpcurl >&2
     "$tmp/grpcurl" -version >&2
+    ;;
+e2e)
+    # Stamped like the kube binaries: e2e.test --version prints it, and
+    # the e2e framework reports it beside the server's.
+    v=$(awk '{ for (i = 1; i < NF; i++) if ($i == "k8s.io/kubernetes" && $(i + 1) ~ /^v1\./) { print $(i + 1); exit } }' go.mod)
+    [ -n "$v" ] || { echo "k8s/build.sh: no k8s.io/kubernetes version in go.mod" >&2; exit 1; }
+    major=$(echo "$v" | cut -d. -f1 | tr -d v)
+    minor=$(echo "$v" | cut -d. -f2)
+    ldflags="-s -w"
+    for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+        ldflags="$ldflags -X $p.gitVersion=$v -X $p.gitMajor=$major -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
+    done
+    "$GO" test -c -mod=mod -trimpath -ldflags="$ldflags" -o "$tmp/e2e.test" ./e2e >&2
+    "$tmp/e2e.test" --version >&2
+    # agnhost as upstream's image has it: static (CGO_ENABLED=0, its image
+    # build's setting) and stamped with the version of its VERSION file,
+    # which the image's tag is (test/utils/image/manifest.go).
+    src=$("$GO" list -mod=mod -m -f '{{.Dir}}' k8s.io/kubernetes)
+    av=$(cat "$src/test/images/agnhost/VERSION")
+    CGO_ENABLED=0 "$GO" build -mod=mod -trimpath -ldflags="-s -w -X main.Version=$av" -o "$tmp/agnhost" \
+        k8s.io/kubernetes/test/images/agnhost >&2
+    "$tmp/agnhost" --version >&2
+    # The porter's TLS files, which the image carries at its root, and the
+    # list of Conformance tests (their names, to check a run against).
+    cp "$src/test/images/agnhost/porter/localhost.crt" "$src/test/images/agnhost/porter/localhost.key" \
+        "$src/test/conformance/testdata/conformance.yaml" "$tmp/"
+    chmod 0644 "$tmp/localhost.crt" "$tmp/localhost.key" "$tmp/conformance.yaml"
+    ;;
+coredns)
+    # Static, as CoreDNS's release build (CGO_ENABLED=0): its image has
+    # nothing beside it, and agnhost's /coredns runs it too. Its version
+    # is a constant of the module (coremain.CoreVersion).
+    CGO_ENABLED=0 "$GO" build -mod=mod -trimpath -ldflags="-s -w" -o "$tmp/coredns" . >&2
+    "$tmp/coredns" -version >&2
     ;;
 esac
 echo "k8s/build.sh: built $what in $(($(date +%s) - start)) s" >&2

@@ -47,7 +47,7 @@ pub fn whereabouts_dir() -> &'static Path {
     DIR.get_or_init(|| go_build("whereabouts"))
 }
 
-fn go_build(what: &str) -> PathBuf {
+pub(crate) fn go_build(what: &str) -> PathBuf {
     let script = workspace_dir().join("tests/k8s/build.sh");
     let out = Command::new("sh")
         .arg(&script)

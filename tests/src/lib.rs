@@ -21,6 +21,8 @@
 //!   helm against a real API server;
 //! - [`mod@kubelet`], [`mod@oci`]: a one-node Kubernetes (control plane,
 //!   containerd, kubelet) and the registry-free images its pods run;
+//! - [`mod@conformance_images`]: what Kubernetes' sig-network Conformance
+//!   tests run (their `e2e.test`, agnhost, CoreDNS, and their images);
 //! - [`mod@qemu`]: real QEMU guests on a pod's tap, leasing with real DHCP
 //!   clients, driven over QMP and their serial console.
 //!
@@ -38,6 +40,7 @@ pub mod benchkit;
 pub mod chart;
 pub mod cluster;
 mod cni;
+pub mod conformance_images;
 mod daemon;
 pub mod kube;
 pub mod kubelet;
