@@ -8,7 +8,7 @@ RELEASE_DIR := target/release
 ROOT_TESTS := tether-kernel/root-tests,tether-node-server/root-tests
 DEBUG_DIR := target/debug
 
-.PHONY: all setup setup-demo k8s helm e2e-bins conformance-images manifests build release demo check test unit integration lint bench clean shim-size min-kernel
+.PHONY: all setup setup-demo k8s helm e2e-bins conformance-images conformance manifests build release demo check test unit integration lint bench clean shim-size min-kernel
 
 all: build
 
@@ -105,10 +105,21 @@ check:
 ## test: the whole suite (unit, integration against real netns, real
 ## runtimes, chaining, concurrency, crash, bad input, security, real QEMU
 ## guests, a real kube-apiserver, a one-node Kubernetes whose kubelet calls
-## tether). Root only.
-test: setup k8s helm lint build shim-size
+## tether, two kubelet nodes with kube-proxy and CoreDNS judged by a slice
+## of Kubernetes' network conformance tests). Root only.
+test: setup k8s helm e2e-bins lint build shim-size
 	@test "$$(id -u)" = 0 || { echo "make test must run as root (it creates network namespaces)"; exit 1; }
 	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test --workspace --features $(ROOT_TESTS) --no-fail-fast -- --test-threads=2
+
+## conformance: Kubernetes' own network conformance tests, the 47
+## `[sig-network] ... [Conformance]` tests of e2e.test v1.37.2, on two
+## kubelet nodes wired by tether (installed with its chart in etcd mode),
+## with kube-proxy and CoreDNS (tests/src/nodes.rs); writes CONFORMANCE.md.
+## `make test` runs a slice of them (tests/tests/conformance_slice.rs).
+## Root only.
+conformance: setup k8s helm e2e-bins build
+	@test "$$(id -u)" = 0 || { echo "make conformance must run as root (it creates namespaces)"; exit 1; }
+	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) run -p tether-e2e --bin conformance -- --write CONFORMANCE.md
 
 ## min-kernel: the netlink suites (tether-kernel's unit tests with the root
 ## tests, node-server's DHCP server against udhcpc) on Debian 12's stock

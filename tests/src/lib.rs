@@ -40,6 +40,7 @@ pub mod benchkit;
 pub mod chart;
 pub mod cluster;
 mod cni;
+pub mod conformance;
 pub mod conformance_images;
 mod daemon;
 pub mod kube;

@@ -46,6 +46,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -98,13 +99,25 @@ pub struct ClusterOpts {
     pub sandbox_image: String,
 }
 
-/// The mount points this run created on the machine (the node paths that
-/// did not exist): removed, if still empty, when dropped.
-#[derive(Debug, Default)]
-struct MountPoints(Vec<PathBuf>);
+/// The mount points this process created on the machine (the node paths
+/// that did not exist), and how many clusters use them: the last cluster
+/// dropped removes them, if still empty. Removing one earlier would take
+/// the mounts on it away from every other cluster's nodes.
+static MOUNT_POINTS: Mutex<(usize, Vec<PathBuf>)> = Mutex::new((0, Vec::new()));
+
+/// One cluster's hold on [`MOUNT_POINTS`].
+#[derive(Debug)]
+struct MountPoints;
 
 impl MountPoints {
-    fn ensure(&mut self, path: &Path) {
+    fn hold() -> MountPoints {
+        let mut mp = MOUNT_POINTS.lock().unwrap_or_else(|e| e.into_inner());
+        mp.0 += 1;
+        MountPoints
+    }
+
+    fn ensure(&self, path: &Path) {
+        let mut mp = MOUNT_POINTS.lock().unwrap_or_else(|e| e.into_inner());
         let mut missing = Vec::new();
         let mut p = Some(path);
         while let Some(d) = p {
@@ -116,16 +129,21 @@ impl MountPoints {
         }
         std::fs::create_dir_all(path)
             .unwrap_or_else(|e| panic!("creating the mount point {}: {e}", path.display()));
-        // Deepest last, so that removal in reverse order goes deepest first.
+        // Shallowest first, so that removal in reverse order goes deepest
+        // first.
         missing.reverse();
-        self.0.extend(missing);
+        mp.1.extend(missing);
     }
 }
 
 impl Drop for MountPoints {
     fn drop(&mut self) {
-        for d in self.0.iter().rev() {
-            let _ = std::fs::remove_dir(d);
+        let mut mp = MOUNT_POINTS.lock().unwrap_or_else(|e| e.into_inner());
+        mp.0 -= 1;
+        if mp.0 == 0 {
+            for d in std::mem::take(&mut mp.1).iter().rev() {
+                let _ = std::fs::remove_dir(d);
+            }
         }
     }
 }
@@ -150,7 +168,7 @@ pub struct KubeNode {
 impl KubeNode {
     /// Creates the node's namespaces and its directories, and starts its
     /// init; nothing else runs yet.
-    fn create(fabric: &Fabric, host: u8, mount_points: &mut MountPoints) -> KubeNode {
+    fn create(fabric: &Fabric, host: u8, mount_points: &MountPoints) -> KubeNode {
         let netns = Netns::new("kn");
         let underlay = fabric.attach_host(&netns, host);
         let dir = TempDir::new("kn");
@@ -489,7 +507,7 @@ impl KubeCluster {
             helm,
             etcd,
             fabric,
-            mount_points: MountPoints::default(),
+            mount_points: MountPoints::hold(),
             dir: TempDir::new("kc"),
         };
         let admin = cluster.api.admin_kubeconfig().display().to_string();
@@ -527,7 +545,7 @@ impl KubeCluster {
         ));
         for i in 0..opts.nodes {
             let host = FIRST_NODE_HOST + i as u8;
-            let mut node = KubeNode::create(&cluster.fabric, host, &mut cluster.mount_points);
+            let mut node = KubeNode::create(&cluster.fabric, host, &cluster.mount_points);
             node.start_containerd(&opts.sandbox_image);
             for image in &opts.images {
                 node.import(image);

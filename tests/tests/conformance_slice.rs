@@ -1,0 +1,77 @@
+//! The fast slice of Kubernetes' sig-network Conformance tests that `make
+//! test` runs (the whole set is `make conformance`, CONFORMANCE.md): the
+//! upstream `e2e.test` on two kubelet nodes wired by tether installed with
+//! its chart (tests/src/nodes.rs), CoreDNS and kube-proxy, focused on the
+//! tests that touch the data path:
+//! - the four granular pod-network checks (pod ↔ pod and node → pod,
+//!   HTTP and UDP, across the nodes);
+//! - hostPort (the same port on 127.0.0.1 and the node's address, TCP and
+//!   UDP, through the chained portmap);
+//! - one ClusterIP test, one NodePort test and one cluster-DNS test.
+//!
+//! Every one of them must pass; the report names each failure with its
+//! message.
+
+use tether_e2e::conformance;
+use tether_e2e::conformance_images::{conformance_images, e2e_dir, COREDNS, PAUSE};
+use tether_e2e::nodes::{ClusterOpts, KubeCluster};
+use tether_e2e::{require_root, TempDir};
+
+/// The slice: the granular checks, hostPort, one ClusterIP, one NodePort
+/// and one DNS test.
+const FOCUS: &str = r"\[sig-network\] (Networking Granular Checks: Pods should function for|HostPort validates|Services should serve a basic endpoint from pods|Services should be able to create a functioning NodePort service|DNS should provide DNS for services ).*\[Conformance\]";
+/// How many tests the focus selects.
+const SLICE: usize = 8;
+
+#[test]
+fn the_data_path_conformance_slice_passes_on_two_kubelet_nodes() {
+    require_root();
+    let images = conformance_images();
+    let cluster = KubeCluster::start(&ClusterOpts {
+        nodes: 2,
+        images: images.iter().map(|(_, a)| a.clone()).collect(),
+        sandbox_image: PAUSE.to_string(),
+    });
+    let tether = cluster.build_tether_image("1");
+    cluster.install_tether(&tether);
+    cluster.deploy_coredns(COREDNS);
+    let out = TempDir::new("conf");
+    let run = conformance::run(&cluster, &e2e_dir().join("e2e.test"), FOCUS, out.path());
+    let ran: Vec<_> = run
+        .outcomes
+        .iter()
+        .filter(|o| o.state != "skipped")
+        .collect();
+    for o in &ran {
+        eprintln!("conformance: {} {} ({:.1} s)", o.state, o.name, o.seconds);
+    }
+    let failed: Vec<String> = ran
+        .iter()
+        .filter(|o| !o.passed())
+        .map(|o| format!("{}: {}", o.name, o.failure.as_deref().unwrap_or("?")))
+        .collect();
+    assert!(
+        failed.is_empty() && run.success,
+        "{} of {} failed:\n{}\ne2e.test's log:\n{}",
+        failed.len(),
+        ran.len(),
+        failed.join("\n"),
+        std::fs::read_to_string(&run.log)
+            .map(|l| l
+                .lines()
+                .rev()
+                .take(80)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect::<Vec<_>>()
+                .join("\n"))
+            .unwrap_or_default()
+    );
+    assert_eq!(ran.len(), SLICE, "the focus selected {} tests", ran.len());
+    eprintln!(
+        "conformance slice: {} passed in {:.0} s",
+        ran.len(),
+        run.elapsed.as_secs_f64()
+    );
+}
