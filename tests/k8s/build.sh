@@ -82,6 +82,8 @@ esac
 inputs=$(cat "$mod/go.mod" "$mod/go.sum" "$here/build.sh" $own | sha256sum | cut -c1-16)
 out="$base/$what-$inputs-$goversion"
 if [ -f "$out/done" ]; then
+    # Marks the build as in use (see the clean-up at the end).
+    touch "$out/done"
     echo "$out"
     exit 0
 fi
@@ -173,8 +175,11 @@ rm -rf "$out"
 mv "$tmp" "$out"
 trap - EXIT
 touch "$out/done"
-# Older builds of the same thing are of no more use.
+# Other builds of the same thing not used for two days are of no more use.
+# One used more lately may belong to another checkout (a branch with other
+# inputs) on this machine: removing it would make the two rebuild in turn.
 for old in "$base/$what"-*; do
-    [ "$old" = "$out" ] || rm -rf "$old"
+    [ "$old" = "$out" ] && continue
+    [ -n "$(find "$old/done" -mtime -2 2>/dev/null)" ] || rm -rf "$old"
 done
 echo "$out"
