@@ -47,6 +47,8 @@ prometheus                   test
 curl                         test
 openssl                      test
 mmdebstrap                   test
+linux-libc-dev               test
+libcap2-bin                  test
 "
 # iproute2, iputils-ping: netns, links, routes, ping between pods (the demo
 #   and every suite)
@@ -90,7 +92,14 @@ mmdebstrap                   test
 # mmdebstrap: the Debian roots of the images the Kubernetes Conformance
 #   tests run (agnhost with dig, curl and nc; glibc-dns-testing; nginx),
 #   made from Debian packages by tests/k8s/images.sh, because those images
-#   are not pulled from a registry (tests/src/conformance_images.rs)
+#   are not pulled from a registry (tests/src/conformance_images.rs); and
+#   the roots of KubeVirt's images (tests/k8s/kubevirt/images.sh)
+# linux-libc-dev: <linux/kvm.h>, which KubeVirt's virt-handler includes
+#   through cgo (its node labeller) when tests/k8s/kubevirt/build.sh builds
+#   it (libc6-dev, of the C toolchain, depends on it; named for that use)
+# libcap2-bin: setcap, which gives virt-launcher-monitor its file
+#   capability (cap_net_bind_service) in the virt-launcher image
+#   (tests/src/kubevirt.rs), as upstream's image has it
 # Neither list has Rust or the C toolchain (Debian build-essential) the builds
 # need: README, "Requirements".
 
