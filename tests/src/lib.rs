@@ -23,6 +23,8 @@
 //!   containerd, kubelet) and the registry-free images its pods run;
 //! - [`mod@conformance_images`]: what Kubernetes' sig-network Conformance
 //!   tests run (their `e2e.test`, agnhost, CoreDNS, and their images);
+//! - [`mod@kubevirt`]: KubeVirt built from source, its images, and its
+//!   deployment on the multi-node cluster of [`mod@nodes`];
 //! - [`mod@qemu`]: real QEMU guests on a pod's tap, leasing with real DHCP
 //!   clients, driven over QMP and their serial console.
 //!
@@ -45,6 +47,7 @@ pub mod conformance_images;
 mod daemon;
 pub mod kube;
 pub mod kubelet;
+pub mod kubevirt;
 pub mod migration;
 mod netns;
 pub mod nodes;

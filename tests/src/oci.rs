@@ -3,7 +3,7 @@
 //! `ctr images import` reads), with the image's name in the index's
 //! `io.containerd.image.name` annotation.
 //!
-//! [`Rootfs::pack`]: one uncompressed layer, a config with the entrypoint
+//! [`Rootfs::pack`]: one uncompressed layer (file capabilities kept), a config with the entrypoint
 //! and `PATH`, a manifest and an index, each blob named by its SHA-256
 //! (`sha256sum`). The layer is packed by GNU tar with numeric owner 0, so
 //! the files in the image belong to root whatever they belong to here.
@@ -179,6 +179,7 @@ pub struct Image {
     entrypoint: Vec<String>,
     cmd: Vec<String>,
     env: Vec<String>,
+    user: Option<String>,
 }
 
 impl Image {
@@ -191,6 +192,7 @@ impl Image {
             entrypoint: Vec::new(),
             cmd: Vec::new(),
             env: Vec::new(),
+            user: None,
         }
     }
 
@@ -219,6 +221,14 @@ impl Image {
     /// The config's `Env` (`NAME=value` each).
     pub fn env(mut self, vars: &[&str]) -> Image {
         self.env = vars.iter().map(|v| v.to_string()).collect();
+        self
+    }
+
+    /// The config's `User` (`uid` or `uid:gid`, by number): a pod that
+    /// must run as non-root (`runAsNonRoot`) without naming its user needs
+    /// a numeric one in the image.
+    pub fn user(mut self, user: &str) -> Image {
+        self.user = Some(user.to_string());
         self
     }
 
@@ -252,6 +262,9 @@ impl Image {
             if !value.is_empty() {
                 config.insert(key.to_string(), json!(value));
             }
+        }
+        if let Some(user) = &self.user {
+            config.insert("User".to_string(), json!(user));
         }
         let config = json!({
             "architecture": "amd64",
@@ -296,7 +309,16 @@ impl Image {
 fn tar_layer(blobs: &Path, dir: &Path, owners: Owners) -> (String, usize) {
     let layer = blobs.join("layer.tar");
     let mut tar = Command::new("tar");
-    tar.args(["--numeric-owner", "--sort=name"]);
+    // File capabilities are kept (`security.capability`, which containerd
+    // sets again when it unpacks the layer): a program that must hold one
+    // as a non-root user (KubeVirt's virt-launcher-monitor) has it in the
+    // image too.
+    tar.args([
+        "--numeric-owner",
+        "--sort=name",
+        "--xattrs",
+        "--xattrs-include=security.capability",
+    ]);
     if owners == Owners::Root {
         tar.args(["--owner=0", "--group=0"]);
     }

@@ -1,0 +1,544 @@
+//! KubeVirt itself on the multi-node cluster of [`crate::nodes`], for the
+//! KubeVirt suite (tests/tests/kubevirt.rs): built from source, packed
+//! into images here, deployed as a user deploys it.
+//!
+//! - [`kubevirt_dir`]: KubeVirt v1.7.0's binaries, built from the
+//!   `kubevirt.io/kubevirt` Go module (tests/k8s/kubevirt/build.sh), with
+//!   the files its images carry from the module and the operator manifest
+//!   rendered by KubeVirt's own templator.
+//! - [`kubevirt_images`]: virt-operator, virt-api, virt-controller,
+//!   virt-handler and virt-launcher as OCI archives under the names the
+//!   operator derives from its own image (registry [`REGISTRY`], tag
+//!   [`VERSION`]), for `ctr images import` on every node. The roots are
+//!   Debian 12 (tests/k8s/kubevirt/images.sh), not upstream's CentOS
+//!   Stream: the launcher runs Debian's libvirt 9.0 and QEMU 7.2.
+//! - [`deploy`]: the operator manifest, then a KubeVirt CR, then KubeVirt
+//!   `Available`.
+//!
+//! What differs from upstream's images, and why:
+//! - Debian ships no `virtqemud` (only the monolithic `libvirtd`, with the
+//!   same QEMU driver): the launcher's `/usr/sbin/virtqemud` is a shim
+//!   ([`VIRTQEMUD_SHIM`]) that starts libvirtd with virtqemud's config and
+//!   its socket where KubeVirt connects.
+//! - `node-labeller.sh` is this harness's ([`NODE_LABELLER`]): it asks
+//!   libvirt about software emulation (`qemu`) only. The stock one picks
+//!   `kvm` whenever `/dev/kvm` exists, and this machine's paravirtual
+//!   `/dev/kvm` cannot boot a normal guest; the CR sets `useEmulation`.
+//! - virt-operator, virt-api and virt-controller run as uid 1001 (their
+//!   Deployments ask for a non-root user without naming one).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::nodes::{KubeCluster, KubeNode};
+use crate::oci::{Image, Owners, Rootfs};
+use crate::{wait_until, workspace_dir};
+
+/// The registry part of the images' names (none is pulled: every image is
+/// imported into every node, and the operator deploys with
+/// `IfNotPresent`).
+pub const REGISTRY: &str = "localhost/kubevirt";
+/// KubeVirt's version, the images' tag (tests/k8s/kubevirt/go.mod).
+pub const VERSION: &str = "v1.7.0";
+/// The namespace KubeVirt is installed in (the manifest's).
+pub const NAMESPACE: &str = "kubevirt";
+/// KubeVirt's components with an image of their own.
+pub const COMPONENTS: [&str; 5] = [
+    "virt-operator",
+    "virt-api",
+    "virt-controller",
+    "virt-handler",
+    "virt-launcher",
+];
+/// The hostPaths of virt-handler's DaemonSet that each node must keep its
+/// own (`(dir name, path)`, for [`crate::nodes::ClusterOpts::node_paths`]):
+/// on the machine they would be shared by the two nodes' handlers.
+/// `/var/lib/kubelet` (and its `pods`) is a node path already.
+pub const NODE_PATHS: [(&str, &str); 4] = [
+    ("kubevirt-run", "/run/kubevirt"),
+    ("kubevirt-private", "/run/kubevirt-private"),
+    (
+        "kubevirt-libvirt-runtimes",
+        "/run/kubevirt-libvirt-runtimes",
+    ),
+    ("kubevirt-node-labeller", "/var/lib/kubevirt-node-labeller"),
+];
+
+/// `PATH` in the images.
+const PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// The launcher's `/usr/sbin/virtqemud`: KubeVirt starts
+/// `virtqemud -f /var/run/libvirt/virtqemud.conf` (as the launcher's uid,
+/// 107) and connects to `/var/run/libvirt/virtqemud-sock`; node-labeller.sh
+/// starts `virtqemud -d` as root. libvirtd takes the same config keys; its
+/// socket is `libvirt-sock` in `unix_sock_dir`, linked under virtqemud's
+/// name.
+pub const VIRTQEMUD_SHIM: &str = r#"#!/bin/sh
+# virtqemud for this image: Debian ships libvirtd (the same QEMU driver in
+# one daemon) and no virtqemud. Starts libvirtd with the given config plus
+# the socket directory KubeVirt uses, and links virtqemud's socket names to
+# libvirtd's.
+set -eu
+conf=
+daemon=
+while [ $# -gt 0 ]; do
+    case "$1" in
+    -f | --config) conf=$2; shift 2 ;;
+    -d | --daemon) daemon=--daemon; shift ;;
+    *) shift ;;
+    esac
+done
+dir=/var/run/libvirt
+mkdir -p "$dir"
+own="$dir/libvirtd-as-virtqemud.conf"
+{
+    if [ -n "$conf" ]; then cat "$conf"; fi
+    echo "unix_sock_dir = \"$dir\""
+} >"$own"
+ln -sf libvirt-sock "$dir/virtqemud-sock"
+ln -sf libvirt-sock-ro "$dir/virtqemud-sock-ro"
+ln -sf libvirt-admin-sock "$dir/virtqemud-admin-sock"
+exec /usr/sbin/libvirtd --config "$own" $daemon
+"#;
+
+/// The launcher's `/usr/bin/node-labeller.sh`, which virt-handler's init
+/// container runs (privileged, as root): what libvirt offers for software
+/// emulation on this node, in the files virt-handler's node labeller reads.
+pub const NODE_LABELLER: &str = r#"#!/bin/sh
+# node-labeller.sh for this image: records libvirt's capabilities for
+# software emulation (virttype qemu) only. This machine's /dev/kvm cannot
+# boot a normal guest, so KubeVirt runs with useEmulation and the guests
+# are emulated (TCG).
+set -eu
+out=/var/lib/kubevirt-node-labeller
+virtqemud -d
+i=0
+until virsh -c qemu:///system version >/dev/null 2>&1; do
+    i=$((i + 1))
+    if [ "$i" -gt 100 ]; then
+        echo "node-labeller.sh: libvirtd did not answer" >&2
+        exit 1
+    fi
+    sleep 0.1
+done
+virsh -c qemu:///system domcapabilities --machine q35 --arch x86_64 --virttype qemu \
+    >"$out/virsh_domcapabilities.xml"
+virsh -c qemu:///system hypervisor-cpu-baseline --features \
+    --machine q35 --arch x86_64 --virttype qemu "$out/virsh_domcapabilities.xml" \
+    >"$out/supported_features.xml"
+virsh -c qemu:///system capabilities >"$out/capabilities.xml"
+"#;
+
+/// The directory holding KubeVirt's binaries, `files/` (what its images
+/// carry from the module) and `kubevirt-operator.yaml`
+/// (tests/k8s/kubevirt/build.sh, cached across runs).
+pub fn kubevirt_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| run_script("tests/k8s/kubevirt/build.sh"))
+}
+
+/// The directory holding the Debian roots `base`, `handler` and
+/// `launcher` (tests/k8s/kubevirt/images.sh, cached across runs). Root
+/// only.
+pub fn roots_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| run_script("tests/k8s/kubevirt/images.sh"))
+}
+
+fn run_script(relative: &str) -> PathBuf {
+    let script = workspace_dir().join(relative);
+    let out = Command::new("sh")
+        .arg(&script)
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
+    assert!(out.status.success(), "{relative} failed");
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
+
+/// A component's image name (`localhost/kubevirt/virt-api:v1.7.0`).
+pub fn image(component: &str) -> String {
+    format!("{REGISTRY}/{component}:{VERSION}")
+}
+
+fn cache_base() -> PathBuf {
+    std::env::var_os("TETHER_K8S_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/tmp/tether-k8s"))
+}
+
+/// KubeVirt's images ([`COMPONENTS`]): each name with its OCI archive.
+/// Packed once and cached, keyed by the builds they are made of and this
+/// code. Root only.
+pub fn kubevirt_images() -> Vec<(String, PathBuf)> {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    let dir = DIR.get_or_init(pack_cached);
+    COMPONENTS
+        .iter()
+        .map(|c| (image(c), dir.join(format!("{c}.tar"))))
+        .collect()
+}
+
+fn pack_cached() -> PathBuf {
+    let (bins, roots) = (kubevirt_dir(), roots_dir());
+    let key = format!(
+        "{}\n{}\n{}\n{}",
+        bins.display(),
+        roots.display(),
+        include_str!("kubevirt.rs"),
+        include_str!("oci.rs"),
+    );
+    let key = &sha256_of(key.as_bytes())[..16];
+    let base = cache_base();
+    let out = base.join(format!("kubevirt-images-{key}"));
+    if out.join("done").exists() {
+        return out;
+    }
+    let start = Instant::now();
+    let tmp = base.join(format!("kubevirt-images.{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).expect("removing an old work dir");
+    }
+    std::fs::create_dir_all(&tmp).expect("creating the images' work dir");
+    eprintln!(
+        "kubevirt: packing KubeVirt's images (once; cached in {})",
+        out.display()
+    );
+    pack_all(&tmp, bins, roots);
+    std::fs::remove_dir_all(tmp.join("work")).expect("removing the assembled layers");
+    std::fs::write(tmp.join("done"), "").expect("marking the images done");
+    if let Err(e) = std::fs::rename(&tmp, &out) {
+        assert!(
+            out.join("done").exists(),
+            "moving the images to {}: {e}",
+            out.display()
+        );
+        let _ = std::fs::remove_dir_all(&tmp);
+        return out;
+    }
+    eprintln!("kubevirt: packed in {:.1} s", start.elapsed().as_secs_f64());
+    // Older packs are of no more use.
+    if let Ok(entries) = std::fs::read_dir(&base) {
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path != out
+                && entry
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with("kubevirt-images-")
+            {
+                let _ = std::fs::remove_dir_all(&path);
+            }
+        }
+    }
+    out
+}
+
+fn pack_all(tmp: &Path, bins: &Path, roots: &Path) {
+    let work = tmp.join("work");
+    let files = bins.join("files");
+    // The control-plane components: the minbase root and the binary, as a
+    // non-root user.
+    for c in ["virt-operator", "virt-api", "virt-controller"] {
+        let top = Rootfs::from_dir(&work.join(c));
+        top.copy(bins.join(c), &format!("usr/bin/{c}"), 0o755);
+        Image::new(&image(c))
+            .layer(&roots.join("base"), Owners::AsTheyAre)
+            .layer(top.dir(), Owners::Root)
+            .entrypoint(&[&format!("/usr/bin/{c}")])
+            .env(&[PATH])
+            .user("1001")
+            .pack(&tmp.join(format!("{c}.tar")));
+    }
+
+    // virt-handler, with virt-chroot (which it runs for mounts and taps).
+    let top = Rootfs::from_dir(&work.join("virt-handler"));
+    for b in ["virt-handler", "virt-chroot"] {
+        top.copy(bins.join(b), &format!("usr/bin/{b}"), 0o755);
+    }
+    top.copy(files.join("nsswitch.conf"), "etc/nsswitch.conf", 0o644);
+    Image::new(&image("virt-handler"))
+        .layer(&roots.join("handler"), Owners::AsTheyAre)
+        .layer(top.dir(), Owners::Root)
+        .entrypoint(&["/usr/bin/virt-handler"])
+        .env(&[PATH])
+        .pack(&tmp.join("virt-handler.tar"));
+
+    // virt-launcher: its programs, KubeVirt's libvirt and QEMU configs and
+    // hook, the virtqemud shim and the node labeller.
+    let top = Rootfs::from_dir(&work.join("virt-launcher"));
+    for b in [
+        "virt-launcher",
+        "virt-launcher-monitor",
+        "virt-freezer",
+        "virt-probe",
+        "virt-tail",
+        "container-disk",
+    ] {
+        top.copy(bins.join(b), &format!("usr/bin/{b}"), 0o755);
+    }
+    top.write("usr/bin/node-labeller.sh", NODE_LABELLER, 0o755);
+    top.write("usr/sbin/virtqemud", VIRTQEMUD_SHIM, 0o755);
+    top.copy(files.join("qemu.conf"), "etc/libvirt/qemu.conf", 0o644);
+    top.copy(
+        files.join("virtqemud.conf"),
+        "etc/libvirt/virtqemud.conf",
+        0o644,
+    );
+    top.copy(files.join("qemu"), "etc/libvirt/hooks/qemu", 0o755);
+    // KubeVirt starts `virtlogd -f /etc/libvirt/virtlogd.conf`; Debian's
+    // libvirt-daemon ships no such file (libvirt-daemon-system does, with
+    // systemd units the image has no use for): virtlogd's defaults.
+    top.write(
+        "etc/libvirt/virtlogd.conf",
+        "# virtlogd with its defaults (KubeVirt names this file).\n",
+        0o644,
+    );
+    top.copy(files.join("nsswitch.conf"), "etc/nsswitch.conf", 0o644);
+    // As upstream's image: virt-launcher-monitor may bind low ports and
+    // hands that on to virt-launcher and libvirtd (ambient), which it
+    // cannot do as uid 107 without the file capability.
+    let monitor = top.dir().join("usr/bin/virt-launcher-monitor");
+    let out = Command::new("setcap")
+        .arg("cap_net_bind_service=+ep")
+        .arg(&monitor)
+        .output()
+        .expect("running setcap");
+    assert!(
+        out.status.success(),
+        "setcap on virt-launcher-monitor: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Image::new(&image("virt-launcher"))
+        .layer(&roots.join("launcher"), Owners::AsTheyAre)
+        .layer(top.dir(), Owners::Root)
+        .entrypoint(&["/usr/bin/virt-launcher"])
+        .env(&[PATH])
+        .pack(&tmp.join("virt-launcher.tar"));
+}
+
+/// The hex SHA-256 of `data` (by `sha256sum`).
+fn sha256_of(data: &[u8]) -> String {
+    use std::io::Write;
+    let mut child = Command::new("sha256sum")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("running sha256sum");
+    child
+        .stdin
+        .take()
+        .expect("sha256sum's stdin")
+        .write_all(data)
+        .expect("writing to sha256sum");
+    let out = child.wait_with_output().expect("waiting for sha256sum");
+    assert!(out.status.success(), "sha256sum failed");
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .expect("sha256sum prints the digest")
+        .to_string()
+}
+
+/// Lets QEMU (uid 107) open `/dev/net/tun` on `node`: on this machine the
+/// device is mode 0600, where a distribution has 0666. The node's mount
+/// namespace gets a 0666 node of the same device (10, 200) bound over it;
+/// containerd then hands that mode to the launcher pods (virt-handler's
+/// device plugin provides the device). The machine's `/dev` is unchanged.
+pub fn open_tun(node: &KubeNode) {
+    let tun = node.host_path("/run/kubevirt").with_file_name("tun");
+    let tun = tun.display().to_string();
+    let out = node.run(&[
+        "sh",
+        "-c",
+        &format!("mknod -m 0666 {tun} c 10 200 && mount --bind {tun} /dev/net/tun"),
+    ]);
+    assert!(
+        out.status.success(),
+        "binding a 0666 /dev/net/tun on {}: {}",
+        node.name(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The KubeVirt CR: software emulation, one replica of virt-api and
+/// virt-controller, and `bindings` (name → binding plugin, e.g.
+/// `{"tether": {"domainAttachmentType": "tap", "migration": {}}}`).
+pub fn kubevirt_cr(bindings: Value) -> Value {
+    json!({
+        "apiVersion": "kubevirt.io/v1",
+        "kind": "KubeVirt",
+        "metadata": {"name": "kubevirt", "namespace": NAMESPACE},
+        "spec": {
+            "imagePullPolicy": "IfNotPresent",
+            "infra": {"replicas": 1},
+            "configuration": {
+                "developerConfiguration": {"useEmulation": true},
+                "network": {"binding": bindings},
+            },
+        },
+    })
+}
+
+/// Deploys KubeVirt on `cluster` as a user does: the operator manifest
+/// (`kubevirt-operator.yaml`, rendered by the build), the operator
+/// running, then `cr`; waits until the KubeVirt CR is `Available`, at most
+/// `limit`. Returns the time it took.
+pub fn deploy(cluster: &KubeCluster, cr: &Value, limit: Duration) -> Duration {
+    let start = Instant::now();
+    let api = &cluster.api;
+    // virt-operator must run on a control-plane node (its Deployment's
+    // required node affinity), as on kind, where kubevirtci deploys it;
+    // this cluster's control plane runs no kubelet: the nodes get the
+    // role's label.
+    for node in cluster.nodes() {
+        api.kubectl_ok(&[
+            "label",
+            "--overwrite",
+            "node",
+            node.name(),
+            "node-role.kubernetes.io/control-plane=",
+        ]);
+    }
+    let manifest = kubevirt_dir().join("kubevirt-operator.yaml");
+    api.kubectl_ok(&["apply", "-f", &manifest.display().to_string()]);
+    // One operator, as one replica of every component (the CR's `infra`).
+    api.kubectl_ok(&[
+        "-n",
+        NAMESPACE,
+        "scale",
+        "deployment/virt-operator",
+        "--replicas=1",
+    ]);
+    let out = api.kubectl(&[
+        "-n",
+        NAMESPACE,
+        "rollout",
+        "status",
+        "deployment/virt-operator",
+        "--timeout=300s",
+    ]);
+    assert!(
+        out.status.success(),
+        "virt-operator not available: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        describe(cluster)
+    );
+    api.apply(&cr.to_string());
+    let available = wait_until(limit, || {
+        let kv = api
+            .get(&["-n", NAMESPACE, "kubevirt", "kubevirt"])
+            .unwrap_or(Value::Null);
+        kv["status"]["conditions"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["type"] == "Available"))
+            .is_some_and(|c| c["status"] == "True")
+    });
+    assert!(
+        available,
+        "KubeVirt not Available in {limit:?}\n{}",
+        describe(cluster)
+    );
+    start.elapsed()
+}
+
+/// What KubeVirt's namespace holds (the CR's status, pods, recent events,
+/// the last lines of every container's log): for failure messages.
+pub fn describe(cluster: &KubeCluster) -> String {
+    let api = &cluster.api;
+    let text = |args: &[&str]| {
+        let o = api.kubectl(args);
+        format!(
+            "$ kubectl {}\n{}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    };
+    let mut s = String::new();
+    s += &text(&["-n", NAMESPACE, "get", "kubevirt", "kubevirt", "-o", "yaml"]);
+    s += &text(&["get", "pods", "-A", "-o", "wide"]);
+    s += &text(&[
+        "get",
+        "events",
+        "-A",
+        "--sort-by=.lastTimestamp",
+        "-o",
+        "custom-columns=NS:.metadata.namespace,OBJ:.involvedObject.name,REASON:.reason,MSG:.message",
+    ]);
+    let pods = api.get(&["-n", NAMESPACE, "pods"]).unwrap_or(Value::Null);
+    for pod in pods["items"].as_array().into_iter().flatten() {
+        let name = pod["metadata"]["name"].as_str().unwrap_or_default();
+        for kind in ["initContainers", "containers"] {
+            for c in pod["spec"][kind].as_array().into_iter().flatten() {
+                let c = c["name"].as_str().unwrap_or_default();
+                s += &text(&["-n", NAMESPACE, "logs", name, "-c", c, "--tail=30"]);
+            }
+        }
+    }
+    s
+}
+
+/// The test guest (tests/guest: kernel and initramfs) as a container disk
+/// for `firmware.kernelBoot.container`: `/boot/vmlinuz` and
+/// `/boot/initramfs.gz`, readable by QEMU's uid. Packed into `dir`;
+/// returns the image's name and archive.
+pub fn guest_image(dir: &Path) -> (String, PathBuf) {
+    let name = "localhost/tether/guest-kernel:1".to_string();
+    let guest = crate::qemu::guest_dir();
+    let root = Rootfs::from_dir(&dir.join("guest-kernel"));
+    root.copy(guest.join("vmlinuz"), "boot/vmlinuz", 0o644);
+    root.copy(guest.join("initramfs.gz"), "boot/initramfs.gz", 0o644);
+    let archive = dir.join("guest-kernel.tar");
+    Image::new(&name)
+        .layer(root.dir(), Owners::Root)
+        .env(&[PATH])
+        .pack(&archive);
+    (name, archive)
+}
+
+/// A VirtualMachine `name` in `default` booting the test guest from
+/// `guest_image` (udhcpc leasing on its one interface), on the network
+/// binding plugin `binding` (the CR's name) with tether's side chosen by
+/// the annotation `tether.dev/binding: tether_binding`; running at once
+/// (`runStrategy: Always`).
+pub fn vm_manifest(name: &str, guest_image: &str, binding: &str, tether_binding: &str) -> Value {
+    json!({
+        "apiVersion": "kubevirt.io/v1",
+        "kind": "VirtualMachine",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "runStrategy": "Always",
+            "template": {
+                "metadata": {
+                    "labels": {"tether.dev/test-vm": name},
+                    "annotations": {"tether.dev/binding": tether_binding},
+                },
+                "spec": {
+                    "terminationGracePeriodSeconds": 0,
+                    "domain": {
+                        "cpu": {"cores": 1},
+                        "memory": {"guest": "128Mi"},
+                        "firmware": {"kernelBoot": {
+                            "kernelArgs": "console=ttyS0 quiet loglevel=1 panic=-1 tether.dhcp4=udhcpc tether.dhcp6=none",
+                            "container": {
+                                "image": guest_image,
+                                "imagePullPolicy": "IfNotPresent",
+                                "kernelPath": "/boot/vmlinuz",
+                                "initrdPath": "/boot/initramfs.gz",
+                            },
+                        }},
+                        "devices": {
+                            "interfaces": [{"name": "default", "binding": {"name": binding}}],
+                        },
+                    },
+                    "networks": [{"name": "default", "pod": {}}],
+                },
+            },
+        },
+    })
+}
