@@ -65,6 +65,9 @@ pub struct KubeApi {
     etcd: Option<Child>,
     apiserver: Option<Child>,
     address: Ipv4Addr,
+    /// Whether the server serves aggregated APIs (see
+    /// [`KubeApi::start_aggregating`]).
+    aggregating: bool,
     // Dropped after the processes: the netns, then the dir.
     netns: Netns,
     dir: TempDir,
@@ -96,6 +99,22 @@ impl KubeApi {
     /// Starts etcd and kube-apiserver on `fabric`, and waits until the
     /// server is ready and its default namespaces exist.
     pub fn start(fabric: &Fabric) -> KubeApi {
+        KubeApi::start_with(fabric, false)
+    }
+
+    /// [`KubeApi::start`] for a server that also fronts aggregated APIs
+    /// and calls webhooks served by pods (KubeVirt's virt-api): it proxies
+    /// with a front-proxy client certificate (the request-header
+    /// authentication a kubeadm cluster sets up, its CA this harness's
+    /// CA, the only name allowed `front-proxy-client`), and reaches the
+    /// APIs' and webhooks' Services at their endpoints, pod IPs
+    /// (`--enable-aggregator-routing=true`): the server runs no
+    /// kube-proxy, so ClusterIPs lead nowhere from it.
+    pub fn start_aggregating(fabric: &Fabric) -> KubeApi {
+        KubeApi::start_with(fabric, true)
+    }
+
+    fn start_with(fabric: &Fabric, aggregating: bool) -> KubeApi {
         // Build (or find) the binaries before anything is set up.
         k8s_bin_dir();
         let netns = Netns::new("kapi");
@@ -134,6 +153,13 @@ impl KubeApi {
             "/O=system:masters/CN=tether-test-admin",
             "extendedKeyUsage=clientAuth\n",
         );
+        if aggregating {
+            sign(
+                "front-proxy-client",
+                "/CN=front-proxy-client",
+                "extendedKeyUsage=clientAuth\n",
+            );
+        }
         openssl(d, &["genrsa", "-out", "sa.key", "2048"]);
         openssl(d, &["rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub"]);
         let server = format!("https://{ip}:{API_PORT}");
@@ -154,6 +180,7 @@ impl KubeApi {
             etcd: None,
             apiserver: None,
             address: ip,
+            aggregating,
             netns,
             dir,
         };
@@ -204,33 +231,47 @@ impl KubeApi {
         // audit.log, as a cluster's audit trail would have it.
         std::fs::write(self.path("audit-policy.yaml"), AUDIT_POLICY)
             .expect("writing the audit policy");
-        let child = self.spawn(
-            "apiserver",
-            &k8s_bin_dir().join("kube-apiserver"),
-            &[
-                "--etcd-servers=http://127.0.0.1:2379",
-                &format!("--bind-address={ip}"),
-                &format!("--advertise-address={ip}"),
-                &format!("--secure-port={API_PORT}"),
-                "--tls-cert-file=apiserver.crt",
-                "--tls-private-key-file=apiserver.key",
-                "--client-ca-file=ca.crt",
-                "--service-account-key-file=sa.pub",
-                "--service-account-signing-key-file=sa.key",
-                "--service-account-issuer=https://kubernetes.default.svc",
-                "--authorization-mode=Node,RBAC",
-                "--service-cluster-ip-range=10.96.0.0/16",
-                "--allow-privileged=true",
-                // Nodes are reached (exec, logs) at their InternalIP: their
-                // host names resolve nowhere here.
-                "--kubelet-preferred-address-types=InternalIP",
-                // Watch caches are on, as in a real cluster; a short
-                // event TTL keeps etcd small.
-                "--event-ttl=10m",
-                "--audit-policy-file=audit-policy.yaml",
-                "--audit-log-path=audit.log",
-            ],
+        let (bind, advertise, port) = (
+            format!("--bind-address={ip}"),
+            format!("--advertise-address={ip}"),
+            format!("--secure-port={API_PORT}"),
         );
+        let mut args = vec![
+            "--etcd-servers=http://127.0.0.1:2379",
+            &bind,
+            &advertise,
+            &port,
+            "--tls-cert-file=apiserver.crt",
+            "--tls-private-key-file=apiserver.key",
+            "--client-ca-file=ca.crt",
+            "--service-account-key-file=sa.pub",
+            "--service-account-signing-key-file=sa.key",
+            "--service-account-issuer=https://kubernetes.default.svc",
+            "--authorization-mode=Node,RBAC",
+            "--service-cluster-ip-range=10.96.0.0/16",
+            "--allow-privileged=true",
+            // Nodes are reached (exec, logs) at their InternalIP: their
+            // host names resolve nowhere here.
+            "--kubelet-preferred-address-types=InternalIP",
+            // Watch caches are on, as in a real cluster; a short
+            // event TTL keeps etcd small.
+            "--event-ttl=10m",
+            "--audit-policy-file=audit-policy.yaml",
+            "--audit-log-path=audit.log",
+        ];
+        if self.aggregating {
+            args.extend([
+                "--requestheader-client-ca-file=ca.crt",
+                "--requestheader-allowed-names=front-proxy-client",
+                "--requestheader-username-headers=X-Remote-User",
+                "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                "--proxy-client-cert-file=front-proxy-client.crt",
+                "--proxy-client-key-file=front-proxy-client.key",
+                "--enable-aggregator-routing=true",
+            ]);
+        }
+        let child = self.spawn("apiserver", &k8s_bin_dir().join("kube-apiserver"), &args);
         self.apiserver = Some(child);
         let started = Instant::now();
         let ready = wait_until(READY_TIMEOUT, || {

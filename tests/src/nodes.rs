@@ -97,6 +97,14 @@ pub struct ClusterOpts {
     pub images: Vec<PathBuf>,
     /// containerd's sandbox (pause) image, by name.
     pub sandbox_image: String,
+    /// Whether the API server fronts aggregated APIs and calls webhooks at
+    /// pod IPs ([`KubeApi::start_aggregating`]; KubeVirt's virt-api).
+    pub aggregating: bool,
+    /// More paths each node keeps its own (`(dir name, standard path)`,
+    /// as [`NODE_PATHS`]): the hostPaths of a DaemonSet that would
+    /// otherwise share the machine's directory between the nodes
+    /// (KubeVirt's `/var/run/kubevirt`, say).
+    pub node_paths: Vec<(String, String)>,
 }
 
 /// The mount points this process created on the machine (the node paths
@@ -162,19 +170,30 @@ pub struct KubeNode {
     proxy: Option<Child>,
     // Dropped after the processes: the netns, then the dir.
     netns: Netns,
+    /// [`ClusterOpts::node_paths`].
+    extra_paths: Vec<(String, String)>,
     dir: TempDir,
 }
 
 impl KubeNode {
     /// Creates the node's namespaces and its directories, and starts its
     /// init; nothing else runs yet.
-    fn create(fabric: &Fabric, host: u8, mount_points: &MountPoints) -> KubeNode {
+    fn create(
+        fabric: &Fabric,
+        host: u8,
+        mount_points: &MountPoints,
+        extra_paths: &[(String, String)],
+    ) -> KubeNode {
         let netns = Netns::new("kn");
         let underlay = fabric.attach_host(&netns, host);
         let dir = TempDir::new("kn");
         let name = netns.name().to_string();
         let mut binds = Vec::new();
-        for (src, target) in NODE_PATHS {
+        let paths = NODE_PATHS
+            .iter()
+            .map(|(s, t)| (*s, *t))
+            .chain(extra_paths.iter().map(|(s, t)| (s.as_str(), t.as_str())));
+        for (src, target) in paths {
             let src = dir.path().join(src);
             std::fs::create_dir_all(&src).expect("creating a node dir");
             mount_points.ensure(Path::new(target));
@@ -223,6 +242,7 @@ impl KubeNode {
             kubelet: None,
             proxy: None,
             netns,
+            extra_paths: extra_paths.to_vec(),
             dir,
         };
         // The loopback plugin: containerd's CRI sets up every sandbox's lo.
@@ -260,11 +280,18 @@ impl KubeNode {
     /// Where the node's own `<standard path>` is, as this machine sees it
     /// (`/var/lib/tether` → `<node dir>/tether`).
     pub fn host_path(&self, standard: &str) -> PathBuf {
-        let (src, _) = NODE_PATHS
+        let src = NODE_PATHS
             .iter()
+            .map(|(s, t)| (*s, *t))
+            .chain(
+                self.extra_paths
+                    .iter()
+                    .map(|(s, t)| (s.as_str(), t.as_str())),
+            )
             .find(|(_, t)| *t == standard)
+            .map(|(s, _)| s.to_string())
             .unwrap_or_else(|| panic!("{standard} is not one of the node's own paths"));
-        self.path(src)
+        self.path(&src)
     }
 
     /// A command run inside all the node's namespaces (net, mount, PID).
@@ -495,7 +522,11 @@ impl KubeCluster {
     pub fn start(opts: &ClusterOpts) -> KubeCluster {
         let bins = k8s_bin_dir();
         let fabric = Fabric::new();
-        let api = KubeApi::start(&fabric);
+        let api = if opts.aggregating {
+            KubeApi::start_aggregating(&fabric)
+        } else {
+            KubeApi::start(&fabric)
+        };
         let helm = Helm::against(&api);
         let etcd = EtcdCluster::start(&fabric, 1);
         let mut cluster = KubeCluster {
@@ -545,7 +576,12 @@ impl KubeCluster {
         ));
         for i in 0..opts.nodes {
             let host = FIRST_NODE_HOST + i as u8;
-            let mut node = KubeNode::create(&cluster.fabric, host, &cluster.mount_points);
+            let mut node = KubeNode::create(
+                &cluster.fabric,
+                host,
+                &cluster.mount_points,
+                &opts.node_paths,
+            );
             node.start_containerd(&opts.sandbox_image);
             for image in &opts.images {
                 node.import(image);

@@ -31,6 +31,8 @@ fn the_data_path_conformance_slice_passes_on_two_kubelet_nodes() {
         nodes: 2,
         images: images.iter().map(|(_, a)| a.clone()).collect(),
         sandbox_image: PAUSE.to_string(),
+        aggregating: false,
+        node_paths: Vec::new(),
     });
     let tether = cluster.build_tether_image("1");
     cluster.install_tether(&tether);

@@ -97,6 +97,8 @@ fn two_kubelet_nodes_with_their_own_namespaces_wire_pods_through_the_installed_c
         nodes: 2,
         images: busybox_images(&images),
         sandbox_image: PAUSE_IMAGE.to_string(),
+        aggregating: false,
+        node_paths: Vec::new(),
     });
     let names: Vec<String> = c.nodes().iter().map(|n| n.name().to_string()).collect();
     for node in c.nodes() {
@@ -163,6 +165,8 @@ fn cluster(images: &TempDir) -> KubeCluster {
         nodes: 2,
         images: busybox_images(images),
         sandbox_image: PAUSE_IMAGE.to_string(),
+        aggregating: false,
+        node_paths: Vec::new(),
     });
     let image = c.build_tether_image("1");
     c.install_tether(&image);

@@ -80,6 +80,8 @@ fn main() -> ExitCode {
         nodes: args.nodes,
         images: archives,
         sandbox_image: PAUSE.to_string(),
+        aggregating: false,
+        node_paths: Vec::new(),
     });
     let tether = cluster.build_tether_image("1");
     cluster.install_tether(&tether);
