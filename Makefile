@@ -8,7 +8,7 @@ RELEASE_DIR := target/release
 ROOT_TESTS := tether-kernel/root-tests,tether-node-server/root-tests
 DEBUG_DIR := target/debug
 
-.PHONY: all setup setup-demo k8s helm e2e-bins conformance-images conformance manifests build release demo check test unit integration lint bench clean shim-size min-kernel
+.PHONY: all setup setup-demo k8s helm e2e-bins conformance-images conformance kubevirt manifests build release demo check test unit integration lint bench clean shim-size min-kernel
 
 all: build
 
@@ -120,6 +120,17 @@ test: setup k8s helm e2e-bins lint build shim-size
 conformance: setup k8s helm e2e-bins build
 	@test "$$(id -u)" = 0 || { echo "make conformance must run as root (it creates namespaces)"; exit 1; }
 	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) run -p tether-e2e --bin conformance -- --write CONFORMANCE.md
+
+## kubevirt: KubeVirt itself on tether (tests/tests/kubevirt.rs):
+## KubeVirt v1.7.0 built from its Go module (tests/k8s/kubevirt/build.sh,
+## cached in /var/tmp/tether-k8s), its images assembled from Debian
+## packages (tests/k8s/kubevirt/images.sh, tests/src/kubevirt.rs), deployed
+## with its operator on two kubelet nodes wired by tether, and VMs booted
+## and live-migrated through KubeVirt's API. Not part of `make test` (the
+## KubeVirt build alone takes tens of minutes the first time). Root only.
+kubevirt: setup k8s helm build
+	@test "$$(id -u)" = 0 || { echo "make kubevirt must run as root (it creates namespaces)"; exit 1; }
+	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test -p tether-e2e --test kubevirt -- --ignored --nocapture --test-threads=1
 
 ## min-kernel: the netlink suites (tether-kernel's unit tests with the root
 ## tests, node-server's DHCP server against udhcpc) on Debian 12's stock
