@@ -261,6 +261,16 @@ fn pack_all(tmp: &Path, bins: &Path, roots: &Path) {
         top.copy(bins.join(b), &format!("usr/bin/{b}"), 0o755);
     }
     top.copy(files.join("nsswitch.conf"), "etc/nsswitch.conf", 0o644);
+    // virt-handler looks QEMU's user up by name (`qemu`, 107), as
+    // upstream's handler image has it.
+    add_lines(
+        &top,
+        &roots.join("handler"),
+        &[
+            ("etc/passwd", "qemu:x:107:107:qemu:/:/usr/sbin/nologin\n"),
+            ("etc/group", "qemu:x:107:\n"),
+        ],
+    );
     Image::new(&image("virt-handler"))
         .layer(&roots.join("handler"), Owners::AsTheyAre)
         .layer(top.dir(), Owners::Root)
@@ -299,6 +309,24 @@ fn pack_all(tmp: &Path, bins: &Path, roots: &Path) {
         0o644,
     );
     top.copy(files.join("nsswitch.conf"), "etc/nsswitch.conf", 0o644);
+    // Debian's libvirt is built to run QEMU as libvirt-qemu and looks the
+    // user up when its QEMU driver starts as root (node-labeller.sh),
+    // before qemu.conf names KubeVirt's `qemu`: the user the package's
+    // libvirt-daemon-system would have made, beside the root's own.
+    add_lines(
+        &top,
+        &roots.join("launcher"),
+        &[
+            (
+                "etc/passwd",
+                "libvirt-qemu:x:64055:64055:Libvirt Qemu:/var/lib/libvirt:/usr/sbin/nologin\n",
+            ),
+            ("etc/group", "libvirt-qemu:x:64055:\n"),
+        ],
+    );
+    // The root daemon's log (node-labeller.sh): Debian makes the directory
+    // in libvirt-daemon-system.
+    std::fs::create_dir_all(top.dir().join("var/log/libvirt")).expect("creating /var/log/libvirt");
     // As upstream's image: virt-launcher-monitor may bind low ports and
     // hands that on to virt-launcher and libvirtd (ambient), which it
     // cannot do as uid 107 without the file capability.
@@ -319,6 +347,16 @@ fn pack_all(tmp: &Path, bins: &Path, roots: &Path) {
         .entrypoint(&["/usr/bin/virt-launcher"])
         .env(&[PATH])
         .pack(&tmp.join("virt-launcher.tar"));
+}
+
+/// Writes into `top` each `(file, line)`'s file as the lower root `lower`
+/// has it, with `line` added (a user in `etc/passwd`, say).
+fn add_lines(top: &Rootfs, lower: &Path, lines: &[(&str, &str)]) {
+    for (file, line) in lines {
+        let base = std::fs::read_to_string(lower.join(file))
+            .unwrap_or_else(|e| panic!("reading {}: {e}", lower.join(file).display()));
+        top.write(file, &format!("{base}{line}"), 0o644);
+    }
 }
 
 /// The hex SHA-256 of `data` (by `sha256sum`).
