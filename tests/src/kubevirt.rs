@@ -531,12 +531,60 @@ pub fn guest_image(dir: &Path) -> (String, PathBuf) {
     let root = Rootfs::from_dir(&dir.join("guest-kernel"));
     root.copy(guest.join("vmlinuz"), "boot/vmlinuz", 0o644);
     root.copy(guest.join("initramfs.gz"), "boot/initramfs.gz", 0o644);
+    // KubeVirt 1.7 writes each kernel-boot file's CRC-32 (a uint32) into
+    // the VMI's status (`kernelBootStatus`), whose CRD schema says
+    // `format: int32`; Kubernetes 1.37 enforces integer formats, so a
+    // checksum of 2^31 or more makes every status update of the VMI fail
+    // (KubeVirt 1.7 is built against Kubernetes 1.33). Zero bytes after
+    // the kernel and after the initramfs's archive change nothing at boot
+    // (the kernel's initramfs unpacker skips zero padding): pad each file
+    // until its checksum fits.
+    for file in ["boot/vmlinuz", "boot/initramfs.gz"] {
+        pad_to_int32_checksum(&root.dir().join(file));
+    }
     let archive = dir.join("guest-kernel.tar");
     Image::new(&name)
         .layer(root.dir(), Owners::Root)
         .env(&[PATH])
         .pack(&archive);
     (name, archive)
+}
+
+/// CRC-32 (IEEE, as Go's `hash/crc32.ChecksumIEEE`) of `data`.
+fn crc32(data: &[u8]) -> u32 {
+    let mut table = [0u32; 256];
+    for (i, entry) in table.iter_mut().enumerate() {
+        let mut c = i as u32;
+        for _ in 0..8 {
+            c = if c & 1 != 0 {
+                0xEDB8_8320 ^ (c >> 1)
+            } else {
+                c >> 1
+            };
+        }
+        *entry = c;
+    }
+    let mut crc = !0u32;
+    for b in data {
+        crc = table[((crc ^ *b as u32) & 0xff) as usize] ^ (crc >> 8);
+    }
+    !crc
+}
+
+/// Appends zero bytes to `path` until its CRC-32 is below 2^31 (see
+/// [`guest_image`]).
+fn pad_to_int32_checksum(path: &Path) {
+    let mut data =
+        std::fs::read(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    for _ in 0..256 {
+        if crc32(&data) < 1 << 31 {
+            std::fs::write(path, &data)
+                .unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+            return;
+        }
+        data.extend_from_slice(&[0; 4]);
+    }
+    panic!("no padding of {} gives a CRC-32 below 2^31", path.display());
 }
 
 /// A VirtualMachine `name` in `default` booting the test guest from
