@@ -69,6 +69,72 @@ fn wait_vmi_running(c: &KubeCluster, name: &str, limit: Duration) -> (String, St
     )
 }
 
+/// The MAC of VMI `name`'s interface, as its status shows it.
+fn vmi_mac(c: &KubeCluster, name: &str) -> String {
+    c.api
+        .get(&["-n", "default", "vmi", name])
+        .unwrap_or(Value::Null)["status"]["interfaces"][0]["mac"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Waits until the guest on `node` printed its lease of `ip` (udhcpc's
+/// `bound` event) on its serial console.
+fn wait_lease(c: &KubeCluster, vmi: &str, node: &str, ip: &str) {
+    let pod =
+        launcher_pod(c, vmi, node).unwrap_or_else(|| panic!("{vmi}'s launcher pod on {node}"));
+    let mut text = String::new();
+    let leased = wait_until(Duration::from_secs(120), || {
+        text = console(c, &pod);
+        text.contains(&format!("TETHER-LEASE4 event=bound ip={ip} "))
+    });
+    assert!(
+        leased,
+        "{vmi}'s guest did not lease {ip} from tether:\n{text}"
+    );
+}
+
+/// Migrates `vmi` to `to` with an observer (the API server's netns, a
+/// host on the fabric that is neither node) pinging `ip` every
+/// millisecond; prints the observer's loss window beside KubeVirt's own
+/// timing and checks the VMI's node and IP afterwards.
+fn migrate_observed(c: &KubeCluster, vmi: &str, ip: &str, to: &str, n: usize) {
+    let target: std::net::IpAddr = ip.parse().expect("the VMI's IP");
+    let prober = Prober::start(c.api.netns(), target, Duration::from_millis(1));
+    let warm = wait_until(Duration::from_secs(30), || {
+        prober.received_since(Instant::now() - Duration::from_millis(500)) > 100
+    });
+    assert!(
+        warm,
+        "the observer does not reach {vmi} at {ip} before migration {n}"
+    );
+    let (took, state) = migrate(c, vmi, to, n);
+    let after = Instant::now();
+    let back = wait_until(Duration::from_secs(30), || {
+        prober.received_since(after) > 100
+    });
+    let report = prober.stop();
+    let windows = report.loss_windows();
+    let worst = windows.iter().map(|w| w.duration).max();
+    eprintln!(
+        "kubevirt: {vmi} migration {n} to {to}: Succeeded {took:?} after its creation; observer: {} sent, {} answered, longest loss window {worst:?} ({} windows); migrationState: start {} end {} mode {}",
+        report.sent,
+        report.received,
+        windows.len(),
+        state["startTimestamp"],
+        state["endTimestamp"],
+        state["mode"],
+    );
+    assert!(
+        back,
+        "the observer does not reach {vmi} at {ip} after migration {n}"
+    );
+    let (now_on, ip_after) = wait_vmi_running(c, vmi, Duration::from_secs(60));
+    assert_eq!(now_on, to, "{vmi} is not on the migration's target");
+    assert_eq!(ip_after, ip, "{vmi}'s IP changed with migration {n}");
+}
+
 /// The launcher pod of VMI `name` on `node`, running.
 fn launcher_pod(c: &KubeCluster, vmi: &str, node: &str) -> Option<String> {
     let pods = c
@@ -186,56 +252,144 @@ fn kubevirt_boots_a_vm_on_tethers_tap_binding_and_live_migrates_it_between_two_k
         "kubevirt: vm1 running on {node} with {ip} in {:?}",
         t.elapsed()
     );
-    let pod = launcher_pod(&c, "vm1", &node).expect("vm1's launcher pod");
-    let mut text = String::new();
-    let leased = wait_until(Duration::from_secs(120), || {
-        text = console(&c, &pod);
-        text.contains(&format!("TETHER-LEASE4 event=bound ip={ip} "))
-    });
-    assert!(
-        leased,
-        "vm1's guest did not lease {ip} from tether:\n{text}"
-    );
-
-    // Migrations there and back, an observer pinging the guest.
-    let target: std::net::IpAddr = ip.parse().expect("the VMI's IP");
+    wait_lease(&c, "vm1", &node, &ip);
+    let mac = vmi_mac(&c, "vm1");
     let other = names
         .iter()
         .find(|n| **n != node)
         .expect("two nodes")
         .clone();
-    for (n, to) in [other, node.clone()].into_iter().enumerate() {
-        let prober = Prober::start(c.api.netns(), target, Duration::from_millis(1));
-        let warm = wait_until(Duration::from_secs(30), || {
-            prober.received_since(Instant::now() - Duration::from_millis(500)) > 100
-        });
-        assert!(
-            warm,
-            "the observer does not reach vm1 at {ip} before migration {n}"
-        );
-        let (took, state) = migrate(&c, "vm1", &to, n);
-        let after = Instant::now();
-        let back = wait_until(Duration::from_secs(30), || {
-            prober.received_since(after) > 100
-        });
-        let report = prober.stop();
-        let windows = report.loss_windows();
-        let worst = windows.iter().map(|w| w.duration).max();
-        eprintln!(
-            "kubevirt: migration {n} to {to}: Succeeded {took:?} after its creation; observer: {} sent, {} answered, longest loss window {worst:?} ({} windows); migrationState: start {} end {} mode {}",
-            report.sent,
-            report.received,
-            windows.len(),
-            state["startTimestamp"],
-            state["endTimestamp"],
-            state["mode"],
-        );
-        assert!(
-            back,
-            "the observer does not reach vm1 at {ip} after migration {n}"
-        );
-        let (now_on, ip_after) = wait_vmi_running(&c, "vm1", Duration::from_secs(60));
-        assert_eq!(now_on, to, "vm1 is not on the migration's target");
-        assert_eq!(ip_after, ip, "vm1's IP changed with migration {n}");
-    }
+
+    // Migrations there and back, an observer pinging the guest.
+    migrate_observed(&c, "vm1", &ip, &other, 1);
+    migrate_observed(&c, "vm1", &ip, &node, 2);
+    assert_eq!(
+        vmi_mac(&c, "vm1"),
+        mac,
+        "vm1's MAC changed with its migrations"
+    );
+
+    // A migration whose target launcher is killed once it runs: the VM
+    // stays on its source, reachable, with its IP.
+    let prober = Prober::start(
+        c.api.netns(),
+        ip.parse().expect("an IP"),
+        Duration::from_millis(1),
+    );
+    c.api.apply(
+        &json!({
+            "apiVersion": "kubevirt.io/v1",
+            "kind": "VirtualMachineInstanceMigration",
+            "metadata": {"name": "vm1-killed", "namespace": "default"},
+            "spec": {"vmiName": "vm1", "addedNodeSelector": {"kubernetes.io/hostname": other}},
+        })
+        .to_string(),
+    );
+    let mut target_pod = None;
+    let started = wait_until(Duration::from_secs(120), || {
+        target_pod = launcher_pod(&c, "vm1", &other);
+        target_pod.is_some()
+    });
+    assert!(
+        started,
+        "the killed migration's target pod never ran\n{}",
+        kubevirt::describe(&c)
+    );
+    let target_pod = target_pod.expect("the target pod");
+    c.api.kubectl_ok(&[
+        "-n",
+        "default",
+        "delete",
+        "pod",
+        &target_pod,
+        "--grace-period=0",
+        "--force",
+    ]);
+    let mut last = Value::Null;
+    let ended = wait_until(Duration::from_secs(180), || {
+        last = c
+            .api
+            .get(&["-n", "default", "vmim", "vm1-killed"])
+            .unwrap_or(Value::Null);
+        last["status"]["phase"] == "Failed" || last["status"]["phase"] == "Succeeded"
+    });
+    let settled = Instant::now();
+    let back = wait_until(Duration::from_secs(30), || {
+        prober.received_since(settled) > 100
+    });
+    let report = prober.stop();
+    let (now_on, ip_after) = wait_vmi_running(&c, "vm1", Duration::from_secs(60));
+    eprintln!(
+        "kubevirt: vm1 migration with its target launcher killed: {} ({}); vm1 on {now_on} with {ip_after}; observer: {} sent, {} answered, longest loss window {:?}",
+        last["status"]["phase"],
+        if ended { "ended" } else { "still under way after 180 s" },
+        report.sent,
+        report.received,
+        report.loss_windows().iter().map(|w| w.duration).max(),
+    );
+    assert_eq!(
+        last["status"]["phase"], "Failed",
+        "the migration with a killed target"
+    );
+    assert_eq!(
+        now_on, node,
+        "vm1 left its source when the target was killed"
+    );
+    assert_eq!(ip_after, ip, "vm1's IP changed when its target was killed");
+    assert!(
+        back,
+        "the observer does not reach vm1 after the killed migration"
+    );
+
+    // Stopped, then started again on the other node: same IP and MAC.
+    let t = Instant::now();
+    c.api.kubectl_ok(&[
+        "-n",
+        "default",
+        "patch",
+        "vm",
+        "vm1",
+        "--type=merge",
+        "-p",
+        &json!({"spec": {"runStrategy": "Halted"}}).to_string(),
+    ]);
+    let gone = wait_until(Duration::from_secs(120), || {
+        c.api.get(&["-n", "default", "vmi", "vm1"]).is_none()
+    });
+    assert!(gone, "vm1's VMI still there after stopping it");
+    c.api.kubectl_ok(&["-n", "default", "patch", "vm", "vm1", "--type=merge", "-p",
+        &json!({"spec": {"runStrategy": "Always", "template": {"spec": {"nodeSelector": {"kubernetes.io/hostname": other}}}}}).to_string()]);
+    let (now_on, ip_after) = wait_vmi_running(&c, "vm1", Duration::from_secs(300));
+    wait_lease(&c, "vm1", &now_on, &ip);
+    eprintln!(
+        "kubevirt: vm1 stopped and started again on {now_on} with {ip_after} (MAC {}) in {:?}",
+        vmi_mac(&c, "vm1"),
+        t.elapsed()
+    );
+    assert_eq!(now_on, other, "vm1 did not start on the other node");
+    assert_eq!(ip_after, ip, "vm1's IP changed across a stop and start");
+    assert_eq!(
+        vmi_mac(&c, "vm1"),
+        mac,
+        "vm1's MAC changed across a stop and start"
+    );
+
+    // The same on the managedTap binding: KubeVirt builds the tap, tether
+    // serves DHCP.
+    let t = Instant::now();
+    c.api
+        .apply(&vm_manifest("vm2", &guest, "tether-managed", "managedTap").to_string());
+    let (node2, ip2) = wait_vmi_running(&c, "vm2", Duration::from_secs(300));
+    wait_lease(&c, "vm2", &node2, &ip2);
+    eprintln!(
+        "kubevirt: vm2 (managedTap) running on {node2} with {ip2} in {:?}",
+        t.elapsed()
+    );
+    let other2 = names
+        .iter()
+        .find(|n| **n != node2)
+        .expect("two nodes")
+        .clone();
+    migrate_observed(&c, "vm2", &ip2, &other2, 1);
+    migrate_observed(&c, "vm2", &ip2, &node2, 2);
 }
