@@ -382,6 +382,42 @@ fn sha256_of(data: &[u8]) -> String {
         .to_string()
 }
 
+/// Gives every image imported into `node`'s containerd the name
+/// `<repository>@<manifest digest>` beside its tag, as a registry pull
+/// would. The CRI then reports a pod's `imageID` as that repository
+/// digest; without one it reports the config digest (`sha256:...`), and
+/// KubeVirt, which pins a migration target's container disk to
+/// `<repository>@<the source's imageID>`, asks the target node for an image
+/// that exists nowhere (ImagePullBackOff).
+pub fn add_repo_digests(node: &KubeNode) {
+    let out = node.ctr(&["images", "ls"]);
+    assert!(out.status.success(), "ctr images ls on {}", node.name());
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    for line in text.lines().skip(1) {
+        let mut fields = line.split_whitespace();
+        let (Some(name), Some(_), Some(digest)) = (fields.next(), fields.next(), fields.next())
+        else {
+            continue;
+        };
+        if name.starts_with("sha256:") || name.contains('@') {
+            continue;
+        }
+        let slash = name.rfind('/').map_or(0, |i| i + 1);
+        let repo = match name[slash..].rfind(':') {
+            Some(i) => &name[..slash + i],
+            None => name,
+        };
+        let with_digest = format!("{repo}@{digest}");
+        let out = node.ctr(&["images", "tag", "--force", name, &with_digest]);
+        assert!(
+            out.status.success(),
+            "ctr images tag {name} {with_digest} on {}: {}",
+            node.name(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 /// Lets QEMU (uid 107) open `/dev/net/tun` on `node`: on this machine the
 /// device is mode 0600, where a distribution has 0666. The node's mount
 /// namespace gets a 0666 node of the same device (10, 200) bound over it;
