@@ -49,6 +49,9 @@ openssl                      test
 mmdebstrap                   test
 linux-libc-dev               test
 libcap2-bin                  test
+dosfstools                   test
+syslinux                     test
+mtools                       test
 "
 # iproute2, iputils-ping: netns, links, routes, ping between pods (the demo
 #   and every suite)
@@ -100,6 +103,10 @@ libcap2-bin                  test
 # libcap2-bin: setcap, which gives virt-launcher-monitor its file
 #   capability (cap_net_bind_service) in the virt-launcher image
 #   (tests/src/kubevirt.rs), as upstream's image has it
+# dosfstools, syslinux, mtools: the KubeVirt suite's guest disk (a FAT image
+#   with the test guest's kernel and initramfs, booted by SYSLINUX, made
+#   without mounting it: mkfs.vfat -C, syslinux --install, mcopy), which a
+#   KubeVirt container disk carries (tests/src/kubevirt.rs guest_image)
 # Neither list has Rust or the C toolchain (Debian build-essential) the builds
 # need: README, "Requirements".
 

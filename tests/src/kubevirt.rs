@@ -558,27 +558,63 @@ pub fn describe(cluster: &KubeCluster) -> String {
 }
 
 /// The test guest (tests/guest: kernel and initramfs) as a container disk
-/// for `firmware.kernelBoot.container`: `/boot/vmlinuz` and
-/// `/boot/initramfs.gz`, readable by QEMU's uid. Packed into `dir`;
-/// returns the image's name and archive.
+/// (`/disk/boot.img`): a FAT disk image booted by SYSLINUX, with the
+/// kernel, the initramfs and the guest's command line (udhcpc leasing on
+/// its one interface). Packed into `dir`; returns the image's name and
+/// archive.
+///
+/// Not `firmware.kernelBoot.container`, which boots the same guest without
+/// a disk: KubeVirt 1.7 cannot migrate such a VM. On the migration
+/// target, virt-handler mounts the kernel artifacts at every sync, and
+/// from the second one on `mkdir` of their directory fails with EEXIST,
+/// which it means to ignore but does not recognise
+/// (`os.IsExist` on an error wrapped with `%w`,
+/// pkg/virt-handler/container-disk/mount.go mountKernelArtifacts and
+/// pkg/safepath MkdirAtNoFollow): the migration fails with "error
+/// mounting kernel artifacts: failed making the directory ...: file
+/// exists". A container disk's file is made with another call, whose
+/// error it does recognise.
 pub fn guest_image(dir: &Path) -> (String, PathBuf) {
-    let name = "localhost/tether/guest-kernel:1".to_string();
+    let name = "localhost/tether/guest-disk:1".to_string();
     let guest = crate::qemu::guest_dir();
-    let root = Rootfs::from_dir(&dir.join("guest-kernel"));
-    root.copy(guest.join("vmlinuz"), "boot/vmlinuz", 0o644);
-    root.copy(guest.join("initramfs.gz"), "boot/initramfs.gz", 0o644);
-    // KubeVirt 1.7 writes each kernel-boot file's CRC-32 (a uint32) into
-    // the VMI's status (`kernelBootStatus`), whose CRD schema says
-    // `format: int32`; Kubernetes 1.37 enforces integer formats, so a
-    // checksum of 2^31 or more makes every status update of the VMI fail
-    // (KubeVirt 1.7 is built against Kubernetes 1.33). Zero bytes after
-    // the kernel and after the initramfs's archive change nothing at boot
-    // (the kernel's initramfs unpacker skips zero padding): pad each file
-    // until its checksum fits.
-    for file in ["boot/vmlinuz", "boot/initramfs.gz"] {
-        pad_to_int32_checksum(&root.dir().join(file));
+    let root = Rootfs::from_dir(&dir.join("guest-disk"));
+    std::fs::create_dir_all(root.dir().join("disk")).expect("creating /disk");
+    let img = root.dir().join("disk/boot.img");
+    let cfg = dir.join("syslinux.cfg");
+    std::fs::write(
+        &cfg,
+        "DEFAULT guest\nSERIAL 0 115200\nPROMPT 0\nTIMEOUT 0\nLABEL guest\n  KERNEL vmlinuz\n  INITRD initrd.gz\n  APPEND console=ttyS0 quiet loglevel=1 panic=-1 tether.dhcp4=udhcpc tether.dhcp6=none\n",
+    )
+    .expect("writing syslinux.cfg");
+    let img_s = img.display().to_string();
+    let run = |argv: &[&str]| {
+        let out = Command::new(argv[0])
+            .args(&argv[1..])
+            .output()
+            .unwrap_or_else(|e| panic!("running {argv:?}: {e}"));
+        assert!(
+            out.status.success(),
+            "{argv:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&["mkfs.vfat", "-C", &img_s, "32768"]);
+    run(&["syslinux", "--install", &img_s]);
+    for (src, dest) in [
+        (guest.join("vmlinuz"), "::vmlinuz"),
+        (guest.join("initramfs.gz"), "::initrd.gz"),
+        (cfg.clone(), "::syslinux.cfg"),
+    ] {
+        run(&["mcopy", "-i", &img_s, &src.display().to_string(), dest]);
     }
-    let archive = dir.join("guest-kernel.tar");
+    // KubeVirt 1.7 writes the container disk's CRC-32 (a uint32) into the
+    // VMI's status (`volumeStatus[].containerDiskVolume.checksum`), whose
+    // CRD schema says `format: int32`; Kubernetes 1.37 enforces integer
+    // formats, so a checksum of 2^31 or more makes every status update of
+    // the VMI fail (KubeVirt 1.7 is built against Kubernetes 1.33). Zero
+    // sectors after the file system change nothing: pad until it fits.
+    pad_to_int32_checksum(&img);
+    let archive = dir.join("guest-disk.tar");
     Image::new(&name)
         .layer(root.dir(), Owners::Root)
         .env(&[PATH])
@@ -618,13 +654,13 @@ fn pad_to_int32_checksum(path: &Path) {
                 .unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
             return;
         }
-        data.extend_from_slice(&[0; 4]);
+        data.extend_from_slice(&[0; 512]);
     }
     panic!("no padding of {} gives a CRC-32 below 2^31", path.display());
 }
 
-/// A VirtualMachine `name` in `default` booting the test guest from
-/// `guest_image` (udhcpc leasing on its one interface), on the network
+/// A VirtualMachine `name` in `default` booting the test guest from the
+/// container disk `guest_image` (udhcpc leasing on its one interface), on the network
 /// binding plugin `binding` (the CR's name) with tether's side chosen by
 /// the annotation `tether.dev/binding: tether_binding`; running at once
 /// (`runStrategy: Always`).
@@ -645,19 +681,14 @@ pub fn vm_manifest(name: &str, guest_image: &str, binding: &str, tether_binding:
                     "domain": {
                         "cpu": {"cores": 1},
                         "memory": {"guest": "128Mi"},
-                        "firmware": {"kernelBoot": {
-                            "kernelArgs": "console=ttyS0 quiet loglevel=1 panic=-1 tether.dhcp4=udhcpc tether.dhcp6=none",
-                            "container": {
-                                "image": guest_image,
-                                "imagePullPolicy": "IfNotPresent",
-                                "kernelPath": "/boot/vmlinuz",
-                                "initrdPath": "/boot/initramfs.gz",
-                            },
-                        }},
                         "devices": {
+                            "disks": [{"name": "boot", "disk": {"bus": "virtio"}}],
                             "interfaces": [{"name": "default", "binding": {"name": binding}}],
                         },
                     },
+                    "volumes": [{"name": "boot", "containerDisk": {
+                        "image": guest_image, "imagePullPolicy": "IfNotPresent",
+                    }}],
                     "networks": [{"name": "default", "pod": {}}],
                 },
             },
