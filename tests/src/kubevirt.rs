@@ -451,7 +451,11 @@ pub fn kubevirt_cr(bindings: Value) -> Value {
             "imagePullPolicy": "IfNotPresent",
             "infra": {"replicas": 1},
             "configuration": {
-                "developerConfiguration": {"useEmulation": true},
+                "developerConfiguration": {
+                    "useEmulation": true,
+                    // The guest's disk is a shared hostDisk (see guest_disk).
+                    "featureGates": ["HostDisk"],
+                },
                 "network": {"binding": bindings},
             },
         },
@@ -576,10 +580,27 @@ pub fn describe(cluster: &KubeCluster) -> String {
 /// error it does recognise.
 pub fn guest_image(dir: &Path) -> (String, PathBuf) {
     let name = "localhost/tether/guest-disk:1".to_string();
-    let guest = crate::qemu::guest_dir();
     let root = Rootfs::from_dir(&dir.join("guest-disk"));
-    std::fs::create_dir_all(root.dir().join("disk")).expect("creating /disk");
-    let img = root.dir().join("disk/boot.img");
+    root.copy(guest_disk(dir), "disk/boot.img", 0o644);
+    let archive = dir.join("guest-disk.tar");
+    Image::new(&name)
+        .layer(root.dir(), Owners::Root)
+        .env(&[PATH])
+        .pack(&archive);
+    (name, archive)
+}
+
+/// The guest's boot disk of [`guest_image`] as a file in `dir`
+/// (`boot.img`, mode 0666 so that QEMU's uid opens it): for a `hostDisk`
+/// with `shared: true`, which a migration does not copy. A VM with a
+/// container disk migrates with a copy of its disk, and KubeVirt 1.7 then
+/// passes libvirt `migrate_disks_detect_zeroes`, which Debian's libvirt 9.0
+/// refuses ("argument unsupported: parameter 'migrate_disks_detect_zeroes'
+/// not supported", libvirt 10.9 has it).
+pub fn guest_disk(dir: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let guest = crate::qemu::guest_dir();
+    let img = dir.join("boot.img");
     let cfg = dir.join("syslinux.cfg");
     std::fs::write(
         &cfg,
@@ -614,12 +635,9 @@ pub fn guest_image(dir: &Path) -> (String, PathBuf) {
     // the VMI fail (KubeVirt 1.7 is built against Kubernetes 1.33). Zero
     // sectors after the file system change nothing: pad until it fits.
     pad_to_int32_checksum(&img);
-    let archive = dir.join("guest-disk.tar");
-    Image::new(&name)
-        .layer(root.dir(), Owners::Root)
-        .env(&[PATH])
-        .pack(&archive);
-    (name, archive)
+    std::fs::set_permissions(&img, std::fs::Permissions::from_mode(0o666))
+        .expect("making the guest disk QEMU's to open");
+    img
 }
 
 /// CRC-32 (IEEE, as Go's `hash/crc32.ChecksumIEEE`) of `data`.
@@ -660,11 +678,13 @@ fn pad_to_int32_checksum(path: &Path) {
 }
 
 /// A VirtualMachine `name` in `default` booting the test guest from the
-/// container disk `guest_image` (udhcpc leasing on its one interface), on the network
+/// volume `boot` (named `boot`: [`guest_image`] as a `containerDisk`, or
+/// [`guest_disk`] as a shared `hostDisk`; udhcpc leasing on its one
+/// interface), on the network
 /// binding plugin `binding` (the CR's name) with tether's side chosen by
 /// the annotation `tether.dev/binding: tether_binding`; running at once
 /// (`runStrategy: Always`).
-pub fn vm_manifest(name: &str, guest_image: &str, binding: &str, tether_binding: &str) -> Value {
+pub fn vm_manifest(name: &str, boot: Value, binding: &str, tether_binding: &str) -> Value {
     json!({
         "apiVersion": "kubevirt.io/v1",
         "kind": "VirtualMachine",
@@ -686,9 +706,7 @@ pub fn vm_manifest(name: &str, guest_image: &str, binding: &str, tether_binding:
                             "interfaces": [{"name": "default", "binding": {"name": binding}}],
                         },
                     },
-                    "volumes": [{"name": "boot", "containerDisk": {
-                        "image": guest_image, "imagePullPolicy": "IfNotPresent",
-                    }}],
+                    "volumes": [boot],
                     "networks": [{"name": "default", "pod": {}}],
                 },
             },

@@ -6,20 +6,24 @@
 //! namespaces (tests/src/nodes.rs), with tether installed by its chart in
 //! etcd mode. Everything then goes through KubeVirt's API:
 //!
-//! - a VirtualMachine boots the test guest (kernel boot from a container
-//!   disk) on tether's `tap` binding; the guest leases its address from
+//! - a VirtualMachine boots the test guest (SYSLINUX from a shared host
+//!   disk, see `kubevirt::guest_disk`) on tether's `tap` binding; the guest leases its address from
 //!   tether by DHCP, and the VMI's status shows tether's IP;
 //! - a VirtualMachineInstanceMigration moves it to the other node and
 //!   back, an observer (the API server's host, a third place) pinging it
 //!   every millisecond: its loss window per migration beside the
-//!   migration's own timing, and the VMI's IP unchanged.
+//!   migration's own timing, and the VMI's IP unchanged;
+//! - a migration whose target launcher is killed: the VM stays where it
+//!   was, reachable, with its IP;
+//! - the VM stopped and started again on the other node: same IP and MAC;
+//! - a VM on the `managedTap` binding, booted and migrated there and back.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tether_e2e::kubelet::{BUSYBOX_IMAGE, PAUSE_IMAGE};
-use tether_e2e::kubevirt::{self, guest_image, kubevirt_cr, kubevirt_images, vm_manifest};
+use tether_e2e::kubevirt::{self, kubevirt_cr, kubevirt_images, vm_manifest};
 use tether_e2e::migration::Prober;
 use tether_e2e::nodes::{ClusterOpts, KubeCluster};
 use tether_e2e::oci::Rootfs;
@@ -234,8 +238,10 @@ fn kubevirt_boots_a_vm_on_tethers_tap_binding_and_live_migrates_it_between_two_k
     let mut archives = busybox_images(&images);
     let kv = kubevirt_images();
     archives.extend(kv.iter().map(|(_, a)| a.clone()));
-    let (guest, guest_archive) = guest_image(images.path());
-    archives.push(guest_archive);
+    let disk = kubevirt::guest_disk(images.path());
+    let boot = json!({"name": "boot", "hostDisk": {
+        "path": disk.display().to_string(), "type": "Disk", "shared": true,
+    }});
     eprintln!("kubevirt: images ready in {:?}", t0.elapsed());
 
     let t = Instant::now();
@@ -268,7 +274,7 @@ fn kubevirt_boots_a_vm_on_tethers_tap_binding_and_live_migrates_it_between_two_k
     // The VM boots on the tap binding and leases tether's address.
     let t = Instant::now();
     c.api
-        .apply(&vm_manifest("vm1", &guest, "tether", "tap").to_string());
+        .apply(&vm_manifest("vm1", boot.clone(), "tether", "tap").to_string());
     let (node, ip) = wait_vmi_running(&c, "vm1", Duration::from_secs(300));
     eprintln!(
         "kubevirt: vm1 running on {node} with {ip} in {:?}",
@@ -404,7 +410,7 @@ fn kubevirt_boots_a_vm_on_tethers_tap_binding_and_live_migrates_it_between_two_k
     // serves DHCP.
     let t = Instant::now();
     c.api
-        .apply(&vm_manifest("vm2", &guest, "tether-managed", "managedTap").to_string());
+        .apply(&vm_manifest("vm2", boot.clone(), "tether-managed", "managedTap").to_string());
     let (node2, ip2) = wait_vmi_running(&c, "vm2", Duration::from_secs(300));
     wait_lease(&c, "vm2", &node2, &ip2);
     eprintln!(
