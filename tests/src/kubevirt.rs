@@ -702,7 +702,12 @@ pub fn vm_manifest(name: &str, boot: Value, binding: &str, tether_binding: &str)
                         "cpu": {"cores": 1},
                         "memory": {"guest": "128Mi"},
                         "devices": {
-                            "disks": [{"name": "boot", "disk": {"bus": "virtio"}}],
+                            // Read-only: the guest runs from its initramfs, and
+                            // libvirt refuses to migrate a writable disk that is
+                            // not on storage it knows as shared ("Unsafe
+                            // migration: Migration without shared storage is
+                            // unsafe").
+                            "disks": [{"name": "boot", "disk": {"bus": "virtio", "readonly": true}}],
                             "interfaces": [{"name": "default", "binding": {"name": binding}}],
                         },
                     },
