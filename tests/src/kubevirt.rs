@@ -292,6 +292,14 @@ fn pack_all(tmp: &Path, bins: &Path, roots: &Path) {
         top.copy(bins.join(b), &format!("usr/bin/{b}"), 0o755);
     }
     top.write("usr/bin/node-labeller.sh", NODE_LABELLER, 0o755);
+    // /var/run relative (../run), as on Fedora and CentOS: Debian's is
+    // absolute (/run), and virt-handler reaches the launcher's sockets
+    // through /proc/<pid>/root/var/run/..., where an absolute link resolves
+    // in virt-handler's own root. Its migration proxy socket then lands in
+    // its own /run, and the source's libvirt cannot find it ("Failed to
+    // connect socket to '/var/run/kubevirt/migrationproxy/<uid>-source.sock'").
+    std::fs::create_dir_all(top.dir().join("var")).expect("creating var");
+    std::os::unix::fs::symlink("../run", top.dir().join("var/run")).expect("linking /var/run");
     top.write("usr/sbin/virtqemud", VIRTQEMUD_SHIM, 0o755);
     top.copy(files.join("qemu.conf"), "etc/libvirt/qemu.conf", 0o644);
     top.copy(
