@@ -470,7 +470,13 @@ fn a_node_that_goes_away_is_reaped_and_its_routes_withdrawn() {
             "node {i} still routes to {gone}'s blocks: {:?}",
             cluster.node(i).cluster_route_dsts()
         );
-        assert!(list_nodes(cluster.node(i)).iter().all(|n| n.name != gone));
+        // The record goes last, after the blocks and the ID.
+        assert!(
+            wait_until(CONVERGE, || list_nodes(cluster.node(i))
+                .iter()
+                .all(|n| n.name != gone)),
+            "node {i} still lists {gone}"
+        );
     }
     let keys = cluster.etcd_keys();
     assert!(
