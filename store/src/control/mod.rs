@@ -8,10 +8,13 @@
 //! - `embedded`: one node, in the state dir. The default, with nothing to
 //!   run beside the daemon.
 //! - `etcd`: a cluster of nodes sharing one etcd.
+//! - `kubernetes`: a cluster of nodes sharing the Kubernetes API: each key
+//!   class is a kind of tether's CRDs, a lease a `coordination.k8s.io`
+//!   Lease.
 //!
 //! Every transaction concerns one key ([`one_key`]): the Kubernetes API
-//! (a backend to come) has no transaction across objects, so none of the
-//! callers relies on one, on any backend. Where a change spans several keys (a node's ID and
+//! has no transaction across objects, so none of the callers relies on
+//! one, on any backend. Where a change spans several keys (a node's ID and
 //! record, a VM record and the keys that index its addresses, a dead
 //! node's records), the callers write them one at a time, in an order in
 //! which every prefix is safe, and recover what a crash in the middle
@@ -23,6 +26,7 @@
 
 pub mod embedded;
 pub mod etcd;
+pub mod kubernetes;
 
 use std::fmt;
 use std::future::Future;
@@ -110,13 +114,46 @@ pub enum ControlError {
     /// caller, refused by every backend alike.
     #[error("a control-plane transaction must concern one key: {0}")]
     NotOneKey(String),
+    /// The Kubernetes API did not answer a call: it timed out, the
+    /// connection failed, or the server said it cannot now (429, 5xx).
+    /// Transient: the caller may retry.
+    #[error("the Kubernetes API at {server} did not {doing}: {cause}")]
+    ApiUnavailable {
+        /// What the call was for, e.g. "create tethernodes/a".
+        doing: String,
+        /// The API server's URL.
+        server: String,
+        /// What went wrong.
+        cause: String,
+    },
+    /// The Kubernetes API refused a call for good (403: RBAC; 404 of a
+    /// resource: its CRD is not installed; 422: the object does not pass
+    /// the CRD's validation).
+    #[error("the Kubernetes API refused to {doing}: {code} {reason}: {message}")]
+    ApiRefused {
+        /// What the call was for.
+        doing: String,
+        /// The HTTP status.
+        code: u16,
+        /// The status reason, e.g. "Forbidden".
+        reason: String,
+        /// The server's message.
+        message: String,
+    },
+    /// A key that names no object the Kubernetes store keeps, or an
+    /// object that does not make a key and a value.
+    #[error("{0}")]
+    Unmapped(String),
 }
 
 impl ControlError {
-    /// Whether the store may answer if asked again: nobody answered, as
-    /// opposed to a refusal or a local failure.
+    /// Whether the store may answer if asked again: nobody answered (etcd
+    /// or the API server), as opposed to a refusal or a local failure.
     pub fn is_transient(&self) -> bool {
-        matches!(self, ControlError::Unavailable { .. })
+        matches!(
+            self,
+            ControlError::Unavailable { .. } | ControlError::ApiUnavailable { .. }
+        )
     }
 }
 
@@ -334,10 +371,14 @@ impl From<ControlError> for Error {
     fn from(e: ControlError) -> Self {
         let text = chain(&e);
         match e {
-            // etcd did not answer: the runtime should retry (11).
-            ControlError::Unavailable { .. } | ControlError::Connect { .. } => {
-                Error::TryAgain(text)
-            }
+            // etcd or the API server did not answer: the runtime should
+            // retry (11).
+            ControlError::Unavailable { .. }
+            | ControlError::Connect { .. }
+            | ControlError::ApiUnavailable { .. } => Error::TryAgain(text),
+            // The API server refused: RBAC, a missing CRD, validation (104,
+            // the control plane refused).
+            ControlError::ApiRefused { .. } => Error::Store(text),
             // The operator's etcd options (7).
             ControlError::Misconfigured(_) | ControlError::TlsFile { .. } => {
                 Error::InvalidConfig(text)
@@ -345,9 +386,10 @@ impl From<ControlError> for Error {
             // The embedded backend's file (104).
             ControlError::Io { .. } | ControlError::Corrupt { .. } => Error::Store(text),
             // Values and requests tetherd itself produced (199).
-            ControlError::Encode(_) | ControlError::NotUtf8 { .. } | ControlError::NotOneKey(_) => {
-                Error::Internal(text)
-            }
+            ControlError::Encode(_)
+            | ControlError::NotUtf8 { .. }
+            | ControlError::NotOneKey(_)
+            | ControlError::Unmapped(_) => Error::Internal(text),
         }
     }
 }
