@@ -649,6 +649,27 @@ fn outage_pod_cidr_from_node_events_and_least_privilege() {
         ("update", "nodes", false),
         ("get", "secrets", false),
         ("update", "ipamclaims.k8s.cni.cncf.io", false),
+        // Mode kubernetes (the chart's default): tether's records, each
+        // kind with the verbs --store kubernetes calls and no other.
+        ("watch", "tethernodes.tether.dev", true),
+        ("update", "tethernodes.tether.dev", true),
+        ("patch", "tethernodes.tether.dev", false),
+        ("create", "tethernodeids.tether.dev", true),
+        ("watch", "tethernodeids.tether.dev", false),
+        ("create", "addressblocks.tether.dev", true),
+        ("delete", "addressblocks.tether.dev", true),
+        ("update", "addressblocks.tether.dev", false),
+        ("create", "poolblocks.tether.dev", true),
+        ("delete", "poolblocks.tether.dev", false),
+        ("update", "vmaddresses.tether.dev", true),
+        ("deletecollection", "vmaddresses.tether.dev", false),
+        ("update", "vmaddressowners.tether.dev", true),
+        ("watch", "vmaddressowners.tether.dev", false),
+        (
+            "create",
+            "customresourcedefinitions.apiextensions.k8s.io",
+            false,
+        ),
     ] {
         let mut args = vec!["auth", "can-i", verb, &sa, "-A"];
         match what.split_once('/') {
@@ -665,6 +686,27 @@ fn outage_pod_cidr_from_node_events_and_least_privilege() {
         let out = api.kubectl(&args);
         let said = String::from_utf8_lossy(&out.stdout).trim().to_owned();
         assert_eq!(said == "yes", yes, "can-i {verb} {what}: {said}");
+    }
+    // The nodes' Leases: in tether's namespace only.
+    for (verb, ns, yes) in [
+        ("create", TETHER_SA.0, true),
+        ("patch", TETHER_SA.0, true),
+        ("delete", TETHER_SA.0, true),
+        ("watch", TETHER_SA.0, true),
+        ("create", NS, false),
+        ("create", "kube-node-lease", false),
+    ] {
+        let out = api.kubectl(&[
+            "auth",
+            "can-i",
+            verb,
+            &sa,
+            "-n",
+            ns,
+            "leases.coordination.k8s.io",
+        ]);
+        let said = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        assert_eq!(said == "yes", yes, "can-i {verb} leases in {ns}: {said}");
     }
     // The uninstall container's one read: tether's own DaemonSet, by name.
     for (verb, what, yes) in [
