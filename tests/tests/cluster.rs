@@ -1,6 +1,8 @@
 //! Cluster mode end to end: three node netns on a fabric bridge, each with
-//! its own tetherd, against a 3-member etcd cluster in a control netns.
-//! Pods are added through the real `tether` plugin.
+//! its own tetherd, against a 3-member etcd cluster in a control netns, or
+//! against a real kube-apiserver (`--store kubernetes`): the tests in
+//! `etcd::` and `kubernetes::` are the same checks on each store. Pods are
+//! added through the real `tether` plugin.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -10,7 +12,8 @@ use ipnet::IpNet;
 use serde_json::Value;
 use tether_e2e::admin::{self, pb};
 use tether_e2e::cluster::{
-    assert_ping_within, Cluster, ClusterNode, ClusterOpts, NodeOpts, Overlay, Pod, CLUSTER_NETWORK,
+    assert_ping_within, Cluster, ClusterNode, ClusterOpts, NodeOpts, Overlay, Pod, Store,
+    CLUSTER_NETWORK,
 };
 use tether_e2e::{
     assert_distinct, cni, parallel, require_root, tether_bin, wait_until, CniEnv, CniOutput, Netns,
@@ -30,10 +33,19 @@ fn get_node(node: &ClusterNode) -> pb::Node {
     admin::node(node.daemon().socket())
 }
 
-/// Every block in etcd, with its holder.
-fn etcd_blocks(cluster: &Cluster) -> BTreeMap<IpNet, String> {
+tether_e2e::on_both_stores!(
+    host_gw_pods_on_every_pair_of_nodes_reach_each_other,
+    vxlan_pods_on_every_pair_of_nodes_reach_each_other,
+    daemon_restart_keeps_blocks_and_pods_reachable_and_drops_stale_routes,
+    a_store_outage_stops_only_block_claims_and_they_resume_after_it,
+    a_node_that_goes_away_is_reaped_and_its_routes_withdrawn,
+    three_nodes_times_a_hundred_concurrent_adds,
+);
+
+/// Every block in the store, with its holder.
+fn store_blocks(cluster: &Cluster) -> BTreeMap<IpNet, String> {
     cluster
-        .etcd_keys()
+        .store_keys()
         .iter()
         .filter(|(k, _)| k.starts_with("/tether/v1/blocks/"))
         .map(|(k, v)| {
@@ -65,7 +77,7 @@ fn assert_no_overlap(blocks: &BTreeMap<IpNet, String>) {
 /// The cluster routes of `node` are exactly the blocks of the other nodes.
 fn routes_match_blocks(cluster: &Cluster, i: usize) -> bool {
     let me = cluster.node(i).name().to_owned();
-    let want: Vec<String> = etcd_blocks(cluster)
+    let want: Vec<String> = store_blocks(cluster)
         .into_iter()
         .filter(|(_, n)| *n != me)
         .map(|(b, _)| b.to_string())
@@ -82,7 +94,7 @@ fn wait_routes_converge(cluster: &Cluster) {
             wait_until(CONVERGE, || routes_match_blocks(cluster, i)),
             "node {i} routes {:?} do not match the blocks {:?}",
             cluster.node(i).cluster_route_dsts(),
-            etcd_blocks(cluster)
+            store_blocks(cluster)
         );
     }
 }
@@ -97,13 +109,13 @@ fn ping_every_pair(pods: &[&Pod]) {
     }
 }
 
-fn pods_on_every_pair_ping(overlay: Overlay) -> Cluster {
+fn pods_on_every_pair_ping(overlay: Overlay, store: Store) -> Cluster {
     let cluster = Cluster::new(ClusterOpts {
         node: NodeOpts {
             overlay,
             ..NodeOpts::default()
         },
-        ..ClusterOpts::default()
+        ..ClusterOpts::on(store)
     });
     let pods: Vec<Pod> = (0..3).map(|i| cluster.add_pod(i)).collect();
     for p in &pods {
@@ -118,10 +130,9 @@ fn pods_on_every_pair_ping(overlay: Overlay) -> Cluster {
     cluster
 }
 
-#[test]
-fn host_gw_pods_on_every_pair_of_nodes_reach_each_other() {
+fn host_gw_pods_on_every_pair_of_nodes_reach_each_other(store: Store) {
     require_root();
-    let cluster = pods_on_every_pair_ping(Overlay::HostGw);
+    let cluster = pods_on_every_pair_ping(Overlay::HostGw, store);
 
     // Routes go straight to the other node's underlay address.
     for (i, node) in cluster.nodes().iter().enumerate() {
@@ -143,7 +154,7 @@ fn host_gw_pods_on_every_pair_of_nodes_reach_each_other() {
 
     // The admin API: every node sees the same three live nodes with
     // distinct IDs; GetNode shows this node's ID, blocks and store health.
-    let blocks = etcd_blocks(&cluster);
+    let blocks = store_blocks(&cluster);
     assert_no_overlap(&blocks);
     for node in cluster.nodes() {
         let listed = list_nodes(node);
@@ -154,7 +165,7 @@ fn host_gw_pods_on_every_pair_of_nodes_reach_each_other() {
         let me = get_node(node);
         assert_eq!(me.ipam_mode, "cluster");
         assert_eq!(me.routing, "host-gw");
-        assert_eq!(me.store_backend, "etcd");
+        assert_eq!(me.store_backend, store.name());
         assert!(
             me.store_health.as_ref().is_some_and(|h| h.healthy),
             "{me:?}"
@@ -200,8 +211,9 @@ fn host_gw_pods_on_every_pair_of_nodes_reach_each_other() {
     assert_eq!(got["blocks"].as_array().map(Vec::len), Some(2), "{got}");
     assert!(got["nodeId"].as_u64().is_some_and(|id| id >= 1), "{got}");
 
-    // The key layout in etcd.
-    let keys = cluster.etcd_keys();
+    // The key layout in etcd, and the Kubernetes store's objects read as
+    // the same keys.
+    let keys = cluster.store_keys();
     for node in cluster.nodes() {
         let name = node.name();
         assert!(
@@ -223,10 +235,9 @@ fn host_gw_pods_on_every_pair_of_nodes_reach_each_other() {
     }
 }
 
-#[test]
-fn vxlan_pods_on_every_pair_of_nodes_reach_each_other() {
+fn vxlan_pods_on_every_pair_of_nodes_reach_each_other(store: Store) {
     require_root();
-    let cluster = pods_on_every_pair_ping(Overlay::Vxlan);
+    let cluster = pods_on_every_pair_ping(Overlay::Vxlan, store);
     for node in cluster.nodes() {
         assert!(node.netns().has_link("tether.vxlan"));
         let routes = node.cluster_routes();
@@ -251,10 +262,9 @@ fn vxlan_pods_on_every_pair_of_nodes_reach_each_other() {
     }
 }
 
-#[test]
-fn daemon_restart_keeps_blocks_and_pods_reachable_and_drops_stale_routes() {
+fn daemon_restart_keeps_blocks_and_pods_reachable_and_drops_stale_routes(store: Store) {
     require_root();
-    let mut cluster = Cluster::new(ClusterOpts::default());
+    let mut cluster = Cluster::new(ClusterOpts::on(store));
     let pods: Vec<Pod> = (0..3).map(|i| cluster.add_pod(i)).collect();
     wait_routes_converge(&cluster);
     let before = get_node(cluster.node(0));
@@ -326,22 +336,29 @@ fn add(node: &ClusterNode) -> (Netns, CniOutput) {
     (ns, out)
 }
 
-#[test]
-fn etcd_member_loss_and_full_outage() {
+/// The store goes away (on etcd, first one member, the leader, with no
+/// effect at all; then every member; on the Kubernetes store, the API
+/// server): ADDs from the blocks held go on, a claim fails with 11 saying
+/// why, STATUS says the node cannot serve, traffic is untouched; and when
+/// the store is back, claims work again without a restart.
+fn a_store_outage_stops_only_block_claims_and_they_resume_after_it(store: Store) {
     require_root();
     let mut cluster = Cluster::new(ClusterOpts {
         node: small_blocks(),
-        ..ClusterOpts::default()
+        ..ClusterOpts::on(store)
     });
     let mut pods: Vec<Pod> = Vec::new();
 
-    // One member down, the leader: everything keeps working, block claims
-    // included.
-    let leader = cluster
-        .etcd()
-        .leader()
-        .unwrap_or_else(|| panic!("no etcd leader"));
-    cluster.etcd_mut().kill_member(leader);
+    // On etcd, one member down, the leader: everything keeps working,
+    // block claims included.
+    let leader = (store == Store::Etcd).then(|| {
+        let leader = cluster
+            .etcd()
+            .leader()
+            .unwrap_or_else(|| panic!("no etcd leader"));
+        cluster.etcd_mut().kill_member(leader);
+        leader
+    });
     for _ in 0..3 {
         for i in 0..3 {
             pods.push(cluster.add_pod(i));
@@ -349,36 +366,46 @@ fn etcd_member_loss_and_full_outage() {
     }
     wait_routes_converge(&cluster);
     ping_every_pair(&pods.iter().collect::<Vec<_>>());
-    assert_no_overlap(&etcd_blocks(&cluster));
-    cluster.etcd_mut().start_member(leader);
+    assert_no_overlap(&store_blocks(&cluster));
+    if let Some(leader) = leader {
+        cluster.etcd_mut().start_member(leader);
+    }
 
-    // Every member down, with one address of each family free on node 0
-    // (its first pod deleted). That ADD succeeds...
+    // The whole store down, with one address of each family free on node
+    // 0 (its first pod deleted). That ADD succeeds...
     let first = pods.remove(0);
     assert!(cluster.node(0).del(&first).success());
     drop(first);
     let claims_before = admin::stats(cluster.node(0).daemon().socket()).block_claims;
-    cluster.etcd_mut().stop_all();
+    match store {
+        Store::Etcd => cluster.etcd_mut().stop_all(),
+        Store::Kubernetes => cluster.kube_api_mut().stop_apiserver(),
+    }
+    // What the messages name the store by.
+    let named = match store {
+        Store::Etcd => "etcd",
+        Store::Kubernetes => "Kubernetes API",
+    };
     let mut ok = 0;
     let failure = loop {
         let (ns, out) = add(cluster.node(0));
         if out.success() {
             ok += 1;
             drop(ns);
-            assert!(ok < 10, "ADDs kept succeeding with etcd down");
+            assert!(ok < 10, "ADDs kept succeeding with the store down");
             continue;
         }
         break out;
     };
     assert!(
         ok >= 1,
-        "no ADD succeeded from free block space with etcd down"
+        "no ADD succeeded from free block space with the store down"
     );
     // ...and the one that needs a new block fails with 11, saying why.
     assert_eq!(failure.error_code(), Some(11), "{failure}");
     let msg = failure.to_string();
     assert!(msg.contains("block"), "{msg}");
-    assert!(msg.contains("etcd"), "{msg}");
+    assert!(msg.contains(named), "{msg}");
     assert_eq!(
         admin::stats(cluster.node(0).daemon().socket()).block_claims,
         claims_before,
@@ -401,12 +428,15 @@ fn etcd_member_loss_and_full_outage() {
     assert!(status.to_string().contains("block"), "{status}");
     let health = get_node(cluster.node(0)).store_health.unwrap_or_default();
     assert!(!health.healthy, "{health:?}");
-    assert!(health.detail.contains("etcd"), "{health:?}");
+    assert!(health.detail.contains(named), "{health:?}");
     // Traffic between existing pods is untouched.
     ping_every_pair(&pods.iter().collect::<Vec<_>>());
 
-    // etcd returns: claims work again without restarting anything.
-    cluster.etcd_mut().start_all();
+    // The store returns: claims work again without restarting anything.
+    match store {
+        Store::Etcd => cluster.etcd_mut().start_all(),
+        Store::Kubernetes => cluster.kube_api_mut().start_apiserver(),
+    }
     let mut recovered = None;
     assert!(
         wait_until(CONVERGE, || {
@@ -418,7 +448,7 @@ fn etcd_member_loss_and_full_outage() {
                 false
             }
         }),
-        "ADD needing a block still fails after etcd returned"
+        "ADD needing a block still fails after the store returned"
     );
     let (_pod, added) = recovered.unwrap_or_else(|| panic!("no ADD recorded"));
     assert!(added.success());
@@ -437,14 +467,13 @@ fn etcd_member_loss_and_full_outage() {
         );
     }
     wait_routes_converge(&cluster);
-    assert_no_overlap(&etcd_blocks(&cluster));
+    assert_no_overlap(&store_blocks(&cluster));
     ping_every_pair(&pods.iter().collect::<Vec<_>>());
 }
 
-#[test]
-fn a_node_that_goes_away_is_reaped_and_its_routes_withdrawn() {
+fn a_node_that_goes_away_is_reaped_and_its_routes_withdrawn(store: Store) {
     require_root();
-    let mut cluster = Cluster::new(ClusterOpts::default());
+    let mut cluster = Cluster::new(ClusterOpts::on(store));
     let pods: Vec<Pod> = (0..2).map(|i| cluster.add_pod(i)).collect();
     wait_routes_converge(&cluster);
     let gone = cluster.node(2).name().to_owned();
@@ -478,26 +507,25 @@ fn a_node_that_goes_away_is_reaped_and_its_routes_withdrawn() {
             "node {i} still lists {gone}"
         );
     }
-    let keys = cluster.etcd_keys();
+    let keys = cluster.store_keys();
     assert!(
         !keys.keys().any(|k| k.ends_with(&format!("/{gone}"))),
         "{keys:?}"
     );
-    assert!(!etcd_blocks(&cluster).values().any(|n| *n == gone));
+    assert!(!store_blocks(&cluster).values().any(|n| *n == gone));
     wait_routes_converge(&cluster);
     ping_every_pair(&pods.iter().collect::<Vec<_>>());
 }
 
-#[test]
-fn three_nodes_times_a_hundred_concurrent_adds() {
+fn three_nodes_times_a_hundred_concurrent_adds(store: Store) {
     require_root();
-    let cluster = Cluster::new(ClusterOpts::default());
+    let cluster = Cluster::new(ClusterOpts::on(store));
     let pods: Vec<Pod> = parallel(300, |i| cluster.add_pod(i % 3));
     let ips: Vec<IpAddr> = pods.iter().flat_map(|p| p.ips().to_vec()).collect();
     assert_eq!(ips.len(), 600);
     assert_distinct("pod addresses", ips.iter().copied());
 
-    let blocks = etcd_blocks(&cluster);
+    let blocks = store_blocks(&cluster);
     assert_no_overlap(&blocks);
     // Every address lies in a block held by the node that handed it out.
     for p in &pods {

@@ -454,6 +454,7 @@ fn two_nodes_on_etcd_share_a_pool_and_their_macvlan_pods_ping() {
             extra_args: vec!["--pools".into(), pools],
             ..Default::default()
         },
+        ..ClusterOpts::default()
     });
     let plugins = plugin_dir();
     let mut pods = Vec::new();
