@@ -39,6 +39,8 @@ tether_e2e::on_both_stores!(
     daemon_restart_keeps_blocks_and_pods_reachable_and_drops_stale_routes,
     a_store_outage_stops_only_block_claims_and_they_resume_after_it,
     a_node_that_goes_away_is_reaped_and_its_routes_withdrawn,
+    a_node_reaped_while_away_returns_and_claims_its_blocks_back,
+    a_killed_daemon_queues_dels_and_returns_with_its_id_and_blocks,
     three_nodes_times_a_hundred_concurrent_adds,
 );
 
@@ -515,6 +517,144 @@ fn a_node_that_goes_away_is_reaped_and_its_routes_withdrawn(store: Store) {
     assert!(!store_blocks(&cluster).values().any(|n| *n == gone));
     wait_routes_converge(&cluster);
     ping_every_pair(&pods.iter().collect::<Vec<_>>());
+}
+
+/// A node whose daemon died (kill -9) is reaped while its pods still run
+/// in its kernel; when its daemon comes back it registers again, claims
+/// back the blocks its pods' addresses are in, and every node routes to
+/// them again.
+fn a_node_reaped_while_away_returns_and_claims_its_blocks_back(store: Store) {
+    require_root();
+    let mut cluster = Cluster::new(ClusterOpts::on(store));
+    let pods: Vec<Pod> = (0..3).map(|i| cluster.add_pod(i)).collect();
+    wait_routes_converge(&cluster);
+    let name = cluster.node(0).name().to_owned();
+    let mut blocks = get_node(cluster.node(0)).blocks;
+    blocks.sort();
+    assert_eq!(blocks.len(), 2, "{blocks:?}");
+
+    // Dead: its lease expires (2 s), the grace passes (3 s), it is reaped.
+    cluster.node_mut(0).daemon_mut().kill9();
+    for i in 1..3 {
+        assert!(
+            wait_until(Duration::from_secs(30), || !cluster
+                .node(i)
+                .cluster_route_dsts()
+                .iter()
+                .any(|d| blocks.contains(d))),
+            "node {i} still routes to {name}'s blocks"
+        );
+    }
+    assert!(
+        wait_until(CONVERGE, || !cluster
+            .store_keys()
+            .contains_key(&format!("/tether/v1/nodes/{name}"))),
+        "{name} was not reaped"
+    );
+
+    // Back: the same blocks, taken back by compare-and-swap.
+    cluster.node_mut(0).daemon_mut().restart();
+    let mut again = get_node(cluster.node(0)).blocks;
+    again.sort();
+    assert_eq!(again, blocks);
+    let log = cluster.node(0).daemon().log();
+    assert!(
+        log.contains("claimed back a block this node still uses"),
+        "{log}"
+    );
+    for node in cluster.nodes() {
+        assert!(
+            wait_until(CONVERGE, || {
+                let l = list_nodes(node);
+                l.len() == 3 && l.iter().all(|n| n.alive)
+            }),
+            "{:?}",
+            list_nodes(node)
+        );
+    }
+    wait_routes_converge(&cluster);
+    assert_no_overlap(&store_blocks(&cluster));
+    ping_every_pair(&pods.iter().collect::<Vec<_>>());
+}
+
+/// The files in a DEL queue (not its `bad/` directory).
+fn queued(node: &ClusterNode) -> usize {
+    let dir = node.daemon().state_dir().join("pending-del");
+    std::fs::read_dir(&dir)
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// A daemon killed (kill -9): the runtime's DEL meanwhile is queued by the
+/// plugin and succeeds; the pods it wired keep their traffic across nodes;
+/// back, it replays the DEL before it serves, with the same ID and blocks,
+/// and the other nodes route to it as before.
+fn a_killed_daemon_queues_dels_and_returns_with_its_id_and_blocks(store: Store) {
+    require_root();
+    let mut cluster = Cluster::new(ClusterOpts {
+        node: NodeOpts {
+            // The outage must not reap it.
+            node_grace_secs: 60,
+            ..NodeOpts::default()
+        },
+        ..ClusterOpts::on(store)
+    });
+    let gone = cluster.add_pod(0);
+    let kept = cluster.add_pod(0);
+    let peer = cluster.add_pod(1);
+    wait_routes_converge(&cluster);
+    let before = get_node(cluster.node(0));
+
+    assert!(!cluster.node_mut(0).daemon_mut().kill9().success());
+    let del = cluster.node(0).del(&gone);
+    assert!(del.success(), "a DEL while the daemon is down: {del}");
+    assert_eq!(queued(cluster.node(0)), 1);
+    // The dataplane needs no daemon.
+    ping_every_pair(&[&kept, &peer]);
+
+    cluster.node_mut(0).daemon_mut().restart();
+    let log = cluster.node(0).daemon().log();
+    assert!(log.contains("replayed queued DELs before serving"), "{log}");
+    assert_eq!(queued(cluster.node(0)), 0);
+    assert!(!gone.netns().has_link("eth0"), "the queued DEL left eth0");
+    for ip in gone.ips() {
+        let route = cluster.node(0).netns().exec_ok(&[
+            "ip",
+            "route",
+            "show",
+            "proto",
+            "201",
+            &ip.to_string(),
+        ]);
+        assert!(route.trim().is_empty(), "{ip}: {route}");
+    }
+    let after = get_node(cluster.node(0));
+    assert_eq!(after.node_id, before.node_id);
+    assert_eq!(after.blocks, before.blocks);
+    for node in cluster.nodes() {
+        assert!(
+            wait_until(CONVERGE, || list_nodes(node).iter().all(|n| n.alive)),
+            "{:?}",
+            list_nodes(node)
+        );
+    }
+    wait_routes_converge(&cluster);
+    ping_every_pair(&[&kept, &peer]);
+    // A new pod on the node comes from its blocks.
+    let new = cluster.add_pod(0);
+    let v4 = new.v4().unwrap_or_else(|| panic!("no IPv4"));
+    assert!(
+        after
+            .blocks
+            .iter()
+            .any(|b| b.parse::<IpNet>().is_ok_and(|b| b.contains(&v4))),
+        "{v4} not in {:?}",
+        after.blocks
+    );
 }
 
 fn three_nodes_times_a_hundred_concurrent_adds(store: Store) {
