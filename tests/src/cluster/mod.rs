@@ -159,6 +159,10 @@ pub struct ClusterOpts {
     pub node: NodeOpts,
     /// The control store.
     pub store: Store,
+    /// On etcd, also a kube-apiserver with tether's CRDs and RBAC, whose
+    /// token every daemon uses (`--kubeconfig`) for the API's signals
+    /// (claims, pod watch, events). The Kubernetes store always has one.
+    pub with_api: bool,
 }
 
 impl Default for ClusterOpts {
@@ -168,6 +172,7 @@ impl Default for ClusterOpts {
             etcd_members: 3,
             node: NodeOpts::default(),
             store: Store::Etcd,
+            with_api: false,
         }
     }
 }
@@ -205,19 +210,30 @@ impl Cluster {
     /// after another (so node `i` registers `i`-th).
     pub fn new(opts: ClusterOpts) -> Cluster {
         let fabric = Fabric::new();
-        let (etcd, kube, backend) = match opts.store {
-            Store::Etcd => {
+        let api = (opts.with_api || opts.store == Store::Kubernetes).then(|| {
+            let api = KubeApi::start(&fabric);
+            api.install_tether();
+            let (ns, sa) = crate::kube::TETHER_SA;
+            let kubeconfig = api.token_kubeconfig(ns, sa);
+            (api, kubeconfig)
+        });
+        let mut node_opts = opts.node;
+        let (etcd, kube, backend) = match (opts.store, api) {
+            (Store::Etcd, api) => {
                 let etcd = EtcdCluster::start(&fabric, opts.etcd_members);
                 let backend = Backend::Etcd(etcd.endpoints());
-                (Some(etcd), None, backend)
+                let api = api.map(|(api, kubeconfig)| {
+                    node_opts
+                        .extra_args
+                        .extend(["--kubeconfig".to_owned(), kubeconfig.display().to_string()]);
+                    api
+                });
+                (Some(etcd), api, backend)
             }
-            Store::Kubernetes => {
-                let api = KubeApi::start(&fabric);
-                api.install_tether();
-                let (ns, sa) = crate::kube::TETHER_SA;
-                let backend = Backend::Kubernetes(api.token_kubeconfig(ns, sa));
-                (None, Some(api), backend)
+            (Store::Kubernetes, Some((api, kubeconfig))) => {
+                (None, Some(api), Backend::Kubernetes(kubeconfig))
             }
+            (Store::Kubernetes, None) => unreachable!("the Kubernetes store starts its API server"),
         };
         let mut cluster = Cluster {
             nodes: Vec::new(),
@@ -225,7 +241,7 @@ impl Cluster {
             kube,
             fabric,
             backend,
-            opts: opts.node,
+            opts: node_opts,
             next_host: NODE_HOST_BASE,
         };
         for _ in 0..opts.nodes {
@@ -276,10 +292,9 @@ impl Cluster {
 
     /// The store the nodes share.
     pub fn store(&self) -> Store {
-        if self.kube.is_some() {
-            Store::Kubernetes
-        } else {
-            Store::Etcd
+        match self.backend {
+            Backend::Etcd(_) => Store::Etcd,
+            Backend::Kubernetes(_) => Store::Kubernetes,
         }
     }
 
@@ -298,14 +313,15 @@ impl Cluster {
             .expect("this cluster runs on the Kubernetes store")
     }
 
-    /// The API server (panics on etcd).
+    /// The API server (panics on etcd without [`ClusterOpts::with_api`]).
     pub fn kube_api(&self) -> &KubeApi {
-        self.kube.as_ref().expect("this cluster runs on etcd")
+        self.kube.as_ref().expect("this cluster has no API server")
     }
 
-    /// The API server, to stop and start (panics on etcd).
+    /// The API server, to stop and start (panics on etcd without
+    /// [`ClusterOpts::with_api`]).
     pub fn kube_api_mut(&mut self) -> &mut KubeApi {
-        self.kube.as_mut().expect("this cluster runs on etcd")
+        self.kube.as_mut().expect("this cluster has no API server")
     }
 
     /// The fabric.
@@ -328,9 +344,9 @@ impl Cluster {
     /// its value: etcd's keys, or the Kubernetes store's objects mapped to
     /// the same keys (a node's Lease is its `alive/` key while it exists).
     pub fn store_keys(&self) -> BTreeMap<String, String> {
-        match &self.kube {
-            None => self.etcd_keys(),
-            Some(api) => kube_store::records(api),
+        match (&self.backend, &self.kube) {
+            (Backend::Kubernetes(_), Some(api)) => kube_store::records(api),
+            _ => self.etcd_keys(),
         }
     }
 }
