@@ -86,8 +86,9 @@ check:
 
 ## test: the whole suite (unit, integration against real netns, real
 ## runtimes, chaining, concurrency, crash, bad input, security, real QEMU
-## guests, a real kube-apiserver, a one-node Kubernetes whose kubelet calls
-## tether). Root only.
+## guests, a real kube-apiserver, the cluster suites on etcd and on the
+## Kubernetes store (etcd:: and kubernetes:: tests), a one-node Kubernetes
+## whose kubelet calls tether). Root only.
 test: setup k8s helm lint build shim-size
 	@test "$$(id -u)" = 0 || { echo "make test must run as root (it creates network namespaces)"; exit 1; }
 	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test --workspace --features $(ROOT_TESTS) --no-fail-fast -- --test-threads=2
