@@ -697,6 +697,125 @@ fn three_nodes_times_a_hundred_concurrent_adds(store: Store) {
     }
 }
 
+/// The Kubernetes store's objects can be written by hand: the CRDs' schemas
+/// refuse what is no record (a CIDR that is none, a node ID out of range, a
+/// missing field), and what passes them but is still no record (a block
+/// under a name that is not its CIDR's, a VM record under another VM's
+/// name) is left out by every daemon, with a warning, while the rest is
+/// served and routed as before.
+#[test]
+fn kubernetes_store_objects_edited_by_hand_are_refused_or_left_out() {
+    require_root();
+    let cluster = Cluster::new(ClusterOpts {
+        nodes: 2,
+        ..ClusterOpts::on(Store::Kubernetes)
+    });
+    let pods: Vec<Pod> = (0..2).map(|i| cluster.add_pod(i)).collect();
+    wait_routes_converge(&cluster);
+    let api = cluster.kube_api();
+    let object = |kind: &str, name: &str, spec: Value| {
+        serde_json::json!({
+            "apiVersion": "tether.dev/v1alpha1",
+            "kind": kind,
+            "metadata": {"name": name},
+            "spec": spec,
+        })
+        .to_string()
+    };
+    let apply = |manifest: String| {
+        let file = api
+            .dir()
+            .join(format!("{}.json", tether_e2e::unique_name("bad")));
+        std::fs::write(&file, manifest).unwrap_or_else(|e| panic!("{e}"));
+        api.kubectl(&["apply", "-f", &file.display().to_string()])
+    };
+    for (kind, name, spec, says) in [
+        (
+            "AddressBlock",
+            "10.244.99.0-26",
+            serde_json::json!({"cidr": "not a cidr", "node": "x", "node_id": 1, "claimed_unix_ms": 0}),
+            "spec.cidr",
+        ),
+        (
+            "TetherNode",
+            "n",
+            serde_json::json!({"name": "n", "id": 40000, "node_ips": []}),
+            "spec.id",
+        ),
+        (
+            "VMAddress",
+            "ns.vm.eth0",
+            serde_json::json!({"ips": ["10.244.99.1"], "mac": "0a:58:0a:f4:63:01"}),
+            "spec.key",
+        ),
+    ] {
+        let out = apply(object(kind, name, spec));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{kind} {name} was accepted");
+        assert!(err.contains(says), "{kind}: {err}");
+    }
+    // Valid to the schema, no record to tetherd: a block named for another
+    // CIDR (with a route it must not get), a VM record under another name.
+    let out = apply(object(
+        "AddressBlock",
+        "garbage",
+        serde_json::json!({"cidr": "10.244.99.0/26", "node": "nobody", "node_id": 7, "claimed_unix_ms": 0}),
+    ));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = apply(object(
+        "VMAddress",
+        "ns.other.eth0",
+        serde_json::json!({
+            "key": {"namespace": "ns", "vm": "vm", "interface": "eth0"},
+            "ips": ["10.244.99.1"], "mac": "0a:58:0a:f4:63:01", "origin": "reserved",
+            "generation": 1, "created_unix_ms": 0,
+        }),
+    ));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for node in cluster.nodes() {
+        assert!(
+            wait_until(CONVERGE, || node
+                .daemon()
+                .log()
+                .contains("ignoring an object that is no tether record")),
+            "{} said nothing of the garbage",
+            node.name()
+        );
+        assert!(
+            !node
+                .cluster_route_dsts()
+                .contains(&"10.244.99.0/26".to_owned()),
+            "{} routes a block that is no record",
+            node.name()
+        );
+    }
+    // The rest goes on: a new pod, pings across the nodes, and a restart,
+    // which lists everything again.
+    let mut pods = pods;
+    pods.push(cluster.add_pod(1));
+    ping_every_pair(&pods.iter().collect::<Vec<_>>());
+    let mut cluster = cluster;
+    cluster.node_mut(0).daemon_mut().restart();
+    assert!(!cluster
+        .node(0)
+        .cluster_route_dsts()
+        .contains(&"10.244.99.0/26".to_owned()));
+    ping_every_pair(&pods.iter().collect::<Vec<_>>());
+    // Gone again, the blocks the harness reads are tetherd's alone.
+    cluster
+        .kube_api()
+        .kubectl_ok(&["delete", "addressblock/garbage", "vmaddress/ns.other.eth0"]);
+    wait_routes_converge(&cluster);
+}
+
 /// A child process killed (SIGKILL, by our own handle) and reaped on drop.
 struct Reaped(std::process::Child);
 
