@@ -1,6 +1,7 @@
 //! Two real kubelet nodes, each in its own network, mount and PID
 //! namespaces (tests/src/nodes.rs), with kube-proxy, and tether installed
-//! by its chart in etcd cluster mode: the ground of the conformance suite.
+//! by its chart in its default mode (the Kubernetes store): the ground of
+//! the conformance suite.
 //!
 //! Checked here with the harness's own busybox images: every node's
 //! `/proc/1` is its own init and its `/var/lib/kubelet` its own; both
