@@ -105,14 +105,19 @@ pub struct ClusterOpts {
 /// Where the clusters of every process on this machine keep track of the
 /// mount points they created (see [`MountPoints`]).
 const MOUNT_POINTS_FILE: &str = "tether-test-node-mount-points";
+/// The file in every mount point a cluster created (see [`MountPoints`]);
+/// inside a node, the bound directory hides it.
+const MOUNT_POINT_MARKER: &str = ".tether-test-mount-point";
 
 /// A cluster's hold on the node paths' mount points on the machine (those
-/// that did not exist are created as empty directories). Every cluster, in
-/// any process, holds a shared `flock` on [`MOUNT_POINTS_FILE`] (in the
-/// temp dir), which lists the directories created; the last one to let go
-/// (it gets the lock exclusively) removes them, if still empty. Removing
-/// one while another cluster runs would take the mounts on it away from
-/// that cluster's nodes.
+/// that did not exist are created, each with a [`MOUNT_POINT_MARKER`] file
+/// in it). Every cluster, in any process, holds a shared `flock` on
+/// [`MOUNT_POINTS_FILE`] (in the temp dir), which lists the directories
+/// created; the last one to let go (it gets the lock exclusively) removes
+/// the markers and the directories. Removing one while another cluster
+/// runs would take the mounts on it away from that cluster's nodes: the
+/// marker keeps anything that removes only empty directories (an older
+/// harness, the one-node cluster's clean-up) from doing so.
 #[derive(Debug)]
 struct MountPoints {
     lock: std::fs::File,
@@ -151,6 +156,10 @@ impl MountPoints {
         }
         std::fs::create_dir_all(path)
             .unwrap_or_else(|e| panic!("creating the mount point {}: {e}", path.display()));
+        if !missing.is_empty() {
+            std::fs::write(path.join(MOUNT_POINT_MARKER), "")
+                .unwrap_or_else(|e| panic!("marking the mount point {}: {e}", path.display()));
+        }
         // Shallowest first, so that removal in reverse order goes deepest
         // first; one append each, whole lines.
         for d in missing.iter().rev() {
@@ -171,6 +180,7 @@ impl Drop for MountPoints {
         let _ = (&self.lock).seek(SeekFrom::Start(0));
         let _ = (&self.lock).read_to_string(&mut listed);
         for d in listed.lines().rev() {
+            let _ = std::fs::remove_file(Path::new(d).join(MOUNT_POINT_MARKER));
             let _ = std::fs::remove_dir(d);
         }
         let _ = self.lock.set_len(0);
