@@ -43,8 +43,9 @@
 //! Dropping the cluster ends each node's init, which ends every process in
 //! the node's PID namespace (kubelet, containerd, shims, containers); the
 //! node's mount namespace and its netns pins go with it. Then the control
-//! plane and the fabric go, and the mount points this run
-//! had to create on the machine (empty directories) are removed.
+//! plane and the fabric go, and the mount points created on the machine
+//! (directories that did not exist) are removed by the last cluster of
+//! any process to go (see `MountPoints`).
 
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
