@@ -235,6 +235,26 @@ s.send(frame + bytes(60 - len(frame)))
     );
 }
 
+/// Deletes pod `default/name` and waits until it is gone.
+fn delete_pod(c: &KubeCluster, name: &str) {
+    c.api
+        .kubectl_ok(&["-n", "default", "delete", "pod", name, "--wait=true"]);
+}
+
+/// Waits until node `a` routes `ip` by `a_dev` and node `b` by `b_dev`;
+/// `what` names the cause in the failure.
+fn wait_routes(a: &KubeNode, a_dev: &str, b: &KubeNode, b_dev: &str, ip: &str, what: &str) {
+    let moved = wait_until(Duration::from_secs(30), || {
+        route_dev(a, ip) == a_dev && route_dev(b, ip) == b_dev
+    });
+    assert!(
+        moved,
+        "{what} did not move {ip}: A via {} (want {a_dev}), B via {} (want {b_dev})",
+        route_dev(a, ip),
+        route_dev(b, ip)
+    );
+}
+
 #[test]
 fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping_ip_and_mac() {
     require_root();
@@ -291,21 +311,15 @@ fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping
         &t1.pod_name,
         "kubevirt.io/migration-target-ready-timestamp=2026-11-26T12:00:00Z",
     ]);
-    assert!(
-        wait_until(converge, || route_dev(b, &vm_ip) == tgt.host_interface
-            && route_dev(a, &vm_ip) == a.underlay().ifname),
-        "the ready annotation did not move the VM to B: A via {}, B via {}",
-        route_dev(a, &vm_ip),
-        route_dev(b, &vm_ip)
+    wait_routes(
+        a,
+        &a.underlay().ifname,
+        b,
+        &tgt.host_interface,
+        &vm_ip,
+        "the ready annotation",
     );
-    c.api.kubectl_ok(&[
-        "-n",
-        "default",
-        "delete",
-        "pod",
-        &vm.pod_name,
-        "--wait=true",
-    ]);
+    delete_pod(&c, &vm.pod_name);
     ping_ok(&c, "obs-a", &vm_ip);
     ping_ok(&c, "obs-b", &vm_ip);
     eprintln!(
@@ -325,34 +339,21 @@ fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping
         "cut over before the RARP"
     );
     send_rarp(a, &back.netns, &vm_mac);
-    assert!(
-        wait_until(converge, || route_dev(a, &vm_ip) == back.host_interface
-            && route_dev(b, &vm_ip) == b.underlay().ifname),
-        "the RARP did not move the VM to A: A via {}, B via {}",
-        route_dev(a, &vm_ip),
-        route_dev(b, &vm_ip)
+    wait_routes(
+        a,
+        &back.host_interface,
+        b,
+        &b.underlay().ifname,
+        &vm_ip,
+        "the RARP",
     );
-    c.api.kubectl_ok(&[
-        "-n",
-        "default",
-        "delete",
-        "pod",
-        &t1.pod_name,
-        "--wait=true",
-    ]);
+    delete_pod(&c, &t1.pod_name);
     ping_ok(&c, "obs-b", &vm_ip);
     ping_ok(&c, "obs-a", &vm_ip);
     eprintln!("step: {vm_ip} moved B → A by a RARP");
 
     // The VM stops, and starts again in a new pod on B.
-    c.api.kubectl_ok(&[
-        "-n",
-        "default",
-        "delete",
-        "pod",
-        &t2.pod_name,
-        "--wait=true",
-    ]);
+    delete_pod(&c, &t2.pod_name);
     let again = VmPodSpec::new("default", "vm1", "virt-launcher-vm1-ddddd");
     c.api.apply(&vm_pod(&again, b.name()).to_string());
     assert_eq!(
