@@ -698,6 +698,37 @@ impl KubeCluster {
             .is_some_and(|c| c["status"] == "True")
     }
 
+    /// Every node's routes and tether's pods' latest log lines, for a
+    /// failure's message.
+    pub fn network_view(&self) -> String {
+        let mut text = String::new();
+        for node in &self.nodes {
+            let routes = node.netns().exec(&["ip", "route", "show"]);
+            text.push_str(&format!(
+                "--- routes of {} ---\n{}",
+                node.name(),
+                String::from_utf8_lossy(&routes.stdout)
+            ));
+        }
+        let logs = self.api.kubectl(&[
+            "-n",
+            "kube-system",
+            "logs",
+            "-l",
+            "app.kubernetes.io/name=tether",
+            "-c",
+            "tetherd",
+            "--prefix",
+            "--tail=30",
+        ]);
+        text.push_str(&format!(
+            "--- tetherd logs ---\n{}{}",
+            String::from_utf8_lossy(&logs.stdout),
+            String::from_utf8_lossy(&logs.stderr)
+        ));
+        text
+    }
+
     /// Deploys CoreDNS as kubeadm does (`tests/k8s/coredns.yaml`, with
     /// `image`) and waits until its Deployment is available.
     pub fn deploy_coredns(&self, image: &str) {

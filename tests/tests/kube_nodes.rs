@@ -124,6 +124,9 @@ fn two_kubelet_nodes_with_their_own_namespaces_wire_pods_through_the_installed_c
     for i in 0..2 {
         wait_running(&c, &format!("h{i}"));
     }
+    let nodes = c.nodes();
+    wait_route(&nodes[0], &ips[1], &toward(&nodes[0], &nodes[1]));
+    wait_route(&nodes[1], &ips[0], &toward(&nodes[1], &nodes[0]));
     for (from, to) in [
         ("p0", &ips[1]),
         ("p1", &ips[0]),
@@ -131,13 +134,7 @@ fn two_kubelet_nodes_with_their_own_namespaces_wire_pods_through_the_installed_c
         ("h1", &ips[0]),
         ("h0", &ips[0]),
     ] {
-        let out = exec(&c, from, &["ping", "-c", "2", "-W", "2", to]);
-        assert!(
-            out.status.success(),
-            "{from} → {to}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        ping_ok(&c, from, to);
     }
     // The API server reaches both pods' IPs: its route via node 0.
     for ip in &ips {
@@ -193,20 +190,45 @@ fn attachment(node: &KubeNode, name: &str) -> tether_e2e::pb::Attachment {
     list.remove(0)
 }
 
-/// `node`'s route to `ip`: its device.
+/// `node`'s route to `ip`: its device, and its gateway if it has one
+/// (`eth0 via 10.77.0.12`).
 fn route_dev(node: &KubeNode, ip: &str) -> String {
     let out = node.netns().exec_ok(&["ip", "-j", "route", "get", ip]);
     let v: Value = serde_json::from_str(&out).expect("ip -j route get");
-    v[0]["dev"].as_str().unwrap_or_default().to_string()
+    let dev = v[0]["dev"].as_str().unwrap_or_default();
+    match v[0]["gateway"].as_str() {
+        Some(gw) => format!("{dev} via {gw}"),
+        None => dev.to_string(),
+    }
+}
+
+/// What [`route_dev`] gives on `from` for an address routed to node `to`
+/// (every node also has a default route through the fabric's gateway, so
+/// the device alone would not tell).
+fn toward(from: &KubeNode, to: &KubeNode) -> String {
+    format!("{} via {}", from.underlay().ifname, to.underlay().v4)
 }
 
 fn ping_ok(c: &KubeCluster, from: &str, to: &str) {
     let out = exec(c, from, &["ping", "-c", "2", "-W", "2", to]);
     assert!(
         out.status.success(),
-        "{from} → {to}: {}{}",
+        "{from} → {to}: {}{}\n{}",
         String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+        String::from_utf8_lossy(&out.stderr),
+        c.network_view()
+    );
+}
+
+/// Waits until `node` routes `ip` by `dev`: a block claimed on one node
+/// reaches the others through the store's watch, after the pod on it is
+/// already running.
+fn wait_route(node: &KubeNode, ip: &str, dev: &str) {
+    assert!(
+        wait_until(Duration::from_secs(30), || route_dev(node, ip) == dev),
+        "{} routes {ip} via {}, not {dev}",
+        node.name(),
+        route_dev(node, ip)
     );
 }
 
@@ -264,8 +286,10 @@ fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping
     let converge = Duration::from_secs(30);
     c.api.apply(&pod("obs-a", a.name(), false).to_string());
     c.api.apply(&pod("obs-b", b.name(), false).to_string());
-    wait_running(&c, "obs-a");
-    wait_running(&c, "obs-b");
+    let obs_a = wait_running(&c, "obs-a");
+    let obs_b = wait_running(&c, "obs-b");
+    wait_route(a, &obs_b, &toward(a, b));
+    wait_route(b, &obs_a, &toward(b, a));
 
     // The VM on A.
     let vm = VmPodSpec::new("default", "vm1", "virt-launcher-vm1-aaaaa");
@@ -274,11 +298,7 @@ fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping
     let src = attachment(a, &vm.pod_name);
     let vm_mac = src.mac.clone();
     assert_eq!(route_dev(a, &vm_ip), src.host_interface);
-    assert_eq!(
-        route_dev(b, &vm_ip),
-        b.underlay().ifname,
-        "B routes the VM to A"
-    );
+    assert_eq!(route_dev(b, &vm_ip), toward(b, a), "B routes the VM to A");
     ping_ok(&c, "obs-b", &vm_ip);
 
     // Its migration target on B: the same IP and MAC; nothing moves until
@@ -292,11 +312,7 @@ fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping
     );
     let tgt = attachment(b, &t1.pod_name);
     assert_eq!(tgt.mac, vm_mac, "the target has the VM's MAC");
-    assert_eq!(
-        route_dev(b, &vm_ip),
-        b.underlay().ifname,
-        "cut over before ready"
-    );
+    assert_eq!(route_dev(b, &vm_ip), toward(b, a), "cut over before ready");
     assert_eq!(
         route_dev(a, &vm_ip),
         src.host_interface,
@@ -313,7 +329,7 @@ fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping
     ]);
     wait_routes(
         a,
-        &a.underlay().ifname,
+        &toward(a, b),
         b,
         &tgt.host_interface,
         &vm_ip,
@@ -335,7 +351,7 @@ fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping
     assert_eq!(back.mac, vm_mac);
     assert_eq!(
         route_dev(a, &vm_ip),
-        a.underlay().ifname,
+        toward(a, b),
         "cut over before the RARP"
     );
     send_rarp(a, &back.netns, &vm_mac);
@@ -343,7 +359,7 @@ fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping
         a,
         &back.host_interface,
         b,
-        &b.underlay().ifname,
+        &toward(b, a),
         &vm_ip,
         "the RARP",
     );
@@ -364,7 +380,7 @@ fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping
     let restarted = attachment(b, &again.pod_name);
     assert_eq!(restarted.mac, vm_mac, "the VM's MAC is kept");
     assert!(
-        wait_until(converge, || route_dev(a, &vm_ip) == a.underlay().ifname),
+        wait_until(converge, || route_dev(a, &vm_ip) == toward(a, b)),
         "A does not route the restarted VM to B"
     );
     ping_ok(&c, "obs-a", &vm_ip);
