@@ -104,9 +104,10 @@ check:
 
 ## test: the whole suite (unit, integration against real netns, real
 ## runtimes, chaining, concurrency, crash, bad input, security, real QEMU
-## guests, a real kube-apiserver, a one-node Kubernetes whose kubelet calls
-## tether, two kubelet nodes with kube-proxy and CoreDNS judged by a slice
-## of Kubernetes' network conformance tests). Root only.
+## guests, a real kube-apiserver, the cluster suites on etcd and on the
+## Kubernetes store (etcd:: and kubernetes:: tests), a one-node Kubernetes
+## whose kubelet calls tether, two kubelet nodes with kube-proxy and CoreDNS
+## judged by a slice of Kubernetes' network conformance tests). Root only.
 test: setup k8s helm e2e-bins lint build shim-size
 	@test "$$(id -u)" = 0 || { echo "make test must run as root (it creates network namespaces)"; exit 1; }
 	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test --workspace --features $(ROOT_TESTS) --no-fail-fast -- --test-threads=2

@@ -2,9 +2,10 @@
 # Generates the plain manifests of install/manifests/ from the chart in
 # install/helm/tether: one file per mode, with `helm template` (release
 # "tether" in kube-system, the chart's default values but `mode`), and the
-# IPAMClaim CRD in a file of its own, as the chart's crds/ has it, so that
-# `kubectl delete -f` of a mode's file (the uninstall) leaves the CRD, and
-# with it the claims that hold the VMs' addresses, as `helm uninstall`
+# CRDs in files of their own, as the chart's crds/ has them (the IPAMClaim
+# CRD, and tether's own for mode kubernetes), so that `kubectl delete -f`
+# of a mode's file (the uninstall) leaves the CRDs, and with them the
+# claims and records that hold the VMs' addresses, as `helm uninstall`
 # does. The chart is the one source: never edit the manifests by hand;
 # change the chart and run `make manifests`.
 #
@@ -20,7 +21,7 @@ if [ -z "${HELM:-}" ]; then
     HELM=$(sh "$here/../tests/k8s/helm/build.sh")/helm
 fi
 mkdir -p "$out"
-for pair in single-node:singleNode node-cidrs:nodeCidrs etcd:etcd; do
+for pair in kubernetes:kubernetes single-node:singleNode node-cidrs:nodeCidrs etcd:etcd; do
     file=tether-${pair%%:*}.yaml
     mode=${pair#*:}
     {
@@ -32,6 +33,8 @@ for pair in single-node:singleNode node-cidrs:nodeCidrs etcd:etcd; do
     mv -f "$out/.$file.tmp" "$out/$file"
     echo "generate.sh: $out/$file" >&2
 done
-cp "$here/helm/tether/crds/ipamclaims.yaml" "$out/.ipamclaims-crd.yaml.tmp"
-mv -f "$out/.ipamclaims-crd.yaml.tmp" "$out/ipamclaims-crd.yaml"
-echo "generate.sh: $out/ipamclaims-crd.yaml" >&2
+for pair in ipamclaims:ipamclaims-crd tether-store:tether-crds; do
+    cp "$here/helm/tether/crds/${pair%%:*}.yaml" "$out/.${pair#*:}.yaml.tmp"
+    mv -f "$out/.${pair#*:}.yaml.tmp" "$out/${pair#*:}.yaml"
+    echo "generate.sh: $out/${pair#*:}.yaml" >&2
+done

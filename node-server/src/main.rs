@@ -19,6 +19,7 @@ use tetherd::api::server::{self, ServeOptions};
 use tetherd::attach::{Node, NodeConfig};
 use tetherd::cluster::{Cluster, ClusterConfig, Overlay, Peers};
 use tetherd::control::etcd::{EtcdOptions, EtcdStore};
+use tetherd::control::kubernetes::{KubeOptions, KubeStore};
 use tetherd::control::{embedded::EmbeddedStore, ControlStore};
 use tetherd::error::Error;
 use tetherd::pools::PoolDef;
@@ -98,9 +99,11 @@ struct Args {
     block_size_v6: u8,
 
     /// Where the control plane (node records, blocks, VM address records)
-    /// lives: "embedded" (alias "local": in the state dir, for one node) or
-    /// "etcd". Pod attachment records always stay in the node's local
-    /// journal.
+    /// lives: "embedded" (alias "local": in the state dir, for one node),
+    /// "etcd", or "kubernetes" (objects of tether's CRDs through the
+    /// Kubernetes API: --kubeconfig, or the in-cluster service account;
+    /// the CRDs must be installed). Pod attachment records always stay in
+    /// the node's local journal.
     #[arg(long, value_enum, default_value_t = StoreArg::Local)]
     store: StoreArg,
 
@@ -125,10 +128,17 @@ struct Args {
     #[arg(long, default_value = "/tether")]
     etcd_prefix: String,
 
-    /// Bound on every control-plane request, in ms. A block claim while
-    /// etcd does not answer fails after this with CNI code 11.
-    #[arg(long, default_value_t = 2000)]
+    /// Bound on every control-plane request (etcd's, or the Kubernetes
+    /// API's with --store kubernetes), in ms. A block claim while the store
+    /// does not answer fails after this with CNI code 11.
+    #[arg(long, alias = "store-timeout-ms", default_value_t = 2000)]
     etcd_timeout_ms: u64,
+
+    /// --store kubernetes: the namespace of the nodes' Leases (liveness,
+    /// `tether-<node>`). Default: the client's namespace (the pod's, in a
+    /// cluster).
+    #[arg(long, value_name = "NAMESPACE")]
+    lease_namespace: Option<String>,
 
     /// This node's underlay address that other nodes route its pods
     /// through (once per family). Default: with --pod-cidr-from-node the
@@ -269,6 +279,8 @@ enum StoreArg {
     Local,
     /// An etcd cluster.
     Etcd,
+    /// The Kubernetes API (tether's CRDs and Leases).
+    Kubernetes,
 }
 
 /// The --overlay mode.
@@ -404,6 +416,11 @@ async fn run(args: Args) -> Result<(), Fatal> {
                 "--pod-cidr-from-node needs the Kubernetes API: give --kubeconfig, or run in a pod with a service account".into(),
             ))
         }
+        None if args.store == StoreArg::Kubernetes => {
+            return Err(Fatal(
+                "--store kubernetes needs the Kubernetes API: give --kubeconfig, or run in a pod with a service account".into(),
+            ))
+        }
         None => {
             tracing::info!("Kubernetes API: off (no --kubeconfig, not in a pod)");
             None
@@ -412,7 +429,7 @@ async fn run(args: Args) -> Result<(), Fatal> {
     let mut args = args;
     // --pod-cidr-from-node: the other nodes, from their Node objects.
     let mut node_peers = None;
-    if let (true, Some(client)) = (args.pod_cidr_from_node, &kube) {
+    if let (true, Some((client, _))) = (args.pod_cidr_from_node, &kube) {
         tokio::select! {
             facts = tetherd::kube::node_cidrs::wait_for(client.clone(), &node_name) => {
                 let facts = facts?;
@@ -450,7 +467,8 @@ async fn run(args: Args) -> Result<(), Fatal> {
             .map_err(Error::from)?
             .into_arc()
     };
-    let control = tetherd::metrics::TimedControl::wrap(open_control_store(&args).await?);
+    let control =
+        tetherd::metrics::TimedControl::wrap(open_control_store(&args, kube.as_ref()).await?);
     // Joining can wait a long time for etcd; a signal ends the wait.
     let joined = tokio::select! {
         joined = async {
@@ -487,7 +505,7 @@ async fn run(args: Args) -> Result<(), Fatal> {
     tracing::info!(?reconciled, "reconciled the kernel against the store");
     let node = Arc::new(node);
     node.start_vm_tasks();
-    if let Some(client) = kube {
+    if let Some((client, _)) = kube {
         node.start_kube(client);
     }
     match args.pools_file.clone() {
@@ -589,11 +607,19 @@ fn adopt_pending_dels(
 
 /// Opens the control plane: node records and blocks in cluster mode, and
 /// the VM address records in both modes.
-async fn open_control_store(args: &Args) -> tetherd::error::Result<Arc<dyn ControlStore>> {
-    if args.cluster_cidrs.is_empty() && args.store == StoreArg::Etcd {
-        return Err(Error::InvalidConfig(
-            "--store etcd is for cluster mode: give --cluster-cidr instead of --pod-cidr".into(),
-        ));
+async fn open_control_store(
+    args: &Args,
+    kube: Option<&(kube::Client, String)>,
+) -> tetherd::error::Result<Arc<dyn ControlStore>> {
+    if args.cluster_cidrs.is_empty() && args.store != StoreArg::Local {
+        return Err(Error::InvalidConfig(format!(
+            "--store {} is for cluster mode: give --cluster-cidr instead of --pod-cidr",
+            if args.store == StoreArg::Etcd {
+                "etcd"
+            } else {
+                "kubernetes"
+            }
+        )));
     }
     Ok(match args.store {
         StoreArg::Local => {
@@ -613,6 +639,25 @@ async fn open_control_store(args: &Args) -> tetherd::error::Result<Arc<dyn Contr
         })
         .await?
         .into(),
+        StoreArg::Kubernetes => {
+            let Some((client, server)) = kube else {
+                return Err(Error::InvalidConfig(
+                    "--store kubernetes needs the Kubernetes API".into(),
+                ));
+            };
+            let lease_namespace = args
+                .lease_namespace
+                .clone()
+                .unwrap_or_else(|| client.default_namespace().to_owned());
+            let opts = KubeOptions {
+                root: tetherd::control::v1_root(&args.etcd_prefix),
+                server: server.clone(),
+                lease_namespace,
+                timeout: Duration::from_millis(args.etcd_timeout_ms),
+            };
+            tracing::info!(server = %opts.server, lease_namespace = %opts.lease_namespace, "control plane: the Kubernetes API");
+            KubeStore::connect(client.clone(), opts).await?.into()
+        }
     })
 }
 

@@ -93,14 +93,9 @@ tmp=$(mktemp -d "$base/build.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 start=$(date +%s)
 echo "k8s/build.sh: building $what with $goversion (once; cached in $out)" >&2
-# -mod=mod: go.sum is committed, but the module cache starts empty on a new
-# machine; downloads are checked against go.sum.
-cd "$mod"
-case "$what" in
-kube)
-    # A module build has no git data: stamp the version the way the
-    # Kubernetes release build does, so that `kubectl version` and clients
-    # that read /version see the real one.
+# Sets $ldflags to stamp k8s.io/kubernetes' version (of go.mod) the way the
+# Kubernetes release build does: a module build has no git data.
+kube_ldflags() {
     v=$(awk '{ for (i = 1; i < NF; i++) if ($i == "k8s.io/kubernetes" && $(i + 1) ~ /^v1\./) { print $(i + 1); exit } }' go.mod)
     [ -n "$v" ] || { echo "k8s/build.sh: no k8s.io/kubernetes version in go.mod" >&2; exit 1; }
     major=$(echo "$v" | cut -d. -f1 | tr -d v)
@@ -109,6 +104,17 @@ kube)
     for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
         ldflags="$ldflags -X $p.gitVersion=$v -X $p.gitMajor=$major -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
     done
+}
+
+# -mod=mod: go.sum is committed, but the module cache starts empty on a new
+# machine; downloads are checked against go.sum.
+cd "$mod"
+case "$what" in
+kube)
+    # A module build has no git data: stamp the version the way the
+    # Kubernetes release build does, so that `kubectl version` and clients
+    # that read /version see the real one.
+    kube_ldflags
     "$GO" build -mod=mod -trimpath -ldflags="$ldflags" -o "$tmp/" \
         k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubectl \
         k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler \
@@ -138,14 +144,7 @@ grpcurl)
 e2e)
     # Stamped like the kube binaries: e2e.test --version prints it, and
     # the e2e framework reports it beside the server's.
-    v=$(awk '{ for (i = 1; i < NF; i++) if ($i == "k8s.io/kubernetes" && $(i + 1) ~ /^v1\./) { print $(i + 1); exit } }' go.mod)
-    [ -n "$v" ] || { echo "k8s/build.sh: no k8s.io/kubernetes version in go.mod" >&2; exit 1; }
-    major=$(echo "$v" | cut -d. -f1 | tr -d v)
-    minor=$(echo "$v" | cut -d. -f2)
-    ldflags="-s -w"
-    for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-        ldflags="$ldflags -X $p.gitVersion=$v -X $p.gitMajor=$major -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
-    done
+    kube_ldflags
     "$GO" test -c -mod=mod -trimpath -ldflags="$ldflags" -o "$tmp/e2e.test" ./e2e >&2
     "$tmp/e2e.test" --version >&2
     # agnhost as upstream's image has it: static (CGO_ENABLED=0, its image

@@ -23,7 +23,8 @@ pub const RELEASE: &str = "tether";
 pub const NAMESPACE: &str = "kube-system";
 /// The modes the chart knows: (`mode` value, the plain manifest's file in
 /// `install/manifests/`).
-pub const MODES: [(&str, &str); 3] = [
+pub const MODES: [(&str, &str); 4] = [
+    ("kubernetes", "tether-kubernetes.yaml"),
     ("singleNode", "tether-single-node.yaml"),
     ("nodeCidrs", "tether-node-cidrs.yaml"),
     ("etcd", "tether-etcd.yaml"),

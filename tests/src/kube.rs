@@ -461,11 +461,13 @@ impl KubeApi {
         path
     }
 
-    /// Installs what tether's chart defines for the API: the IPAMClaim CRD,
-    /// and the service account with its RBAC as `helm template` renders
-    /// them with the chart's defaults; waits for the CRD.
+    /// Installs what tether's chart defines for the API: the IPAMClaim CRD
+    /// and tether's own (mode kubernetes), and the service account with its
+    /// RBAC as `helm template` renders them with the chart's defaults;
+    /// waits for the CRDs.
     pub fn install_tether(&self) {
         self.apply_file("install/helm/tether/crds/ipamclaims.yaml");
+        self.apply_file("install/helm/tether/crds/tether-store.yaml");
         let kinds = [
             "ServiceAccount",
             "ClusterRole",
@@ -491,6 +493,12 @@ impl KubeApi {
             "--for=condition=Established",
             "--timeout=30s",
             "crd/ipamclaims.k8s.cni.cncf.io",
+            "crd/tethernodes.tether.dev",
+            "crd/tethernodeids.tether.dev",
+            "crd/addressblocks.tether.dev",
+            "crd/poolblocks.tether.dev",
+            "crd/vmaddresses.tether.dev",
+            "crd/vmaddressowners.tether.dev",
         ]);
     }
 }

@@ -25,8 +25,10 @@
 //!   namespaces with `nsenter`. kube-proxy runs as a node process, not as
 //!   kubeadm's DaemonSet: the same binary and flags, started before the
 //!   pod network exists.
-//! - **tether**, installed with its Helm chart in etcd cluster mode (its own
-//!   one-member etcd on the fabric), with the chart's default hostPaths.
+//! - **tether**, installed with its Helm chart in its default mode, the
+//!   Kubernetes store (`--store kubernetes`: its records as objects of its
+//!   CRDs on this API server, no etcd of its own), with the chart's default
+//!   hostPaths.
 //! - **Cluster DNS**: CoreDNS deployed as kubeadm deploys it
 //!   (`tests/k8s/coredns.yaml`), the kubelets' `clusterDNS` pointing at the
 //!   `kube-dns` Service; the nodes' own resolver (what `dnsPolicy: Default`
@@ -41,18 +43,20 @@
 //! Dropping the cluster ends each node's init, which ends every process in
 //! the node's PID namespace (kubelet, containerd, shims, containers); the
 //! node's mount namespace and its netns pins go with it. Then the control
-//! plane, tether's etcd and the fabric go, and the mount points this run
-//! had to create on the machine (empty directories) are removed.
+//! plane and the fabric go, and the mount points created on the machine
+//! (directories that did not exist) are removed by the last cluster of
+//! any process to go (see `MountPoints`).
 
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
 use crate::chart::{self, Helm};
-use crate::cluster::{EtcdCluster, Fabric, Underlay, GATEWAY_V4};
+use crate::cluster::{Fabric, Underlay, GATEWAY_V4};
 use crate::kube::{k8s_bin_dir, KubeApi};
 use crate::kubelet::{
     containerd_config, kubelet_config, terminate, tether_image, ContainerdPaths, SavedSysctls,
@@ -107,52 +111,88 @@ pub struct ClusterOpts {
     pub node_paths: Vec<(String, String)>,
 }
 
-/// The mount points this process created on the machine (the node paths
-/// that did not exist), and how many clusters use them: the last cluster
-/// dropped removes them, if still empty. Removing one earlier would take
-/// the mounts on it away from every other cluster's nodes.
-static MOUNT_POINTS: Mutex<(usize, Vec<PathBuf>)> = Mutex::new((0, Vec::new()));
+/// Where the clusters of every process on this machine keep track of the
+/// mount points they created (see [`MountPoints`]).
+const MOUNT_POINTS_FILE: &str = "tether-test-node-mount-points";
+/// The file in every mount point a cluster created (see [`MountPoints`]);
+/// inside a node, the bound directory hides it.
+const MOUNT_POINT_MARKER: &str = ".tether-test-mount-point";
 
-/// One cluster's hold on [`MOUNT_POINTS`].
+/// A cluster's hold on the node paths' mount points on the machine (those
+/// that did not exist are created, each with a [`MOUNT_POINT_MARKER`] file
+/// in it). Every cluster, in any process, holds a shared `flock` on
+/// [`MOUNT_POINTS_FILE`] (in the temp dir), which lists the directories
+/// created; the last one to let go (it gets the lock exclusively) removes
+/// the markers and the directories. Removing one while another cluster
+/// runs would take the mounts on it away from that cluster's nodes: the
+/// marker keeps anything that removes only empty directories (an older
+/// harness, the one-node cluster's clean-up) from doing so.
 #[derive(Debug)]
-struct MountPoints;
+struct MountPoints {
+    lock: std::fs::File,
+}
 
 impl MountPoints {
     fn hold() -> MountPoints {
-        let mut mp = MOUNT_POINTS.lock().unwrap_or_else(|e| e.into_inner());
-        mp.0 += 1;
-        MountPoints
+        let path = std::env::temp_dir().join(MOUNT_POINTS_FILE);
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .read(true)
+            .open(&path)
+            .unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
+        // SAFETY: flock on a file we own; no memory is involved.
+        let rc = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_SH) };
+        assert_eq!(
+            rc,
+            0,
+            "flock {}: {}",
+            path.display(),
+            std::io::Error::last_os_error()
+        );
+        MountPoints { lock }
     }
 
     fn ensure(&self, path: &Path) {
-        let mut mp = MOUNT_POINTS.lock().unwrap_or_else(|e| e.into_inner());
         let mut missing = Vec::new();
         let mut p = Some(path);
         while let Some(d) = p {
             if d.exists() {
                 break;
             }
-            missing.push(d.to_path_buf());
+            missing.push(d.display().to_string());
             p = d.parent();
         }
         std::fs::create_dir_all(path)
             .unwrap_or_else(|e| panic!("creating the mount point {}: {e}", path.display()));
+        if !missing.is_empty() {
+            std::fs::write(path.join(MOUNT_POINT_MARKER), "")
+                .unwrap_or_else(|e| panic!("marking the mount point {}: {e}", path.display()));
+        }
         // Shallowest first, so that removal in reverse order goes deepest
-        // first.
-        missing.reverse();
-        mp.1.extend(missing);
+        // first; one append each, whole lines.
+        for d in missing.iter().rev() {
+            let _ = (&self.lock).write_all(format!("{d}\n").as_bytes());
+        }
     }
 }
 
 impl Drop for MountPoints {
     fn drop(&mut self) {
-        let mut mp = MOUNT_POINTS.lock().unwrap_or_else(|e| e.into_inner());
-        mp.0 -= 1;
-        if mp.0 == 0 {
-            for d in std::mem::take(&mut mp.1).iter().rev() {
-                let _ = std::fs::remove_dir(d);
-            }
+        let fd = self.lock.as_raw_fd();
+        // SAFETY: as in hold().
+        let last = unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } == 0;
+        if !last {
+            return;
         }
+        let mut listed = String::new();
+        let _ = (&self.lock).seek(SeekFrom::Start(0));
+        let _ = (&self.lock).read_to_string(&mut listed);
+        for d in listed.lines().rev() {
+            let _ = std::fs::remove_file(Path::new(d).join(MOUNT_POINT_MARKER));
+            let _ = std::fs::remove_dir(d);
+        }
+        let _ = self.lock.set_len(0);
     }
 }
 
@@ -508,15 +548,13 @@ pub struct KubeCluster {
     /// The API server (and its etcd), with kubectl.
     pub api: KubeApi,
     helm: Helm,
-    /// tether's own etcd (cluster mode).
-    etcd: EtcdCluster,
     fabric: Fabric,
     mount_points: MountPoints,
     dir: TempDir,
 }
 
 impl KubeCluster {
-    /// Starts the control plane, tether's etcd and `opts.nodes` nodes
+    /// Starts the control plane and `opts.nodes` nodes
     /// (containerd with the images, kubelet, kube-proxy), and waits until
     /// every node is registered (NotReady until tether is installed).
     pub fn start(opts: &ClusterOpts) -> KubeCluster {
@@ -528,7 +566,6 @@ impl KubeCluster {
             KubeApi::start(&fabric)
         };
         let helm = Helm::against(&api);
-        let etcd = EtcdCluster::start(&fabric, 1);
         let mut cluster = KubeCluster {
             sysctls: SavedSysctls::save(),
             controller_manager: None,
@@ -536,7 +573,6 @@ impl KubeCluster {
             nodes: Vec::new(),
             api,
             helm,
-            etcd,
             fabric,
             mount_points: MountPoints::hold(),
             dir: TempDir::new("kc"),
@@ -644,24 +680,16 @@ impl KubeCluster {
         name
     }
 
-    /// The chart's values: etcd mode against tether's etcd, the cluster
-    /// CIDR [`POD_CIDR`], the chart's default hostPaths (the nodes' own),
+    /// The chart's values: its default mode (the Kubernetes store), the
+    /// cluster CIDR [`POD_CIDR`], the chart's default hostPaths (the nodes' own),
     /// `image` with `pullPolicy: Never`, and the Service range left out of
     /// outbound NAT.
     pub fn tether_values(&self, image: &str) -> Value {
         let (repository, tag) = image
             .rsplit_once(':')
             .unwrap_or_else(|| panic!("{image} has no tag"));
-        let endpoints: Vec<String> = self
-            .etcd
-            .endpoints()
-            .split(',')
-            .map(str::to_string)
-            .collect();
         json!({
             "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
-            "mode": "etcd",
-            "etcd": {"endpoints": endpoints, "tlsSecret": ""},
             "cluster": {"cidrs": [POD_CIDR]},
             "outboundNat": {"enabled": true, "noNatTo": [SERVICE_CIDR]},
         })
@@ -706,6 +734,37 @@ impl KubeCluster {
             .is_some_and(|c| c["status"] == "True")
     }
 
+    /// Every node's routes and tether's pods' latest log lines, for a
+    /// failure's message.
+    pub fn network_view(&self) -> String {
+        let mut text = String::new();
+        for node in &self.nodes {
+            let routes = node.netns().exec(&["ip", "route", "show"]);
+            text.push_str(&format!(
+                "--- routes of {} ---\n{}",
+                node.name(),
+                String::from_utf8_lossy(&routes.stdout)
+            ));
+        }
+        let logs = self.api.kubectl(&[
+            "-n",
+            "kube-system",
+            "logs",
+            "-l",
+            "app.kubernetes.io/name=tether",
+            "-c",
+            "tetherd",
+            "--prefix",
+            "--tail=30",
+        ]);
+        text.push_str(&format!(
+            "--- tetherd logs ---\n{}{}",
+            String::from_utf8_lossy(&logs.stdout),
+            String::from_utf8_lossy(&logs.stderr)
+        ));
+        text
+    }
+
     /// Deploys CoreDNS as kubeadm does (`tests/k8s/coredns.yaml`, with
     /// `image`) and waits until its Deployment is available.
     pub fn deploy_coredns(&self, image: &str) {
@@ -740,7 +799,7 @@ impl KubeCluster {
     fn teardown(&mut self) {
         // No pod is deleted first: ending a node ends its pods, their
         // netns and links with its namespaces, and tether's records live
-        // in this run's etcd.
+        // in this run's API server.
         for node in self.nodes.iter_mut() {
             node.stop_kubelet();
         }

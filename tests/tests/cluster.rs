@@ -1,6 +1,8 @@
 //! Cluster mode end to end: three node netns on a fabric bridge, each with
-//! its own tetherd, against a 3-member etcd cluster in a control netns.
-//! Pods are added through the real `tether` plugin.
+//! its own tetherd, against a 3-member etcd cluster in a control netns, or
+//! against a real kube-apiserver (`--store kubernetes`): the tests in
+//! `etcd::` and `kubernetes::` are the same checks on each store. Pods are
+//! added through the real `tether` plugin.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -10,7 +12,8 @@ use ipnet::IpNet;
 use serde_json::Value;
 use tether_e2e::admin::{self, pb};
 use tether_e2e::cluster::{
-    assert_ping_within, Cluster, ClusterNode, ClusterOpts, NodeOpts, Overlay, Pod, CLUSTER_NETWORK,
+    assert_ping_within, Cluster, ClusterNode, ClusterOpts, NodeOpts, Overlay, Pod, Store,
+    CLUSTER_NETWORK,
 };
 use tether_e2e::{
     assert_distinct, cni, parallel, require_root, tether_bin, wait_until, CniEnv, CniOutput, Netns,
@@ -30,10 +33,21 @@ fn get_node(node: &ClusterNode) -> pb::Node {
     admin::node(node.daemon().socket())
 }
 
-/// Every block in etcd, with its holder.
-fn etcd_blocks(cluster: &Cluster) -> BTreeMap<IpNet, String> {
+tether_e2e::on_both_stores!(
+    host_gw_pods_on_every_pair_of_nodes_reach_each_other,
+    vxlan_pods_on_every_pair_of_nodes_reach_each_other,
+    daemon_restart_keeps_blocks_and_pods_reachable_and_drops_stale_routes,
+    a_store_outage_stops_only_block_claims_and_they_resume_after_it,
+    a_node_that_goes_away_is_reaped_and_its_routes_withdrawn,
+    a_node_reaped_while_away_returns_and_claims_its_blocks_back,
+    a_killed_daemon_queues_dels_and_returns_with_its_id_and_blocks,
+    three_nodes_times_a_hundred_concurrent_adds,
+);
+
+/// Every block in the store, with its holder.
+fn store_blocks(cluster: &Cluster) -> BTreeMap<IpNet, String> {
     cluster
-        .etcd_keys()
+        .store_keys()
         .iter()
         .filter(|(k, _)| k.starts_with("/tether/v1/blocks/"))
         .map(|(k, v)| {
@@ -65,7 +79,7 @@ fn assert_no_overlap(blocks: &BTreeMap<IpNet, String>) {
 /// The cluster routes of `node` are exactly the blocks of the other nodes.
 fn routes_match_blocks(cluster: &Cluster, i: usize) -> bool {
     let me = cluster.node(i).name().to_owned();
-    let want: Vec<String> = etcd_blocks(cluster)
+    let want: Vec<String> = store_blocks(cluster)
         .into_iter()
         .filter(|(_, n)| *n != me)
         .map(|(b, _)| b.to_string())
@@ -82,7 +96,7 @@ fn wait_routes_converge(cluster: &Cluster) {
             wait_until(CONVERGE, || routes_match_blocks(cluster, i)),
             "node {i} routes {:?} do not match the blocks {:?}",
             cluster.node(i).cluster_route_dsts(),
-            etcd_blocks(cluster)
+            store_blocks(cluster)
         );
     }
 }
@@ -97,13 +111,13 @@ fn ping_every_pair(pods: &[&Pod]) {
     }
 }
 
-fn pods_on_every_pair_ping(overlay: Overlay) -> Cluster {
+fn pods_on_every_pair_ping(overlay: Overlay, store: Store) -> Cluster {
     let cluster = Cluster::new(ClusterOpts {
         node: NodeOpts {
             overlay,
             ..NodeOpts::default()
         },
-        ..ClusterOpts::default()
+        ..ClusterOpts::on(store)
     });
     let pods: Vec<Pod> = (0..3).map(|i| cluster.add_pod(i)).collect();
     for p in &pods {
@@ -118,10 +132,9 @@ fn pods_on_every_pair_ping(overlay: Overlay) -> Cluster {
     cluster
 }
 
-#[test]
-fn host_gw_pods_on_every_pair_of_nodes_reach_each_other() {
+fn host_gw_pods_on_every_pair_of_nodes_reach_each_other(store: Store) {
     require_root();
-    let cluster = pods_on_every_pair_ping(Overlay::HostGw);
+    let cluster = pods_on_every_pair_ping(Overlay::HostGw, store);
 
     // Routes go straight to the other node's underlay address.
     for (i, node) in cluster.nodes().iter().enumerate() {
@@ -143,7 +156,7 @@ fn host_gw_pods_on_every_pair_of_nodes_reach_each_other() {
 
     // The admin API: every node sees the same three live nodes with
     // distinct IDs; GetNode shows this node's ID, blocks and store health.
-    let blocks = etcd_blocks(&cluster);
+    let blocks = store_blocks(&cluster);
     assert_no_overlap(&blocks);
     for node in cluster.nodes() {
         let listed = list_nodes(node);
@@ -154,7 +167,7 @@ fn host_gw_pods_on_every_pair_of_nodes_reach_each_other() {
         let me = get_node(node);
         assert_eq!(me.ipam_mode, "cluster");
         assert_eq!(me.routing, "host-gw");
-        assert_eq!(me.store_backend, "etcd");
+        assert_eq!(me.store_backend, store.name());
         assert!(
             me.store_health.as_ref().is_some_and(|h| h.healthy),
             "{me:?}"
@@ -200,8 +213,9 @@ fn host_gw_pods_on_every_pair_of_nodes_reach_each_other() {
     assert_eq!(got["blocks"].as_array().map(Vec::len), Some(2), "{got}");
     assert!(got["nodeId"].as_u64().is_some_and(|id| id >= 1), "{got}");
 
-    // The key layout in etcd.
-    let keys = cluster.etcd_keys();
+    // The key layout in etcd, and the Kubernetes store's objects read as
+    // the same keys.
+    let keys = cluster.store_keys();
     for node in cluster.nodes() {
         let name = node.name();
         assert!(
@@ -223,10 +237,9 @@ fn host_gw_pods_on_every_pair_of_nodes_reach_each_other() {
     }
 }
 
-#[test]
-fn vxlan_pods_on_every_pair_of_nodes_reach_each_other() {
+fn vxlan_pods_on_every_pair_of_nodes_reach_each_other(store: Store) {
     require_root();
-    let cluster = pods_on_every_pair_ping(Overlay::Vxlan);
+    let cluster = pods_on_every_pair_ping(Overlay::Vxlan, store);
     for node in cluster.nodes() {
         assert!(node.netns().has_link("tether.vxlan"));
         let routes = node.cluster_routes();
@@ -251,10 +264,9 @@ fn vxlan_pods_on_every_pair_of_nodes_reach_each_other() {
     }
 }
 
-#[test]
-fn daemon_restart_keeps_blocks_and_pods_reachable_and_drops_stale_routes() {
+fn daemon_restart_keeps_blocks_and_pods_reachable_and_drops_stale_routes(store: Store) {
     require_root();
-    let mut cluster = Cluster::new(ClusterOpts::default());
+    let mut cluster = Cluster::new(ClusterOpts::on(store));
     let pods: Vec<Pod> = (0..3).map(|i| cluster.add_pod(i)).collect();
     wait_routes_converge(&cluster);
     let before = get_node(cluster.node(0));
@@ -326,22 +338,29 @@ fn add(node: &ClusterNode) -> (Netns, CniOutput) {
     (ns, out)
 }
 
-#[test]
-fn etcd_member_loss_and_full_outage() {
+/// The store goes away (on etcd, first one member, the leader, with no
+/// effect at all; then every member; on the Kubernetes store, the API
+/// server): ADDs from the blocks held go on, a claim fails with 11 saying
+/// why, STATUS says the node cannot serve, traffic is untouched; and when
+/// the store is back, claims work again without a restart.
+fn a_store_outage_stops_only_block_claims_and_they_resume_after_it(store: Store) {
     require_root();
     let mut cluster = Cluster::new(ClusterOpts {
         node: small_blocks(),
-        ..ClusterOpts::default()
+        ..ClusterOpts::on(store)
     });
     let mut pods: Vec<Pod> = Vec::new();
 
-    // One member down, the leader: everything keeps working, block claims
-    // included.
-    let leader = cluster
-        .etcd()
-        .leader()
-        .unwrap_or_else(|| panic!("no etcd leader"));
-    cluster.etcd_mut().kill_member(leader);
+    // On etcd, one member down, the leader: everything keeps working,
+    // block claims included.
+    let leader = (store == Store::Etcd).then(|| {
+        let leader = cluster
+            .etcd()
+            .leader()
+            .unwrap_or_else(|| panic!("no etcd leader"));
+        cluster.etcd_mut().kill_member(leader);
+        leader
+    });
     for _ in 0..3 {
         for i in 0..3 {
             pods.push(cluster.add_pod(i));
@@ -349,36 +368,46 @@ fn etcd_member_loss_and_full_outage() {
     }
     wait_routes_converge(&cluster);
     ping_every_pair(&pods.iter().collect::<Vec<_>>());
-    assert_no_overlap(&etcd_blocks(&cluster));
-    cluster.etcd_mut().start_member(leader);
+    assert_no_overlap(&store_blocks(&cluster));
+    if let Some(leader) = leader {
+        cluster.etcd_mut().start_member(leader);
+    }
 
-    // Every member down, with one address of each family free on node 0
-    // (its first pod deleted). That ADD succeeds...
+    // The whole store down, with one address of each family free on node
+    // 0 (its first pod deleted). That ADD succeeds...
     let first = pods.remove(0);
     assert!(cluster.node(0).del(&first).success());
     drop(first);
     let claims_before = admin::stats(cluster.node(0).daemon().socket()).block_claims;
-    cluster.etcd_mut().stop_all();
+    match store {
+        Store::Etcd => cluster.etcd_mut().stop_all(),
+        Store::Kubernetes => cluster.kube_api_mut().stop_apiserver(),
+    }
+    // What the messages name the store by.
+    let named = match store {
+        Store::Etcd => "etcd",
+        Store::Kubernetes => "Kubernetes API",
+    };
     let mut ok = 0;
     let failure = loop {
         let (ns, out) = add(cluster.node(0));
         if out.success() {
             ok += 1;
             drop(ns);
-            assert!(ok < 10, "ADDs kept succeeding with etcd down");
+            assert!(ok < 10, "ADDs kept succeeding with the store down");
             continue;
         }
         break out;
     };
     assert!(
         ok >= 1,
-        "no ADD succeeded from free block space with etcd down"
+        "no ADD succeeded from free block space with the store down"
     );
     // ...and the one that needs a new block fails with 11, saying why.
     assert_eq!(failure.error_code(), Some(11), "{failure}");
     let msg = failure.to_string();
     assert!(msg.contains("block"), "{msg}");
-    assert!(msg.contains("etcd"), "{msg}");
+    assert!(msg.contains(named), "{msg}");
     assert_eq!(
         admin::stats(cluster.node(0).daemon().socket()).block_claims,
         claims_before,
@@ -401,12 +430,15 @@ fn etcd_member_loss_and_full_outage() {
     assert!(status.to_string().contains("block"), "{status}");
     let health = get_node(cluster.node(0)).store_health.unwrap_or_default();
     assert!(!health.healthy, "{health:?}");
-    assert!(health.detail.contains("etcd"), "{health:?}");
+    assert!(health.detail.contains(named), "{health:?}");
     // Traffic between existing pods is untouched.
     ping_every_pair(&pods.iter().collect::<Vec<_>>());
 
-    // etcd returns: claims work again without restarting anything.
-    cluster.etcd_mut().start_all();
+    // The store returns: claims work again without restarting anything.
+    match store {
+        Store::Etcd => cluster.etcd_mut().start_all(),
+        Store::Kubernetes => cluster.kube_api_mut().start_apiserver(),
+    }
     let mut recovered = None;
     assert!(
         wait_until(CONVERGE, || {
@@ -418,7 +450,7 @@ fn etcd_member_loss_and_full_outage() {
                 false
             }
         }),
-        "ADD needing a block still fails after etcd returned"
+        "ADD needing a block still fails after the store returned"
     );
     let (_pod, added) = recovered.unwrap_or_else(|| panic!("no ADD recorded"));
     assert!(added.success());
@@ -437,14 +469,13 @@ fn etcd_member_loss_and_full_outage() {
         );
     }
     wait_routes_converge(&cluster);
-    assert_no_overlap(&etcd_blocks(&cluster));
+    assert_no_overlap(&store_blocks(&cluster));
     ping_every_pair(&pods.iter().collect::<Vec<_>>());
 }
 
-#[test]
-fn a_node_that_goes_away_is_reaped_and_its_routes_withdrawn() {
+fn a_node_that_goes_away_is_reaped_and_its_routes_withdrawn(store: Store) {
     require_root();
-    let mut cluster = Cluster::new(ClusterOpts::default());
+    let mut cluster = Cluster::new(ClusterOpts::on(store));
     let pods: Vec<Pod> = (0..2).map(|i| cluster.add_pod(i)).collect();
     wait_routes_converge(&cluster);
     let gone = cluster.node(2).name().to_owned();
@@ -470,28 +501,171 @@ fn a_node_that_goes_away_is_reaped_and_its_routes_withdrawn() {
             "node {i} still routes to {gone}'s blocks: {:?}",
             cluster.node(i).cluster_route_dsts()
         );
-        assert!(list_nodes(cluster.node(i)).iter().all(|n| n.name != gone));
+        // The record goes last, after the blocks and the ID.
+        assert!(
+            wait_until(CONVERGE, || list_nodes(cluster.node(i))
+                .iter()
+                .all(|n| n.name != gone)),
+            "node {i} still lists {gone}"
+        );
     }
-    let keys = cluster.etcd_keys();
+    let keys = cluster.store_keys();
     assert!(
         !keys.keys().any(|k| k.ends_with(&format!("/{gone}"))),
         "{keys:?}"
     );
-    assert!(!etcd_blocks(&cluster).values().any(|n| *n == gone));
+    assert!(!store_blocks(&cluster).values().any(|n| *n == gone));
     wait_routes_converge(&cluster);
     ping_every_pair(&pods.iter().collect::<Vec<_>>());
 }
 
-#[test]
-fn three_nodes_times_a_hundred_concurrent_adds() {
+/// A node whose daemon died (kill -9) is reaped while its pods still run
+/// in its kernel; when its daemon comes back it registers again, claims
+/// back the blocks its pods' addresses are in, and every node routes to
+/// them again.
+fn a_node_reaped_while_away_returns_and_claims_its_blocks_back(store: Store) {
     require_root();
-    let cluster = Cluster::new(ClusterOpts::default());
+    let mut cluster = Cluster::new(ClusterOpts::on(store));
+    let pods: Vec<Pod> = (0..3).map(|i| cluster.add_pod(i)).collect();
+    wait_routes_converge(&cluster);
+    let name = cluster.node(0).name().to_owned();
+    let mut blocks = get_node(cluster.node(0)).blocks;
+    blocks.sort();
+    assert_eq!(blocks.len(), 2, "{blocks:?}");
+
+    // Dead: its lease expires (2 s), the grace passes (3 s), it is reaped.
+    cluster.node_mut(0).daemon_mut().kill9();
+    for i in 1..3 {
+        assert!(
+            wait_until(Duration::from_secs(30), || !cluster
+                .node(i)
+                .cluster_route_dsts()
+                .iter()
+                .any(|d| blocks.contains(d))),
+            "node {i} still routes to {name}'s blocks"
+        );
+    }
+    assert!(
+        wait_until(CONVERGE, || !cluster
+            .store_keys()
+            .contains_key(&format!("/tether/v1/nodes/{name}"))),
+        "{name} was not reaped"
+    );
+
+    // Back: the same blocks, taken back by compare-and-swap.
+    cluster.node_mut(0).daemon_mut().restart();
+    let mut again = get_node(cluster.node(0)).blocks;
+    again.sort();
+    assert_eq!(again, blocks);
+    let log = cluster.node(0).daemon().log();
+    assert!(
+        log.contains("claimed back a block this node still uses"),
+        "{log}"
+    );
+    for node in cluster.nodes() {
+        assert!(
+            wait_until(CONVERGE, || {
+                let l = list_nodes(node);
+                l.len() == 3 && l.iter().all(|n| n.alive)
+            }),
+            "{:?}",
+            list_nodes(node)
+        );
+    }
+    wait_routes_converge(&cluster);
+    assert_no_overlap(&store_blocks(&cluster));
+    ping_every_pair(&pods.iter().collect::<Vec<_>>());
+}
+
+/// The files in a DEL queue (not its `bad/` directory).
+fn queued(node: &ClusterNode) -> usize {
+    let dir = node.daemon().state_dir().join("pending-del");
+    std::fs::read_dir(&dir)
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// A daemon killed (kill -9): the runtime's DEL meanwhile is queued by the
+/// plugin and succeeds; the pods it wired keep their traffic across nodes;
+/// back, it replays the DEL before it serves, with the same ID and blocks,
+/// and the other nodes route to it as before.
+fn a_killed_daemon_queues_dels_and_returns_with_its_id_and_blocks(store: Store) {
+    require_root();
+    let mut cluster = Cluster::new(ClusterOpts {
+        node: NodeOpts {
+            // The outage must not reap it.
+            node_grace_secs: 60,
+            ..NodeOpts::default()
+        },
+        ..ClusterOpts::on(store)
+    });
+    let gone = cluster.add_pod(0);
+    let kept = cluster.add_pod(0);
+    let peer = cluster.add_pod(1);
+    wait_routes_converge(&cluster);
+    let before = get_node(cluster.node(0));
+
+    assert!(!cluster.node_mut(0).daemon_mut().kill9().success());
+    let del = cluster.node(0).del(&gone);
+    assert!(del.success(), "a DEL while the daemon is down: {del}");
+    assert_eq!(queued(cluster.node(0)), 1);
+    // The dataplane needs no daemon.
+    ping_every_pair(&[&kept, &peer]);
+
+    cluster.node_mut(0).daemon_mut().restart();
+    let log = cluster.node(0).daemon().log();
+    assert!(log.contains("replayed queued DELs before serving"), "{log}");
+    assert_eq!(queued(cluster.node(0)), 0);
+    assert!(!gone.netns().has_link("eth0"), "the queued DEL left eth0");
+    for ip in gone.ips() {
+        let route = cluster.node(0).netns().exec_ok(&[
+            "ip",
+            "route",
+            "show",
+            "proto",
+            "201",
+            &ip.to_string(),
+        ]);
+        assert!(route.trim().is_empty(), "{ip}: {route}");
+    }
+    let after = get_node(cluster.node(0));
+    assert_eq!(after.node_id, before.node_id);
+    assert_eq!(after.blocks, before.blocks);
+    for node in cluster.nodes() {
+        assert!(
+            wait_until(CONVERGE, || list_nodes(node).iter().all(|n| n.alive)),
+            "{:?}",
+            list_nodes(node)
+        );
+    }
+    wait_routes_converge(&cluster);
+    ping_every_pair(&[&kept, &peer]);
+    // A new pod on the node comes from its blocks.
+    let new = cluster.add_pod(0);
+    let v4 = new.v4().unwrap_or_else(|| panic!("no IPv4"));
+    assert!(
+        after
+            .blocks
+            .iter()
+            .any(|b| b.parse::<IpNet>().is_ok_and(|b| b.contains(&v4))),
+        "{v4} not in {:?}",
+        after.blocks
+    );
+}
+
+fn three_nodes_times_a_hundred_concurrent_adds(store: Store) {
+    require_root();
+    let cluster = Cluster::new(ClusterOpts::on(store));
     let pods: Vec<Pod> = parallel(300, |i| cluster.add_pod(i % 3));
     let ips: Vec<IpAddr> = pods.iter().flat_map(|p| p.ips().to_vec()).collect();
     assert_eq!(ips.len(), 600);
     assert_distinct("pod addresses", ips.iter().copied());
 
-    let blocks = etcd_blocks(&cluster);
+    let blocks = store_blocks(&cluster);
     assert_no_overlap(&blocks);
     // Every address lies in a block held by the node that handed it out.
     for p in &pods {
@@ -521,6 +695,125 @@ fn three_nodes_times_a_hundred_concurrent_adds() {
     for d in &dels {
         assert!(d.success(), "{d}");
     }
+}
+
+/// The Kubernetes store's objects can be written by hand: the CRDs' schemas
+/// refuse what is no record (a CIDR that is none, a node ID out of range, a
+/// missing field), and what passes them but is still no record (a block
+/// under a name that is not its CIDR's, a VM record under another VM's
+/// name) is left out by every daemon, with a warning, while the rest is
+/// served and routed as before.
+#[test]
+fn kubernetes_store_objects_edited_by_hand_are_refused_or_left_out() {
+    require_root();
+    let cluster = Cluster::new(ClusterOpts {
+        nodes: 2,
+        ..ClusterOpts::on(Store::Kubernetes)
+    });
+    let pods: Vec<Pod> = (0..2).map(|i| cluster.add_pod(i)).collect();
+    wait_routes_converge(&cluster);
+    let api = cluster.kube_api();
+    let object = |kind: &str, name: &str, spec: Value| {
+        serde_json::json!({
+            "apiVersion": "tether.dev/v1alpha1",
+            "kind": kind,
+            "metadata": {"name": name},
+            "spec": spec,
+        })
+        .to_string()
+    };
+    let apply = |manifest: String| {
+        let file = api
+            .dir()
+            .join(format!("{}.json", tether_e2e::unique_name("bad")));
+        std::fs::write(&file, manifest).unwrap_or_else(|e| panic!("{e}"));
+        api.kubectl(&["apply", "-f", &file.display().to_string()])
+    };
+    for (kind, name, spec, says) in [
+        (
+            "AddressBlock",
+            "10.244.99.0-26",
+            serde_json::json!({"cidr": "not a cidr", "node": "x", "node_id": 1, "claimed_unix_ms": 0}),
+            "spec.cidr",
+        ),
+        (
+            "TetherNode",
+            "n",
+            serde_json::json!({"name": "n", "id": 40000, "node_ips": []}),
+            "spec.id",
+        ),
+        (
+            "VMAddress",
+            "ns.vm.eth0",
+            serde_json::json!({"ips": ["10.244.99.1"], "mac": "0a:58:0a:f4:63:01"}),
+            "spec.key",
+        ),
+    ] {
+        let out = apply(object(kind, name, spec));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{kind} {name} was accepted");
+        assert!(err.contains(says), "{kind}: {err}");
+    }
+    // Valid to the schema, no record to tetherd: a block named for another
+    // CIDR (with a route it must not get), a VM record under another name.
+    let out = apply(object(
+        "AddressBlock",
+        "garbage",
+        serde_json::json!({"cidr": "10.244.99.0/26", "node": "nobody", "node_id": 7, "claimed_unix_ms": 0}),
+    ));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = apply(object(
+        "VMAddress",
+        "ns.other.eth0",
+        serde_json::json!({
+            "key": {"namespace": "ns", "vm": "vm", "interface": "eth0"},
+            "ips": ["10.244.99.1"], "mac": "0a:58:0a:f4:63:01", "origin": "reserved",
+            "generation": 1, "created_unix_ms": 0,
+        }),
+    ));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for node in cluster.nodes() {
+        assert!(
+            wait_until(CONVERGE, || node
+                .daemon()
+                .log()
+                .contains("ignoring an object that is no tether record")),
+            "{} said nothing of the garbage",
+            node.name()
+        );
+        assert!(
+            !node
+                .cluster_route_dsts()
+                .contains(&"10.244.99.0/26".to_owned()),
+            "{} routes a block that is no record",
+            node.name()
+        );
+    }
+    // The rest goes on: a new pod, pings across the nodes, and a restart,
+    // which lists everything again.
+    let mut pods = pods;
+    pods.push(cluster.add_pod(1));
+    ping_every_pair(&pods.iter().collect::<Vec<_>>());
+    let mut cluster = cluster;
+    cluster.node_mut(0).daemon_mut().restart();
+    assert!(!cluster
+        .node(0)
+        .cluster_route_dsts()
+        .contains(&"10.244.99.0/26".to_owned()));
+    ping_every_pair(&pods.iter().collect::<Vec<_>>());
+    // Gone again, the blocks the harness reads are tetherd's alone.
+    cluster
+        .kube_api()
+        .kubectl_ok(&["delete", "addressblock/garbage", "vmaddress/ns.other.eth0"]);
+    wait_routes_converge(&cluster);
 }
 
 /// A child process killed (SIGKILL, by our own handle) and reaped on drop.

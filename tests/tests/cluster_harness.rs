@@ -274,6 +274,7 @@ fn pods_on_two_nodes_ping_across_the_fabric() {
         nodes: 0,
         etcd_members: 1,
         node: NodeOpts::default(),
+        ..ClusterOpts::default()
     });
     let cidrs = [
         ["10.244.1.0/24", "fd00:10:244:1::/120"],

@@ -351,7 +351,17 @@ fn each_mode_renders_its_flags_and_only_flags_tetherd_knows() {
         "--pools=/etc/tether/pools/pools.json",
         "--metrics-address=$(HOST_IP):9654",
     ];
-    let modes: [(&str, &[&str]); 3] = [
+    let modes: [(&str, &[&str]); 4] = [
+        (
+            "kubernetes",
+            &[
+                "--store=kubernetes",
+                "--lease-namespace=kube-system",
+                "--cluster-cidr=10.244.0.0/16",
+                "--cluster-cidr=fd00:10:244::/56",
+                "--overlay=none",
+            ],
+        ),
         ("singleNode", &["--pod-cidr=10.244.0.0/24"]),
         ("nodeCidrs", &["--pod-cidr-from-node", "--overlay=none"]),
         (
@@ -429,8 +439,11 @@ fn each_mode_renders_its_flags_and_only_flags_tetherd_knows() {
 fn the_chart_refuses_what_it_cannot_render() {
     let helm = Helm::new();
     for (set, says) in [
-        ("mode=kubernetes", "planned, not yet in tetherd"),
-        ("mode=etcdd", "mode must be singleNode, nodeCidrs or etcd"),
+        (
+            "mode=etcdd",
+            "mode must be kubernetes, singleNode, nodeCidrs or etcd",
+        ),
+        ("cluster.cidrs=null", "mode kubernetes needs cluster.cidrs"),
         ("overlay=geneve", "overlay must be none or vxlan"),
         ("image.tag=latest", "never \"latest\""),
         (
@@ -484,7 +497,9 @@ fn the_defaults_render_a_versioned_image_and_nothing_optional() {
             "ConfigMap/tether-pools",
             "ClusterRole/tether",
             "ClusterRoleBinding/tether",
+            "Role/tether-leases",
             "Role/tether-uninstall",
+            "RoleBinding/tether-leases",
             "RoleBinding/tether-uninstall",
             "Service/tether-metrics",
             "DaemonSet/tether",
@@ -524,8 +539,28 @@ fn the_defaults_render_a_versioned_image_and_nothing_optional() {
             {"apiGroups": ["k8s.cni.cncf.io"], "resources": ["ipamclaims"], "verbs": ["get", "list", "watch"]},
             {"apiGroups": ["k8s.cni.cncf.io"], "resources": ["ipamclaims/status"], "verbs": ["patch"]},
             {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+            // Mode kubernetes (the default): tether's own records.
+            {"apiGroups": ["tether.dev"], "resources": ["tethernodes"], "verbs": ["get", "list", "watch", "create", "update", "delete"]},
+            {"apiGroups": ["tether.dev"], "resources": ["tethernodeids"], "verbs": ["get", "list", "create", "update", "delete"]},
+            {"apiGroups": ["tether.dev"], "resources": ["addressblocks"], "verbs": ["get", "list", "watch", "create", "delete"]},
+            {"apiGroups": ["tether.dev"], "resources": ["poolblocks"], "verbs": ["get", "list", "create"]},
+            {"apiGroups": ["tether.dev"], "resources": ["vmaddresses"], "verbs": ["get", "list", "watch", "create", "update", "delete"]},
+            {"apiGroups": ["tether.dev"], "resources": ["vmaddressowners"], "verbs": ["get", "list", "create", "update", "delete"]},
         ])
     );
+    // ... and the nodes' Leases, in the release's namespace only.
+    assert_eq!(
+        chart::find(&objects, "Role", "tether-leases")["rules"],
+        json!([{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]}])
+    );
+    // The other modes write none of it.
+    let etcd = chart::objects(&chart::template(&["mode=etcd"]));
+    let rules = chart::find(&etcd, "ClusterRole", "tether")["rules"].to_string();
+    assert!(!rules.contains("tether.dev"), "{rules}");
+    assert!(!etcd
+        .iter()
+        .any(|o| o["metadata"]["name"] == "tether-leases"));
     assert_eq!(
         chart::find(&objects, "Role", "tether-uninstall")["rules"],
         json!([{"apiGroups": ["apps"], "resources": ["daemonsets"],
@@ -562,7 +597,9 @@ fn the_defaults_render_a_versioned_image_and_nothing_optional() {
         r#"{"pools":[{"cidr":"192.168.100.0/24","name":"migration"}]}"#
     );
     assert!(
-        !objects.iter().any(|o| o["kind"] == "Role"),
+        !objects
+            .iter()
+            .any(|o| o["kind"] == "Role" && o["metadata"]["name"] == "tether-uninstall"),
         "uninstall.enabled=false keeps its Role"
     );
     let ds = chart::find(&objects, "DaemonSet", chart::RELEASE);
@@ -607,7 +644,7 @@ fn the_committed_manifests_are_the_charts_output() {
         names(&generated),
         "install/manifests/ has other files than generate.sh writes"
     );
-    let mut expected = vec!["ipamclaims-crd.yaml"];
+    let mut expected = vec!["ipamclaims-crd.yaml", "tether-crds.yaml"];
     expected.extend(chart::MODES.iter().map(|(_, f)| *f));
     expected.sort();
     assert_eq!(names(&files), expected);

@@ -10,8 +10,9 @@
 //!   predate the GC verb), releases orphans; SIGHUP reloads the pools file
 //!   without taking a held address away; the admin API's ListPools and
 //!   GetPool show it all;
-//! - two nodes on etcd: each claims its own blocks of one pool, and their
-//!   macvlan pods, on the test fabric, ping each other.
+//! - two nodes on etcd or on the Kubernetes store: each claims its own
+//!   blocks of one pool, and their macvlan pods, on the test fabric, ping
+//!   each other.
 //!
 //! This kernel has no ipvlan module, so Debian's `ipvlan` plugin cannot run
 //! here; it calls its IPAM exactly as macvlan does.
@@ -24,7 +25,7 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use serde_json::{json, Value};
-use tether_e2e::cluster::{assert_ping_within, Cluster, ClusterOpts, NodeOpts};
+use tether_e2e::cluster::{assert_ping_within, Cluster, ClusterOpts, NodeOpts, Store};
 use tether_e2e::{
     admin, cni, pb, ref_plugin, require_root, tether_bin, CniEnv, CniOutput, Daemon, DaemonOpts,
     Netns, TempDir,
@@ -442,8 +443,9 @@ fn macvlan_and_bridge_take_their_addresses_from_tether() {
     assert_eq!(used(&daemon, "mig") + used(&daemon, "lan"), 0);
 }
 
-#[test]
-fn two_nodes_on_etcd_share_a_pool_and_their_macvlan_pods_ping() {
+tether_e2e::on_both_stores!(two_nodes_share_a_pool_and_their_macvlan_pods_ping);
+
+fn two_nodes_share_a_pool_and_their_macvlan_pods_ping(store: Store) {
     require_root();
     let files = TempDir::new("pools");
     let pools = pools_file(&files, POOLS);
@@ -454,6 +456,7 @@ fn two_nodes_on_etcd_share_a_pool_and_their_macvlan_pods_ping() {
             extra_args: vec!["--pools".into(), pools],
             ..Default::default()
         },
+        ..ClusterOpts::on(store)
     });
     let plugins = plugin_dir();
     let mut pods = Vec::new();
@@ -483,7 +486,7 @@ fn two_nodes_on_etcd_share_a_pool_and_their_macvlan_pods_ping() {
     assert_eq!(block(pods[2].2), block(pods[3].2));
     assert_ne!(block(pods[0].2), block(pods[2].2));
     let records: Vec<(String, String)> = cluster
-        .etcd_keys()
+        .store_keys()
         .into_iter()
         .filter(|(k, _)| k.contains("/poolblocks/"))
         .collect();

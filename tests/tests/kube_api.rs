@@ -24,11 +24,11 @@
 //!   API does not answer.
 
 use std::net::IpAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tether_e2e::cluster::{Cluster, ClusterNode, ClusterOpts, Fabric, NodeOpts};
+use tether_e2e::cluster::{Cluster, ClusterNode, ClusterOpts, Fabric, Store};
 use tether_e2e::kube::{KubeApi, TETHER_SA};
 use tether_e2e::vm::{active_node, add_vm_pod, del_vm_pod, get_claimed_vm, get_vm, VmPodSpec};
 use tether_e2e::{
@@ -39,28 +39,21 @@ use tether_e2e::{
 const CONVERGE: Duration = Duration::from_secs(20);
 const NS: &str = "vms";
 
-/// A cluster of `nodes` nodes on etcd whose daemons use the API with the
-/// install's service account; the API server on the same fabric.
-fn cluster_with_api(nodes: usize) -> (Cluster, KubeApi, PathBuf) {
-    let mut cluster = Cluster::new(ClusterOpts {
-        nodes: 0,
-        ..ClusterOpts::default()
+/// A cluster of `nodes` nodes on `store` whose daemons use the API with
+/// the install's service account (on the Kubernetes store, the same API
+/// server is the store).
+fn cluster_with_api(nodes: usize, store: Store) -> Cluster {
+    let cluster = Cluster::new(ClusterOpts {
+        nodes,
+        with_api: true,
+        ..ClusterOpts::on(store)
     });
-    let api = KubeApi::start(cluster.fabric());
-    api.install_tether();
-    let kubeconfig = api.token_kubeconfig(TETHER_SA.0, TETHER_SA.1);
-    let opts = NodeOpts {
-        extra_args: vec!["--kubeconfig".into(), kubeconfig.display().to_string()],
-        ..NodeOpts::default()
-    };
-    for _ in 0..nodes {
-        cluster.add_node_with(&opts);
-    }
+    let api = cluster.kube_api();
     api.kubectl_ok(&["create", "namespace", NS]);
     // No controller-manager runs to make it: pods need their namespace's
     // default service account (the ServiceAccount admission plugin).
     api.kubectl_ok(&["-n", NS, "create", "serviceaccount", "default"]);
-    (cluster, api, kubeconfig)
+    cluster
 }
 
 /// Creates a virt-launcher pod in the API, on `node`, as KubeVirt would
@@ -317,27 +310,29 @@ fn routes_locally(n: &ClusterNode, ip: IpAddr) -> bool {
         .any(|r| r["dst"] == ip.to_string() || r["dst"] == format!("{ip}/32"))
 }
 
-#[test]
-fn ipamclaims_and_the_migration_target_watch_against_a_real_api_server() {
+tether_e2e::on_both_stores!(ipamclaims_and_the_migration_target_watch_against_a_real_api_server);
+
+fn ipamclaims_and_the_migration_target_watch_against_a_real_api_server(store: Store) {
     require_root();
-    let (cluster, api, _) = cluster_with_api(2);
+    let cluster = cluster_with_api(2, store);
+    let api = cluster.kube_api();
     let (a, b) = (cluster.node(0), cluster.node(1));
 
     // 1. A claim made as KubeVirt makes it; the VM's first pod on A.
-    create_claim(&api, "vm1.default", "vm1");
+    create_claim(api, "vm1.default", "vm1");
     let mut first = VmPodSpec::new(NS, "vm1", "virt-launcher-vm1-aaaaa");
     first.claim = Some("vm1.default".into());
-    let first = api_pod(&api, a.name(), &first);
+    let first = api_pod(api, a.name(), &first);
     let source = add_vm_pod(a, &first);
     let ips = source.ips().to_vec();
     let rec = get_claimed_vm(socket(a), NS, "vm1.default").expect("a record keyed by the claim");
     assert_eq!(rec.interface, ":ipamclaim");
-    wait_claim_filled(&api, "vm1.default", &ips, "virt-launcher-vm1-aaaaa");
+    wait_claim_filled(api, "vm1.default", &ips, "virt-launcher-vm1-aaaaa");
     eprintln!("claim filled: {ips:?}");
 
     // 3. A migration to B cut over by the annotation alone: no RARP is
     // sent, and the target's ADD carries no ready marker.
-    let t1 = api_pod(&api, b.name(), &first.target("virt-launcher-vm1-bbbbb"));
+    let t1 = api_pod(api, b.name(), &first.target("virt-launcher-vm1-bbbbb"));
     let target = add_vm_pod(b, &t1);
     assert_eq!(target.ips(), &ips[..]);
     let rec = get_claimed_vm(socket(b), NS, "vm1.default").expect("record");
@@ -347,13 +342,13 @@ fn ipamclaims_and_the_migration_target_watch_against_a_real_api_server() {
         "cut over before the annotation"
     );
     let t0 = Instant::now();
-    mark_ready(&api, "virt-launcher-vm1-bbbbb");
+    mark_ready(api, "virt-launcher-vm1-bbbbb");
     wait_active(b, "vm1.default", b.name(), "annotation");
     eprintln!("annotation to record on B: {:?}", t0.elapsed());
     assert!(wait_until(CONVERGE, || routes_locally(b, ips[0])
         && !routes_locally(a, ips[0])));
-    wait_event(&api, NS, "virt-launcher-vm1-bbbbb", "CutoverDone");
-    wait_claim_filled(&api, "vm1.default", &ips, "virt-launcher-vm1-bbbbb");
+    wait_event(api, NS, "virt-launcher-vm1-bbbbb", "CutoverDone");
+    wait_claim_filled(api, "vm1.default", &ips, "virt-launcher-vm1-bbbbb");
 
     // The source pod leaves (its DEL), as after a successful migration.
     del_vm_pod(a, &first, &source).assert_success();
@@ -361,9 +356,9 @@ fn ipamclaims_and_the_migration_target_watch_against_a_real_api_server() {
     // A stale marker: migrate back to A; the old target on B (ready
     // marker and all) becomes the demoted source, and an update of that
     // pod must not steal the VM back.
-    let t2 = api_pod(&api, a.name(), &first.target("virt-launcher-vm1-ccccc"));
+    let t2 = api_pod(api, a.name(), &first.target("virt-launcher-vm1-ccccc"));
     let back = add_vm_pod(a, &t2);
-    mark_ready(&api, "virt-launcher-vm1-ccccc");
+    mark_ready(api, "virt-launcher-vm1-ccccc");
     wait_active(a, "vm1.default", a.name(), "annotation");
     assert!(wait_until(CONVERGE, || routes_locally(a, ips[0])
         && !routes_locally(b, ips[0])));
@@ -375,7 +370,7 @@ fn ipamclaims_and_the_migration_target_watch_against_a_real_api_server() {
     let pinging = Instant::now();
     for i in 0..20 {
         if i % 2 == 0 {
-            touch_n(&api, "virt-launcher-vm1-bbbbb", i);
+            touch_n(api, "virt-launcher-vm1-bbbbb", i);
         } else {
             api.kubectl_ok(&[
                 "-n",
@@ -423,9 +418,9 @@ fn ipamclaims_and_the_migration_target_watch_against_a_real_api_server() {
     // 4. A migration that fails after its cutover: the target on B is
     // promoted, then deleted while the source on A still runs. No RARP
     // and no DEL yet: the API's signal alone gives the VM back.
-    let t3 = api_pod(&api, b.name(), &first.target("virt-launcher-vm1-ddddd"));
+    let t3 = api_pod(api, b.name(), &first.target("virt-launcher-vm1-ddddd"));
     let late = add_vm_pod(b, &t3);
-    mark_ready(&api, "virt-launcher-vm1-ddddd");
+    mark_ready(api, "virt-launcher-vm1-ddddd");
     wait_active(b, "vm1.default", b.name(), "annotation");
     api.kubectl_ok(&[
         "-n",
@@ -442,7 +437,7 @@ fn ipamclaims_and_the_migration_target_watch_against_a_real_api_server() {
     );
     assert!(wait_until(CONVERGE, || routes_locally(a, ips[0])
         && !routes_locally(b, ips[0])));
-    wait_event(&api, NS, "virt-launcher-vm1-ccccc", "CutoverReverted");
+    wait_event(api, NS, "virt-launcher-vm1-ccccc", "CutoverReverted");
     // The failed target's DEL then frees nothing.
     del_vm_pod(b, &t3, &late).assert_success();
     let rec = get_claimed_vm(socket(a), NS, "vm1.default").expect("record");
@@ -451,7 +446,7 @@ fn ipamclaims_and_the_migration_target_watch_against_a_real_api_server() {
     // 2. The VM stops, and starts again on B: the claim's addresses.
     del_vm_pod(a, &t2, &back).assert_success();
     api.kubectl_ok(&["-n", NS, "delete", "pod", "--all", "--wait=false"]);
-    let again = api_pod(&api, b.name(), &{
+    let again = api_pod(api, b.name(), &{
         let mut s = VmPodSpec::new(NS, "vm1", "virt-launcher-vm1-eeeee");
         s.claim = Some("vm1.default".into());
         s
@@ -462,10 +457,10 @@ fn ipamclaims_and_the_migration_target_watch_against_a_real_api_server() {
         &ips[..],
         "the restarted VM lost its addresses"
     );
-    wait_claim_filled(&api, "vm1.default", &ips, "virt-launcher-vm1-eeeee");
+    wait_claim_filled(api, "vm1.default", &ips, "virt-launcher-vm1-eeeee");
 
     // A claim that already holds addresses gives them to a new VM.
-    create_claim(&api, "vm2.default", "vm2");
+    create_claim(api, "vm2.default", "vm2");
     let seeded: Vec<IpAddr> = vec!["10.244.250.7".parse().unwrap()];
     api.kubectl_ok(&[
         "-n",
@@ -479,19 +474,19 @@ fn ipamclaims_and_the_migration_target_watch_against_a_real_api_server() {
         &json!({"status": {"ips": status_ips(&seeded)}}).to_string(),
     ]);
     // The cache must have seen it before the pod comes.
-    assert!(wait_until(CONVERGE, || claim(&api, "vm2.default")
+    assert!(wait_until(CONVERGE, || claim(api, "vm2.default")
         .is_some_and(|c| c["status"]["ips"][0] == "10.244.250.7/32")));
     std::thread::sleep(Duration::from_secs(1));
     let mut vm2 = VmPodSpec::new(NS, "vm2", "virt-launcher-vm2-aaaaa");
     vm2.claim = Some("vm2.default".into());
-    let vm2 = api_pod(&api, a.name(), &vm2);
+    let vm2 = api_pod(api, a.name(), &vm2);
     let pod2 = add_vm_pod(a, &vm2);
     assert!(
         pod2.ips().contains(&seeded[0]),
         "the claim's address was not used: {:?}",
         pod2.ips()
     );
-    wait_claim_filled(&api, "vm2.default", pod2.ips(), "virt-launcher-vm2-aaaaa");
+    wait_claim_filled(api, "vm2.default", pod2.ips(), "virt-launcher-vm2-aaaaa");
 
     // Deleting pods never releases a claim's addresses; deleting the claim
     // does, once no pod is left.
@@ -649,6 +644,27 @@ fn outage_pod_cidr_from_node_events_and_least_privilege() {
         ("update", "nodes", false),
         ("get", "secrets", false),
         ("update", "ipamclaims.k8s.cni.cncf.io", false),
+        // Mode kubernetes (the chart's default): tether's records, each
+        // kind with the verbs --store kubernetes calls and no other.
+        ("watch", "tethernodes.tether.dev", true),
+        ("update", "tethernodes.tether.dev", true),
+        ("patch", "tethernodes.tether.dev", false),
+        ("create", "tethernodeids.tether.dev", true),
+        ("watch", "tethernodeids.tether.dev", false),
+        ("create", "addressblocks.tether.dev", true),
+        ("delete", "addressblocks.tether.dev", true),
+        ("update", "addressblocks.tether.dev", false),
+        ("create", "poolblocks.tether.dev", true),
+        ("delete", "poolblocks.tether.dev", false),
+        ("update", "vmaddresses.tether.dev", true),
+        ("deletecollection", "vmaddresses.tether.dev", false),
+        ("update", "vmaddressowners.tether.dev", true),
+        ("watch", "vmaddressowners.tether.dev", false),
+        (
+            "create",
+            "customresourcedefinitions.apiextensions.k8s.io",
+            false,
+        ),
     ] {
         let mut args = vec!["auth", "can-i", verb, &sa, "-A"];
         match what.split_once('/') {
@@ -665,6 +681,27 @@ fn outage_pod_cidr_from_node_events_and_least_privilege() {
         let out = api.kubectl(&args);
         let said = String::from_utf8_lossy(&out.stdout).trim().to_owned();
         assert_eq!(said == "yes", yes, "can-i {verb} {what}: {said}");
+    }
+    // The nodes' Leases: in tether's namespace only.
+    for (verb, ns, yes) in [
+        ("create", TETHER_SA.0, true),
+        ("patch", TETHER_SA.0, true),
+        ("delete", TETHER_SA.0, true),
+        ("watch", TETHER_SA.0, true),
+        ("create", NS, false),
+        ("create", "kube-node-lease", false),
+    ] {
+        let out = api.kubectl(&[
+            "auth",
+            "can-i",
+            verb,
+            &sa,
+            "-n",
+            ns,
+            "leases.coordination.k8s.io",
+        ]);
+        let said = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        assert_eq!(said == "yes", yes, "can-i {verb} leases in {ns}: {said}");
     }
     // The uninstall container's one read: tether's own DaemonSet, by name.
     for (verb, what, yes) in [

@@ -1,6 +1,7 @@
 //! Two real kubelet nodes, each in its own network, mount and PID
 //! namespaces (tests/src/nodes.rs), with kube-proxy, and tether installed
-//! by its chart in etcd cluster mode: the ground of the conformance suite.
+//! by its chart in its default mode (the Kubernetes store): the ground of
+//! the conformance suite.
 //!
 //! Checked here with the harness's own busybox images: every node's
 //! `/proc/1` is its own init and its `/var/lib/kubelet` its own; both
@@ -125,6 +126,9 @@ fn two_kubelet_nodes_with_their_own_namespaces_wire_pods_through_the_installed_c
     for i in 0..2 {
         wait_running(&c, &format!("h{i}"));
     }
+    let nodes = c.nodes();
+    wait_route(&nodes[0], &ips[1], &toward(&nodes[0], &nodes[1]));
+    wait_route(&nodes[1], &ips[0], &toward(&nodes[1], &nodes[0]));
     for (from, to) in [
         ("p0", &ips[1]),
         ("p1", &ips[0]),
@@ -132,13 +136,7 @@ fn two_kubelet_nodes_with_their_own_namespaces_wire_pods_through_the_installed_c
         ("h1", &ips[0]),
         ("h0", &ips[0]),
     ] {
-        let out = exec(&c, from, &["ping", "-c", "2", "-W", "2", to]);
-        assert!(
-            out.status.success(),
-            "{from} → {to}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        ping_ok(&c, from, to);
     }
     // The API server reaches both pods' IPs: its route via node 0.
     for ip in &ips {
@@ -196,20 +194,45 @@ fn attachment(node: &KubeNode, name: &str) -> tether_e2e::pb::Attachment {
     list.remove(0)
 }
 
-/// `node`'s route to `ip`: its device.
+/// `node`'s route to `ip`: its device, and its gateway if it has one
+/// (`eth0 via 10.77.0.12`).
 fn route_dev(node: &KubeNode, ip: &str) -> String {
     let out = node.netns().exec_ok(&["ip", "-j", "route", "get", ip]);
     let v: Value = serde_json::from_str(&out).expect("ip -j route get");
-    v[0]["dev"].as_str().unwrap_or_default().to_string()
+    let dev = v[0]["dev"].as_str().unwrap_or_default();
+    match v[0]["gateway"].as_str() {
+        Some(gw) => format!("{dev} via {gw}"),
+        None => dev.to_string(),
+    }
+}
+
+/// What [`route_dev`] gives on `from` for an address routed to node `to`
+/// (every node also has a default route through the fabric's gateway, so
+/// the device alone would not tell).
+fn toward(from: &KubeNode, to: &KubeNode) -> String {
+    format!("{} via {}", from.underlay().ifname, to.underlay().v4)
 }
 
 fn ping_ok(c: &KubeCluster, from: &str, to: &str) {
     let out = exec(c, from, &["ping", "-c", "2", "-W", "2", to]);
     assert!(
         out.status.success(),
-        "{from} → {to}: {}{}",
+        "{from} → {to}: {}{}\n{}",
         String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+        String::from_utf8_lossy(&out.stderr),
+        c.network_view()
+    );
+}
+
+/// Waits until `node` routes `ip` by `dev`: a block claimed on one node
+/// reaches the others through the store's watch, after the pod on it is
+/// already running.
+fn wait_route(node: &KubeNode, ip: &str, dev: &str) {
+    assert!(
+        wait_until(Duration::from_secs(30), || route_dev(node, ip) == dev),
+        "{} routes {ip} via {}, not {dev}",
+        node.name(),
+        route_dev(node, ip)
     );
 }
 
@@ -238,6 +261,26 @@ s.send(frame + bytes(60 - len(frame)))
     );
 }
 
+/// Deletes pod `default/name` and waits until it is gone.
+fn delete_pod(c: &KubeCluster, name: &str) {
+    c.api
+        .kubectl_ok(&["-n", "default", "delete", "pod", name, "--wait=true"]);
+}
+
+/// Waits until node `a` routes `ip` by `a_dev` and node `b` by `b_dev`;
+/// `what` names the cause in the failure.
+fn wait_routes(a: &KubeNode, a_dev: &str, b: &KubeNode, b_dev: &str, ip: &str, what: &str) {
+    let moved = wait_until(Duration::from_secs(30), || {
+        route_dev(a, ip) == a_dev && route_dev(b, ip) == b_dev
+    });
+    assert!(
+        moved,
+        "{what} did not move {ip}: A via {} (want {a_dev}), B via {} (want {b_dev})",
+        route_dev(a, ip),
+        route_dev(b, ip)
+    );
+}
+
 #[test]
 fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping_ip_and_mac() {
     require_root();
@@ -247,8 +290,10 @@ fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping
     let converge = Duration::from_secs(30);
     c.api.apply(&pod("obs-a", a.name(), false).to_string());
     c.api.apply(&pod("obs-b", b.name(), false).to_string());
-    wait_running(&c, "obs-a");
-    wait_running(&c, "obs-b");
+    let obs_a = wait_running(&c, "obs-a");
+    let obs_b = wait_running(&c, "obs-b");
+    wait_route(a, &obs_b, &toward(a, b));
+    wait_route(b, &obs_a, &toward(b, a));
 
     // The VM on A.
     let vm = VmPodSpec::new("default", "vm1", "virt-launcher-vm1-aaaaa");
@@ -257,11 +302,7 @@ fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping
     let src = attachment(a, &vm.pod_name);
     let vm_mac = src.mac.clone();
     assert_eq!(route_dev(a, &vm_ip), src.host_interface);
-    assert_eq!(
-        route_dev(b, &vm_ip),
-        b.underlay().ifname,
-        "B routes the VM to A"
-    );
+    assert_eq!(route_dev(b, &vm_ip), toward(b, a), "B routes the VM to A");
     ping_ok(&c, "obs-b", &vm_ip);
 
     // Its migration target on B: the same IP and MAC; nothing moves until
@@ -275,11 +316,7 @@ fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping
     );
     let tgt = attachment(b, &t1.pod_name);
     assert_eq!(tgt.mac, vm_mac, "the target has the VM's MAC");
-    assert_eq!(
-        route_dev(b, &vm_ip),
-        b.underlay().ifname,
-        "cut over before ready"
-    );
+    assert_eq!(route_dev(b, &vm_ip), toward(b, a), "cut over before ready");
     assert_eq!(
         route_dev(a, &vm_ip),
         src.host_interface,
@@ -294,21 +331,15 @@ fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping
         &t1.pod_name,
         "kubevirt.io/migration-target-ready-timestamp=2026-11-26T12:00:00Z",
     ]);
-    assert!(
-        wait_until(converge, || route_dev(b, &vm_ip) == tgt.host_interface
-            && route_dev(a, &vm_ip) == a.underlay().ifname),
-        "the ready annotation did not move the VM to B: A via {}, B via {}",
-        route_dev(a, &vm_ip),
-        route_dev(b, &vm_ip)
+    wait_routes(
+        a,
+        &toward(a, b),
+        b,
+        &tgt.host_interface,
+        &vm_ip,
+        "the ready annotation",
     );
-    c.api.kubectl_ok(&[
-        "-n",
-        "default",
-        "delete",
-        "pod",
-        &vm.pod_name,
-        "--wait=true",
-    ]);
+    delete_pod(&c, &vm.pod_name);
     ping_ok(&c, "obs-a", &vm_ip);
     ping_ok(&c, "obs-b", &vm_ip);
     eprintln!(
@@ -324,38 +355,25 @@ fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping
     assert_eq!(back.mac, vm_mac);
     assert_eq!(
         route_dev(a, &vm_ip),
-        a.underlay().ifname,
+        toward(a, b),
         "cut over before the RARP"
     );
     send_rarp(a, &back.netns, &vm_mac);
-    assert!(
-        wait_until(converge, || route_dev(a, &vm_ip) == back.host_interface
-            && route_dev(b, &vm_ip) == b.underlay().ifname),
-        "the RARP did not move the VM to A: A via {}, B via {}",
-        route_dev(a, &vm_ip),
-        route_dev(b, &vm_ip)
+    wait_routes(
+        a,
+        &back.host_interface,
+        b,
+        &toward(b, a),
+        &vm_ip,
+        "the RARP",
     );
-    c.api.kubectl_ok(&[
-        "-n",
-        "default",
-        "delete",
-        "pod",
-        &t1.pod_name,
-        "--wait=true",
-    ]);
+    delete_pod(&c, &t1.pod_name);
     ping_ok(&c, "obs-b", &vm_ip);
     ping_ok(&c, "obs-a", &vm_ip);
     eprintln!("step: {vm_ip} moved B → A by a RARP");
 
     // The VM stops, and starts again in a new pod on B.
-    c.api.kubectl_ok(&[
-        "-n",
-        "default",
-        "delete",
-        "pod",
-        &t2.pod_name,
-        "--wait=true",
-    ]);
+    delete_pod(&c, &t2.pod_name);
     let again = VmPodSpec::new("default", "vm1", "virt-launcher-vm1-ddddd");
     c.api.apply(&vm_pod(&again, b.name()).to_string());
     assert_eq!(
@@ -366,7 +384,7 @@ fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping
     let restarted = attachment(b, &again.pod_name);
     assert_eq!(restarted.mac, vm_mac, "the VM's MAC is kept");
     assert!(
-        wait_until(converge, || route_dev(a, &vm_ip) == a.underlay().ifname),
+        wait_until(converge, || route_dev(a, &vm_ip) == toward(a, b)),
         "A does not route the restarted VM to B"
     );
     ping_ok(&c, "obs-a", &vm_ip);

@@ -1,4 +1,5 @@
-//! KubeVirt live migration end to end: three nodes on etcd, a "VM" that is
+//! KubeVirt live migration end to end: three nodes on etcd or on the
+//! Kubernetes store (the tests in `etcd::` and `kubernetes::`), a "VM" that is
 //! a pod netns on node A, an observer pod on node C probing it at 2000
 //! packets per second, and a migration to node B: the target pod gets the
 //! same IP and MAC, the VM stops answering on A and announces itself from
@@ -7,13 +8,20 @@
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use tether_e2e::cluster::{assert_ping_within, Cluster, ClusterNode, ClusterOpts, Pod};
+use tether_e2e::cluster::{assert_ping_within, Cluster, ClusterNode, ClusterOpts, Pod, Store};
 use tether_e2e::migration::{pause_icmp, send_garp, send_rarp, Prober};
 use tether_e2e::vm::{
     active_node, add_vm_pod, alternate_node, cutover, del_vm_pod, get_vm, mac_bytes, release_vm,
     reserve_vm, result_mac, try_add_vm_pod, VmPodSpec,
 };
 use tether_e2e::{require_root, wait_until};
+
+tether_e2e::on_both_stores!(
+    a_vm_keeps_its_address_across_migrations_restarts_and_failures,
+    requested_addresses_are_honoured_and_conflicts_name_the_holder,
+    a_daemon_restart_in_the_middle_of_a_migration_recovers_it_from_the_store,
+    an_ephemeral_vm_address_is_freed_with_its_last_pod,
+);
 
 /// Routes follow the store through a watch: allow for it.
 const CONVERGE: Duration = Duration::from_secs(15);
@@ -54,10 +62,9 @@ fn loss_after(prober: Prober, t: Instant) -> Duration {
     window
 }
 
-#[test]
-fn a_vm_keeps_its_address_across_migrations_restarts_and_failures() {
+fn a_vm_keeps_its_address_across_migrations_restarts_and_failures(store: Store) {
     require_root();
-    let cluster = Cluster::new(ClusterOpts::default());
+    let cluster = Cluster::new(ClusterOpts::on(store));
     let (a, b, c) = (cluster.node(0), cluster.node(1), cluster.node(2));
     let spec = VmPodSpec::new("tenant", "vm1", "virt-launcher-vm1-aaaaa");
 
@@ -281,10 +288,9 @@ fn assert_refused(out: &tether_e2e::CniOutput, code: u64, mentions: &str) {
     );
 }
 
-#[test]
-fn requested_addresses_are_honoured_and_conflicts_name_the_holder() {
+fn requested_addresses_are_honoured_and_conflicts_name_the_holder(store: Store) {
     require_root();
-    let cluster = Cluster::new(ClusterOpts::default());
+    let cluster = Cluster::new(ClusterOpts::on(store));
     let (a, b, c) = (cluster.node(0), cluster.node(1), cluster.node(2));
 
     // A plain pod asking for an address of its node's block (podman's
@@ -414,10 +420,9 @@ fn requested_addresses_are_honoured_and_conflicts_name_the_holder() {
     );
 }
 
-#[test]
-fn a_daemon_restart_in_the_middle_of_a_migration_recovers_it_from_the_store() {
+fn a_daemon_restart_in_the_middle_of_a_migration_recovers_it_from_the_store(store: Store) {
     require_root();
-    let mut cluster = Cluster::new(ClusterOpts::default());
+    let mut cluster = Cluster::new(ClusterOpts::on(store));
     let spec = VmPodSpec::new("tenant", "vm1", "virt-launcher-vm1-aaaaa");
     let source = add_vm_pod(cluster.node(0), &spec);
     let (ip, mac) = (source.v4().unwrap(), result_mac(&source));
@@ -460,10 +465,9 @@ fn a_daemon_restart_in_the_middle_of_a_migration_recovers_it_from_the_store() {
     );
 }
 
-#[test]
-fn an_ephemeral_vm_address_is_freed_with_its_last_pod() {
+fn an_ephemeral_vm_address_is_freed_with_its_last_pod(store: Store) {
     require_root();
-    let cluster = Cluster::new(ClusterOpts::default());
+    let cluster = Cluster::new(ClusterOpts::on(store));
     let (a, b) = (cluster.node(0), cluster.node(1));
     let spec = VmPodSpec {
         extra_conf: vec![("vmAddressPolicy".into(), serde_json::json!("ephemeral"))],

@@ -128,7 +128,7 @@ impl Cluster {
                     // create is safe to repeat) and any other error stands.
                     match self.retrying(|| self.holder_of(&block)).await {
                         Ok(Some(holder)) if holder == me.name => return Ok(block),
-                        Ok(_) if matches!(e, ControlError::Unavailable { .. }) => continue,
+                        Ok(_) if e.is_transient() => continue,
                         _ => return Err(e.into()),
                     }
                 }
@@ -152,7 +152,7 @@ impl Cluster {
         let mut attempt = 0;
         loop {
             match call().await {
-                Err(ControlError::Unavailable { .. }) if attempt < 2 => {
+                Err(e) if e.is_transient() && attempt < 2 => {
                     attempt += 1;
                     tokio::time::sleep(Duration::from_millis(150)).await;
                 }

@@ -4,35 +4,39 @@
 use super::*;
 
 /// Finds or creates this node's record and ID.
+///
+/// Two keys, written one at a time: first the ID (`nodeids/<id>` holding
+/// the name, created only if absent: the ID is this node's from then on),
+/// then the record (`nodes/<name>`, created only if absent). A crash
+/// between the two leaves an ID that names this node and no record; the
+/// next registration of the name finds it and takes it instead of a new
+/// one. (An ID whose node never comes back stays taken: one of 32,767.)
 pub(super) async fn register(
     store: &dyn ControlStore,
     keys: &Keys,
     config: &ClusterConfig,
 ) -> Result<NodeRecord> {
+    let name = &config.node_name;
     for _attempt in 0..32 {
-        let (kvs, _) = store.list(&keys.root).await?;
+        let (kvs, _) = store.list(&keys.node_ids()).await?;
         let mut ids = BTreeMap::new();
-        let mut existing = None;
         for kv in &kvs {
-            match keys.kind(&kv.key) {
-                Some(KeyKind::NodeId) => {
-                    if let Some(id) = kv
-                        .key
-                        .rsplit('/')
-                        .next()
-                        .and_then(|s| s.parse::<u32>().ok())
-                    {
-                        ids.insert(id, String::from_utf8_lossy(&kv.value).into_owned());
-                    }
-                }
-                Some(KeyKind::Node(name)) if name == config.node_name => {
-                    existing = serde_json::from_slice::<NodeRecord>(&kv.value)
-                        .ok()
-                        .map(|r| (r, kv.mod_revision));
-                }
-                _ => {}
+            if let Some(id) = kv
+                .key
+                .rsplit('/')
+                .next()
+                .and_then(|s| s.parse::<u32>().ok())
+            {
+                ids.insert(id, String::from_utf8_lossy(&kv.value).into_owned());
             }
         }
+        let record_key = keys.node(name);
+        let (kvs, _) = store.list(&record_key).await?;
+        let existing = kvs.iter().find(|kv| kv.key == record_key).and_then(|kv| {
+            serde_json::from_slice::<NodeRecord>(&kv.value)
+                .ok()
+                .map(|r| (r, kv.mod_revision))
+        });
         let vtep = |id: u32| match config.overlay {
             Overlay::Vxlan { .. } => Some(Mac::from(vtep_mac(id)).to_string()),
             Overlay::HostGw => None,
@@ -43,64 +47,82 @@ pub(super) async fn register(
                 vtep_mac: vtep(rec.id),
                 ..rec.clone()
             };
-            if wanted == rec && ids.get(&rec.id) == Some(&rec.name) {
-                return Ok(rec);
-            }
             // The same ID; the addresses or the overlay changed.
-            let ok = store
-                .txn(
-                    vec![Cmp::Unchanged(keys.node(&rec.name), rev)],
-                    vec![
-                        Op::Put {
-                            key: keys.node(&rec.name),
-                            value: to_json(&wanted)?,
-                            lease: None,
-                        },
-                        Op::Put {
+            if wanted != rec {
+                let put = Op::Put {
+                    key: record_key.clone(),
+                    value: to_json(&wanted)?,
+                    lease: None,
+                };
+                if !store
+                    .txn(vec![Cmp::Unchanged(record_key.clone(), rev)], vec![put])
+                    .await?
+                {
+                    continue;
+                }
+            }
+            if ids.get(&rec.id) != Some(&rec.name) {
+                // The record's ID key is missing (or, against every rule,
+                // names another node): the record is the authority.
+                if let Some(other) = ids.get(&rec.id) {
+                    tracing::error!(id = rec.id, holder = %other, "this node's ID is recorded for another node; taking it back");
+                }
+                store
+                    .txn(
+                        vec![],
+                        vec![Op::Put {
                             key: keys.node_id(rec.id),
                             value: rec.name.clone().into_bytes(),
                             lease: None,
-                        },
-                    ],
-                )
-                .await?;
-            if ok {
-                return Ok(wanted);
+                        }],
+                    )
+                    .await?;
             }
-            continue;
+            return Ok(wanted);
         }
-        let Some(id) = (1..=MAX_NODE_ID).find(|i| !ids.contains_key(i)) else {
-            return Err(Error::InvalidConfig(format!(
-                "every node ID up to {MAX_NODE_ID} is taken"
-            )));
+        // An ID taken for this name by a registration that stopped before
+        // its record, or the lowest free one.
+        let id = match ids.iter().find(|(_, n)| *n == name) {
+            Some((id, _)) => *id,
+            None => {
+                let Some(id) = (1..=MAX_NODE_ID).find(|i| !ids.contains_key(i)) else {
+                    return Err(Error::InvalidConfig(format!(
+                        "every node ID up to {MAX_NODE_ID} is taken"
+                    )));
+                };
+                let taken = store
+                    .txn(
+                        vec![Cmp::Absent(keys.node_id(id))],
+                        vec![Op::Put {
+                            key: keys.node_id(id),
+                            value: name.clone().into_bytes(),
+                            lease: None,
+                        }],
+                    )
+                    .await?;
+                if !taken {
+                    continue;
+                }
+                id
+            }
         };
         let rec = NodeRecord {
-            name: config.node_name.clone(),
+            name: name.clone(),
             id,
             node_ips: config.node_ips.clone(),
             vtep_mac: vtep(id),
         };
-        let ok = store
+        let created = store
             .txn(
-                vec![
-                    Cmp::Absent(keys.node_id(id)),
-                    Cmp::Absent(keys.node(&rec.name)),
-                ],
-                vec![
-                    Op::Put {
-                        key: keys.node_id(id),
-                        value: rec.name.clone().into_bytes(),
-                        lease: None,
-                    },
-                    Op::Put {
-                        key: keys.node(&rec.name),
-                        value: to_json(&rec)?,
-                        lease: None,
-                    },
-                ],
+                vec![Cmp::Absent(record_key.clone())],
+                vec![Op::Put {
+                    key: record_key,
+                    value: to_json(&rec)?,
+                    lease: None,
+                }],
             )
             .await?;
-        if ok {
+        if created {
             return Ok(rec);
         }
     }
@@ -109,23 +131,20 @@ pub(super) async fn register(
 
 impl Cluster {
     /// Keeps this node's alive key attached to a live lease; re-creates
-    /// the lease (and the node record, if it was reaped while this node
-    /// could not reach the store) after an outage.
+    /// the lease after an outage, and the node record (claiming back the
+    /// blocks this node holds) whenever a synced view no longer has it: a
+    /// live node reaped while it could not reach the store, or while a
+    /// reaper that had seen it dead was half way (reaping is several
+    /// writes, and the node may come back between two of them).
     pub(super) async fn lease_loop(self: Arc<Self>) {
         let ttl = self.config.lease_ttl.as_secs().max(1) as i64;
         let tick = (self.config.lease_ttl / 3).max(Duration::from_millis(300));
         let mut lease = None;
         loop {
             let step: Result<()> = async {
-                if let Some(id) = lease {
-                    if self.store.keep_alive(id).await? {
-                        return Ok(());
-                    }
-                    tracing::warn!("the node lease expired; granting a new one");
-                }
-                let id = self.store.grant_lease(ttl).await?;
                 let me = self.me();
-                if !self.view().nodes.contains_key(&me.name) && self.view().synced {
+                let view = self.view();
+                if view.synced && !view.nodes.contains_key(&me.name) {
                     tracing::warn!(
                         "this node's record was reaped while it was away; registering again"
                     );
@@ -138,6 +157,13 @@ impl Cluster {
                         }
                     }
                 }
+                if let Some(id) = lease {
+                    if self.store.keep_alive(id).await? {
+                        return Ok(());
+                    }
+                    tracing::warn!("the node lease expired; granting a new one");
+                }
+                let id = self.store.grant_lease(ttl).await?;
                 self.store
                     .txn(
                         vec![],

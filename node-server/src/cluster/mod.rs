@@ -6,7 +6,8 @@
 //! compare-and-swap transaction; two nodes racing for a node ID or a block
 //! cannot both win.
 //!
-//! Keys, under the configured prefix (default `/tether`):
+//! Keys, under the configured prefix (default `/tether`), each class
+//! followed by a watch of its own:
 //! - `v1/nodeids/<id>`: the node name holding the ID. Permanent.
 //! - `v1/nodes/<name>`: the node record ([`NodeRecord`], JSON). Permanent.
 //! - `v1/alive/<name>`: attached to the node's lease; present while the
@@ -15,9 +16,9 @@
 //!   ([`BlockRecord`], JSON). Permanent until the holder is reaped.
 //!
 //! Liveness: a node whose alive key has been missing for longer than the
-//! grace period is dead; the first live node to notice deletes its record,
-//! its ID and its blocks in one transaction, and every node withdraws the
-//! routes to those blocks.
+//! grace period is dead; the first live node to notice deletes its blocks,
+//! its ID and its record (`reaper`: one key at a time, the record last),
+//! and every node withdraws the routes to those blocks.
 
 mod blocks;
 mod membership;
@@ -28,7 +29,7 @@ mod view;
 use membership::register;
 pub use peers::Peers;
 pub use view::ClusterView;
-use view::{apply, put_kv, KeyKind, Keys};
+use view::{apply, put_kv, Keys};
 
 use crate::control::{self, BoxFut, Cmp, ControlError, ControlStore, Event, Follower, Kv, Op};
 use crate::error::{Error, Result};
@@ -224,6 +225,9 @@ pub struct Cluster {
     dead_since: Mutex<HashMap<String, Instant>>,
     /// Block claims made since start: (count, last duration).
     claims: Mutex<(u64, Duration)>,
+    /// The parts of the view whose watch is broken (the view is synced
+    /// when none is).
+    stale: Mutex<BTreeSet<Part>>,
     /// The blocks this node holds as far as this process knows: those the
     /// control plane showed at join, and every claim since (known before
     /// the watch reports it). If the node is reaped while it cannot reach
@@ -266,19 +270,29 @@ impl Cluster {
             }),
             dead_since: Mutex::new(HashMap::new()),
             claims: Mutex::new((0, Duration::ZERO)),
+            stale: Mutex::new(Part::ALL.into_iter().collect()),
             held: Mutex::new(BTreeSet::new()),
         });
-        // The first listing before anything else: startup reconciles the
-        // kernel against it.
-        let revision = cluster.relist().await?;
+        // The first listings before anything else: startup reconciles the
+        // kernel against them. Each key class has its own watch: the
+        // Kubernetes store keeps each as a kind, and a watch follows one.
+        let mut revisions = Vec::new();
+        for part in Part::ALL {
+            revisions.push((part, cluster.relist(part).await?));
+        }
         let mine = cluster.view().blocks_of(&cluster.me().name);
         lock(&cluster.held).extend(mine);
-        tokio::spawn(control::follow(
-            cluster.store.clone(),
-            cluster.keys.root.clone(),
-            revision,
-            cluster.clone(),
-        ));
+        for (part, revision) in revisions {
+            tokio::spawn(control::follow(
+                cluster.store.clone(),
+                part.prefix(&cluster.keys),
+                revision,
+                Arc::new(PartFollower {
+                    cluster: cluster.clone(),
+                    part,
+                }),
+            ));
+        }
         tokio::spawn(cluster.clone().lease_loop());
         tokio::spawn(cluster.clone().reaper_loop());
         Ok(cluster)
@@ -356,9 +370,10 @@ impl Cluster {
         r
     }
 
-    /// Lists everything and replaces the view. Returns the revision.
-    async fn relist(&self) -> Result<i64> {
-        let listed = self.store.list(&self.keys.root).await;
+    /// Lists one part of the view again and replaces it. Returns the
+    /// revision it was read at.
+    async fn relist(&self, part: Part) -> Result<i64> {
+        let listed = self.store.list(&part.prefix(&self.keys)).await;
         let (kvs, revision) = match listed {
             Ok(l) => l,
             Err(e) => {
@@ -368,42 +383,77 @@ impl Cluster {
             }
         };
         self.set_health(&Ok(()));
-        let mut view = ClusterView {
-            revision,
-            synced: true,
-            ..Default::default()
-        };
+        let mut fresh = ClusterView::default();
         for kv in &kvs {
-            put_kv(&mut view, &self.keys, kv);
+            put_kv(&mut fresh, &self.keys, kv);
         }
-        view.revision = revision;
-        self.view.send_replace(view);
+        let mut stale = lock(&self.stale);
+        stale.remove(&part);
+        self.view.send_modify(|v| {
+            match part {
+                Part::Nodes => v.nodes = fresh.nodes,
+                Part::Alive => v.alive = fresh.alive,
+                Part::Blocks => v.blocks = fresh.blocks,
+            }
+            v.revision = v.revision.max(revision).max(fresh.revision);
+            v.synced = stale.is_empty();
+        });
         Ok(revision)
     }
 }
 
-/// The view of nodes, alive keys and blocks follows the whole prefix.
-impl Follower for Cluster {
+/// A part of the cluster view: one key class, with a watch of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Part {
+    /// `nodes/`: the node records.
+    Nodes,
+    /// `alive/`: the nodes whose lease lives.
+    Alive,
+    /// `blocks/`: the blocks and their holders.
+    Blocks,
+}
+
+impl Part {
+    const ALL: [Part; 3] = [Part::Nodes, Part::Alive, Part::Blocks];
+
+    fn prefix(self, keys: &Keys) -> String {
+        match self {
+            Part::Nodes => keys.nodes(),
+            Part::Alive => keys.alives(),
+            Part::Blocks => keys.all_blocks(),
+        }
+    }
+}
+
+/// Follows one part of the view.
+struct PartFollower {
+    cluster: Arc<Cluster>,
+    part: Part,
+}
+
+impl Follower for PartFollower {
     fn apply(&self, events: &[Event]) {
-        self.view.send_if_modified(|v| {
+        let keys = &self.cluster.keys;
+        self.cluster.view.send_if_modified(|v| {
             let mut changed = false;
             for e in events {
-                changed |= apply(v, &self.keys, e);
+                changed |= apply(v, keys, e);
             }
             changed
         });
     }
 
     fn mark_stale(&self) {
-        self.view.send_modify(|v| v.synced = false);
+        lock(&self.cluster.stale).insert(self.part);
+        self.cluster.view.send_modify(|v| v.synced = false);
     }
 
     fn list_again(&self) -> BoxFut<'_, i64, Error> {
-        Box::pin(self.relist())
+        Box::pin(self.cluster.relist(self.part))
     }
 
     fn watch_failed(&self, e: &Error) {
-        self.set_unhealthy(e);
+        self.cluster.set_unhealthy(e);
     }
 }
 

@@ -111,13 +111,25 @@ impl Keys {
         }
     }
     pub(super) fn node(&self, name: &str) -> String {
-        format!("{}nodes/{name}", self.root)
+        format!("{}{name}", self.nodes())
     }
     pub(super) fn node_id(&self, id: u32) -> String {
-        format!("{}nodeids/{id}", self.root)
+        format!("{}{id}", self.node_ids())
+    }
+    pub(super) fn node_ids(&self) -> String {
+        format!("{}nodeids/", self.root)
+    }
+    pub(super) fn nodes(&self) -> String {
+        format!("{}nodes/", self.root)
+    }
+    pub(super) fn alives(&self) -> String {
+        format!("{}alive/", self.root)
+    }
+    pub(super) fn all_blocks(&self) -> String {
+        format!("{}blocks/", self.root)
     }
     pub(super) fn alive(&self, name: &str) -> String {
-        format!("{}alive/{name}", self.root)
+        format!("{}{name}", self.alives())
     }
     pub(super) fn blocks(&self, family: Family) -> String {
         format!("{}blocks/{}/", self.root, family_tag(family))

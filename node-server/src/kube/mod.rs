@@ -55,9 +55,10 @@ impl Source {
     }
 }
 
-/// Builds a client. It does not talk to the server yet: a server that is
-/// down at start-up delays nothing but the watches.
-pub async fn client(source: &Source) -> Result<::kube::Client> {
+/// Builds a client, and says which server it talks to (for messages). It
+/// does not talk to the server yet: a server that is down at start-up
+/// delays nothing but the watches.
+pub async fn client(source: &Source) -> Result<(::kube::Client, String)> {
     let mut config = match source {
         Source::Kubeconfig(path) => {
             let kc = ::kube::config::Kubeconfig::read_from(path).map_err(|e| {
@@ -79,8 +80,10 @@ pub async fn client(source: &Source) -> Result<::kube::Client> {
         ::http::header::USER_AGENT,
         ::http::HeaderValue::from_static(USER_AGENT),
     ));
-    ::kube::Client::try_from(config)
-        .map_err(|e| Error::InvalidConfig(format!("the Kubernetes client: {e}")))
+    let server = config.cluster_url.to_string();
+    let client = ::kube::Client::try_from(config)
+        .map_err(|e| Error::InvalidConfig(format!("the Kubernetes client: {e}")))?;
+    Ok((client, server.trim_end_matches('/').to_owned()))
 }
 
 /// The `User-Agent` of every request to the API server.

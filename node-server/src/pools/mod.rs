@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
-use crate::control::{Cmp, ControlError, ControlStore, Op};
+use crate::control::{Cmp, ControlStore, Op};
 use crate::error::{Error, Result};
 use crate::ipam::{nth_block, Family, Pool, Pools, Take};
 use crate::time::UnixMillis;
@@ -502,7 +502,7 @@ impl NamedPools {
                             && serde_json::from_slice::<PoolBlockRecord>(&kv.value)
                                 .is_ok_and(|r| r.node == self.node)
                     });
-                    if !ours && !matches!(e, ControlError::Unavailable { .. }) {
+                    if !ours && !e.is_transient() {
                         return Err(e.into());
                     }
                     ours

@@ -11,9 +11,27 @@
 //! - `v1/vms/<namespace>/<vm>/<interface>`: the record ([`VmRecord`], JSON).
 //!   Every change is a compare-and-swap on the key's mod revision.
 //! - `v1/vmaddrs/<ip>` and `v1/vmmacs/<mac>`: the VM key holding the
-//!   address. Written in the same transaction that creates a record and
-//!   deleted with it, so that two VMs can never be given one address even
-//!   when two nodes create their records at the same moment.
+//!   address ([`AddressOwner`], JSON), so that two VMs can never be given
+//!   one address even when two nodes create their records at the same
+//!   moment.
+//!
+//! No store offers a transaction over several keys (the Kubernetes API
+//! changes one object at a time), so a record and its index keys are
+//! written in an order that keeps the one rule, an address has one VM,
+//! whatever stops half way:
+//! - create: each index key first, created only if absent (one that names
+//!   another VM refuses the create, and the keys made so far are taken
+//!   back), then the record, created only if absent;
+//! - delete: the record first, by compare-and-swap, then each index key
+//!   that still names the VM.
+//!
+//! So an index key may outlive its record (a crash between the steps, a
+//! store that stopped answering), never the other way round. Such an
+//! orphan names a VM with no record, or a record that does not hold the
+//! address; a create that meets one older than [`ORPHAN_AGE`] deletes it
+//! by compare-and-swap and goes on. Younger ones may belong to a create
+//! under way, which gives up before it would write its record later than
+//! [`CREATE_DEADLINE`] after its first index key.
 //!
 //! A record's addresses never change after it is created; its attachments
 //! (the active pod and, during a migration, the alternate) do.
@@ -26,6 +44,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 pub use tether_base::keys::{VmKey, CLAIM_INTERFACE};
@@ -230,6 +249,37 @@ pub enum CreateRefused {
     },
 }
 
+/// What an index key (`vmaddrs/<ip>`, `vmmacs/<mac>`) holds: the VM the
+/// address or MAC belongs to, and when the key was written. An index key
+/// written before this format holds the VM key alone, and reads as
+/// written at the epoch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AddressOwner {
+    /// The VM key, `namespace/vm/interface`.
+    pub vm: String,
+    /// When the key was written (ms since the epoch).
+    pub since_unix_ms: UnixMillis,
+}
+
+impl AddressOwner {
+    fn parse(value: &[u8]) -> AddressOwner {
+        serde_json::from_slice(value).unwrap_or_else(|_| AddressOwner {
+            vm: String::from_utf8_lossy(value).into_owned(),
+            since_unix_ms: UnixMillis::EPOCH,
+        })
+    }
+}
+
+/// How old an index key whose VM has no record (or a record without its
+/// address) must be before a create may take it over: well above
+/// [`CREATE_DEADLINE`] plus one request's timeout.
+pub const ORPHAN_AGE: Duration = Duration::from_secs(120);
+
+/// The latest a create writes its record after its first index key; later,
+/// it takes its index keys back and fails (code 11), so that an index key
+/// [`ORPHAN_AGE`] old is never one a create still needs.
+pub const CREATE_DEADLINE: Duration = Duration::from_secs(30);
+
 /// Key layout of the VM records.
 #[derive(Debug, Clone)]
 struct Keys {
@@ -269,6 +319,33 @@ impl Keys {
         }
         VmKey::new(ns, vm, iface).ok()
     }
+}
+
+/// What [`VmRegistry::hold`] found.
+enum Held {
+    /// The index key names this VM, as of this revision.
+    Made(i64),
+    /// Another VM holds it.
+    By(String),
+}
+
+/// A VM key from its text form, `namespace/vm/interface` (the interface
+/// may be [`CLAIM_INTERFACE`]).
+fn parse_vm_key(text: &str) -> Option<VmKey> {
+    let mut parts = text.splitn(3, '/');
+    let (ns, vm, iface) = (parts.next()?, parts.next()?, parts.next()?);
+    let mut key = VmKey::new(
+        ns,
+        vm,
+        if iface == CLAIM_INTERFACE {
+            "claim"
+        } else {
+            iface
+        },
+    )
+    .ok()?;
+    key.interface = iface.to_owned();
+    Some(key)
 }
 
 fn to_json<T: Serialize>(v: &T) -> Result<Vec<u8>> {
@@ -366,51 +443,161 @@ impl VmRegistry {
         self.view.borrow().records.get(key).cloned()
     }
 
-    /// Creates a record and its address and MAC index keys in one
-    /// transaction. Returns the commit's revision.
+    /// Creates a record and its address and MAC index keys: the index keys
+    /// first, then the record (see the module's doc). Returns the record's
+    /// revision.
     pub async fn create(&self, rec: &VmRecord) -> Result<std::result::Result<i64, CreateRefused>> {
-        let path = self.keys.record(&rec.key);
-        let holder = rec.key.to_string().into_bytes();
+        let started = Instant::now();
         let mut index = Vec::with_capacity(rec.ips.len() + 1);
         for ip in &rec.ips {
             index.push((ip.to_string(), self.keys.addr(*ip)));
         }
         index.push((rec.mac.to_string(), self.keys.mac(rec.mac)));
-        let mut when = vec![Cmp::Absent(path.clone())];
-        let mut ops = vec![Op::Put {
+        let mut made: Vec<(String, i64)> = Vec::new();
+        for (what, key) in &index {
+            match self.hold(rec, key).await {
+                Ok(Held::Made(rev)) => made.push((key.clone(), rev)),
+                Ok(Held::By(holder)) => {
+                    self.unhold(&made).await;
+                    return Ok(Err(CreateRefused::Taken {
+                        what: what.clone(),
+                        holder,
+                    }));
+                }
+                Err(e) => {
+                    self.unhold(&made).await;
+                    return Err(e);
+                }
+            }
+        }
+        if started.elapsed() > CREATE_DEADLINE {
+            self.unhold(&made).await;
+            return Err(Error::TryAgain(format!(
+                "creating VM {}'s record took longer than {CREATE_DEADLINE:?}; try again",
+                rec.key
+            )));
+        }
+        let path = self.keys.record(&rec.key);
+        let put = Op::Put {
             key: path.clone(),
             value: to_json(rec)?,
             lease: None,
-        }];
-        for (_, k) in &index {
-            when.push(Cmp::Absent(k.clone()));
-            ops.push(Op::Put {
-                key: k.clone(),
-                value: holder.clone(),
-                lease: None,
-            });
-        }
-        if let Some(rev) = self.store.commit(when, ops).await? {
-            return Ok(Ok(rev));
-        }
-        // Find out which condition failed, for a message naming the holder.
-        if self.read(&rec.key).await?.is_some() {
-            return Ok(Err(CreateRefused::Exists));
-        }
-        for (what, k) in index {
-            let (kvs, _) = self.store.list(&k).await?;
-            if let Some(kv) = kvs.into_iter().find(|kv| kv.key == k) {
-                return Ok(Err(CreateRefused::Taken {
-                    what,
-                    holder: String::from_utf8_lossy(&kv.value).into_owned(),
-                }));
+        };
+        match self
+            .store
+            .commit(vec![Cmp::Absent(path)], vec![put])
+            .await?
+        {
+            Some(rev) => Ok(Ok(rev)),
+            None => {
+                // The VM has a record: the index keys it holds stay (a
+                // node creating the same VM's record may have taken over
+                // ours), the others go. If it cannot be read, all stay.
+                if let Ok(Some((existing, _))) = self.read(&rec.key).await {
+                    let theirs = self.index_keys(&existing);
+                    made.retain(|(k, _)| !theirs.contains(k));
+                    self.unhold(&made).await;
+                }
+                Ok(Err(CreateRefused::Exists))
             }
         }
-        // The blocking key went away meanwhile: the caller may try again.
-        Ok(Err(CreateRefused::Taken {
-            what: "an address".into(),
-            holder: "a VM deleted meanwhile".into(),
-        }))
+    }
+
+    /// The index keys of a record: one per address, and the MAC's.
+    fn index_keys(&self, rec: &VmRecord) -> Vec<String> {
+        let mut keys: Vec<String> = rec.ips.iter().map(|ip| self.keys.addr(*ip)).collect();
+        keys.push(self.keys.mac(rec.mac));
+        keys
+    }
+
+    /// Makes index key `key` name `rec`'s VM, if no other VM holds it, and
+    /// returns its revision. A key that names this VM already (left by an
+    /// earlier attempt, or written by a node creating the same VM's record
+    /// at this moment) is written again, so that the other creator cannot
+    /// take it back from under this one. An orphan ([`ORPHAN_AGE`] old,
+    /// its VM without a record that holds the address) is taken over.
+    async fn hold(&self, rec: &VmRecord, key: &str) -> Result<Held> {
+        let mine = rec.key.to_string();
+        let value = to_json(&AddressOwner {
+            vm: mine.clone(),
+            since_unix_ms: UnixMillis::now(),
+        })?;
+        let put = || Op::Put {
+            key: key.to_owned(),
+            value: value.clone(),
+            lease: None,
+        };
+        for _attempt in 0..4 {
+            if let Some(rev) = self
+                .store
+                .commit(vec![Cmp::Absent(key.to_owned())], vec![put()])
+                .await?
+            {
+                return Ok(Held::Made(rev));
+            }
+            let (kvs, _) = self.store.list(key).await?;
+            let Some(kv) = kvs.into_iter().find(|kv| kv.key == key) else {
+                // Deleted meanwhile: try again.
+                continue;
+            };
+            let owner = AddressOwner::parse(&kv.value);
+            let guard = vec![Cmp::Unchanged(key.to_owned(), kv.mod_revision)];
+            if owner.vm == mine {
+                if let Some(rev) = self.store.commit(guard, vec![put()]).await? {
+                    return Ok(Held::Made(rev));
+                }
+                continue;
+            }
+            if !self.is_orphan(key, &owner).await? {
+                return Ok(Held::By(owner.vm));
+            }
+            tracing::warn!(%key, vm = %owner.vm, "taking over an index key whose VM has no record holding it");
+            self.store
+                .commit(guard, vec![Op::Delete(key.to_owned())])
+                .await?;
+        }
+        Err(Error::TryAgain(format!(
+            "index key {key} kept changing; try again"
+        )))
+    }
+
+    /// Whether index key `key`, held by `owner`, is an orphan: old enough,
+    /// and its VM has no record, or one that does not hold the address.
+    async fn is_orphan(&self, key: &str, owner: &AddressOwner) -> Result<bool> {
+        let age = UnixMillis::now()
+            .as_millis()
+            .saturating_sub(owner.since_unix_ms.as_millis());
+        if u128::from(age) < ORPHAN_AGE.as_millis() {
+            return Ok(false);
+        }
+        let Some(vm) = parse_vm_key(&owner.vm) else {
+            return Ok(true);
+        };
+        Ok(match self.read(&vm).await? {
+            None => true,
+            Some((rec, _)) => {
+                !(rec.ips.iter().any(|ip| self.keys.addr(*ip) == key)
+                    || self.keys.mac(rec.mac) == key)
+            }
+        })
+    }
+
+    /// Deletes the index keys a create made before it was refused, each
+    /// only if unchanged. What cannot be deleted now is an orphan, for a
+    /// later create to take over.
+    async fn unhold(&self, made: &[(String, i64)]) {
+        for (key, rev) in made {
+            let undo = self
+                .store
+                .commit(
+                    vec![Cmp::Unchanged(key.clone(), *rev)],
+                    vec![Op::Delete(key.clone())],
+                )
+                .await;
+            if let Err(e) = undo {
+                tracing::warn!(%key, error = %e, "cannot take back an index key of a refused VM record; a later create takes it over");
+            }
+        }
     }
 
     /// Replaces a record if it is unchanged since `rev`. Returns the commit's
@@ -430,18 +617,44 @@ impl VmRegistry {
             .map_err(Error::from)
     }
 
-    /// Deletes a record and its index keys if it is unchanged since `rev`.
+    /// Deletes a record if it is unchanged since `rev`, then the index keys
+    /// that still name it. Returns the record's deletion revision.
     pub async fn delete(&self, rec: &VmRecord, rev: i64) -> Result<Option<i64>> {
         let path = self.keys.record(&rec.key);
-        let mut ops = vec![Op::Delete(path.clone())];
-        for ip in &rec.ips {
-            ops.push(Op::Delete(self.keys.addr(*ip)));
+        let Some(deleted) = self
+            .store
+            .commit(
+                vec![Cmp::Unchanged(path.clone(), rev)],
+                vec![Op::Delete(path)],
+            )
+            .await?
+        else {
+            return Ok(None);
+        };
+        // Each index key that still names the VM and is older than the
+        // deletion: a younger one is a new record's of the same VM.
+        let mine = rec.key.to_string();
+        for key in self.index_keys(rec) {
+            let released: Result<()> = async {
+                let (kvs, _) = self.store.list(&key).await?;
+                if let Some(kv) = kvs.into_iter().find(|kv| kv.key == key) {
+                    if AddressOwner::parse(&kv.value).vm == mine && kv.mod_revision < deleted {
+                        self.store
+                            .commit(
+                                vec![Cmp::Unchanged(key.clone(), kv.mod_revision)],
+                                vec![Op::Delete(key.clone())],
+                            )
+                            .await?;
+                    }
+                }
+                Ok(())
+            }
+            .await;
+            if let Err(e) = released {
+                tracing::warn!(%key, error = %e, "cannot delete the index key of a deleted VM record; a later create takes it over");
+            }
         }
-        ops.push(Op::Delete(self.keys.mac(rec.mac)));
-        self.store
-            .commit(vec![Cmp::Unchanged(path, rev)], ops)
-            .await
-            .map_err(Error::from)
+        Ok(Some(deleted))
     }
 
     /// Changes a record by compare-and-swap: reads it (from the view first,
@@ -641,6 +854,120 @@ mod tests {
         assert!(matches!(
             reg.update(&missing, |_| Ok(true)).await,
             Err(Error::UnknownVm(_))
+        ));
+    }
+
+    /// The index key of `what` (an address or a MAC) as the store has it.
+    async fn index(reg: &VmRegistry, key: &str) -> Option<AddressOwner> {
+        let (kvs, _) = reg.store.list(key).await.unwrap();
+        kvs.iter()
+            .find(|kv| kv.key == key)
+            .map(|kv| AddressOwner::parse(&kv.value))
+    }
+
+    #[tokio::test]
+    async fn a_refused_create_takes_back_the_index_keys_it_made_and_only_those() {
+        let (_dir, reg) = registry().await;
+        let a = record("a", "10.0.0.5", "0a:58:0a:00:00:05");
+        reg.create(&a).await.unwrap().unwrap();
+        // b's address is free, its MAC is a's: refused at the MAC, after
+        // its address key was made; that key goes again.
+        let b = record("b", "10.0.0.6", "0a:58:0a:00:00:05");
+        assert!(matches!(
+            reg.create(&b).await.unwrap(),
+            Err(CreateRefused::Taken { .. })
+        ));
+        let keys = Keys::new("/tether");
+        let ip6: IpAddr = "10.0.0.6".parse().unwrap();
+        assert_eq!(index(&reg, &keys.addr(ip6)).await, None);
+        // a's record exists: a second create of a is refused, and a's
+        // index keys stay, naming a.
+        assert_eq!(reg.create(&a).await.unwrap(), Err(CreateRefused::Exists));
+        for key in reg.index_keys(&a) {
+            assert_eq!(
+                index(&reg, &key).await.map(|o| o.vm),
+                Some("ns/a/eth0".to_owned()),
+                "{key}"
+            );
+        }
+        // A create of a with another address (a second pod that allocated
+        // elsewhere) takes back its new key, not a's.
+        let a_elsewhere = record("a", "10.0.0.7", "0a:58:0a:00:00:07");
+        assert_eq!(
+            reg.create(&a_elsewhere).await.unwrap(),
+            Err(CreateRefused::Exists)
+        );
+        let ip7: IpAddr = "10.0.0.7".parse().unwrap();
+        assert_eq!(index(&reg, &keys.addr(ip7)).await, None);
+        assert!(index(&reg, &keys.addr("10.0.0.5".parse().unwrap()))
+            .await
+            .is_some());
+    }
+
+    #[tokio::test]
+    async fn an_orphaned_index_key_is_taken_over_once_old_and_never_while_young() {
+        let (_dir, reg) = registry().await;
+        let keys = Keys::new("/tether");
+        let ip: IpAddr = "10.0.0.5".parse().unwrap();
+        let orphan = |since: UnixMillis| Op::Put {
+            key: keys.addr(ip),
+            value: to_json(&AddressOwner {
+                vm: "ns/gone/eth0".into(),
+                since_unix_ms: since,
+            })
+            .unwrap(),
+            lease: None,
+        };
+        // Young: it may be a create under way on another node.
+        assert!(reg
+            .store
+            .txn(vec![], vec![orphan(UnixMillis::now())])
+            .await
+            .unwrap());
+        let b = record("b", "10.0.0.5", "0a:58:0a:00:00:05");
+        assert_eq!(
+            reg.create(&b).await.unwrap(),
+            Err(CreateRefused::Taken {
+                what: "10.0.0.5".into(),
+                holder: "ns/gone/eth0".into()
+            })
+        );
+        // Old, and its VM has no record: taken over.
+        let old = UnixMillis::from_millis(
+            UnixMillis::now().as_millis() - ORPHAN_AGE.as_millis() as u64 - 1000,
+        );
+        assert!(reg.store.txn(vec![], vec![orphan(old)]).await.unwrap());
+        assert!(reg.create(&b).await.unwrap().is_ok());
+        assert_eq!(
+            index(&reg, &keys.addr(ip)).await.map(|o| o.vm),
+            Some("ns/b/eth0".to_owned())
+        );
+        // A key written before this format holds the VM key alone and reads
+        // as old: b's record does not hold this MAC, so it is an orphan.
+        let mac: Mac = "0a:58:0a:00:00:09".parse().expect("test MAC");
+        let legacy = Op::Put {
+            key: keys.mac(mac),
+            value: b"ns/b/eth0".to_vec(),
+            lease: None,
+        };
+        assert!(reg.store.txn(vec![], vec![legacy]).await.unwrap());
+        let c = record("c", "10.0.0.9", "0a:58:0a:00:00:09");
+        assert!(reg.create(&c).await.unwrap().is_ok());
+        assert_eq!(
+            index(&reg, &keys.mac(mac)).await.map(|o| o.vm),
+            Some("ns/c/eth0".to_owned())
+        );
+        // One that b's record does hold is no orphan, however old.
+        let held = Op::Put {
+            key: keys.mac(b.mac),
+            value: b"ns/b/eth0".to_vec(),
+            lease: None,
+        };
+        assert!(reg.store.txn(vec![], vec![held]).await.unwrap());
+        let d = record("d", "10.0.0.10", "0a:58:0a:00:00:05");
+        assert!(matches!(
+            reg.create(&d).await.unwrap(),
+            Err(CreateRefused::Taken { .. })
         ));
     }
 }

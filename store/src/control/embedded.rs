@@ -100,6 +100,7 @@ impl EmbeddedStore {
     }
 
     fn apply(&self, when: Vec<Cmp>, ops: Vec<Op>) -> Result<Option<i64>, ControlError> {
+        super::one_key(&when, &ops)?;
         let mut state = lock(&self.state);
         let holds = when.iter().all(|c| match c {
             Cmp::Absent(k) => !state.keys.contains_key(k),
@@ -305,5 +306,31 @@ mod tests {
             .await
             .unwrap_or_else(|e| panic!("{e}"));
         assert!(matches!(old.recv().await, Some(WatchMessage::Broken(_))));
+    }
+
+    #[tokio::test]
+    async fn a_transaction_over_two_keys_is_refused_and_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let store = EmbeddedStore::open(dir.path()).unwrap_or_else(|e| panic!("open: {e}"));
+        let two = store
+            .txn(vec![Cmp::Absent("/t/a".into())], vec![put("/t/b", "1")])
+            .await;
+        assert!(matches!(two, Err(ControlError::NotOneKey(_))), "{two:?}");
+        let twice = store
+            .txn(vec![], vec![put("/t/a", "1"), Op::Delete("/t/a".into())])
+            .await;
+        assert!(
+            matches!(twice, Err(ControlError::NotOneKey(_))),
+            "{twice:?}"
+        );
+        let none = store.txn(vec![], vec![]).await;
+        assert!(matches!(none, Err(ControlError::NotOneKey(_))), "{none:?}");
+        let (kvs, _) = store.list("/t/").await.unwrap_or_else(|e| panic!("{e}"));
+        assert!(kvs.is_empty(), "{kvs:?}");
+        // A condition on the key it changes is the one form there is.
+        let one = store
+            .txn(vec![Cmp::Absent("/t/a".into())], vec![put("/t/a", "1")])
+            .await;
+        assert!(matches!(one, Ok(true)), "{one:?}");
     }
 }

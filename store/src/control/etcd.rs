@@ -200,6 +200,7 @@ impl ControlStore for EtcdStore {
 
     fn commit(&self, when: Vec<Cmp>, ops: Vec<Op>) -> BoxFut<'_, Option<i64>> {
         Box::pin(async move {
+            super::one_key(&when, &ops)?;
             let compares: Vec<Compare> = when
                 .into_iter()
                 .map(|c| match c {

@@ -1,13 +1,24 @@
 //! The control plane's storage: a small key-value interface with
 //! compare-and-swap transactions, leases and watches, and its backends.
 //!
-//! Cluster state (node records, node IDs, address blocks; later VM address
-//! records) is written through this trait only, so the logic that keeps it
-//! consistent ([`crate::cluster`]) is written once and runs unchanged on
-//! every backend:
+//! Cluster state (node records, node IDs, address blocks, pool blocks, VM
+//! address records) is written through this trait only, so the logic that
+//! keeps it consistent (tetherd's `cluster`, `pools` and `vm`) is written
+//! once and runs unchanged on every backend:
 //! - `embedded`: one node, in the state dir. The default, with nothing to
 //!   run beside the daemon.
 //! - `etcd`: a cluster of nodes sharing one etcd.
+//! - `kubernetes`: a cluster of nodes sharing the Kubernetes API: each key
+//!   class is a kind of tether's CRDs, a lease a `coordination.k8s.io`
+//!   Lease.
+//!
+//! Every transaction concerns one key ([`one_key`]): the Kubernetes API
+//! has no transaction across objects, so none of the callers relies on
+//! one, on any backend. Where a change spans several keys (a node's ID and
+//! record, a VM record and the keys that index its addresses, a dead
+//! node's records), the callers write them one at a time, in an order in
+//! which every prefix is safe, and recover what a crash in the middle
+//! leaves.
 //!
 //! A pod's attachment record is not here: it stays in the node's local
 //! journal ([`crate::store`]), so an ordinary ADD never waits on a network
@@ -15,6 +26,7 @@
 
 pub mod embedded;
 pub mod etcd;
+pub mod kubernetes;
 
 use std::fmt;
 use std::future::Future;
@@ -98,6 +110,51 @@ pub enum ControlError {
         #[source]
         cause: std::string::FromUtf8Error,
     },
+    /// A transaction named more than one key (or none): a bug of the
+    /// caller, refused by every backend alike.
+    #[error("a control-plane transaction must concern one key: {0}")]
+    NotOneKey(String),
+    /// The Kubernetes API did not answer a call: it timed out, the
+    /// connection failed, or the server said it cannot now (429, 5xx).
+    /// Transient: the caller may retry.
+    #[error("the Kubernetes API at {server} did not {doing}: {cause}")]
+    ApiUnavailable {
+        /// What the call was for, e.g. "create tethernodes/a".
+        doing: String,
+        /// The API server's URL.
+        server: String,
+        /// What went wrong.
+        cause: String,
+    },
+    /// The Kubernetes API refused a call for good (403: RBAC; 404 of a
+    /// resource: its CRD is not installed; 422: the object does not pass
+    /// the CRD's validation).
+    #[error("the Kubernetes API refused to {doing}: {code} {reason}: {message}")]
+    ApiRefused {
+        /// What the call was for.
+        doing: String,
+        /// The HTTP status.
+        code: u16,
+        /// The status reason, e.g. "Forbidden".
+        reason: String,
+        /// The server's message.
+        message: String,
+    },
+    /// A key that names no object the Kubernetes store keeps, or an
+    /// object that does not make a key and a value.
+    #[error("{0}")]
+    Unmapped(String),
+}
+
+impl ControlError {
+    /// Whether the store may answer if asked again: nobody answered (etcd
+    /// or the API server), as opposed to a refusal or a local failure.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            ControlError::Unavailable { .. } | ControlError::ApiUnavailable { .. }
+        )
+    }
 }
 
 /// What each etcd member answered to one call (or that it did not answer),
@@ -174,9 +231,41 @@ pub enum WatchMessage {
     Broken(String),
 }
 
+/// The one key a transaction concerns: every condition and every change
+/// must name it (the Kubernetes API changes one object at a time, so no
+/// caller may depend on more; every backend refuses more, so that a caller
+/// that tried would fail its unit tests on the embedded store already).
+pub fn one_key<'a>(when: &'a [Cmp], ops: &'a [Op]) -> Result<&'a str, ControlError> {
+    let mut keys = when
+        .iter()
+        .map(|c| match c {
+            Cmp::Absent(k) | Cmp::Unchanged(k, _) => k.as_str(),
+        })
+        .chain(ops.iter().map(|o| match o {
+            Op::Put { key, .. } => key.as_str(),
+            Op::Delete(k) => k.as_str(),
+        }));
+    let Some(first) = keys.next() else {
+        return Err(ControlError::NotOneKey("it names none".into()));
+    };
+    if let Some(other) = keys.find(|k| *k != first) {
+        return Err(ControlError::NotOneKey(format!(
+            "it names {first} and {other}"
+        )));
+    }
+    if ops.len() > 1 {
+        return Err(ControlError::NotOneKey(format!(
+            "it changes {first} {} times",
+            ops.len()
+        )));
+    }
+    Ok(first)
+}
+
 /// The control plane's storage. Every call is bounded by the backend's
 /// request timeout, so a store that does not answer fails the call instead
-/// of hanging it (with [`ControlError::Unavailable`]).
+/// of hanging it (with an error for which
+/// [`ControlError::is_transient`] holds).
 pub trait ControlStore: Send + Sync + 'static {
     /// The backend's name as shown to operators ("embedded", "etcd").
     fn backend(&self) -> &'static str;
@@ -186,6 +275,10 @@ pub trait ControlStore: Send + Sync + 'static {
     fn list(&self, prefix: &str) -> BoxFut<'_, (Vec<Kv>, i64)>;
     /// Applies `ops` atomically if every condition holds. Returns the store
     /// revision of the commit when it did, `None` when a condition failed.
+    /// The conditions and the change concern one key ([`one_key`]); a key
+    /// attached to a lease exists while its lease lives, so `Absent` holds
+    /// of it once the lease expired (and a `Delete` then removes what is
+    /// left of it).
     /// An error means the outcome is unknown: the caller reads the keys
     /// again to find out. The revision lets a caller tell when a watch has
     /// caught up with its own change.
@@ -278,18 +371,25 @@ impl From<ControlError> for Error {
     fn from(e: ControlError) -> Self {
         let text = chain(&e);
         match e {
-            // etcd did not answer: the runtime should retry (11).
-            ControlError::Unavailable { .. } | ControlError::Connect { .. } => {
-                Error::TryAgain(text)
-            }
+            // etcd or the API server did not answer: the runtime should
+            // retry (11).
+            ControlError::Unavailable { .. }
+            | ControlError::Connect { .. }
+            | ControlError::ApiUnavailable { .. } => Error::TryAgain(text),
+            // The API server refused: RBAC, a missing CRD, validation (104,
+            // the control plane refused).
+            ControlError::ApiRefused { .. } => Error::Store(text),
             // The operator's etcd options (7).
             ControlError::Misconfigured(_) | ControlError::TlsFile { .. } => {
                 Error::InvalidConfig(text)
             }
             // The embedded backend's file (104).
             ControlError::Io { .. } | ControlError::Corrupt { .. } => Error::Store(text),
-            // Values tetherd itself produced (199).
-            ControlError::Encode(_) | ControlError::NotUtf8 { .. } => Error::Internal(text),
+            // Values and requests tetherd itself produced (199).
+            ControlError::Encode(_)
+            | ControlError::NotUtf8 { .. }
+            | ControlError::NotOneKey(_)
+            | ControlError::Unmapped(_) => Error::Internal(text),
         }
     }
 }

@@ -284,6 +284,7 @@ fn latency_phase(bins: &Bins, args: &Args, f: &mut Failures) -> Latency {
         nodes: 3,
         etcd_members: 3,
         node: node_opts(bins, false),
+        ..ClusterOpts::default()
     });
     let single = Daemon::start(DaemonOpts {
         pod_cidrs: SINGLE_CIDRS.map(str::to_owned).to_vec(),
@@ -515,6 +516,7 @@ fn claim_phase(bins: &Bins, args: &Args, f: &mut Failures) -> Claims {
         nodes: 3,
         etcd_members: 3,
         node: node_opts(bins, true),
+        ..ClusterOpts::default()
     });
     // Declared after the cluster: dropped (killed) before it.
     let dir = TempDir::new("mon");

@@ -527,6 +527,7 @@ fn cluster_phase(bin_dir: &Path, args: &Args, f: &mut Failures) -> ClusterRun {
             extra_args: vec!["--pools".into(), pools.display().to_string()],
             ..NodeOpts::default()
         },
+        ..ClusterOpts::default()
     });
     let plugins = plugin_dir(bin_dir);
     let sides: Vec<Side> = cluster

@@ -301,6 +301,7 @@ fn migration_phase(bins: &Bins, args: &Args, run: &mut Run, f: &mut Failures) {
         nodes: 3,
         etcd_members: 3,
         node: node_opts(bins),
+        ..ClusterOpts::default()
     });
     let nodes = [cluster.node(0), cluster.node(1), cluster.node(2)];
     run.node_names = nodes.iter().map(|n| n.name().to_owned()).collect();

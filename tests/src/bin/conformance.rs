@@ -111,7 +111,8 @@ fn main() -> ExitCode {
              in a netns of its own, routing the pod network through the first node"
                 .to_string(),
             format!(
-                "tether installed by its Helm chart in etcd cluster mode, cluster CIDR \
+                "tether installed by its Helm chart in its default mode (the Kubernetes \
+                 store: its CRDs on the same API server, no etcd of its own), cluster CIDR \
                  {POD_CIDR}, Services {SERVICE_CIDR}, hostPort through the chained portmap"
             ),
             format!("CoreDNS as kubeadm deploys it, kube-dns at {CLUSTER_DNS}"),

@@ -64,15 +64,51 @@ fn mount(
     Ok(())
 }
 
+fn open_path(path: &str, flags: libc::c_int) -> Result<libc::c_int, String> {
+    let c = cstr(path)?;
+    // SAFETY: c is a valid NUL-terminated path.
+    let fd = unsafe { libc::open(c.as_ptr(), flags | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(format!("open {path}: {}", std::io::Error::last_os_error()));
+    }
+    Ok(fd)
+}
+
+/// Makes the current root (a chroot's, under the fresh-machine check) the
+/// mount namespace's root. `setns` into the namespace, which `nsenter` and
+/// `runc exec` do, puts a process at the namespace's root, not at a
+/// chroot's: without this, everything entered into the node would see the
+/// machine's real root.
 fn pivot_to_current_root(staging: &str) -> Result<(), String> {
-    mount("/", staging, None, libc::MS_BIND | libc::MS_REC)?;
-    std::env::set_current_dir(staging).map_err(|e| format!("chdir {staging}: {e}"))?;
+    let root = open_path("/", libc::O_PATH | libc::O_DIRECTORY)?;
+    let stage = open_path(staging, libc::O_PATH | libc::O_DIRECTORY)?;
+    // Out of any chroot: to the namespace's own root.
+    let ns = open_path("/proc/self/ns/mnt", libc::O_RDONLY)?;
+    // SAFETY: ns is a mount-namespace fd of our own namespace.
+    if unsafe { libc::setns(ns, libc::CLONE_NEWNS) } != 0 {
+        return Err(format!(
+            "setns to our own mount namespace: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    mount("none", "/", None, libc::MS_REC | libc::MS_PRIVATE)?;
+    // Their paths as seen from the namespace's root now.
+    let real = |fd: libc::c_int| {
+        std::fs::read_link(format!("/proc/self/fd/{fd}"))
+            .map(|p| p.display().to_string())
+            .map_err(|e| format!("readlink of fd {fd}: {e}"))
+    };
+    let (root, stage) = (real(root)?, real(stage)?);
+    mount(&root, &stage, None, libc::MS_BIND | libc::MS_REC)?;
+    std::env::set_current_dir(&stage).map_err(|e| format!("chdir {stage}: {e}"))?;
     let dot = cstr(".")?;
+    // SAFETY: both arguments are valid NUL-terminated paths.
     let rc = unsafe { libc::syscall(libc::SYS_pivot_root, dot.as_ptr(), dot.as_ptr()) };
     if rc != 0 {
         return Err(format!("pivot_root: {}", std::io::Error::last_os_error()));
     }
     // The old root is stacked on the new one: take it away.
+    // SAFETY: dot is a valid NUL-terminated path.
     if unsafe { libc::umount2(dot.as_ptr(), libc::MNT_DETACH) } != 0 {
         return Err(format!(
             "detaching the old root: {}",
@@ -86,7 +122,6 @@ fn setup(args: &[String]) -> Result<(), String> {
     let [ready, staging, binds @ ..] = args else {
         return Err("usage: node_init <ready-file> <staging-dir> <source>:<target>...".into());
     };
-    mount("none", "/", None, libc::MS_REC | libc::MS_PRIVATE)?;
     pivot_to_current_root(staging)?;
     for bind in binds {
         let (src, target) = bind

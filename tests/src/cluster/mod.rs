@@ -10,7 +10,11 @@
 //!   fabric gateway, so tetherd's node-IP detection has something to find)
 //!   with a [`Daemon`] in it, started with the cluster flags of [`NodeOpts`];
 //! - [`Cluster`]: all of the above at once, plus pods ([`Pod`]) added
-//!   through the real `tether` plugin and [`ping`] between them.
+//!   through the real `tether` plugin and [`ping`] between them; on etcd,
+//!   or ([`Store::Kubernetes`]) on a real kube-apiserver
+//!   ([`crate::kube::KubeApi`], its own netns on the fabric) with tether's
+//!   CRDs and RBAC installed, every daemon using the chart's service
+//!   account's token.
 //!
 //! The safety rules of the crate hold here too: every netns, link and temp
 //! dir is named with [`crate::run_prefix`]; every address and route lives in
@@ -83,11 +87,63 @@ const LOG_TAIL_LINES: usize = 30;
 
 mod etcd;
 mod fabric;
+mod kube_store;
 mod node;
 
 pub use etcd::EtcdCluster;
 pub use fabric::{Fabric, Underlay};
-pub use node::{ClusterNode, NodeOpts, Overlay, Pod};
+pub use node::{Backend, ClusterNode, NodeOpts, Overlay, Pod};
+
+use crate::kube::KubeApi;
+
+/// Makes each named function `fn(Store)` a test on each store: the
+/// tests `etcd::<name>` and `kubernetes::<name>`, so that a suite runs the
+/// same checks on both (and one store's can be run alone by that prefix).
+#[macro_export]
+macro_rules! on_both_stores {
+    ($($test:ident),* $(,)?) => {
+        mod etcd {
+            $(
+                #[test]
+                fn $test() {
+                    super::$test($crate::cluster::Store::Etcd)
+                }
+            )*
+        }
+        mod kubernetes {
+            $(
+                #[test]
+                fn $test() {
+                    super::$test($crate::cluster::Store::Kubernetes)
+                }
+            )*
+        }
+    };
+}
+
+/// Which control store a [`Cluster`]'s nodes share.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Store {
+    /// `--store etcd`: an etcd cluster of [`ClusterOpts::etcd_members`].
+    #[default]
+    Etcd,
+    /// `--store kubernetes`: a kube-apiserver (on an etcd of its own, one
+    /// member, that tetherd never sees).
+    Kubernetes,
+}
+
+impl Store {
+    /// Both, for suites that run on each.
+    pub const ALL: [Store; 2] = [Store::Etcd, Store::Kubernetes];
+
+    /// The `--store` value, which GetNode reports as `store_backend`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Store::Etcd => "etcd",
+            Store::Kubernetes => "kubernetes",
+        }
+    }
+}
 
 // ---------------------------------------------------------------------------
 // The whole topology
@@ -97,10 +153,16 @@ pub use node::{ClusterNode, NodeOpts, Overlay, Pod};
 pub struct ClusterOpts {
     /// How many nodes (3 by default).
     pub nodes: usize,
-    /// How many etcd members (3 by default).
+    /// How many etcd members (3 by default), with [`Store::Etcd`].
     pub etcd_members: usize,
     /// How every node's tetherd is started.
     pub node: NodeOpts,
+    /// The control store.
+    pub store: Store,
+    /// On etcd, also a kube-apiserver with tether's CRDs and RBAC, whose
+    /// token every daemon uses (`--kubeconfig`) for the API's signals
+    /// (claims, pod watch, events). The Kubernetes store always has one.
+    pub with_api: bool,
 }
 
 impl Default for ClusterOpts {
@@ -109,35 +171,77 @@ impl Default for ClusterOpts {
             nodes: 3,
             etcd_members: 3,
             node: NodeOpts::default(),
+            store: Store::Etcd,
+            with_api: false,
         }
     }
 }
 
-/// A fabric, an etcd cluster on it, and nodes running tetherd against it.
+impl ClusterOpts {
+    /// The defaults, on `store`.
+    pub fn on(store: Store) -> ClusterOpts {
+        ClusterOpts {
+            store,
+            ..ClusterOpts::default()
+        }
+    }
+}
+
+/// A fabric, a control store on it (etcd, or a kube-apiserver), and nodes
+/// running tetherd against it.
 ///
-/// Dropping it drops the nodes (daemons killed, netns deleted), then etcd,
-/// then the fabric. Pods are the caller's: drop them when done.
+/// Dropping it drops the nodes (daemons killed, netns deleted), then the
+/// store, then the fabric. Pods are the caller's: drop them when done.
 #[derive(Debug)]
 pub struct Cluster {
-    // Dropped in declaration order: nodes, etcd, fabric.
+    // Dropped in declaration order: nodes, the store, fabric.
     nodes: Vec<ClusterNode>,
-    etcd: EtcdCluster,
+    etcd: Option<EtcdCluster>,
+    kube: Option<KubeApi>,
     fabric: Fabric,
+    backend: Backend,
     opts: NodeOpts,
     next_host: u8,
 }
 
 impl Cluster {
-    /// Builds the fabric, starts etcd (healthy) and then the nodes one after
-    /// another (so node `i` registers `i`-th).
+    /// Builds the fabric, starts the store (etcd healthy, or the API
+    /// server ready with tether's CRDs and RBAC) and then the nodes one
+    /// after another (so node `i` registers `i`-th).
     pub fn new(opts: ClusterOpts) -> Cluster {
         let fabric = Fabric::new();
-        let etcd = EtcdCluster::start(&fabric, opts.etcd_members);
+        let api = (opts.with_api || opts.store == Store::Kubernetes).then(|| {
+            let api = KubeApi::start(&fabric);
+            api.install_tether();
+            let (ns, sa) = crate::kube::TETHER_SA;
+            let kubeconfig = api.token_kubeconfig(ns, sa);
+            (api, kubeconfig)
+        });
+        let mut node_opts = opts.node;
+        let (etcd, kube, backend) = match (opts.store, api) {
+            (Store::Etcd, api) => {
+                let etcd = EtcdCluster::start(&fabric, opts.etcd_members);
+                let backend = Backend::Etcd(etcd.endpoints());
+                let api = api.map(|(api, kubeconfig)| {
+                    node_opts
+                        .extra_args
+                        .extend(["--kubeconfig".to_owned(), kubeconfig.display().to_string()]);
+                    api
+                });
+                (Some(etcd), api, backend)
+            }
+            (Store::Kubernetes, Some((api, kubeconfig))) => {
+                (None, Some(api), Backend::Kubernetes(kubeconfig))
+            }
+            (Store::Kubernetes, None) => unreachable!("the Kubernetes store starts its API server"),
+        };
         let mut cluster = Cluster {
             nodes: Vec::new(),
             etcd,
+            kube,
             fabric,
-            opts: opts.node,
+            backend,
+            opts: node_opts,
             next_host: NODE_HOST_BASE,
         };
         for _ in 0..opts.nodes {
@@ -160,7 +264,7 @@ impl Cluster {
             .checked_add(1)
             .filter(|h| *h < 255)
             .expect("out of underlay addresses");
-        let node = ClusterNode::start(&self.fabric, &self.etcd.endpoints(), host, opts);
+        let node = ClusterNode::start(&self.fabric, &self.backend, host, opts);
         self.nodes.push(node);
         self.nodes.len() - 1
     }
@@ -186,14 +290,38 @@ impl Cluster {
         &mut self.nodes[i]
     }
 
-    /// The etcd cluster.
-    pub fn etcd(&self) -> &EtcdCluster {
-        &self.etcd
+    /// The store the nodes share.
+    pub fn store(&self) -> Store {
+        match self.backend {
+            Backend::Etcd(_) => Store::Etcd,
+            Backend::Kubernetes(_) => Store::Kubernetes,
+        }
     }
 
-    /// The etcd cluster, to kill, stop or start members.
+    /// The etcd cluster (panics on the Kubernetes store).
+    pub fn etcd(&self) -> &EtcdCluster {
+        self.etcd
+            .as_ref()
+            .expect("this cluster runs on the Kubernetes store")
+    }
+
+    /// The etcd cluster, to kill, stop or start members (panics on the
+    /// Kubernetes store).
     pub fn etcd_mut(&mut self) -> &mut EtcdCluster {
-        &mut self.etcd
+        self.etcd
+            .as_mut()
+            .expect("this cluster runs on the Kubernetes store")
+    }
+
+    /// The API server (panics on etcd without [`ClusterOpts::with_api`]).
+    pub fn kube_api(&self) -> &KubeApi {
+        self.kube.as_ref().expect("this cluster has no API server")
+    }
+
+    /// The API server, to stop and start (panics on etcd without
+    /// [`ClusterOpts::with_api`]).
+    pub fn kube_api_mut(&mut self) -> &mut KubeApi {
+        self.kube.as_mut().expect("this cluster has no API server")
     }
 
     /// The fabric.
@@ -206,9 +334,20 @@ impl Cluster {
         self.nodes[i].add_pod()
     }
 
-    /// Every key under `/tether/` in etcd, with its value.
+    /// Every key under `/tether/` in etcd, with its value (panics on the
+    /// Kubernetes store).
     pub fn etcd_keys(&self) -> BTreeMap<String, String> {
-        self.etcd.get_prefix("/tether/")
+        self.etcd().get_prefix("/tether/")
+    }
+
+    /// Every record of the store as etcd keys it (`/tether/v1/...`), with
+    /// its value: etcd's keys, or the Kubernetes store's objects mapped to
+    /// the same keys (a node's Lease is its `alive/` key while it exists).
+    pub fn store_keys(&self) -> BTreeMap<String, String> {
+        match (&self.backend, &self.kube) {
+            (Backend::Kubernetes(_), Some(api)) => kube_store::records(api),
+            _ => self.etcd_keys(),
+        }
     }
 }
 
@@ -239,7 +378,7 @@ mod tests {
             explicit_node_ip: true,
             ..NodeOpts::default()
         }
-        .daemon_args("http://10.77.0.11:2379", &u)
+        .daemon_args(&Backend::Etcd("http://10.77.0.11:2379".into()), &u)
         .join(" ");
         assert_eq!(
             args,
@@ -251,6 +390,17 @@ mod tests {
             pod_cidrs: vec!["10.244.1.0/24".into()],
             ..NodeOpts::default()
         };
-        assert!(single.daemon_args("e", &u).is_empty());
+        assert!(single
+            .daemon_args(&Backend::Etcd("e".into()), &u)
+            .is_empty());
+        let kube = NodeOpts::default()
+            .daemon_args(&Backend::Kubernetes("/k/sa.kubeconfig".into()), &u)
+            .join(" ");
+        assert_eq!(
+            kube,
+            "--store kubernetes --kubeconfig /k/sa.kubeconfig --lease-namespace kube-system \
+             --cluster-cidr 10.244.0.0/16 --cluster-cidr fd00:10:244::/64 \
+             --overlay none --lease-ttl 2 --node-grace 3"
+        );
     }
 }

@@ -73,15 +73,35 @@ impl Default for NodeOpts {
     }
 }
 
+/// The control store a node's daemon is started against.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// `--store etcd`, these client URLs (comma-separated).
+    Etcd(String),
+    /// `--store kubernetes`: this kubeconfig (the chart's service
+    /// account's token), the Leases in [`crate::kube::TETHER_SA`]'s
+    /// namespace.
+    Kubernetes(PathBuf),
+}
+
 impl NodeOpts {
     /// The tetherd arguments these options stand for, for a node at
-    /// `underlay` talking to `etcd_endpoints`.
-    pub fn daemon_args(&self, etcd_endpoints: &str, underlay: &Underlay) -> Vec<String> {
+    /// `underlay` on `backend`.
+    pub fn daemon_args(&self, backend: &Backend, underlay: &Underlay) -> Vec<String> {
         let mut args: Vec<String> = Vec::new();
         let mut flag = |name: &str, value: String| args.extend([name.to_owned(), value]);
         if self.pod_cidrs.is_empty() {
-            flag("--store", "etcd".into());
-            flag("--etcd-endpoints", etcd_endpoints.into());
+            match backend {
+                Backend::Etcd(endpoints) => {
+                    flag("--store", "etcd".into());
+                    flag("--etcd-endpoints", endpoints.clone());
+                }
+                Backend::Kubernetes(kubeconfig) => {
+                    flag("--store", "kubernetes".into());
+                    flag("--kubeconfig", kubeconfig.display().to_string());
+                    flag("--lease-namespace", crate::kube::TETHER_SA.0.into());
+                }
+            }
             for cidr in &self.cluster_cidrs {
                 flag("--cluster-cidr", cidr.clone());
             }
@@ -118,9 +138,8 @@ pub struct ClusterNode {
 impl ClusterNode {
     /// Creates a node netns, attaches it to `fabric` as host number `host`
     /// ([`Fabric::attach_host`]) and starts tetherd in it with `opts`
-    /// against `etcd_endpoints`; panics with the daemon's log if it does
-    /// not serve.
-    pub fn start(fabric: &Fabric, etcd_endpoints: &str, host: u8, opts: &NodeOpts) -> ClusterNode {
+    /// on `backend`; panics with the daemon's log if it does not serve.
+    pub fn start(fabric: &Fabric, backend: &Backend, host: u8, opts: &NodeOpts) -> ClusterNode {
         let netns = Netns::new("node");
         let underlay = fabric.attach_host(&netns, host);
         let daemon = Daemon::start_in(
@@ -130,7 +149,7 @@ impl ClusterNode {
                 mtu: None,
                 log_level: opts.log_level.clone(),
                 bin: opts.bin.clone(),
-                extra_args: opts.daemon_args(etcd_endpoints, &underlay),
+                extra_args: opts.daemon_args(backend, &underlay),
             },
         );
         ClusterNode { daemon, underlay }

@@ -39,7 +39,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "tether.checkValues" -}}
 {{- $mode := .Values.mode -}}
 {{- if eq $mode "kubernetes" -}}
-{{- fail "mode \"kubernetes\" (the Kubernetes API as the shared store) is planned, not yet in tetherd: use singleNode, nodeCidrs or etcd" -}}
+{{- if not .Values.cluster.cidrs -}}
+{{- fail "mode kubernetes needs cluster.cidrs (one CIDR per family)" -}}
+{{- end -}}
 {{- else if eq $mode "singleNode" -}}
 {{- if not .Values.podCidrs -}}
 {{- fail "mode singleNode needs podCidrs (one CIDR per family)" -}}
@@ -52,7 +54,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- fail "mode etcd needs cluster.cidrs (one CIDR per family)" -}}
 {{- end -}}
 {{- else if ne $mode "nodeCidrs" -}}
-{{- fail (printf "mode must be singleNode, nodeCidrs or etcd, not %q" (toString $mode)) -}}
+{{- fail (printf "mode must be kubernetes, singleNode, nodeCidrs or etcd, not %q" (toString $mode)) -}}
 {{- end -}}
 {{- if not (has .Values.overlay (list "none" "vxlan")) -}}
 {{- fail (printf "overlay must be none or vxlan, not %q" (toString .Values.overlay)) -}}
