@@ -726,3 +726,152 @@ pub fn vm_manifest(name: &str, boot: Value, binding: &str, tether_binding: &str)
         },
     })
 }
+
+/// Follows the logs of every container of KubeVirt's pods (virt-handler's
+/// in [`NAMESPACE`], the launchers' in `default`) into files of a
+/// directory, from the moment each runs until it ends: a migration's
+/// target launcher is deleted when the migration fails, and its libvirt
+/// and QEMU log (the `compute` container's) with it. One `kubectl logs -f`
+/// per container, ended (by its PID) when the follower is dropped.
+pub struct LogFollower {
+    dir: PathBuf,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl LogFollower {
+    /// Starts following into `dir` (emptied first).
+    pub fn start(cluster: &KubeCluster, dir: &Path) -> LogFollower {
+        let _ = std::fs::remove_dir_all(dir);
+        std::fs::create_dir_all(dir).expect("creating the logs' dir");
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let kubectl = {
+            let netns = cluster.api.netns().name().to_string();
+            let kubeconfig = cluster.api.admin_kubeconfig();
+            move |args: &[&str]| {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", &netns])
+                    .arg(crate::kube::k8s_bin_dir().join("kubectl"))
+                    .arg(format!("--kubeconfig={}", kubeconfig.display()))
+                    .args(args);
+                c
+            }
+        };
+        let thread = {
+            let (dir, stop) = (dir.to_path_buf(), stop.clone());
+            std::thread::spawn(move || {
+                let mut children: Vec<std::process::Child> = Vec::new();
+                let mut seen = std::collections::HashSet::new();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let out = kubectl(&[
+                        "--request-timeout=10s",
+                        "get",
+                        "pods",
+                        "-A",
+                        "-l",
+                        "kubevirt.io in (virt-handler,virt-launcher)",
+                        "-o",
+                        "json",
+                    ])
+                    .output();
+                    let pods = out
+                        .ok()
+                        .and_then(|o| serde_json::from_slice::<Value>(&o.stdout).ok())
+                        .unwrap_or(Value::Null);
+                    for pod in pods["items"].as_array().into_iter().flatten() {
+                        let ns = pod["metadata"]["namespace"].as_str().unwrap_or_default();
+                        let name = pod["metadata"]["name"].as_str().unwrap_or_default();
+                        for c in pod["status"]["containerStatuses"]
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                        {
+                            let cname = c["name"].as_str().unwrap_or_default();
+                            if c["state"]["running"].is_null() {
+                                continue;
+                            }
+                            let key = format!("{name}_{cname}");
+                            if !seen.insert(key.clone()) {
+                                continue;
+                            }
+                            let Ok(file) = std::fs::File::create(dir.join(format!("{key}.log")))
+                            else {
+                                continue;
+                            };
+                            let child = kubectl(&[
+                                "--request-timeout=0",
+                                "-n",
+                                ns,
+                                "logs",
+                                "-f",
+                                "--timestamps",
+                                name,
+                                "-c",
+                                cname,
+                            ])
+                            .stdout(file)
+                            .stderr(Stdio::null())
+                            .spawn();
+                            if let Ok(child) = child {
+                                children.push(child);
+                            }
+                        }
+                    }
+                    children.retain_mut(|c| matches!(c.try_wait(), Ok(None)));
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+                for mut child in children {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+            })
+        };
+        LogFollower {
+            dir: dir.to_path_buf(),
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// Where the logs are: one file per container, `<pod>_<container>.log`.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for LogFollower {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// libvirt's statistics of the last migration job of VMI `vmi` as its
+/// launcher pod `pod` has them (`virsh domjobinfo --completed`, inside the
+/// pod's `compute` container, on the non-root launcher's session daemon):
+/// each `Key: value` line. On a migration's target they are the source's,
+/// sent along at the end of the migration (downtime included).
+pub fn completed_job(cluster: &KubeCluster, pod: &str, vmi: &str) -> Vec<(String, String)> {
+    let out = cluster.api.kubectl(&[
+        "-n",
+        "default",
+        "exec",
+        pod,
+        "-c",
+        "compute",
+        "--",
+        "virsh",
+        "-c",
+        "qemu+unix:///session?socket=/var/run/libvirt/virtqemud-sock",
+        "domjobinfo",
+        "--completed",
+        &format!("default_{vmi}"),
+    ]);
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect()
+}

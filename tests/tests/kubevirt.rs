@@ -4,7 +4,8 @@
 //! manifest, then a KubeVirt CR with `useEmulation` and tether's binding
 //! plugins) on two kubelet nodes, each with its own network, mount and PID
 //! namespaces (tests/src/nodes.rs), with tether installed by its chart in
-//! etcd mode. Everything then goes through KubeVirt's API:
+//! its default mode (the Kubernetes store). Everything then goes through
+//! KubeVirt's API:
 //!
 //! - a VirtualMachine boots the test guest (SYSLINUX from a shared host
 //!   disk, see `kubevirt::guest_disk`) on tether's `tap` binding; the guest leases its address from
@@ -142,11 +143,23 @@ fn migrate_observed(c: &KubeCluster, vmi: &str, ip: &str, to: &str, n: usize) {
     let report = prober.stop();
     let windows = report.loss_windows();
     let worst = windows.iter().map(|w| w.duration).max();
+    let job = launcher_pod(c, vmi, to)
+        .map(|pod| kubevirt::completed_job(c, &pod, vmi))
+        .unwrap_or_default();
+    let field = |key: &str| {
+        job.iter()
+            .find(|(k, _)| k == key)
+            .map_or("?", |(_, v)| v.as_str())
+            .to_string()
+    };
     eprintln!(
-        "kubevirt: {vmi} migration {n} to {to}: Succeeded {took:?} after its creation; observer: {} sent, {} answered, longest loss window {worst:?} ({} windows); migrationState: start {} end {} mode {}",
+        "kubevirt: {vmi} migration {n} to {to}: Succeeded {took:?} after its creation; observer: {} sent, {} answered, longest loss window {worst:?} ({} windows); libvirt: downtime {}, time elapsed {}, data processed {}; migrationState: start {} end {} mode {}",
         report.sent,
         report.received,
         windows.len(),
+        field("Total downtime"),
+        field("Time elapsed"),
+        field("Data processed"),
         state["startTimestamp"],
         state["endTimestamp"],
         state["mode"],
@@ -187,6 +200,27 @@ fn console(c: &KubeCluster, pod: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// With `TETHER_KV_HOLD` set, keeps the cluster up after a failure until
+/// the file it names is removed, for a look with kubectl (the command
+/// printed).
+fn hold(c: &KubeCluster) {
+    let Some(file) = std::env::var_os("TETHER_KV_HOLD") else {
+        return;
+    };
+    let file = PathBuf::from(file);
+    std::fs::write(&file, "").expect("creating the hold file");
+    eprintln!(
+        "kubevirt: holding the cluster until {} is removed; kubectl: ip netns exec {} {} --kubeconfig={}",
+        file.display(),
+        c.api.netns().name(),
+        tether_e2e::kube::k8s_bin_dir().join("kubectl").display(),
+        c.api.admin_kubeconfig().display()
+    );
+    while file.exists() {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
 /// Migrates VMI `vmi` to `node` with a VirtualMachineInstanceMigration
 /// (`addedNodeSelector`), waits for `Succeeded`; the time from the
 /// object's creation to that, and the migration's state from the VMI.
@@ -219,6 +253,9 @@ fn migrate(c: &KubeCluster, vmi: &str, node: &str, n: usize) -> (Duration, Value
         .get(&["-n", "default", "vmi", vmi])
         .unwrap_or(Value::Null)["status"]["migrationState"]
         .clone();
+    if !(done && last["status"]["phase"] == "Succeeded") {
+        hold(c);
+    }
     assert!(
         done && last["status"]["phase"] == "Succeeded",
         "migration {name} to {node}: {}\nVMI migrationState: {}\n{}",
@@ -263,6 +300,13 @@ fn kubevirt_boots_a_vm_on_tethers_tap_binding_and_live_migrates_it_between_two_k
     c.install_tether(&tether);
     let names: Vec<String> = c.nodes().iter().map(|n| n.name().to_string()).collect();
     eprintln!("kubevirt: cluster with tether in {:?}", t.elapsed());
+    // Every KubeVirt container's log, kept past its pod (a failed
+    // migration's target launcher is deleted with its libvirt and QEMU log).
+    let logs = kubevirt::LogFollower::start(&c, &std::env::temp_dir().join("tether-kubevirt-logs"));
+    eprintln!(
+        "kubevirt: KubeVirt's logs follow in {}",
+        logs.dir().display()
+    );
 
     let cr = kubevirt_cr(json!({
         "tether": {"domainAttachmentType": "tap", "migration": {}},
