@@ -709,6 +709,24 @@ pub fn vm_manifest(name: &str, boot: Value, binding: &str, tether_binding: &str)
                     "domain": {
                         "cpu": {"cores": 1},
                         "memory": {"guest": "128Mi"},
+                        // A CPU limit (the machine's two cores: it throttles
+                        // nothing) keeps KubeVirt 1.7 from migrating with
+                        // multifd (8 parallel connections), which Debian's
+                        // QEMU 7.2 cannot take through KubeVirt's migration
+                        // proxy: QEMU before 8.0 takes the first connection
+                        // it accepts for the main stream, and the proxy
+                        // carries each connection over a TLS connection of
+                        // its own, so a multifd channel can arrive first
+                        // ("multifd: received packet magic 5145564d
+                        // expected 11223344" on the target, "Unable to write
+                        // to socket: Broken pipe" on the source). QEMU 8.0+
+                        // (upstream's launcher has 9.1) tells the channels
+                        // apart by their first bytes. KubeVirt skips multifd
+                        // for a VMI with a CPU limit (or post-copy allowed).
+                        "resources": {
+                            "requests": {"cpu": "100m"},
+                            "limits": {"cpu": "2"},
+                        },
                         "devices": {
                             // Read-only: the guest runs from its initramfs, and
                             // libvirt refuses to migrate a writable disk that is
