@@ -746,7 +746,7 @@ pub fn vm_manifest(name: &str, boot: Value, binding: &str, tether_binding: &str)
 }
 
 /// Follows the logs of every container of KubeVirt's pods (virt-handler's
-/// in [`NAMESPACE`], the launchers' in `default`) into files of a
+/// in [`NAMESPACE`], the launchers' in `default`) and tether's into files of a
 /// directory, from the moment each runs until it ends: a migration's
 /// target launcher is deleted when the migration fails, and its libvirt
 /// and QEMU log (the `compute` container's) with it. One `kubectl logs -f`
@@ -781,22 +781,27 @@ impl LogFollower {
                 let mut children: Vec<std::process::Child> = Vec::new();
                 let mut seen = std::collections::HashSet::new();
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    let out = kubectl(&[
-                        "--request-timeout=10s",
-                        "get",
-                        "pods",
-                        "-A",
-                        "-l",
-                        "kubevirt.io in (virt-handler,virt-launcher)",
-                        "-o",
-                        "json",
-                    ])
-                    .output();
-                    let pods = out
-                        .ok()
-                        .and_then(|o| serde_json::from_slice::<Value>(&o.stdout).ok())
-                        .unwrap_or(Value::Null);
-                    for pod in pods["items"].as_array().into_iter().flatten() {
+                    let list = |selector: &str| {
+                        let out = kubectl(&[
+                            "--request-timeout=10s",
+                            "get",
+                            "pods",
+                            "-A",
+                            "-l",
+                            selector,
+                            "-o",
+                            "json",
+                        ])
+                        .output();
+                        let pods = out
+                            .ok()
+                            .and_then(|o| serde_json::from_slice::<Value>(&o.stdout).ok())
+                            .unwrap_or(Value::Null);
+                        pods["items"].as_array().cloned().unwrap_or_default()
+                    };
+                    let mut pods = list("kubevirt.io in (virt-handler,virt-launcher)");
+                    pods.extend(list("app.kubernetes.io/name=tether"));
+                    for pod in &pods {
                         let ns = pod["metadata"]["namespace"].as_str().unwrap_or_default();
                         let name = pod["metadata"]["name"].as_str().unwrap_or_default();
                         for c in pod["status"]["containerStatuses"]
@@ -890,6 +895,9 @@ pub fn completed_job(cluster: &KubeCluster, pod: &str, vmi: &str) -> Vec<(String
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .map(|(k, v)| {
+            let v = v.split_whitespace().collect::<Vec<_>>().join(" ");
+            (k.trim().to_string(), v)
+        })
         .collect()
 }
