@@ -121,11 +121,21 @@ fn wait_lease(c: &KubeCluster, vmi: &str, node: &str, ip: &str) {
     );
 }
 
+/// One migration's figures: the time from the migration object's
+/// creation to its `Succeeded`, the observer's longest loss window, and
+/// the downtime libvirt reports (ms).
+struct Measured {
+    took: Duration,
+    loss: Option<Duration>,
+    downtime_ms: Option<f64>,
+}
+
 /// Migrates `vmi` to `to` with an observer (the API server's netns, a
 /// host on the fabric that is neither node) pinging `ip` every
 /// millisecond; prints the observer's loss window beside KubeVirt's own
-/// timing and checks the VMI's node and IP afterwards.
-fn migrate_observed(c: &KubeCluster, vmi: &str, ip: &str, to: &str, n: usize) {
+/// timing and libvirt's downtime, and checks the VMI's node and IP
+/// afterwards.
+fn migrate_observed(c: &KubeCluster, vmi: &str, ip: &str, to: &str, n: usize) -> Measured {
     let target: std::net::IpAddr = ip.parse().expect("the VMI's IP");
     let prober = Prober::start(c.api.netns(), target, Duration::from_millis(1));
     let warm = wait_until(Duration::from_secs(30), || {
@@ -171,6 +181,37 @@ fn migrate_observed(c: &KubeCluster, vmi: &str, ip: &str, to: &str, n: usize) {
     let (now_on, ip_after) = wait_vmi_running(c, vmi, Duration::from_secs(60));
     assert_eq!(now_on, to, "{vmi} is not on the migration's target");
     assert_eq!(ip_after, ip, "{vmi}'s IP changed with migration {n}");
+    Measured {
+        took,
+        loss: worst,
+        downtime_ms: field("Total downtime")
+            .strip_suffix(" ms")
+            .and_then(|v| v.parse().ok()),
+    }
+}
+
+/// The median of `values` (sorted here), if any.
+fn median<T: PartialOrd + Copy>(values: &mut [T]) -> Option<T> {
+    values.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    values.get(values.len() / 2).copied()
+}
+
+/// tether's record (a `VMAddress` object of the Kubernetes store) of the
+/// VM holding `ip`, or `Null`.
+fn tether_record(c: &KubeCluster, ip: &str) -> Value {
+    let all = c.api.get(&["vmaddresses"]).unwrap_or(Value::Null);
+    all["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|r| {
+            r["spec"]["ips"].as_array().is_some_and(|ips| {
+                ips.iter()
+                    .any(|a| a.as_str().is_some_and(|a| a.split('/').next() == Some(ip)))
+            })
+        })
+        .cloned()
+        .unwrap_or(Value::Null)
 }
 
 /// The launcher pod of VMI `name` on `node`, running.
@@ -221,11 +262,104 @@ fn hold(c: &KubeCluster) {
     }
 }
 
+/// Where [`kubevirt::LogFollower`] keeps the containers' logs.
+static LOGS: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// The running virt-handler pod on `node`.
+fn handler_pod(c: &KubeCluster, node: &str) -> Option<String> {
+    let pods = c
+        .api
+        .get(&["-n", "kubevirt", "pods", "-l", "kubevirt.io=virt-handler"])
+        .unwrap_or(Value::Null);
+    pods["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| {
+            p["spec"]["nodeName"] == node
+                && p["metadata"]["deletionTimestamp"].is_null()
+                && p["status"]["containerStatuses"]
+                    .as_array()
+                    .is_some_and(|cs| !cs.is_empty() && cs.iter().all(|c| c["ready"] == true))
+        })
+        .and_then(|p| p["metadata"]["name"].as_str().map(str::to_string))
+}
+
+/// How many times virt-handler pod `pod` logged its final cleanup of the
+/// VMI with UID `uid` (from the followed log).
+fn final_cleanups(pod: &str, uid: &str) -> usize {
+    let Some(dir) = LOGS.get() else { return 0 };
+    let text =
+        std::fs::read_to_string(dir.join(format!("{pod}_virt-handler.log"))).unwrap_or_default();
+    let needle = format!("Performing final local cleanup for vmi with uid {uid}");
+    text.lines().filter(|l| l.contains(&needle)).count()
+}
+
+/// After a migration away from `source`: waits for its virt-handler's
+/// final cleanup of the VMI (`before` of them logged before), and when it
+/// does not come, restarts that handler, which then cleans up from its
+/// ghost record. KubeVirt 1.7 races there: the source launcher exits as
+/// soon as its domain is migrated, the handler's Delete to it fails with
+/// gRPC `Unavailable` ("error reading from server: EOF"), which is not
+/// taken for a disconnect, so the cleanup waits for a retry; if the
+/// domain's deletion reaches the handler first, the retry finds nothing
+/// it owns and the cleanup never comes. The handler then keeps the old
+/// launcher's client, and the next migration of that VMI to the node
+/// stays in `PreparingTarget` for good ("Can not update a
+/// VirtualMachineInstance with unresponsive command server"). Seen under
+/// load on this machine, in about one migration in three.
+fn settle_source(c: &KubeCluster, vmi: &str, uid: &str, source: &str, pod: &str, before: usize) {
+    if wait_until(Duration::from_secs(20), || {
+        final_cleanups(pod, uid) > before
+    }) {
+        return;
+    }
+    eprintln!(
+        "kubevirt: virt-handler {pod} on {source} did not clean up {vmi} after migrating it away (KubeVirt's Delete race): restarting it"
+    );
+    c.api
+        .kubectl_ok(&["-n", "kubevirt", "delete", "pod", pod, "--wait=false"]);
+    let mut new = None;
+    let back = wait_until(Duration::from_secs(240), || {
+        new = handler_pod(c, source).filter(|p| p != pod);
+        new.is_some()
+    });
+    assert!(
+        back,
+        "virt-handler on {source} not back after its restart\n{}",
+        kubevirt::describe(c)
+    );
+    let new = new.expect("the new handler pod");
+    let cleaned = wait_until(Duration::from_secs(60), || final_cleanups(&new, uid) > 0);
+    eprintln!(
+        "kubevirt: virt-handler {new} on {source} {} {vmi}",
+        if cleaned {
+            "cleaned up"
+        } else {
+            "logged no cleanup of"
+        }
+    );
+}
+
 /// Migrates VMI `vmi` to `node` with a VirtualMachineInstanceMigration
 /// (`addedNodeSelector`), waits for `Succeeded`; the time from the
 /// object's creation to that, and the migration's state from the VMI.
 fn migrate(c: &KubeCluster, vmi: &str, node: &str, n: usize) -> (Duration, Value) {
     let name = format!("{vmi}-mig{n}");
+    let now = c
+        .api
+        .get(&["-n", "default", "vmi", vmi])
+        .unwrap_or(Value::Null);
+    let uid = now["metadata"]["uid"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let source = now["status"]["nodeName"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let source_handler = handler_pod(c, &source).unwrap_or_default();
+    let cleanups_before = final_cleanups(&source_handler, &uid);
     let start = Instant::now();
     c.api.apply(
         &json!({
@@ -263,6 +397,7 @@ fn migrate(c: &KubeCluster, vmi: &str, node: &str, n: usize) -> (Duration, Value
         serde_json::to_string_pretty(&state).unwrap_or_default(),
         kubevirt::describe(c)
     );
+    settle_source(c, vmi, &uid, &source, &source_handler, cleanups_before);
     (took, state)
 }
 
@@ -303,6 +438,7 @@ fn kubevirt_boots_a_vm_on_tethers_tap_binding_and_live_migrates_it_between_two_k
     // Every KubeVirt container's log, kept past its pod (a failed
     // migration's target launcher is deleted with its libvirt and QEMU log).
     let logs = kubevirt::LogFollower::start(&c, &std::env::temp_dir().join("tether-kubevirt-logs"));
+    let _ = LOGS.set(logs.dir().to_path_buf());
     eprintln!(
         "kubevirt: KubeVirt's logs follow in {}",
         logs.dir().display()
@@ -336,17 +472,70 @@ fn kubevirt_boots_a_vm_on_tethers_tap_binding_and_live_migrates_it_between_two_k
         .expect("two nodes")
         .clone();
 
-    // Migrations there and back, an observer pinging the guest.
-    migrate_observed(&c, "vm1", &ip, &other, 1);
-    migrate_observed(&c, "vm1", &ip, &node, 2);
+    // Migrations there and back, an observer pinging the guest; then
+    // TETHER_KV_MIGRATIONS more (default none), with their medians.
+    let mut runs = vec![
+        migrate_observed(&c, "vm1", &ip, &other, 1),
+        migrate_observed(&c, "vm1", &ip, &node, 2),
+    ];
+    // Rounded up to an even number: the scenarios below expect vm1 back
+    // on `node`.
+    let more: usize = std::env::var("TETHER_KV_MIGRATIONS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .map_or(0, |n| n.div_ceil(2) * 2);
+    for i in 0..more {
+        let to = if i % 2 == 0 { &other } else { &node };
+        runs.push(migrate_observed(&c, "vm1", &ip, to, 3 + i));
+    }
+    if more > 0 {
+        // The first migration is the untimed one (a cold target node).
+        let timed = &runs[1..];
+        let mut took: Vec<Duration> = timed.iter().map(|m| m.took).collect();
+        let mut loss: Vec<f64> = timed
+            .iter()
+            .filter_map(|m| m.loss)
+            .map(|d| d.as_secs_f64() * 1e3)
+            .collect();
+        let mut down: Vec<f64> = timed.iter().filter_map(|m| m.downtime_ms).collect();
+        let mut excess: Vec<f64> = timed
+            .iter()
+            .filter_map(|m| Some(m.loss?.as_secs_f64() * 1e3 - m.downtime_ms?))
+            .collect();
+        eprintln!(
+            "kubevirt: {} timed migrations of vm1: median to Succeeded {:?}, loss window {:?} ms, libvirt downtime {:?} ms, loss minus downtime {:?} ms",
+            timed.len(),
+            median(&mut took),
+            median(&mut loss),
+            median(&mut down),
+            median(&mut excess),
+        );
+    }
     assert_eq!(
         vmi_mac(&c, "vm1"),
         mac,
         "vm1's MAC changed with its migrations"
     );
 
-    // A migration whose target launcher is killed once it runs: the VM
-    // stays on its source, reachable, with its IP.
+    // A migration whose target launcher is killed mid-way: the VM stays
+    // on its source, reachable, with its IP, and tether's record of it
+    // keeps the source active. The migration is slowed down (a
+    // MigrationPolicy of 8 MiB/s for this VM: about 12 s for its 94 MiB)
+    // so that the kill lands while memory is being copied; unthrottled it
+    // takes about 2 s, over before the target pod is seen running.
+    c.api.apply(
+        &json!({
+            "apiVersion": "migrations.kubevirt.io/v1alpha1",
+            "kind": "MigrationPolicy",
+            "metadata": {"name": "vm1-slow"},
+            "spec": {
+                "selectors": {"virtualMachineInstanceSelector": {"tether.dev/test-vm": "vm1"}},
+                "bandwidthPerMigration": "8Mi",
+                "completionTimeoutPerGiB": 1000,
+            },
+        })
+        .to_string(),
+    );
     let prober = Prober::start(
         c.api.netns(),
         ip.parse().expect("an IP"),
@@ -361,17 +550,25 @@ fn kubevirt_boots_a_vm_on_tethers_tap_binding_and_live_migrates_it_between_two_k
         })
         .to_string(),
     );
-    let mut target_pod = None;
-    let started = wait_until(Duration::from_secs(120), || {
-        target_pod = launcher_pod(&c, "vm1", &other);
-        target_pod.is_some()
+    let mut phase = Value::Null;
+    let running = wait_until(Duration::from_secs(120), || {
+        phase = c
+            .api
+            .get(&["-n", "default", "vmim", "vm1-killed"])
+            .unwrap_or(Value::Null)["status"]["phase"]
+            .clone();
+        phase == "Running" || phase == "Succeeded" || phase == "Failed"
     });
+    let target_pod = launcher_pod(&c, "vm1", &other);
     assert!(
-        started,
-        "the killed migration's target pod never ran\n{}",
+        running && phase == "Running" && target_pod.is_some(),
+        "the migration to be killed is not copying (phase {phase}, target pod {target_pod:?})\n{}",
         kubevirt::describe(&c)
     );
+    // Mid-way: a few seconds into the copy.
+    std::thread::sleep(Duration::from_secs(3));
     let target_pod = target_pod.expect("the target pod");
+    let killed_at = Instant::now();
     c.api.kubectl_ok(&[
         "-n",
         "default",
@@ -380,6 +577,7 @@ fn kubevirt_boots_a_vm_on_tethers_tap_binding_and_live_migrates_it_between_two_k
         &target_pod,
         "--grace-period=0",
         "--force",
+        "--wait=false",
     ]);
     let mut last = Value::Null;
     let ended = wait_until(Duration::from_secs(180), || {
@@ -395,13 +593,22 @@ fn kubevirt_boots_a_vm_on_tethers_tap_binding_and_live_migrates_it_between_two_k
     });
     let report = prober.stop();
     let (now_on, ip_after) = wait_vmi_running(&c, "vm1", Duration::from_secs(60));
+    c.api.kubectl_ok(&["delete", "migrationpolicy", "vm1-slow"]);
+    let record = tether_record(&c, &ip);
     eprintln!(
-        "kubevirt: vm1 migration with its target launcher killed: {} ({}); vm1 on {now_on} with {ip_after}; observer: {} sent, {} answered, longest loss window {:?}",
+        "kubevirt: vm1 migration with its target launcher killed: {} ({} {:?} after the kill); vm1 on {now_on} with {ip_after}; observer: {} sent, {} answered, longest loss window {:?}; tether's record: active on {}, alternate {}",
         last["status"]["phase"],
-        if ended { "ended" } else { "still under way after 180 s" },
+        if ended { "ended" } else { "still under way" },
+        settled.duration_since(killed_at),
         report.sent,
         report.received,
         report.loss_windows().iter().map(|w| w.duration).max(),
+        record["spec"]["active"]["node"],
+        record["spec"]["alternate"],
+    );
+    assert_eq!(
+        record["spec"]["active"]["node"], node.as_str(),
+        "tether's record of vm1 does not keep its source active after the killed migration: {record}"
     );
     assert_eq!(
         last["status"]["phase"], "Failed",
