@@ -17,7 +17,8 @@
 //! - a migration whose target launcher is killed: the VM stays where it
 //!   was, reachable, with its IP;
 //! - the VM stopped and started again on the other node: same IP and MAC;
-//! - a VM on the `managedTap` binding, booted and migrated there and back.
+//! - a VM on the `managedTap` binding, booted and migrated there and back
+//!   (where the kernel has dummy links, which KubeVirt's layout needs).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -658,7 +659,22 @@ fn kubevirt_boots_a_vm_on_tethers_tap_binding_and_live_migrates_it_between_two_k
     );
 
     // The same on the managedTap binding: KubeVirt builds the tap, tether
-    // serves DHCP.
+    // serves DHCP. Not where the kernel has no dummy links (KubeVirt's
+    // layout needs one): said, not failed.
+    if !kubevirt::kernel_has_dummy_links() {
+        eprintln!(
+            "kubevirt: the managedTap VM not run: this kernel ({}) has no dummy links, which virt-handler's managedTap setup creates (it fails every such VM with 'Critical network error: LinkAdd: operation not supported')",
+            String::from_utf8_lossy(
+                &std::process::Command::new("uname")
+                    .arg("-r")
+                    .output()
+                    .map(|o| o.stdout)
+                    .unwrap_or_default()
+            )
+            .trim()
+        );
+        return;
+    }
     let t = Instant::now();
     c.api
         .apply(&vm_manifest("vm2", boot.clone(), "tether-managed", "managedTap").to_string());
