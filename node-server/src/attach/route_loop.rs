@@ -26,6 +26,9 @@ impl Node {
         // in after that (a pod added meanwhile) makes another pass.
         let forced = self.routes.take_forced();
         self.vms.sync_reservations(self, view);
+        // Other nodes' cutover notices forecast records being written.
+        let forecast = self.vms.routed_view(view);
+        let view = forecast.as_ref().unwrap_or(view);
         let me = self.config.name.as_str();
         let local: HashMap<AttachmentKey, Attachment> = lock(&self.attachments)
             .iter()

@@ -54,6 +54,12 @@ impl Routes {
         self.resync.notify_one();
     }
 
+    /// Wakes the loop for a pass, which touches the kernel only if the
+    /// routes it wants changed.
+    pub fn wake(&self) {
+        self.resync.notify_one();
+    }
+
     /// Whether a pass was forced since the last call; clears it.
     pub fn take_forced(&self) -> bool {
         self.vm_forced.swap(false, Ordering::SeqCst)

@@ -2,6 +2,7 @@
 //! node, the listener that sees a migrated VM announce itself, and the
 //! compare-and-swap that makes the target active.
 
+use super::notices::CutoverNotice;
 use super::placement::join;
 use super::signals::pod_event;
 use super::*;
@@ -141,7 +142,9 @@ impl Vms {
         let me = self.node.clone();
         let want = only.map(|a| (&a.key, me.as_str()));
         let mut local_route = None;
+        let mut announced = None;
         if let Some(a) = only {
+            let mut known = None;
             if !trigger.proves_the_vm_runs_here() {
                 let current = self.records.read(vm).await?;
                 let Some((rec, _)) = current else {
@@ -151,11 +154,23 @@ impl Vms {
                     tracing::debug!(%vm, trigger = trigger.name(), "the record refuses this cutover: nothing touched");
                     return Ok(rec);
                 }
+                known = Some(rec);
             }
             self.kernel
                 .ensure_host_routes(&a.host_ifname, &a.ips)
                 .await?;
             local_route = Some(seen.0.elapsed());
+            // The other nodes repoint on the notice while the record is
+            // written; the record as this node saw it decides what they
+            // are told.
+            let seen_rec = known.or_else(|| self.records.cached(vm).map(|(r, _)| r));
+            if let Some(rec) = seen_rec {
+                announced = self.announce(side, &rec, a, trigger, seen.1);
+            }
+        }
+        let hold = self.test_commit_delay();
+        if !hold.is_zero() {
+            tokio::time::sleep(hold).await;
         }
         let outcome = self
             .records
@@ -187,7 +202,15 @@ impl Vms {
         };
         if committed.is_none() {
             // Not the alternate (any more): an earlier announcement won, or
-            // the record moved on. Let the routes follow the record.
+            // the record moved on. Let the routes follow the record, and
+            // the other nodes too, if they were told otherwise.
+            if let Some(CutoverNotice::Promote {
+                vm, generation, to, ..
+            }) = announced
+            {
+                tracing::info!(%vm, generation, "the record refused the cutover this node announced: retracting it");
+                side.send_notice(&CutoverNotice::Retract { vm, generation, to });
+            }
             let active_here = rec.active.as_ref().is_some_and(|x| {
                 only.is_some_and(|a| x.is(&me, &a.key.network, &a.key.container_id, &a.key.ifname))
             });

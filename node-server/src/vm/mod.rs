@@ -28,6 +28,7 @@
 pub mod admin;
 pub mod cutover;
 pub use tether_base::guest;
+pub mod notices;
 pub mod placement;
 pub mod records;
 pub mod reservations;
@@ -129,6 +130,9 @@ pub trait NodeSide: Send + Sync {
 
     /// Queues an event on a pod.
     fn pod_event(&self, pod: PodRef, event: PodEvent);
+
+    /// Sends a cutover notice to every other node.
+    fn send_notice(&self, notice: &notices::CutoverNotice);
 }
 
 /// The VM component of one node: the records, and what the node keeps
@@ -149,6 +153,11 @@ pub struct Vms {
     pending: Mutex<HashMap<Mac, Vec<PendingTarget>>>,
     /// Cutover counters and timings.
     stats: Mutex<VmStats>,
+    /// Promotions other nodes announced whose records have not settled.
+    notices: Mutex<notices::NoticeTable>,
+    /// Test hook: holds a cutover's write back this long after its notice
+    /// went out. Zero in production.
+    test_commit_delay: Mutex<Duration>,
 }
 
 impl Vms {
@@ -161,7 +170,19 @@ impl Vms {
             held: Mutex::default(),
             pending: Mutex::default(),
             stats: Mutex::default(),
+            notices: Mutex::default(),
+            test_commit_delay: Mutex::default(),
         }
+    }
+
+    /// Test hook: holds every cutover's write back by `delay` after its
+    /// notice went out, so that a test can change the record under it.
+    pub fn set_test_commit_delay(&self, delay: Duration) {
+        *lock(&self.test_commit_delay) = delay;
+    }
+
+    fn test_commit_delay(&self) -> Duration {
+        *lock(&self.test_commit_delay)
     }
 
     /// This node's name.
