@@ -60,6 +60,18 @@ pub(crate) fn promote(
     Ok(true)
 }
 
+/// Takes back the promotion this node announced, if any: the record
+/// refused it, or this node could not route the VM to its pod.
+fn retract<N: NodeSide>(side: &N, announced: Option<CutoverNotice>) {
+    if let Some(CutoverNotice::Promote {
+        vm, generation, to, ..
+    }) = announced
+    {
+        tracing::info!(%vm, generation, "the cutover this node announced did not happen: retracting it");
+        side.send_notice(&CutoverNotice::Retract { vm, generation, to });
+    }
+}
+
 impl Vms {
     /// After a VM pod's ADD: a migration target starts listening for its
     /// VM's announcement, or is promoted at once when its pod says the VM
@@ -156,17 +168,19 @@ impl Vms {
                 }
                 known = Some(rec);
             }
-            self.kernel
-                .ensure_host_routes(&a.host_ifname, &a.ips)
-                .await?;
-            local_route = Some(seen.0.elapsed());
-            // The other nodes repoint on the notice while the record is
-            // written; the record as this node saw it decides what they
-            // are told.
+            // The other nodes repoint on the notice while this node routes
+            // the VM here and writes the record; the record as this node
+            // saw it decides what they are told. Sent first: it travels
+            // while the local route goes in.
             let seen_rec = known.or_else(|| self.records.cached(vm).map(|(r, _)| r));
             if let Some(rec) = seen_rec {
                 announced = self.announce(side, &rec, a, trigger, seen.1);
             }
+            if let Err(e) = self.kernel.ensure_host_routes(&a.host_ifname, &a.ips).await {
+                retract(side, announced);
+                return Err(e.into());
+            }
+            local_route = Some(seen.0.elapsed());
         }
         let hold = self.test_commit_delay();
         if !hold.is_zero() {
@@ -204,13 +218,7 @@ impl Vms {
             // Not the alternate (any more): an earlier announcement won, or
             // the record moved on. Let the routes follow the record, and
             // the other nodes too, if they were told otherwise.
-            if let Some(CutoverNotice::Promote {
-                vm, generation, to, ..
-            }) = announced
-            {
-                tracing::info!(%vm, generation, "the record refused the cutover this node announced: retracting it");
-                side.send_notice(&CutoverNotice::Retract { vm, generation, to });
-            }
+            retract(side, announced);
             let active_here = rec.active.as_ref().is_some_and(|x| {
                 only.is_some_and(|a| x.is(&me, &a.key.network, &a.key.container_id, &a.key.ifname))
             });

@@ -635,3 +635,37 @@ fn notices_apply_only_to_their_generation_and_attachment_and_lapse() {
     assert_eq!(notices::CutoverNotice::decode(other.as_bytes()), None);
     assert_eq!(notices::CutoverNotice::decode(b"hello"), None);
 }
+
+#[tokio::test]
+async fn a_target_that_cannot_route_its_vm_retracts_its_notice() {
+    let (_a, b, _c1, c2, _dir) = migrating().await;
+    let placed = b
+        .vms
+        .records()
+        .cached(&vm_key())
+        .map_or(0, |(r, _)| r.generation);
+    seen_at(&b, placed).await;
+    b.kernel.fail_always(Call::EnsureHostRoutes);
+    let out = b
+        .vms
+        .cutover(&b.side, &vm_key(), Some(&c2), Trigger::Rarp, now())
+        .await;
+    assert!(out.is_err(), "the local route failed: {out:?}");
+    let sent = lock(&b.side.notices).clone();
+    assert!(
+        matches!(
+            sent.as_slice(),
+            [
+                notices::CutoverNotice::Promote { .. },
+                notices::CutoverNotice::Retract { .. }
+            ]
+        ),
+        "announced, then retracted: {sent:?}"
+    );
+    let rec = b.vms.records().read(&vm_key()).await.expect("read");
+    assert_eq!(
+        rec.and_then(|(r, _)| r.active.map(|x| x.node)).as_deref(),
+        Some("node-a"),
+        "nothing written"
+    );
+}
