@@ -53,6 +53,9 @@ pub struct Outcome {
     pub seconds: f64,
     /// The failure's message and location, when it failed.
     pub failure: Option<String>,
+    /// What the spec wrote while it ran (its steps, the commands it ran
+    /// and their output), when it failed.
+    pub output: Option<String>,
 }
 
 impl Outcome {
@@ -165,11 +168,17 @@ pub fn outcomes(report: &Value) -> Vec<Outcome> {
                     f["Location"]["LineNumber"]
                 )
             });
+            let output = failure.as_ref().and_then(|_| {
+                spec["CapturedGinkgoWriterOutput"]
+                    .as_str()
+                    .map(str::to_string)
+            });
             all.push(Outcome {
                 name: parts.join(" "),
                 state,
                 seconds: spec["RunTime"].as_f64().unwrap_or(0.0) / 1e9,
                 failure,
+                output,
             });
         }
     }
