@@ -93,6 +93,14 @@ pub fn run(cluster: &KubeCluster, e2e: &Path, focus: &str, dir: &Path) -> Run {
         .arg(e2e)
         .arg(format!("--kubeconfig={}", kubeconfig.display()))
         .arg("--provider=skeleton")
+        // The specs that run `kubectl exec` (the Services' reachability
+        // checks, among others) run this one, the cluster's own version;
+        // without the flag they take whatever `kubectl` is on the PATH, and
+        // on a machine without one they fail on every try.
+        .arg(format!(
+            "--kubectl-path={}",
+            crate::kube::k8s_bin_dir().join("kubectl").display()
+        ))
         .arg(format!("--ginkgo.focus={focus}"))
         .arg(format!("--ginkgo.json-report={}", report.display()))
         .arg("--ginkgo.timeout=3h")
