@@ -1,0 +1,1559 @@
+//! tether at scale: clusters of 10, 30 and 100 nodes on each control
+//! store, measured on this machine.
+//!
+//! **How the nodes are simulated.** Every node is a real `tetherd`
+//! (release build) in a network namespace of its own, on one fabric bridge,
+//! against a real 3-member etcd (`--store etcd`) or a real kube-apiserver
+//! on its own etcd (`--store kubernetes`), as the cluster suites run them
+//! (`tests/src/cluster`). All of them share this machine's CPUs: a node's
+//! daemon competes with the other nodes' daemons and with the store for
+//! the same two cores, which a real cluster does not do.
+//!
+//! For each store and size, a fresh cluster (host-gw, the blocks as small
+//! as `bench_cluster`'s, /30 and /126, so that an ADD claims a block about
+//! every other time), then, in order:
+//!
+//! 1. **Idle load**: the store's requests and watch events per second, and
+//!    the CPU of its processes, over `--idle-secs` with nothing happening
+//!    but the nodes' lease renewals.
+//! 2. **Claim → route**: pods are added on node 0, one at a time, until it
+//!    has claimed `--claims` blocks. Each claim's time is node 0's log line
+//!    ("claimed an address block", logged once the compare-and-swap is
+//!    answered); each other node reports, in its Stats
+//!    (`recent_block_routes`), when the pass that added the route to that
+//!    block ended. Claim → route on all nodes is the last of them. Stats
+//!    are read once after all the ADDs, so that reading them does not load
+//!    the daemons while they route.
+//! 3. **Mass migration**: `--vms` KubeVirt VM pods (real ADDs through the
+//!    plugin, KubeVirt's annotations), VM `i` on node `i mod N`, and each
+//!    VM's migration target pod on node `i+1 mod N`. Once every node's view
+//!    shows every target, all the targets send QEMU's RARP for their VM's
+//!    MAC at once (one thread each, released by a barrier). Per VM: from
+//!    its RARP's send (this process's wall clock) to the target's local
+//!    route (Stats `recent_cutovers`: read time + `local_route_ms`), to the
+//!    record committed (+ `committed_ms`), and to the route change on each
+//!    other node (Stats `recent_vm_route_updates` naming the cutover's
+//!    generation, `done_unix_nanos`); "every node repointed" is the last of
+//!    them. Then the checks: every record's active pod is its target and
+//!    its alternate its source (ListVms), and in every node's kernel each
+//!    VM address (both families) has exactly one route, to the target (its
+//!    pod's veth on the target, `via` the target's underlay address
+//!    elsewhere).
+//! 4. **Start-up with many records** (the largest size only): `--records`
+//!    more VM records are reserved (admin `ReserveVmAddress`, IPv4 only,
+//!    each on the node holding its block), then the last node's daemon is
+//!    stopped and started `--restarts` times: from its spawn to its socket
+//!    accepting (it opens only after the node has listed the nodes, blocks
+//!    and every VM record from the store and synced its routes).
+//!
+//! The store's load: etcd's and the API server's own metrics (etcd:
+//! `grpc_server_msg_received_total`, requests and messages on streams such
+//! as lease keep-alives, and `etcd_debugging_mvcc_events_total`, events
+//! sent to watchers, summed over members; API server: `apiserver_request_total` and
+//! `apiserver_watch_events_total`), and each store process's CPU time and
+//! RSS from `/proc`. Per migration and per node: the change over the
+//! migration's window, less what the idle rate would have given over it.
+//!
+//! Run (as root): `cargo run --release -p tether-e2e --bin bench_scale --
+//! [--nodes 10,30,100] [--stores etcd,kubernetes] [--vms 100] [--claims 30]
+//! [--records 1000] [--restarts 3] [--notices-off-at 30] [--idle-secs 10]
+//! [--no-build] [--write BENCHMARKS.md]`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::net::IpAddr;
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Barrier;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use ipnet::IpNet;
+use serde_json::Value;
+use tether_e2e::admin::{self, pb};
+use tether_e2e::benchkit::{
+    finish, first_lines, guarded, judge, loadavg, parse_command_line, parse_utc_micros,
+    release_dir, start, stdout_of, strip_ansi, CommonArgs, Failures, Machine, Start,
+};
+use tether_e2e::cluster::{Cluster, ClusterNode, ClusterOpts, NodeOpts, Pod, Store};
+use tether_e2e::migration::send_rarp;
+use tether_e2e::vm::{mac_bytes, reserve_vm, result_mac, try_add_vm_pod, VmPodSpec};
+use tether_e2e::{run_prefix, Family};
+
+const USAGE: &str = "usage: bench_scale [--nodes 10,30,100] [--stores etcd,kubernetes] \
+[--vms N] [--claims N] [--records N] [--restarts N] [--notices-off-at N|none] \
+[--idle-secs N] [--no-build] [--write FILE]";
+
+/// Where `--write` puts its section in the file.
+const BEGIN: &str =
+    "<!-- bench_scale:begin (generated by `bench_scale --write`; edits inside are lost) -->";
+const END: &str = "<!-- bench_scale:end -->";
+
+/// The VMs' namespace.
+const NAMESPACE: &str = "scale";
+/// The reserved records' namespace.
+const RECORDS_NAMESPACE: &str = "scale-rec";
+/// The daemons' log level: `info` (the claim line, no per-request lines).
+const LOG_LEVEL: &str = "info";
+/// The line tetherd logs after each block claim.
+const CLAIM_LINE: &str = "claimed an address block";
+/// Tiny blocks, as in `bench_cluster`: an ADD claims about every other
+/// time.
+const BLOCK_SIZE: u8 = 30;
+const BLOCK_SIZE_V6: u8 = 126;
+/// Threads that add pods or reserve records side by side.
+const WORKERS: usize = 8;
+/// How long claims' routes and cutovers may take to show everywhere.
+const CONVERGE: Duration = Duration::from_secs(60);
+/// Between two ADDs of the claim phase: each claim's routes spread alone.
+const CLAIM_SPACING: Duration = Duration::from_millis(150);
+/// How often the bench reads every node's Stats while it waits (rarely:
+/// reading them loads the daemons).
+const STATS_POLL: Duration = Duration::from_secs(1);
+/// The reserved records' addresses: `.1` and `.2` of consecutive /30s
+/// from here (inside the cluster CIDR, so each claims its block).
+const RECORDS_BASE: [u8; 4] = [10, 244, 128, 0];
+
+/// The issue's targets at 100 nodes, 100 simultaneous migrations: every
+/// node repointed within this p99.
+const TARGET_ETCD_MS: f64 = 50.0;
+const TARGET_KUBE_MS: f64 = 250.0;
+
+struct Args {
+    nodes: Vec<usize>,
+    stores: Vec<Store>,
+    vms: usize,
+    claims: usize,
+    records: usize,
+    restarts: usize,
+    notices_off_at: Option<usize>,
+    idle_secs: u64,
+    common: CommonArgs,
+}
+
+fn parse_list(flag: &str, text: &str) -> Result<Vec<usize>, String> {
+    text.split(',')
+        .map(|t| tether_e2e::benchkit::number(flag, t.trim()))
+        .collect()
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        nodes: vec![10, 30, 100],
+        stores: Store::ALL.to_vec(),
+        vms: 100,
+        claims: 30,
+        records: 1000,
+        restarts: 3,
+        notices_off_at: Some(30),
+        idle_secs: 10,
+        common: CommonArgs::default(),
+    };
+    let common = parse_command_line(std::env::args().skip(1), USAGE, |flag, v| {
+        match flag {
+            "--nodes" => args.nodes = parse_list(flag, &v.text()?)?,
+            "--stores" => {
+                args.stores = v
+                    .text()?
+                    .split(',')
+                    .map(|s| match s.trim() {
+                        "etcd" => Ok(Store::Etcd),
+                        "kubernetes" => Ok(Store::Kubernetes),
+                        other => Err(format!("--stores: unknown store {other:?}")),
+                    })
+                    .collect::<Result<_, _>>()?
+            }
+            "--vms" => args.vms = v.number()?,
+            "--claims" => args.claims = v.number()?,
+            "--records" => args.records = v.number()?,
+            "--restarts" => args.restarts = v.number()?,
+            "--notices-off-at" => {
+                let t = v.text()?;
+                args.notices_off_at = if t == "none" {
+                    None
+                } else {
+                    Some(tether_e2e::benchkit::number(flag, &t)?)
+                };
+            }
+            "--idle-secs" => args.idle_secs = v.number()? as u64,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    })?;
+    args.common = common;
+    if args.nodes.iter().any(|n| *n < 2 || *n > 200) {
+        return Err("--nodes: each size must be 2 to 200".to_owned());
+    }
+    if args.vms == 0 || args.stores.is_empty() {
+        return Err("--vms and --stores must not be empty".to_owned());
+    }
+    Ok(args)
+}
+
+fn main() -> ExitCode {
+    let Start {
+        args,
+        started,
+        machine,
+        mut failures,
+    } = match start("bench_scale", parse_args) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    let dir = match release_dir("bench_scale", args.common.build) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("bench_scale: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    eprintln!("bench_scale: binaries from {}", dir.display());
+    let tetherd = dir.join("tetherd");
+    let largest = args.nodes.iter().copied().max().unwrap_or(0);
+
+    let mut configs = Vec::new();
+    for &store in &args.stores {
+        for &n in &args.nodes {
+            configs.push(Config {
+                store,
+                nodes: n,
+                notices: true,
+                startup: n == largest && args.records > 0,
+            });
+        }
+        if let Some(n) = args.notices_off_at {
+            configs.push(Config {
+                store,
+                nodes: n,
+                notices: false,
+                startup: false,
+            });
+        }
+    }
+    let mut outcomes = Vec::new();
+    for c in configs {
+        let mut o = Outcome::new(c);
+        let label = c.label();
+        eprintln!("bench_scale: === {label} (load {})", loadavg());
+        guarded(&label, &mut failures, |f| {
+            run_config(&tetherd, &args, &mut o, f)
+        });
+        o.load_after = loadavg();
+        outcomes.push(o);
+    }
+
+    let runtime = started.elapsed();
+    let report = report(&machine, &args, &dir, &outcomes, &failures, runtime);
+    finish(
+        "bench_scale",
+        &args.common,
+        (BEGIN, END),
+        &report,
+        failures.count,
+        runtime,
+    )
+}
+
+// ---------------------------------------------------------------------------
+// One cluster
+
+#[derive(Clone, Copy, Debug)]
+struct Config {
+    store: Store,
+    nodes: usize,
+    /// Cutover notices on (the default) or off (`--cutover-port 0`).
+    notices: bool,
+    /// Also the start-up phase.
+    startup: bool,
+}
+
+impl Config {
+    fn label(&self) -> String {
+        format!(
+            "{} × {} nodes{}",
+            self.store.name(),
+            self.nodes,
+            if self.notices { "" } else { ", notices off" }
+        )
+    }
+}
+
+/// What one cluster measured; empty where a phase did not run.
+struct Outcome {
+    config: Config,
+    load_before: String,
+    load_after: String,
+    /// The cluster's start (all nodes serving, one after another).
+    start_secs: Option<f64>,
+    /// Each daemon's RSS (KiB) and open file descriptors after the
+    /// migration.
+    node_rss_kib: Vec<u64>,
+    node_fds: Vec<u64>,
+    idle: Option<Load>,
+    /// Per claim: claim → route on every other node (µs), and the
+    /// claim's own time (the daemon's `took_ms`).
+    claim_all_us: Vec<i64>,
+    claim_each_us: Vec<i64>,
+    claim_took_ms: Vec<f64>,
+    /// Per VM: RARP → target route, → committed, → every node repointed.
+    target_us: Vec<i64>,
+    commit_us: Vec<i64>,
+    all_us: Vec<i64>,
+    /// The spread of the RARPs' sends (first to last).
+    rarp_spread_us: Option<i64>,
+    migration_load: Option<Load>,
+    /// Migrations whose cutover or route changes did not all show.
+    incomplete: usize,
+    /// VMs whose record does not name the target active and the source
+    /// alternate.
+    wrong_records: Vec<String>,
+    /// (nodes checked, VM addresses with no route on some node, with more
+    /// than one, with one to the wrong place).
+    route_check: Option<RouteCheck>,
+    /// Records in the store at the restarts, and each restart's time.
+    records: usize,
+    restarts_ms: Vec<f64>,
+    reserve_secs: Option<f64>,
+}
+
+impl Outcome {
+    fn new(config: Config) -> Outcome {
+        Outcome {
+            config,
+            load_before: loadavg(),
+            load_after: String::new(),
+            start_secs: None,
+            node_rss_kib: Vec::new(),
+            node_fds: Vec::new(),
+            idle: None,
+            claim_all_us: Vec::new(),
+            claim_each_us: Vec::new(),
+            claim_took_ms: Vec::new(),
+            target_us: Vec::new(),
+            commit_us: Vec::new(),
+            all_us: Vec::new(),
+            rarp_spread_us: None,
+            migration_load: None,
+            incomplete: 0,
+            wrong_records: Vec::new(),
+            route_check: None,
+            records: 0,
+            restarts_ms: Vec::new(),
+            reserve_secs: None,
+        }
+    }
+}
+
+#[derive(Default, Clone, Debug)]
+struct RouteCheck {
+    nodes: usize,
+    addresses: usize,
+    missing: Vec<String>,
+    duplicated: Vec<String>,
+    misrouted: Vec<String>,
+}
+
+fn node_opts(tetherd: &Path, notices: bool) -> NodeOpts {
+    let mut extra_args = Vec::new();
+    if !notices {
+        extra_args.extend(["--cutover-port".to_owned(), "0".to_owned()]);
+    }
+    NodeOpts {
+        block_size: Some(BLOCK_SIZE),
+        block_size_v6: Some(BLOCK_SIZE_V6),
+        // The daemon's own lease defaults, as in bench_cluster: a busy
+        // machine must never reap a node in the middle of a run.
+        lease_ttl_secs: 15,
+        node_grace_secs: 600,
+        log_level: Some(LOG_LEVEL.to_owned()),
+        bin: Some(tetherd.to_path_buf()),
+        extra_args,
+        ..NodeOpts::default()
+    }
+}
+
+fn run_config(tetherd: &Path, args: &Args, o: &mut Outcome, f: &mut Failures) {
+    let c = o.config;
+    let t0 = Instant::now();
+    eprintln!(
+        "bench_scale: starting {} nodes on {}",
+        c.nodes,
+        c.store.name()
+    );
+    let mut cluster = Cluster::new(ClusterOpts {
+        nodes: c.nodes,
+        etcd_members: 3,
+        node: node_opts(tetherd, c.notices),
+        store: c.store,
+        with_api: false,
+    });
+    o.start_secs = Some(t0.elapsed().as_secs_f64());
+    eprintln!(
+        "bench_scale: {} nodes serving in {:.1} s",
+        c.nodes,
+        t0.elapsed().as_secs_f64()
+    );
+    let probe = StoreProbe::of(&cluster);
+
+    // Every node routes to every other node's first blocks before anything
+    // is timed.
+    let first_blocks = 2 * (c.nodes - 1);
+    if !wait_stats(&cluster, |_, s| s.recent_block_routes.len() >= first_blocks) {
+        f.fail(format!(
+            "not every node routed to the other nodes' {first_blocks} first blocks within {CONVERGE:?}"
+        ));
+    }
+
+    // 1. Idle.
+    let before = probe.sample(&cluster);
+    std::thread::sleep(Duration::from_secs(args.idle_secs));
+    let idle = probe.sample(&cluster).since(&before);
+    eprintln!("bench_scale: idle: {}", idle.one_line(c.nodes));
+
+    o.idle = Some(idle.clone());
+
+    // 2. Claims on node 0.
+    let claim_pods = claim_phase(&cluster, args, o, f);
+
+    // 3. The mass migration.
+    let vm_pods = migration_phase(&cluster, args, &probe, &idle, o, f);
+
+    for n in cluster.nodes() {
+        if let Some(pid) = n.daemon().pid() {
+            o.node_rss_kib.push(rss_kib(pid));
+            o.node_fds.push(fd_count(pid));
+        }
+    }
+
+    // 4. Start-up with many records.
+    if c.startup {
+        startup_phase(&mut cluster, args, o, f);
+    }
+    drop(vm_pods);
+    drop(claim_pods);
+}
+
+/// Reads every node's Stats (one after another) until `done` holds for
+/// each, every [`STATS_POLL`], for at most [`CONVERGE`]; true if it did.
+fn wait_stats(cluster: &Cluster, done: impl Fn(usize, &pb::StatsResponse) -> bool) -> bool {
+    let deadline = Instant::now() + CONVERGE;
+    let mut ok = vec![false; cluster.nodes().len()];
+    loop {
+        for (i, n) in cluster.nodes().iter().enumerate() {
+            if !ok[i] {
+                ok[i] = done(i, &admin::stats(n.daemon().socket()));
+            }
+        }
+        if ok.iter().all(|b| *b) {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(STATS_POLL);
+    }
+}
+
+fn all_stats(cluster: &Cluster) -> Vec<pb::StatsResponse> {
+    cluster
+        .nodes()
+        .iter()
+        .map(|n| admin::stats(n.daemon().socket()))
+        .collect()
+}
+
+// ---------------------------------------------------------------------------
+// Claims
+
+/// One block claim, from node 0's log.
+struct Claim {
+    at_us: i64,
+    block: IpNet,
+    took_ms: f64,
+}
+
+fn parse_claim_line(line: &str) -> Option<Claim> {
+    let line = strip_ansi(line);
+    if !line.contains(CLAIM_LINE) {
+        return None;
+    }
+    let mut tokens = line.split_whitespace();
+    let at_us = parse_utc_micros(tokens.next()?)?;
+    let (mut block, mut took_ms) = (None, None);
+    for t in tokens {
+        if let Some(v) = t.strip_prefix("block=") {
+            block = v.parse::<IpNet>().ok();
+        } else if let Some(v) = t.strip_prefix("took_ms=") {
+            took_ms = v.parse::<f64>().ok();
+        }
+    }
+    Some(Claim {
+        at_us,
+        block: block?,
+        took_ms: took_ms?,
+    })
+}
+
+fn claim_phase(cluster: &Cluster, args: &Args, o: &mut Outcome, f: &mut Failures) -> Vec<Pod> {
+    let node0 = cluster.node(0);
+    let claims_before = node0.daemon().stats().block_claims;
+    let log_before = node0.daemon().log().len();
+    let mut pods = Vec::new();
+    let mut adds = 0;
+    while adds < 4 * args.claims.max(1) {
+        let claims = node0
+            .daemon()
+            .stats()
+            .block_claims
+            .saturating_sub(claims_before);
+        if claims as usize >= args.claims {
+            break;
+        }
+        adds += 1;
+        let netns = tether_e2e::Netns::new("pod");
+        let id = netns.name().to_owned();
+        let out = node0.try_add(&netns, &id);
+        if let Err(e) = judge("ADD", &out) {
+            f.fail(format!("claims: ADD {id} on node 0: {e}"));
+            continue;
+        }
+        pods.push(Pod::from_output(netns, id, node0.name(), &out));
+        std::thread::sleep(CLAIM_SPACING);
+    }
+    let log = node0.daemon().log();
+    let claims: Vec<Claim> = log
+        .get(log_before..)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(parse_claim_line)
+        .collect();
+    eprintln!(
+        "bench_scale: {} ADDs on node 0 claimed {} blocks",
+        adds,
+        claims.len()
+    );
+    if claims.len() < args.claims {
+        f.fail(format!(
+            "claims: only {} block claims in {adds} ADDs",
+            claims.len()
+        ));
+    }
+    let wanted: Vec<String> = claims.iter().map(|c| c.block.to_string()).collect();
+    let converged = wait_stats(cluster, |i, s| {
+        i == 0
+            || wanted
+                .iter()
+                .all(|b| s.recent_block_routes.iter().any(|r| r.block == *b))
+    });
+    if !converged {
+        f.fail(format!(
+            "claims: not every node routed to all {} claimed blocks within {CONVERGE:?}",
+            wanted.len()
+        ));
+    }
+    let stats = all_stats(cluster);
+    for c in &claims {
+        let key = c.block.to_string();
+        let mut last: Option<i64> = None;
+        let mut complete = true;
+        for s in stats.iter().skip(1) {
+            match s.recent_block_routes.iter().find(|r| r.block == key) {
+                Some(r) => {
+                    let us = r.done_unix_nanos as i64 / 1000 - c.at_us;
+                    o.claim_each_us.push(us);
+                    last = Some(last.map_or(us, |l| l.max(us)));
+                }
+                None => complete = false,
+            }
+        }
+        o.claim_took_ms.push(c.took_ms);
+        match (complete, last) {
+            (true, Some(us)) => o.claim_all_us.push(us),
+            _ => f.fail(format!("claims: block {key} is not routed on every node")),
+        }
+    }
+    eprintln!(
+        "bench_scale: claim → route on all nodes: p50 {}, p99 {}",
+        ms(pct(&o.claim_all_us, 0.5), 1),
+        ms(pct(&o.claim_all_us, 0.99), 1)
+    );
+    pods
+}
+
+// ---------------------------------------------------------------------------
+// The mass migration
+
+/// One VM: its pods and where they are.
+struct Vm {
+    name: String,
+    key: String,
+    source: usize,
+    target: usize,
+    mac: String,
+    ips: Vec<IpAddr>,
+    /// Kept until the end: dropping it deletes its netns.
+    _source_pod: Pod,
+    target_pod: Pod,
+}
+
+/// Runs `f` over `0..n` on [`WORKERS`] threads; the results in order.
+fn par_map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut out: Vec<(usize, T)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..WORKERS.min(n.max(1)))
+            .map(|_| {
+                s.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        if i >= n {
+                            return mine;
+                        }
+                        mine.push((i, f(i)));
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    out.sort_by_key(|(i, _)| *i);
+    out.into_iter().map(|(_, t)| t).collect()
+}
+
+fn add_vm(node: &ClusterNode, spec: &VmPodSpec) -> Result<Pod, String> {
+    let (out, netns, id) = try_add_vm_pod(node, spec);
+    judge("ADD", &out).map_err(|e| format!("ADD of {} on {}: {e}", spec.pod_name, node.name()))?;
+    Ok(Pod::from_output(netns, id, node.name(), &out))
+}
+
+fn unix_nanos(t: SystemTime) -> i64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as i64)
+}
+
+fn list_vms(node: &ClusterNode) -> Vec<pb::Vm> {
+    admin::admin(node.daemon().socket(), |mut c| async move {
+        c.list_vms(pb::ListVmsRequest {}).await
+    })
+    .vms
+}
+
+fn migration_phase(
+    cluster: &Cluster,
+    args: &Args,
+    probe: &StoreProbe,
+    idle: &Load,
+    o: &mut Outcome,
+    f: &mut Failures,
+) -> Vec<Vm> {
+    let n = cluster.nodes().len();
+    let t0 = Instant::now();
+    let sources: Vec<Result<Pod, String>> = par_map(args.vms, |i| {
+        let spec = VmPodSpec::new(
+            NAMESPACE,
+            &format!("vm{i}"),
+            &format!("virt-launcher-vm{i}-a"),
+        );
+        add_vm(cluster.node(i % n), &spec)
+    });
+    let targets: Vec<Result<Pod, String>> = par_map(args.vms, |i| {
+        let spec = VmPodSpec::new(
+            NAMESPACE,
+            &format!("vm{i}"),
+            &format!("virt-launcher-vm{i}-a"),
+        )
+        .target(&format!("virt-launcher-vm{i}-b"));
+        add_vm(cluster.node((i + 1) % n), &spec)
+    });
+    eprintln!(
+        "bench_scale: {} VMs and their targets added in {:.1} s",
+        args.vms,
+        t0.elapsed().as_secs_f64()
+    );
+    let mut vms = Vec::new();
+    for (i, (s, t)) in sources.into_iter().zip(targets).enumerate() {
+        match (s, t) {
+            (Ok(source_pod), Ok(target_pod)) => {
+                let mac = result_mac(&source_pod);
+                if target_pod.ips() != source_pod.ips() || result_mac(&target_pod) != mac {
+                    f.fail(format!(
+                        "vm{i}: the target got other addresses or another MAC"
+                    ));
+                    continue;
+                }
+                vms.push(Vm {
+                    name: format!("vm{i}"),
+                    key: format!("{NAMESPACE}/vm{i}/eth0"),
+                    source: i % n,
+                    target: (i + 1) % n,
+                    mac,
+                    ips: source_pod.ips().to_vec(),
+                    _source_pod: source_pod,
+                    target_pod,
+                });
+            }
+            (Err(e), _) | (_, Err(e)) => f.fail(format!("vm{i}: {e}")),
+        }
+    }
+    // Every node's view shows every target placed before the RARPs.
+    let ready = {
+        let deadline = Instant::now() + CONVERGE;
+        let mut pending: Vec<usize> = (0..n).collect();
+        while !pending.is_empty() && Instant::now() < deadline {
+            pending.retain(|&k| {
+                let recs = list_vms(cluster.node(k));
+                let placed = recs
+                    .iter()
+                    .filter(|r| r.namespace == NAMESPACE)
+                    .filter(|r| r.alternate.as_ref().is_some_and(|a| !a.node.is_empty()))
+                    .count();
+                placed < vms.len()
+            });
+            if !pending.is_empty() {
+                std::thread::sleep(STATS_POLL);
+            }
+        }
+        pending.is_empty()
+    };
+    if !ready {
+        f.fail("migration: not every node saw every target placed".to_owned());
+    }
+    let before_stats = all_stats(cluster);
+    let cutovers_before: Vec<u64> = before_stats.iter().map(|s| s.vm_cutovers).collect();
+    // Let the ADDs' own writes and watch events settle out of the window.
+    std::thread::sleep(Duration::from_secs(2));
+
+    // All RARPs at once.
+    let load0 = probe.sample(cluster);
+    let barrier = Barrier::new(vms.len());
+    let sent: Vec<i64> = std::thread::scope(|s| {
+        let handles: Vec<_> = vms
+            .iter()
+            .map(|vm| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    let mac = mac_bytes(&vm.mac);
+                    barrier.wait();
+                    let (i0, s0) = (Instant::now(), SystemTime::now());
+                    let at = send_rarp(vm.target_pod.netns(), "eth0", mac);
+                    unix_nanos(s0) + at.saturating_duration_since(i0).as_nanos() as i64
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    let first = sent.iter().copied().min().unwrap_or(0);
+    let last = sent.iter().copied().max().unwrap_or(0);
+    o.rarp_spread_us = Some((last - first) / 1000);
+
+    // Wait (reading Stats once a second, from 1 s after the RARPs) for
+    // every cutover and every node's route change.
+    std::thread::sleep(STATS_POLL);
+    let deadline = Instant::now() + CONVERGE;
+    let mut stats;
+    loop {
+        stats = all_stats(cluster);
+        let done = vms.iter().all(|vm| migration_seen(vm, n, &stats).is_some());
+        if done || Instant::now() >= deadline {
+            break;
+        }
+        std::thread::sleep(STATS_POLL);
+    }
+    let load1 = probe.sample(cluster);
+    let load = load1.since(&load0);
+    if load.requests <= 0.0 {
+        f.fail("migration: the store's metrics counted no requests: are they read?".to_owned());
+    }
+    o.migration_load = Some(load.clone());
+    eprintln!(
+        "bench_scale: migration window: {} (idle rate would be {:.0} requests)",
+        load.one_line(n),
+        idle.requests / idle.secs * load.secs
+    );
+    let cutovers: u64 = stats
+        .iter()
+        .zip(&cutovers_before)
+        .map(|(s, b)| s.vm_cutovers - b)
+        .sum();
+    if cutovers != vms.len() as u64 {
+        f.fail(format!(
+            "migration: the nodes counted {cutovers} cutovers for {} RARPs",
+            vms.len()
+        ));
+    }
+    for (vm, sent) in vms.iter().zip(&sent) {
+        match migration_seen(vm, n, &stats) {
+            Some(t) => {
+                o.target_us.push((t.target_ns - sent) / 1000);
+                o.commit_us.push((t.commit_ns - sent) / 1000);
+                o.all_us.push((t.all_ns - sent) / 1000);
+            }
+            None => {
+                o.incomplete += 1;
+                f.fail(format!(
+                    "migration: {} was not repointed on every node within {CONVERGE:?}",
+                    vm.key
+                ));
+            }
+        }
+    }
+    eprintln!(
+        "bench_scale: RARP → every node repointed: p50 {}, p99 {} ({} VMs, RARPs spread over {})",
+        ms(pct(&o.all_us, 0.5), 1),
+        ms(pct(&o.all_us, 0.99), 1),
+        o.all_us.len(),
+        ms(o.rarp_spread_us, 1)
+    );
+
+    // The records: the target active, the source alternate.
+    let names: Vec<&str> = cluster.nodes().iter().map(|n| n.name()).collect();
+    let recs: HashMap<String, pb::Vm> = list_vms(cluster.node(0))
+        .into_iter()
+        .filter(|r| r.namespace == NAMESPACE)
+        .map(|r| (r.vm.clone(), r))
+        .collect();
+    for vm in &vms {
+        let ok = recs.get(&vm.name).is_some_and(|r| {
+            r.active.as_ref().map(|a| a.node.as_str()) == Some(names[vm.target])
+                && r.alternate.as_ref().map(|a| a.node.as_str()) == Some(names[vm.source])
+        });
+        if !ok {
+            o.wrong_records.push(vm.name.clone());
+        }
+    }
+    if !o.wrong_records.is_empty() {
+        f.fail(format!(
+            "migration: {} records do not name the target active: {:?}",
+            o.wrong_records.len(),
+            first_few(&o.wrong_records)
+        ));
+    }
+    // The kernel: one route per VM address on every node, to the target.
+    let check = check_routes(cluster, &vms);
+    for (what, list) in [
+        ("no route", &check.missing),
+        ("more than one route", &check.duplicated),
+        ("a route elsewhere than the target", &check.misrouted),
+    ] {
+        if !list.is_empty() {
+            f.fail(format!(
+                "migration: {} VM address(es) × node with {what}: {:?}",
+                list.len(),
+                first_few(list)
+            ));
+        }
+    }
+    o.route_check = Some(check);
+    vms
+}
+
+fn first_few(v: &[String]) -> Vec<&String> {
+    v.iter().take(5).collect()
+}
+
+/// One VM's cutover as the nodes report it, in ns since the epoch.
+struct Seen {
+    target_ns: i64,
+    commit_ns: i64,
+    all_ns: i64,
+}
+
+/// The VM's cutover on its target and the route change on every other
+/// node, once all are in the Stats; `None` before.
+fn migration_seen(vm: &Vm, n: usize, stats: &[pb::StatsResponse]) -> Option<Seen> {
+    let c = stats[vm.target]
+        .recent_cutovers
+        .iter()
+        .rev()
+        .find(|c| c.vm == vm.key && c.trigger == "rarp")?;
+    let seen = c.seen_unix_nanos as i64;
+    let target_ns = seen + (c.local_route_ms * 1e6).round() as i64;
+    let commit_ns = seen + (c.committed_ms * 1e6).round() as i64;
+    let mut all_ns = target_ns;
+    for (k, s) in stats.iter().enumerate().take(n) {
+        if k == vm.target {
+            continue;
+        }
+        let u = s
+            .recent_vm_route_updates
+            .iter()
+            .find(|u| u.vm == vm.key && u.generation >= c.generation)?;
+        all_ns = all_ns.max(u.done_unix_nanos as i64);
+    }
+    Some(Seen {
+        target_ns,
+        commit_ns,
+        all_ns,
+    })
+}
+
+/// Every node's kernel routes to every VM address: exactly one, to the
+/// target.
+fn check_routes(cluster: &Cluster, vms: &[Vm]) -> RouteCheck {
+    let nodes = cluster.nodes();
+    let mut check = RouteCheck {
+        nodes: nodes.len(),
+        addresses: vms.iter().map(|v| v.ips.len()).sum(),
+        ..RouteCheck::default()
+    };
+    let tables: Vec<Vec<Value>> = par_map(nodes.len(), |k| {
+        let ns = nodes[k].netns();
+        let mut routes = ns.routes(Family::V4);
+        routes.extend(ns.routes(Family::V6));
+        routes
+    });
+    for vm in vms {
+        let target = &nodes[vm.target];
+        for ip in &vm.ips {
+            let ip_s = ip.to_string();
+            let full = format!("{ip}/{}", if ip.is_ipv4() { 32 } else { 128 });
+            for (k, table) in tables.iter().enumerate() {
+                let to_it: Vec<&Value> = table
+                    .iter()
+                    .filter(|r| r["dst"].as_str().is_some_and(|d| d == ip_s || d == full))
+                    .collect();
+                let what = format!("{ip} on {}", nodes[k].name());
+                match to_it.as_slice() {
+                    [] => check.missing.push(what),
+                    [r] => {
+                        let right = if k == vm.target {
+                            r["gateway"].is_null()
+                        } else {
+                            let gw = r["gateway"].as_str().unwrap_or_default();
+                            let u = target.underlay();
+                            gw == u.v4.to_string() || gw == u.v6.to_string()
+                        };
+                        if !right {
+                            check.misrouted.push(format!("{what}: {r}"));
+                        }
+                    }
+                    _ => check.duplicated.push(what),
+                }
+            }
+        }
+    }
+    check
+}
+
+// ---------------------------------------------------------------------------
+// Start-up with many records
+
+fn startup_phase(cluster: &mut Cluster, args: &Args, o: &mut Outcome, f: &mut Failures) {
+    let n = cluster.nodes().len();
+    let names: Vec<String> = cluster
+        .nodes()
+        .iter()
+        .map(|x| x.name().to_owned())
+        .collect();
+    let t0 = Instant::now();
+    // Two records per /30 (its .1 and .2), a /30's pair on one node, in
+    // turn; a block some node holds already is reserved on that node.
+    let pairs = args.records.div_ceil(2);
+    let c: &Cluster = cluster;
+    let results: Vec<Result<usize, String>> = par_map(pairs, |p| {
+        let mut made = 0;
+        let base = u32::from(std::net::Ipv4Addr::from(RECORDS_BASE)) + 4 * p as u32;
+        let mut node = p % n;
+        for j in 0..2 {
+            let r = 2 * p + j;
+            if r >= args.records {
+                break;
+            }
+            let ip = IpAddr::V4((base + 1 + j as u32).into());
+            let name = format!("rec{r}");
+            let mut tries = 0;
+            loop {
+                tries += 1;
+                match reserve_vm(
+                    c.node(node).daemon().socket(),
+                    RECORDS_NAMESPACE,
+                    &name,
+                    &[ip],
+                    "",
+                ) {
+                    Ok(_) => {
+                        made += 1;
+                        break;
+                    }
+                    Err(e) if tries < 3 && e.message().contains("held by node ") => {
+                        let holder = e
+                            .message()
+                            .split("held by node ")
+                            .nth(1)
+                            .and_then(|s| {
+                                s.split(|ch: char| ch == ';' || ch.is_whitespace()).next()
+                            })
+                            .unwrap_or_default()
+                            .to_owned();
+                        match names.iter().position(|x| *x == holder) {
+                            Some(k) => node = k,
+                            None => return Err(format!("{name} at {ip}: {}", e.message())),
+                        }
+                    }
+                    Err(e) => return Err(format!("{name} at {ip}: {}", e.message())),
+                }
+            }
+        }
+        Ok(made)
+    });
+    let mut made = 0;
+    let mut errors = Vec::new();
+    for r in results {
+        match r {
+            Ok(k) => made += k,
+            Err(e) => errors.push(e),
+        }
+    }
+    o.reserve_secs = Some(t0.elapsed().as_secs_f64());
+    if !errors.is_empty() {
+        f.fail(format!(
+            "start-up: {} reservations failed, e.g. {:?}",
+            errors.len(),
+            first_few(&errors)
+        ));
+    }
+    let last = n - 1;
+    let total = list_vms(cluster.node(0)).len();
+    o.records = total;
+    eprintln!(
+        "bench_scale: {made} records reserved in {:.1} s; {total} VM records in the store",
+        t0.elapsed().as_secs_f64()
+    );
+    // Let the reservations' block routes settle everywhere.
+    std::thread::sleep(Duration::from_secs(3));
+    for r in 0..args.restarts {
+        let d = cluster.node_mut(last).daemon_mut();
+        let _ = d.stop();
+        let t = Instant::now();
+        d.restart();
+        let took = t.elapsed();
+        let seen = list_vms(cluster.node(last)).len();
+        if seen < total {
+            f.fail(format!(
+                "start-up: the restarted node lists {seen} VM records, the store has {total}"
+            ));
+        }
+        eprintln!(
+            "bench_scale: restart {}/{}: serving after {:.0} ms ({seen} VM records)",
+            r + 1,
+            args.restarts,
+            took.as_secs_f64() * 1e3
+        );
+        o.restarts_ms.push(took.as_secs_f64() * 1e3);
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The store's load
+
+/// The processes of a store, to read their CPU time and memory.
+struct StoreProbe {
+    /// (role, PID): the etcd members, or "kube-apiserver" and its "etcd".
+    pids: Vec<(&'static str, u32)>,
+}
+
+/// Counters at one moment.
+#[derive(Clone, Debug, Default)]
+struct Counters {
+    at: Option<Instant>,
+    requests: f64,
+    watch_events: f64,
+    /// CPU seconds per role.
+    cpu: BTreeMap<&'static str, f64>,
+    /// RSS KiB per role (summed over processes of the role).
+    rss: BTreeMap<&'static str, u64>,
+}
+
+/// The change between two [`Counters`].
+#[derive(Clone, Debug, Default)]
+struct Load {
+    secs: f64,
+    requests: f64,
+    watch_events: f64,
+    cpu: BTreeMap<&'static str, f64>,
+    rss: BTreeMap<&'static str, u64>,
+}
+
+impl Load {
+    fn one_line(&self, nodes: usize) -> String {
+        let cpu: Vec<String> = self
+            .cpu
+            .iter()
+            .map(|(k, v)| format!("{k} {:.0}% CPU", 100.0 * v / self.secs.max(1e-9)))
+            .collect();
+        format!(
+            "{:.1} s, {:.0} req/s ({:.2}/node), {:.0} watch events/s, {}",
+            self.secs,
+            self.requests / self.secs.max(1e-9),
+            self.requests / self.secs.max(1e-9) / nodes as f64,
+            self.watch_events / self.secs.max(1e-9),
+            cpu.join(", ")
+        )
+    }
+}
+
+impl Counters {
+    fn since(&self, before: &Counters) -> Load {
+        Load {
+            secs: match (self.at, before.at) {
+                (Some(a), Some(b)) => a.duration_since(b).as_secs_f64(),
+                _ => 0.0,
+            },
+            requests: self.requests - before.requests,
+            watch_events: self.watch_events - before.watch_events,
+            cpu: self
+                .cpu
+                .iter()
+                .map(|(k, v)| (*k, v - before.cpu.get(k).copied().unwrap_or(0.0)))
+                .collect(),
+            rss: self.rss.clone(),
+        }
+    }
+}
+
+impl StoreProbe {
+    fn of(cluster: &Cluster) -> StoreProbe {
+        let mut pids = Vec::new();
+        match cluster.store() {
+            Store::Etcd => {
+                let etcd = cluster.etcd();
+                for i in 0..etcd.member_count() {
+                    pids.extend(etcd.member_pid(i).map(|p| ("etcd", p)));
+                }
+            }
+            Store::Kubernetes => {
+                let (etcd, apiserver) = cluster.kube_api().pids();
+                pids.extend(apiserver.map(|p| ("kube-apiserver", p)));
+                pids.extend(etcd.map(|p| ("etcd", p)));
+            }
+        }
+        StoreProbe { pids }
+    }
+
+    /// The store's counters now: its metrics (every etcd member's, or the
+    /// API server's) and its processes' CPU time and RSS.
+    fn sample(&self, cluster: &Cluster) -> Counters {
+        let mut c = Counters {
+            at: Some(Instant::now()),
+            ..Counters::default()
+        };
+        match cluster.store() {
+            Store::Etcd => {
+                let etcd = cluster.etcd();
+                for i in 0..etcd.member_count() {
+                    let url = format!("http://{}:2379/metrics", etcd.member_ip(i));
+                    let out = etcd
+                        .control()
+                        .exec(&["curl", "-s", "--max-time", "5", &url]);
+                    let text = String::from_utf8_lossy(&out.stdout);
+                    c.requests += metric_sum(&text, "grpc_server_msg_received_total");
+                    c.watch_events += metric_sum(&text, "etcd_debugging_mvcc_events_total");
+                }
+            }
+            Store::Kubernetes => {
+                let out = cluster.kube_api().kubectl(&["get", "--raw", "/metrics"]);
+                let text = String::from_utf8_lossy(&out.stdout);
+                c.requests += metric_sum(&text, "apiserver_request_total");
+                c.watch_events += metric_sum(&text, "apiserver_watch_events_total");
+            }
+        }
+        for (role, pid) in &self.pids {
+            *c.cpu.entry(role).or_default() += cpu_secs(*pid);
+            *c.rss.entry(role).or_default() += rss_kib(*pid);
+        }
+        c
+    }
+}
+
+/// The sum of every sample of metric `name` in a Prometheus text page.
+fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn clock_ticks() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 {
+        t as f64
+    } else {
+        100.0
+    }
+}
+
+/// A process's user + system CPU time, in seconds (0 if it is gone).
+fn cpu_secs(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The fields after the command's closing parenthesis: state is the
+    // third field of the line, utime the 14th and stime the 15th.
+    let Some((_, rest)) = stat.rsplit_once(')') else {
+        return 0.0;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / clock_ticks()
+}
+
+/// A process's resident set, in KiB (0 if it is gone).
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A process's open file descriptors.
+fn fd_count(pid: u32) -> u64 {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count() as u64)
+}
+
+// ---------------------------------------------------------------------------
+// The report
+
+/// Nearest-rank percentile.
+fn pct<T: Ord + Copy>(v: &[T], q: f64) -> Option<T> {
+    if v.is_empty() {
+        return None;
+    }
+    let mut v = v.to_vec();
+    v.sort();
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    Some(v[rank - 1])
+}
+
+fn pct_f(v: &[f64], q: f64) -> Option<f64> {
+    let as_int: Vec<i64> = v.iter().map(|x| (x * 1000.0).round() as i64).collect();
+    pct(&as_int, q).map(|x| x as f64 / 1000.0)
+}
+
+/// `us` microseconds as milliseconds.
+fn ms(us: Option<i64>, decimals: usize) -> String {
+    match us {
+        Some(us) => format!("{:.*} ms", decimals, us as f64 / 1e3),
+        None => "n/a".to_owned(),
+    }
+}
+
+fn report(
+    m: &Machine,
+    args: &Args,
+    bin_dir: &Path,
+    outcomes: &[Outcome],
+    failures: &Failures,
+    runtime: Duration,
+) -> String {
+    let mut r = String::new();
+    let _ = writeln!(r, "## Scale (bench_scale): latest run: {}\n", m.date);
+    let _ = writeln!(r, "{}", m.report_line());
+    let _ = writeln!(
+        r,
+        "- Software: tether {} (`tether` and `tetherd` from `{}`); Debian etcd-server {}; \
+         kube-apiserver from `tests/k8s/build.sh`.",
+        m.tether_version,
+        bin_dir
+            .strip_prefix(tether_e2e::workspace_dir())
+            .unwrap_or(bin_dir)
+            .display(),
+        stdout_of("dpkg-query", &["-W", "-f", "${Version}", "etcd-server"])
+    );
+    let _ = writeln!(
+        r,
+        "- Command: `cargo run --release -p tether-e2e --bin bench_scale -- {}`; ran {:.0} s; \
+         run prefix `{}`.",
+        args.common.command_line,
+        runtime.as_secs_f64(),
+        run_prefix()
+    );
+    let _ = writeln!(r, "- Failures: {}.\n", failures.count);
+    let _ = writeln!(r, "{}", method_text(args));
+
+    for &store in &args.stores {
+        let mine: Vec<&Outcome> = outcomes
+            .iter()
+            .filter(|o| o.config.store == store)
+            .collect();
+        if mine.is_empty() {
+            continue;
+        }
+        let _ = writeln!(r, "\n### `--store {}`\n", store.name());
+        let _ = writeln!(
+            r,
+            "| nodes | notices | load avg before → after | cluster start | claim → route on all nodes p50 / p99 | RARP → target route p50 / p99 | RARP → committed p50 / p99 | RARP → every node repointed p50 / p99 | VMs timed | records wrong | routes missing / duplicated / misrouted |"
+        );
+        let _ = writeln!(r, "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for o in &mine {
+            let c = o.config;
+            let pair =
+                |v: &[i64], d: usize| format!("{} / {}", ms(pct(v, 0.5), d), ms(pct(v, 0.99), d));
+            let routes = o.route_check.as_ref().map_or("n/a".to_owned(), |rc| {
+                format!(
+                    "{} / {} / {} (of {} addresses × {} nodes)",
+                    rc.missing.len(),
+                    rc.duplicated.len(),
+                    rc.misrouted.len(),
+                    rc.addresses,
+                    rc.nodes
+                )
+            });
+            let _ = writeln!(
+                r,
+                "| {} | {} | {} → {} | {} | {} | {} | {} | {} | {} of {} | {} | {} |",
+                c.nodes,
+                if c.notices { "on" } else { "off" },
+                o.load_before,
+                o.load_after,
+                o.start_secs
+                    .map_or("n/a".to_owned(), |s| format!("{s:.0} s")),
+                pair(&o.claim_all_us, 1),
+                pair(&o.target_us, 2),
+                pair(&o.commit_us, 1),
+                pair(&o.all_us, 1),
+                o.all_us.len(),
+                o.all_us.len() + o.incomplete,
+                o.wrong_records.len(),
+                routes
+            );
+        }
+        let _ = writeln!(
+            r,
+            "\nThe store's load (idle: lease renewals only; migration: the window from the RARPs \
+             to the last node's route change as read, less the idle rate over it):\n"
+        );
+        let _ = writeln!(
+            r,
+            "| nodes | notices | idle requests/s (per node) | idle watch events/s (per node) | idle CPU | migration window | requests per migration | watch events per migration per node | CPU in the window | store RSS | tetherd RSS median / max, fds max |"
+        );
+        let _ = writeln!(r, "|---:|---|---:|---:|---|---:|---:|---:|---|---|---|");
+        for o in &mine {
+            let c = o.config;
+            let nodes = c.nodes as f64;
+            let (idle_req, idle_ev, idle_cpu) = match &o.idle {
+                Some(l) => {
+                    let s = l.secs.max(1e-9);
+                    (
+                        format!("{:.1} ({:.2})", l.requests / s, l.requests / s / nodes),
+                        format!(
+                            "{:.1} ({:.2})",
+                            l.watch_events / s,
+                            l.watch_events / s / nodes
+                        ),
+                        cpu_text(l),
+                    )
+                }
+                None => ("n/a".into(), "n/a".into(), "n/a".into()),
+            };
+            let vms = o.all_us.len() + o.incomplete;
+            let (win, per_mig, ev_per, cpu, rss) = match (&o.migration_load, &o.idle) {
+                (Some(l), Some(i)) if vms > 0 => {
+                    let rate = |x: f64| x / i.secs.max(1e-9);
+                    let req = (l.requests - rate(i.requests) * l.secs).max(0.0) / vms as f64;
+                    let ev = (l.watch_events - rate(i.watch_events) * l.secs).max(0.0)
+                        / vms as f64
+                        / nodes;
+                    let rss: Vec<String> = l
+                        .rss
+                        .iter()
+                        .map(|(k, v)| format!("{k} {} MiB", v / 1024))
+                        .collect();
+                    (
+                        format!("{:.1} s", l.secs),
+                        format!("{req:.1}"),
+                        format!("{ev:.2}"),
+                        cpu_text(l),
+                        rss.join(", "),
+                    )
+                }
+                _ => (
+                    "n/a".into(),
+                    "n/a".into(),
+                    "n/a".into(),
+                    "n/a".into(),
+                    "n/a".into(),
+                ),
+            };
+            let node_rss = format!(
+                "{} / {} MiB, {}",
+                pct(&o.node_rss_kib, 0.5)
+                    .map_or("n/a".to_owned(), |k| format!("{:.1}", k as f64 / 1024.0)),
+                o.node_rss_kib
+                    .iter()
+                    .max()
+                    .map_or("n/a".to_owned(), |k| format!("{:.1}", *k as f64 / 1024.0)),
+                o.node_fds
+                    .iter()
+                    .max()
+                    .map_or("n/a".to_owned(), |k| k.to_string())
+            );
+            let _ = writeln!(
+                r,
+                "| {} | {} | {idle_req} | {idle_ev} | {idle_cpu} | {win} | {per_mig} | {ev_per} | {cpu} | {rss} | {node_rss} |",
+                c.nodes,
+                if c.notices { "on" } else { "off" },
+            );
+        }
+        for o in mine.iter().filter(|o| o.config.startup) {
+            let _ = writeln!(
+                r,
+                "\nStart-up at {} nodes with {} VM records in the store ({} reserved in {}): a \
+                 node's daemon from spawn to serving, {} restarts: median {}, worst {} (the \
+                 harness polls the socket every 20 ms).",
+                o.config.nodes,
+                o.records,
+                args.records,
+                o.reserve_secs
+                    .map_or("n/a".to_owned(), |s| format!("{s:.1} s")),
+                o.restarts_ms.len(),
+                pct_f(&o.restarts_ms, 0.5).map_or("n/a".to_owned(), |v| format!("{v:.0} ms")),
+                o.restarts_ms
+                    .iter()
+                    .copied()
+                    .fold(None, |a: Option<f64>, b| Some(a.map_or(b, |a| a.max(b))))
+                    .map_or("n/a".to_owned(), |v| format!("{v:.0} ms"))
+            );
+        }
+        let claims_took: Vec<f64> = mine.iter().flat_map(|o| o.claim_took_ms.clone()).collect();
+        let _ = writeln!(
+            r,
+            "\nThe claims' own time (the daemon's `took_ms`, list + compare-and-swap), all sizes: \
+             median {}.",
+            pct_f(&claims_took, 0.5).map_or("n/a".to_owned(), |v| format!("{v:.1} ms"))
+        );
+    }
+
+    let _ = writeln!(r, "\n{}", judgment(outcomes));
+    if !failures.problems.is_empty() {
+        let _ = writeln!(r, "\nProblems (first {}):", failures.problems.len());
+        for p in &failures.problems {
+            let _ = writeln!(r, "- {}", first_lines(p, 4).replace('\n', " / "));
+        }
+    }
+    r
+}
+
+fn cpu_text(l: &Load) -> String {
+    l.cpu
+        .iter()
+        .map(|(k, v)| format!("{k} {:.0}%", 100.0 * v / l.secs.max(1e-9)))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn judgment(outcomes: &[Outcome]) -> String {
+    let mut lines = Vec::new();
+    for (store, target) in [
+        (Store::Etcd, TARGET_ETCD_MS),
+        (Store::Kubernetes, TARGET_KUBE_MS),
+    ] {
+        let at100 = outcomes
+            .iter()
+            .find(|o| o.config.store == store && o.config.nodes == 100 && o.config.notices);
+        let line = match at100 {
+            Some(o) => match pct(&o.all_us, 0.99) {
+                Some(p99) if o.incomplete == 0 && o.all_us.len() >= 100 => {
+                    let p99 = p99 as f64 / 1e3;
+                    format!(
+                        "{}: {} simultaneous migrations at 100 nodes, every node repointed p99 \
+                         {p99:.1} ms: target ≤ {target:.0} ms {}.",
+                        store.name(),
+                        o.all_us.len(),
+                        if p99 <= target { "met" } else { "NOT met" }
+                    )
+                }
+                _ => format!(
+                    "{}: at 100 nodes only {} of {} migrations were timed: the target (≤ \
+                     {target:.0} ms p99 for 100) is not shown to be met.",
+                    store.name(),
+                    o.all_us.len(),
+                    o.all_us.len() + o.incomplete
+                ),
+            },
+            None => format!("{}: not run at 100 nodes.", store.name()),
+        };
+        lines.push(line);
+    }
+    format!("**Judgment**: {}", lines.join(" "))
+}
+
+fn method_text(args: &Args) -> String {
+    format!(
+        "Method:\n\n\
+- Nodes: real `tetherd` processes (release), each in a network namespace of its own on one \
+fabric bridge (host-gw, dual-stack, blocks /{BLOCK_SIZE} and /{BLOCK_SIZE_V6}), started one \
+after another, against a 3-member etcd or a kube-apiserver (one etcd member of its own behind \
+it; audit logging on, as the harness runs it), all on this machine. The daemons run with \
+their default lease (15 s) and `--log-level {LOG_LEVEL}`.\n\
+- What this cannot prove: every node, the store and the bench share {} CPUs, so a busy node \
+delays the others and the store (a real cluster gives each node its own CPUs, and the store \
+its own machines); the fabric is one in-kernel bridge with no latency, loss or bandwidth \
+limit between nodes or to the store; there are no kubelets or real pods beyond the netns and \
+veths of the VM and claim pods, no other API clients loading the API server, and a cluster \
+at most {} nodes large. The figures are therefore an upper bound from contention and a \
+lower bound from the network.\n\
+- Claim → route: {} blocks claimed by ADDs on node 0, {} ms apart; each claim from node 0's \
+log line (the claim's compare-and-swap answered) to the end of the route pass that added its \
+route on each other node (Stats `recent_block_routes`), the last node's time per claim.\n\
+- Mass migration: {} VMs (virt-launcher pods added through the plugin), VM i on node i mod N, \
+its target pod on node i+1 mod N; all RARPs released together by a barrier, one thread each. \
+Per VM: from its RARP's send to its target's route (`recent_cutovers`: read + \
+`local_route_ms`), to the record committed (+ `committed_ms`), and to the last other node's \
+route change for that cutover's generation (`recent_vm_route_updates`); one clock, this \
+machine's. Lost or duplicated: ListVms (the active pod must be the target, the alternate the \
+source) and every node's kernel routes read once at the end (`ip -j route`, both families): \
+each VM address exactly one route, the target's pod veth on the target and `via` the target \
+elsewhere.\n\
+- Load: the store's own metrics (etcd: `grpc_server_msg_received_total`, every unary request and every message on a \
+stream such as a lease keep-alive, and `etcd_debugging_mvcc_events_total`, events sent to \
+watchers, over the 3 members; API server: `apiserver_request_total` \
+and `apiserver_watch_events_total`) and `/proc/<pid>` CPU time and RSS of the store's \
+processes. Idle: {} s with only lease renewals. Per migration: the window's change less the \
+idle rate over it, divided by the VMs (watch events also by the nodes).\n\
+- Start-up: at the largest size, {} VM records more are reserved (`ReserveVmAddress`, one \
+IPv4 address each, two per /30, each on the node that holds or claims its block), so the \
+store holds them and the migration's VMs (the issue's \"100 nodes × 1,000 VMs\" read as 1,000 \
+VM records in a 100-node cluster); the last node's daemon is stopped (SIGTERM) and started \
+{} times, timed from the spawn to its socket accepting: it opens after the node has listed \
+the nodes, blocks and every VM record and synced its routes.",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        args.nodes.iter().max().copied().unwrap_or(0),
+        args.claims,
+        CLAIM_SPACING.as_millis(),
+        args.vms,
+        args.idle_secs,
+        args.records,
+        args.restarts,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metric_sums_add_every_sample_of_one_name() {
+        let text = "# HELP x\nfoo_total{a=\"1\"} 2\nfoo_total{a=\"2\"} 3.5\nfoo_total_other 7\nfoo_total 1\n";
+        assert_eq!(metric_sum(text, "foo_total"), 6.5);
+        assert_eq!(metric_sum(text, "bar"), 0.0);
+    }
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let v: Vec<i64> = (1..=100).collect();
+        assert_eq!(pct(&v, 0.5), Some(50));
+        assert_eq!(pct(&v, 0.99), Some(99));
+        assert_eq!(pct::<i64>(&[], 0.5), None);
+    }
+}
