@@ -288,3 +288,34 @@ pub async fn prepare_overlay(c: &dyn Peers, kernel: &dyn NodeRoutes, pod_mtu: u3
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vm::{push_recent, RECENT};
+
+    #[test]
+    fn a_block_route_is_timed_once_when_it_first_is_in_place() {
+        let routes = Routes::new(Arc::new(crate::kernel::fake::FakeKernel::new()));
+        let net = |s: &str| s.parse::<IpNet>().expect("a CIDR");
+        routes.note_cluster_routes(&[net("10.244.0.4/30")]);
+        routes.note_cluster_routes(&[net("10.244.0.4/30"), net("10.244.0.8/30")]);
+        routes.note_cluster_routes(&[net("10.244.0.8/30")]);
+        let added: Vec<IpNet> = routes.recent_block_routes().iter().map(|b| b.dst).collect();
+        assert_eq!(added, [net("10.244.0.4/30"), net("10.244.0.8/30")]);
+        // Withdrawn and back: in place again, timed again.
+        routes.note_cluster_routes(&[net("10.244.0.4/30"), net("10.244.0.8/30")]);
+        assert_eq!(routes.recent_block_routes().len(), 3);
+    }
+
+    #[test]
+    fn the_recent_lists_keep_the_newest() {
+        let mut list = VecDeque::new();
+        for i in 0..RECENT + 10 {
+            push_recent(&mut list, i);
+        }
+        assert_eq!(list.len(), RECENT);
+        assert_eq!(list.front(), Some(&10));
+        assert_eq!(list.back(), Some(&(RECENT + 9)));
+    }
+}

@@ -9,9 +9,9 @@
 //! daemon competes with the other nodes' daemons and with the store for
 //! the same two cores, which a real cluster does not do.
 //!
-//! For each store and size, a fresh cluster (host-gw, the blocks as small
-//! as `bench_cluster`'s, /30 and /126, so that an ADD claims a block about
-//! every other time), then, in order:
+//! For each store and size, a fresh cluster (host-gw, dual-stack, with
+//! small blocks, /29 and /125, so that an ADD claims a block every few
+//! times), then, in order:
 //!
 //! 1. **Idle load**: the store's requests and watch events per second, and
 //!    the CPU of its processes, over `--idle-secs` with nothing happening
@@ -75,7 +75,7 @@ use tether_e2e::benchkit::{
     release_dir, start, stdout_of, strip_ansi, CommonArgs, Failures, Machine, Start,
 };
 use tether_e2e::cluster::{Cluster, ClusterNode, ClusterOpts, NodeOpts, Pod, Store};
-use tether_e2e::migration::send_rarp;
+use tether_e2e::migration::FrameSender;
 use tether_e2e::vm::{mac_bytes, reserve_vm, result_mac, try_add_vm_pod, VmPodSpec};
 use tether_e2e::{run_prefix, Family};
 
@@ -96,21 +96,29 @@ const RECORDS_NAMESPACE: &str = "scale-rec";
 const LOG_LEVEL: &str = "info";
 /// The line tetherd logs after each block claim.
 const CLAIM_LINE: &str = "claimed an address block";
-/// Tiny blocks, as in `bench_cluster`: an ADD claims about every other
-/// time.
-const BLOCK_SIZE: u8 = 30;
-const BLOCK_SIZE_V6: u8 = 126;
+/// Small blocks: six IPv4 and seven IPv6 pod addresses each, so that the
+/// claim phase claims a block every few ADDs, yet the reserved records
+/// need a block per six.
+const BLOCK_SIZE: u8 = 29;
+const BLOCK_SIZE_V6: u8 = 125;
+/// Usable IPv4 addresses of a block: `.1` to `.6` of a /29.
+const BLOCK_HOSTS: usize = 6;
+/// Threads that reserve records side by side: few, so that each block
+/// claim's route pass on every node is not piled on the last one's.
+const RESERVE_WORKERS: usize = 2;
 /// Threads that add pods or reserve records side by side.
 const WORKERS: usize = 8;
 /// How long claims' routes and cutovers may take to show everywhere.
 const CONVERGE: Duration = Duration::from_secs(60);
+/// How long 100 simultaneous cutovers may take to show everywhere.
+const MIGRATION_WAIT: Duration = Duration::from_secs(180);
 /// Between two ADDs of the claim phase: each claim's routes spread alone.
 const CLAIM_SPACING: Duration = Duration::from_millis(150);
 /// How often the bench reads every node's Stats while it waits (rarely:
 /// reading them loads the daemons).
 const STATS_POLL: Duration = Duration::from_secs(1);
-/// The reserved records' addresses: `.1` and `.2` of consecutive /30s
-/// from here (inside the cluster CIDR, so each claims its block).
+/// The reserved records' addresses: `.1` to `.6` of consecutive /29s
+/// from here (inside the cluster CIDR, so each block is claimed).
 const RECORDS_BASE: [u8; 4] = [10, 244, 128, 0];
 
 /// The issue's targets at 100 nodes, 100 simultaneous migrations: every
@@ -298,6 +306,9 @@ struct Outcome {
     target_us: Vec<i64>,
     commit_us: Vec<i64>,
     all_us: Vec<i64>,
+    /// Route passes that changed VM routes, per node, during the
+    /// migration (Stats `vm_route_updates`).
+    passes_per_node: Option<f64>,
     /// The spread of the RARPs' sends (first to last).
     rarp_spread_us: Option<i64>,
     migration_load: Option<Load>,
@@ -332,6 +343,7 @@ impl Outcome {
             commit_us: Vec::new(),
             all_us: Vec::new(),
             rarp_spread_us: None,
+            passes_per_node: None,
             migration_load: None,
             incomplete: 0,
             wrong_records: Vec::new(),
@@ -597,9 +609,14 @@ struct Vm {
 
 /// Runs `f` over `0..n` on [`WORKERS`] threads; the results in order.
 fn par_map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    par_map_on(WORKERS, n, f)
+}
+
+/// Runs `f` over `0..n` on `workers` threads; the results in order.
+fn par_map_on<T: Send>(workers: usize, n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
     let next = std::sync::atomic::AtomicUsize::new(0);
     let mut out: Vec<(usize, T)> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..WORKERS.min(n.max(1)))
+        let handles: Vec<_> = (0..workers.min(n.max(1)))
             .map(|_| {
                 s.spawn(|| {
                     let mut mine = Vec::new();
@@ -722,22 +739,28 @@ fn migration_phase(
     }
     let before_stats = all_stats(cluster);
     let cutovers_before: Vec<u64> = before_stats.iter().map(|s| s.vm_cutovers).collect();
+    let passes_before: u64 = before_stats.iter().map(|s| s.vm_route_updates).sum();
     // Let the ADDs' own writes and watch events settle out of the window.
     std::thread::sleep(Duration::from_secs(2));
 
     // All RARPs at once.
     let load0 = probe.sample(cluster);
+    // The sockets are opened first, in each target pod's netns, so that
+    // the sends themselves are all that happens at the barrier.
+    let senders: Vec<FrameSender> = vms
+        .iter()
+        .map(|vm| FrameSender::rarp(vm.target_pod.netns(), "eth0", mac_bytes(&vm.mac)))
+        .collect();
     let barrier = Barrier::new(vms.len());
     let sent: Vec<i64> = std::thread::scope(|s| {
-        let handles: Vec<_> = vms
+        let handles: Vec<_> = senders
             .iter()
-            .map(|vm| {
+            .map(|sender| {
                 let barrier = &barrier;
                 s.spawn(move || {
-                    let mac = mac_bytes(&vm.mac);
                     barrier.wait();
                     let (i0, s0) = (Instant::now(), SystemTime::now());
-                    let at = send_rarp(vm.target_pod.netns(), "eth0", mac);
+                    let at = sender.send();
                     unix_nanos(s0) + at.saturating_duration_since(i0).as_nanos() as i64
                 })
             })
@@ -754,7 +777,7 @@ fn migration_phase(
     // Wait (reading Stats once a second, from 1 s after the RARPs) for
     // every cutover and every node's route change.
     std::thread::sleep(STATS_POLL);
-    let deadline = Instant::now() + CONVERGE;
+    let deadline = Instant::now() + MIGRATION_WAIT;
     let mut stats;
     loop {
         stats = all_stats(cluster);
@@ -771,7 +794,7 @@ fn migration_phase(
     }
     o.migration_load = Some(load.clone());
     eprintln!(
-        "bench_scale: migration window: {} (idle rate would be {:.0} requests)",
+        "bench_scale: migration window: {} (the idle rate would give {:.0} requests)",
         load.one_line(n),
         idle.requests / idle.secs * load.secs
     );
@@ -780,6 +803,8 @@ fn migration_phase(
         .zip(&cutovers_before)
         .map(|(s, b)| s.vm_cutovers - b)
         .sum();
+    let passes: u64 = stats.iter().map(|s| s.vm_route_updates).sum::<u64>() - passes_before;
+    o.passes_per_node = Some(passes as f64 / n as f64);
     if cutovers != vms.len() as u64 {
         f.fail(format!(
             "migration: the nodes counted {cutovers} cutovers for {} RARPs",
@@ -795,19 +820,33 @@ fn migration_phase(
             }
             None => {
                 o.incomplete += 1;
+                // What the target's daemon said about it.
+                let log = cluster.node(vm.target).daemon().log();
+                let lines: Vec<&str> = log
+                    .lines()
+                    .filter(|l| l.contains(&vm.key) && !l.contains(" INFO "))
+                    .take(3)
+                    .collect();
                 f.fail(format!(
-                    "migration: {} was not repointed on every node within {CONVERGE:?}",
-                    vm.key
+                    "migration: {} was not repointed on every node within {MIGRATION_WAIT:?}; \
+                     its target's log: {}",
+                    vm.key,
+                    lines.join(" / ")
                 ));
             }
         }
     }
     eprintln!(
-        "bench_scale: RARP → every node repointed: p50 {}, p99 {} ({} VMs, RARPs spread over {})",
+        "bench_scale: RARP → every node repointed: p50 {}, p99 {} ({} VMs, RARPs spread over {}); \
+         → target route p50 {}, p99 {}; → committed p50 {}, p99 {}",
         ms(pct(&o.all_us, 0.5), 1),
         ms(pct(&o.all_us, 0.99), 1),
         o.all_us.len(),
-        ms(o.rarp_spread_us, 1)
+        ms(o.rarp_spread_us, 1),
+        ms(pct(&o.target_us, 0.5), 1),
+        ms(pct(&o.target_us, 0.99), 1),
+        ms(pct(&o.commit_us, 0.5), 1),
+        ms(pct(&o.commit_us, 0.99), 1)
     );
 
     // The records: the target active, the source alternate.
@@ -951,17 +990,22 @@ fn startup_phase(cluster: &mut Cluster, args: &Args, o: &mut Outcome, f: &mut Fa
         .map(|x| x.name().to_owned())
         .collect();
     let t0 = Instant::now();
-    // Two records per /30 (its .1 and .2), a /30's pair on one node, in
-    // turn; a block some node holds already is reserved on that node.
-    let pairs = args.records.div_ceil(2);
+    // Six records per /29 (.1 to .6), a block's records on one node, the
+    // blocks on the nodes in turn; a block some node holds already is
+    // reserved on that node. An address a VM pod holds is skipped: a
+    // tenth more blocks than needed, and the workers stop once there are
+    // enough.
+    let blocks = (args.records + args.records / 10).div_ceil(BLOCK_HOSTS);
+    let total_made = std::sync::atomic::AtomicUsize::new(0);
     let c: &Cluster = cluster;
-    let results: Vec<Result<usize, String>> = par_map(pairs, |p| {
+    let results: Vec<Result<usize, String>> = par_map_on(RESERVE_WORKERS, blocks, |p| {
         let mut made = 0;
-        let base = u32::from(std::net::Ipv4Addr::from(RECORDS_BASE)) + 4 * p as u32;
+        let size = 1u32 << (32 - BLOCK_SIZE);
+        let base = u32::from(std::net::Ipv4Addr::from(RECORDS_BASE)) + size * p as u32;
         let mut node = p % n;
-        for j in 0..2 {
-            let r = 2 * p + j;
-            if r >= args.records {
+        for j in 0..BLOCK_HOSTS {
+            let r = BLOCK_HOSTS * p + j;
+            if total_made.load(std::sync::atomic::Ordering::SeqCst) >= args.records {
                 break;
             }
             let ip = IpAddr::V4((base + 1 + j as u32).into());
@@ -978,6 +1022,7 @@ fn startup_phase(cluster: &mut Cluster, args: &Args, o: &mut Outcome, f: &mut Fa
                 ) {
                     Ok(_) => {
                         made += 1;
+                        total_made.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                         break;
                     }
                     Err(e) if tries < 3 && e.message().contains("held by node ") => {
@@ -994,6 +1039,12 @@ fn startup_phase(cluster: &mut Cluster, args: &Args, o: &mut Outcome, f: &mut Fa
                             Some(k) => node = k,
                             None => return Err(format!("{name} at {ip}: {}", e.message())),
                         }
+                    }
+                    // An address (or its MAC) a VM pod holds: not one to reserve.
+                    Err(e) if e.message().contains("(code 105)") => break,
+                    // The store is busy (a claim timed out): again, later.
+                    Err(e) if tries < 5 && e.message().contains("(code 11)") => {
+                        std::thread::sleep(Duration::from_secs(1));
                     }
                     Err(e) => return Err(format!("{name} at {ip}: {}", e.message())),
                 }
@@ -1063,6 +1114,9 @@ struct StoreProbe {
 struct Counters {
     at: Option<Instant>,
     requests: f64,
+    /// Answers 409 (conflict) and 429 (throttled), on the API server.
+    conflicts: f64,
+    throttled: f64,
     watch_events: f64,
     /// CPU seconds per role.
     cpu: BTreeMap<&'static str, f64>,
@@ -1075,6 +1129,8 @@ struct Counters {
 struct Load {
     secs: f64,
     requests: f64,
+    conflicts: f64,
+    throttled: f64,
     watch_events: f64,
     cpu: BTreeMap<&'static str, f64>,
     rss: BTreeMap<&'static str, u64>,
@@ -1088,10 +1144,12 @@ impl Load {
             .map(|(k, v)| format!("{k} {:.0}% CPU", 100.0 * v / self.secs.max(1e-9)))
             .collect();
         format!(
-            "{:.1} s, {:.0} req/s ({:.2}/node), {:.0} watch events/s, {}",
+            "{:.1} s, {:.0} req/s ({:.2}/node; {:.0} answered 409, {:.0} answered 429), {:.0} watch events/s, {}",
             self.secs,
             self.requests / self.secs.max(1e-9),
             self.requests / self.secs.max(1e-9) / nodes as f64,
+            self.conflicts,
+            self.throttled,
             self.watch_events / self.secs.max(1e-9),
             cpu.join(", ")
         )
@@ -1106,6 +1164,8 @@ impl Counters {
                 _ => 0.0,
             },
             requests: self.requests - before.requests,
+            conflicts: self.conflicts - before.conflicts,
+            throttled: self.throttled - before.throttled,
             watch_events: self.watch_events - before.watch_events,
             cpu: self
                 .cpu
@@ -1160,6 +1220,8 @@ impl StoreProbe {
                 let out = cluster.kube_api().kubectl(&["get", "--raw", "/metrics"]);
                 let text = String::from_utf8_lossy(&out.stdout);
                 c.requests += metric_sum(&text, "apiserver_request_total");
+                c.conflicts += metric_sum_with(&text, "apiserver_request_total", "code=\"409\"");
+                c.throttled += metric_sum_with(&text, "apiserver_request_total", "code=\"429\"");
                 c.watch_events += metric_sum(&text, "apiserver_watch_events_total");
             }
         }
@@ -1173,7 +1235,13 @@ impl StoreProbe {
 
 /// The sum of every sample of metric `name` in a Prometheus text page.
 fn metric_sum(text: &str, name: &str) -> f64 {
+    metric_sum_with(text, name, "")
+}
+
+/// [`metric_sum`] of the samples whose labels contain `label`.
+fn metric_sum_with(text: &str, name: &str, label: &str) -> f64 {
     text.lines()
+        .filter(|l| l.contains(label))
         .filter(|l| !l.starts_with('#'))
         .filter(|l| {
             l.strip_prefix(name)
@@ -1292,9 +1360,12 @@ fn report(
         let _ = writeln!(r, "\n### `--store {}`\n", store.name());
         let _ = writeln!(
             r,
-            "| nodes | notices | load avg before → after | cluster start | claim → route on all nodes p50 / p99 | RARP → target route p50 / p99 | RARP → committed p50 / p99 | RARP → every node repointed p50 / p99 | VMs timed | records wrong | routes missing / duplicated / misrouted |"
+            "| nodes | notices | load avg before → after | cluster start | claim → route on all nodes p50 / p99 | RARP → target route p50 / p99 | RARP → committed p50 / p99 | RARP → every node repointed p50 / p99 | RARPs' spread | VM route passes per node | VMs timed | records wrong | routes missing / duplicated / misrouted |"
         );
-        let _ = writeln!(r, "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+        let _ = writeln!(
+            r,
+            "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
         for o in &mine {
             let c = o.config;
             let pair =
@@ -1311,7 +1382,7 @@ fn report(
             });
             let _ = writeln!(
                 r,
-                "| {} | {} | {} → {} | {} | {} | {} | {} | {} | {} of {} | {} | {} |",
+                "| {} | {} | {} → {} | {} | {} | {} | {} | {} | {} | {} | {} of {} | {} | {} |",
                 c.nodes,
                 if c.notices { "on" } else { "off" },
                 o.load_before,
@@ -1322,6 +1393,9 @@ fn report(
                 pair(&o.target_us, 2),
                 pair(&o.commit_us, 1),
                 pair(&o.all_us, 1),
+                ms(o.rarp_spread_us, 1),
+                o.passes_per_node
+                    .map_or("n/a".to_owned(), |p| format!("{p:.1}")),
                 o.all_us.len(),
                 o.all_us.len() + o.incomplete,
                 o.wrong_records.len(),
@@ -1371,7 +1445,14 @@ fn report(
                         .collect();
                     (
                         format!("{:.1} s", l.secs),
-                        format!("{req:.1}"),
+                        if store_is_kube(o) {
+                            format!(
+                                "{req:.1} (answered 409: {:.0}, 429: {:.0})",
+                                l.conflicts, l.throttled
+                            )
+                        } else {
+                            format!("{req:.1}")
+                        },
                         format!("{ev:.2}"),
                         cpu_text(l),
                         rss.join(", "),
@@ -1444,6 +1525,10 @@ fn report(
     r
 }
 
+fn store_is_kube(o: &Outcome) -> bool {
+    o.config.store == Store::Kubernetes
+}
+
 fn cpu_text(l: &Load) -> String {
     l.cpu
         .iter()
@@ -1507,11 +1592,13 @@ lower bound from the network.\n\
 log line (the claim's compare-and-swap answered) to the end of the route pass that added its \
 route on each other node (Stats `recent_block_routes`), the last node's time per claim.\n\
 - Mass migration: {} VMs (virt-launcher pods added through the plugin), VM i on node i mod N, \
-its target pod on node i+1 mod N; all RARPs released together by a barrier, one thread each. \
+its target pod on node i+1 mod N; a packet socket opened beforehand in each target pod, then \
+all RARPs released together by a barrier, one thread each (their spread: first send to last). \
 Per VM: from its RARP's send to its target's route (`recent_cutovers`: read + \
 `local_route_ms`), to the record committed (+ `committed_ms`), and to the last other node's \
 route change for that cutover's generation (`recent_vm_route_updates`); one clock, this \
-machine's. Lost or duplicated: ListVms (the active pod must be the target, the alternate the \
+machine's. VM route passes per node: the route passes that changed VM routes (Stats \
+`vm_route_updates`), summed over the nodes, divided by the nodes. Lost or duplicated: ListVms (the active pod must be the target, the alternate the \
 source) and every node's kernel routes read once at the end (`ip -j route`, both families): \
 each VM address exactly one route, the target's pod veth on the target and `via` the target \
 elsewhere.\n\
@@ -1522,7 +1609,7 @@ and `apiserver_watch_events_total`) and `/proc/<pid>` CPU time and RSS of the st
 processes. Idle: {} s with only lease renewals. Per migration: the window's change less the \
 idle rate over it, divided by the VMs (watch events also by the nodes).\n\
 - Start-up: at the largest size, {} VM records more are reserved (`ReserveVmAddress`, one \
-IPv4 address each, two per /30, each on the node that holds or claims its block), so the \
+IPv4 address each, six per /{BLOCK_SIZE}, each on the node that holds or claims its block, two at a time), so the \
 store holds them and the migration's VMs (the issue's \"100 nodes × 1,000 VMs\" read as 1,000 \
 VM records in a 100-node cluster); the last node's daemon is stopped (SIGTERM) and started \
 {} times, timed from the spawn to its socket accepting: it opens after the node has listed \
