@@ -28,7 +28,7 @@
 //!    plugin, KubeVirt's annotations), VM `i` on node `i mod N`, and each
 //!    VM's migration target pod on node `i+1 mod N`. Once every node's view
 //!    shows every target, all the targets send QEMU's RARP for their VM's
-//!    MAC at once (one thread each, released by a barrier). Per VM: from
+//!    MAC at once (back to back, from one thread). Per VM: from
 //!    its RARP's send (this process's wall clock) to the target's local
 //!    route (Stats `recent_cutovers`: read time + `local_route_ms`), to the
 //!    record committed (+ `committed_ms`), and to the route change on each
@@ -64,7 +64,6 @@ use std::fmt::Write as _;
 use std::net::IpAddr;
 use std::path::Path;
 use std::process::ExitCode;
-use std::sync::Barrier;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ipnet::IpNet;
@@ -746,30 +745,21 @@ fn migration_phase(
     // All RARPs at once.
     let load0 = probe.sample(cluster);
     // The sockets are opened first, in each target pod's netns, so that
-    // the sends themselves are all that happens at the barrier.
+    // the sends themselves are all that happens in the burst.
     let senders: Vec<FrameSender> = vms
         .iter()
         .map(|vm| FrameSender::rarp(vm.target_pod.netns(), "eth0", mac_bytes(&vm.mac)))
         .collect();
-    let barrier = Barrier::new(vms.len());
-    let sent: Vec<i64> = std::thread::scope(|s| {
-        let handles: Vec<_> = senders
-            .iter()
-            .map(|sender| {
-                let barrier = &barrier;
-                s.spawn(move || {
-                    barrier.wait();
-                    let (i0, s0) = (Instant::now(), SystemTime::now());
-                    let at = sender.send();
-                    unix_nanos(s0) + at.saturating_duration_since(i0).as_nanos() as i64
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .collect()
-    });
+    // One thread sends them all, back to back: on two CPUs, a thread per
+    // VM would be spread out by the daemons reacting to the first frames.
+    let (i0, s0) = (Instant::now(), SystemTime::now());
+    let sent: Vec<i64> = senders
+        .iter()
+        .map(|sender| {
+            let at = sender.send();
+            unix_nanos(s0) + at.saturating_duration_since(i0).as_nanos() as i64
+        })
+        .collect();
     let first = sent.iter().copied().min().unwrap_or(0);
     let last = sent.iter().copied().max().unwrap_or(0);
     o.rarp_spread_us = Some((last - first) / 1000);
@@ -1593,7 +1583,7 @@ log line (the claim's compare-and-swap answered) to the end of the route pass th
 route on each other node (Stats `recent_block_routes`), the last node's time per claim.\n\
 - Mass migration: {} VMs (virt-launcher pods added through the plugin), VM i on node i mod N, \
 its target pod on node i+1 mod N; a packet socket opened beforehand in each target pod, then \
-all RARPs released together by a barrier, one thread each (their spread: first send to last). \
+all RARPs sent back to back by one thread (their spread: first send to last). \
 Per VM: from its RARP's send to its target's route (`recent_cutovers`: read + \
 `local_route_ms`), to the record committed (+ `committed_ms`), and to the last other node's \
 route change for that cutover's generation (`recent_vm_route_updates`); one clock, this \
