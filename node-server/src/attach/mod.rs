@@ -339,9 +339,10 @@ impl Node {
                 routing::manager::program_cluster(c.as_ref(), node.kernel.as_ref(), &c.view())
                     .await;
             match &first {
-                Ok((added, removed)) => {
-                    reconciled.cluster_routes_added = *added;
-                    reconciled.cluster_routes_removed = *removed;
+                Ok(p) => {
+                    reconciled.cluster_routes_added = p.added;
+                    reconciled.cluster_routes_removed = p.removed;
+                    node.routes.note_cluster_routes(&p.dsts);
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot program the cluster routes yet; retrying")

@@ -276,14 +276,16 @@ impl Vms {
         }
         let mut stats = lock(&self.stats);
         stats.cutovers += 1;
-        stats.last_cutover = Some(CutoverTiming {
+        let timing = CutoverTiming {
             vm: vm.clone(),
             trigger,
             generation: rec.generation,
             seen_unix_nanos: seen.1,
             local_route,
             committed: committed_after,
-        });
+        };
+        super::push_recent(&mut stats.recent_cutovers, timing.clone());
+        stats.last_cutover = Some(timing);
         Ok(rec)
     }
 

@@ -200,12 +200,32 @@ impl Vms {
         lock(&self.stats).clone()
     }
 
-    /// Counts a route change that followed a VM.
-    pub(crate) fn note_route_update(&self, update: RouteUpdateTiming) {
+    /// Counts a pass whose route changes followed VMs: `updates` holds one
+    /// timing per VM whose routes changed, the most recently cut-over one
+    /// last.
+    pub(crate) fn note_route_updates(&self, updates: Vec<RouteUpdateTiming>) {
+        let Some(last) = updates.last().cloned() else {
+            return;
+        };
         let mut stats = lock(&self.stats);
         stats.route_updates += 1;
-        stats.last_route_update = Some(update);
+        stats.last_route_update = Some(last);
+        for u in updates {
+            push_recent(&mut stats.recent_route_updates, u);
+        }
     }
+}
+
+/// How many route updates and cutovers [`VmStats`] keeps, most recent
+/// last: enough for every VM of a mass migration at once.
+pub const RECENT: usize = 4096;
+
+/// Appends `item` to `list`, dropping the oldest beyond [`RECENT`].
+pub(crate) fn push_recent<T>(list: &mut std::collections::VecDeque<T>, item: T) {
+    if list.len() == RECENT {
+        list.pop_front();
+    }
+    list.push_back(item);
 }
 
 /// Counters and timings of VM cutovers and route changes on this node.
@@ -215,10 +235,16 @@ pub struct VmStats {
     pub cutovers: u64,
     /// The last one.
     pub last_cutover: Option<CutoverTiming>,
-    /// Route changes this node made because a VM moved.
+    /// Passes in which this node changed routes because VMs moved.
     pub route_updates: u64,
-    /// The last one.
+    /// The last one's most recently cut-over VM.
     pub last_route_update: Option<RouteUpdateTiming>,
+    /// The last [`RECENT`] cutovers made here, oldest first.
+    pub recent_cutovers: std::collections::VecDeque<CutoverTiming>,
+    /// The last [`RECENT`] route changes, one per VM and pass, oldest
+    /// first (a pass that repointed many VMs at once gives each the same
+    /// time).
+    pub recent_route_updates: std::collections::VecDeque<RouteUpdateTiming>,
 }
 
 /// Timings of a cutover made here.
