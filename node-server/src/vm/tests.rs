@@ -454,6 +454,18 @@ async fn seen_at(one: &One, generation: u64) -> VmView {
     panic!("the view never showed generation {generation}");
 }
 
+/// Waits until B's and then A's view show the record as B's target
+/// placement wrote it; returns A's view.
+async fn both_see_the_target(a: &One, b: &One) -> VmView {
+    let placed = b
+        .vms
+        .records()
+        .cached(&vm_key())
+        .map_or(0, |(r, _)| r.generation);
+    let on_b = seen_at(b, placed).await;
+    seen_at(a, active_in(&on_b).1).await
+}
+
 fn active_in(view: &VmView) -> (String, u64) {
     let (r, _) = view.records.get(&vm_key()).expect("vm1's record");
     (
@@ -468,13 +480,7 @@ fn active_in(view: &VmView) -> (String, u64) {
 #[tokio::test]
 async fn the_targets_notice_moves_the_other_nodes_until_the_record_settles() {
     let (a, b, _c1, c2, _dir) = migrating().await;
-    let placed = b
-        .vms
-        .records()
-        .cached(&vm_key())
-        .map_or(0, |(r, _)| r.generation);
-    let before = seen_at(&b, placed).await;
-    let before = seen_at(&a, active_in(&before).1).await;
+    let before = both_see_the_target(&a, &b).await;
     b.vms
         .cutover(&b.side, &vm_key(), Some(&c2), Trigger::Rarp, now())
         .await
@@ -517,13 +523,7 @@ async fn the_targets_notice_moves_the_other_nodes_until_the_record_settles() {
 #[tokio::test]
 async fn a_notice_the_record_refuses_is_retracted_and_the_others_return() {
     let (a, b, _c1, c2, _dir) = migrating().await;
-    let placed = b
-        .vms
-        .records()
-        .cached(&vm_key())
-        .map_or(0, |(r, _)| r.generation);
-    let before = seen_at(&b, placed).await;
-    let before = seen_at(&a, active_in(&before).1).await;
+    let before = both_see_the_target(&a, &b).await;
     // B announces, then holds its write while the target's pod goes away
     // (its DEL clears the alternate): the write is refused.
     b.vms.set_test_commit_delay(Duration::from_millis(300));
@@ -638,13 +638,8 @@ fn notices_apply_only_to_their_generation_and_attachment_and_lapse() {
 
 #[tokio::test]
 async fn a_target_that_cannot_route_its_vm_retracts_its_notice() {
-    let (_a, b, _c1, c2, _dir) = migrating().await;
-    let placed = b
-        .vms
-        .records()
-        .cached(&vm_key())
-        .map_or(0, |(r, _)| r.generation);
-    seen_at(&b, placed).await;
+    let (a, b, _c1, c2, _dir) = migrating().await;
+    both_see_the_target(&a, &b).await;
     b.kernel.fail_always(Call::EnsureHostRoutes);
     let out = b
         .vms
