@@ -145,7 +145,9 @@ min-kernel: setup
 ## scripted migrations; real QEMU migrations and the tap binding's ADD;
 ## macvlan with tether as IPAM vs with host-local and whereabouts (on a
 ## real kube-apiserver), one node; tether on 3 nodes; pod-ready latency
-## through a real kubelet and containerd, tether's DaemonSet beside ptp.
+## through a real kubelet and containerd, tether's DaemonSet beside ptp;
+## 10, 30 and 100 nodes on each control store (claims, 100 simultaneous
+## migrations, the store's load, a node's start-up with 1,000 VM records).
 bench: setup k8s release
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench -- --write BENCHMARKS.md
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_cluster -- --write BENCHMARKS.md
@@ -153,6 +155,7 @@ bench: setup k8s release
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_vm -- --write BENCHMARKS.md
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_ipam -- --write BENCHMARKS.md
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_kubelet -- --write BENCHMARKS.md
+	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_scale -- --write BENCHMARKS.md
 
 clean:
 	$(CARGO) clean

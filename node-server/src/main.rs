@@ -207,6 +207,18 @@ struct Args {
     #[arg(long, hide = true, default_value_t = 0)]
     test_delete_delay_ms: u64,
 
+    /// UDP port of cutover notices between nodes (on the node addresses):
+    /// a migration's target tells the other nodes that its VM runs there
+    /// while it writes the record, and they repoint at once instead of on
+    /// the record's watch. 0 turns notices off.
+    #[arg(long, value_name = "PORT", default_value_t = 9655)]
+    cutover_port: u16,
+
+    /// Test hook (hidden): hold every cutover's write of the record back
+    /// by this many ms after its notice went out.
+    #[arg(long, hide = true, default_value_t = 0)]
+    test_cutover_commit_delay_ms: u64,
+
     /// Outbound NAT: traffic from pod addresses to anywhere outside the pod
     /// ranges, the named pools and --no-nat-to leaves with the node's
     /// address (nft table inet tether). --outbound-nat=false turns it off
@@ -504,7 +516,9 @@ async fn run(args: Args) -> Result<(), Fatal> {
     let (node, reconciled) = Node::open(config, store, cluster, peers, vms, kernel, host).await?;
     tracing::info!(?reconciled, "reconciled the kernel against the store");
     let node = Arc::new(node);
+    node.set_test_cutover_commit_delay(Duration::from_millis(args.test_cutover_commit_delay_ms));
     node.start_vm_tasks();
+    node.start_notices(args.cutover_port);
     if let Some((client, _)) = kube {
         node.start_kube(client);
     }

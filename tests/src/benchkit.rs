@@ -531,3 +531,54 @@ pub fn poll_until_fast(deadline: Instant, mut done: impl FnMut() -> bool) -> boo
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// Removes ANSI colour sequences (`ESC [ ... m`), in case a log has them.
+pub fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Microseconds since the Unix epoch of `YYYY-MM-DDTHH:MM:SS[.fraction][Z]`
+/// read as UTC (the caller makes sure it is UTC).
+pub fn parse_utc_micros(s: &str) -> Option<i64> {
+    let s = s.strip_suffix('Z').unwrap_or(s);
+    let (date, time) = s.split_once('T')?;
+    let mut d = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
+    let (year, month, day) = (d.next()??, d.next()??, d.next()??);
+    let (hms, frac) = time.split_once('.').unwrap_or((time, ""));
+    let mut t = hms.splitn(3, ':').map(|p| p.parse::<i64>().ok());
+    let (h, m, sec) = (t.next()??, t.next()??, t.next()??);
+    if !frac.bytes().all(|b| b.is_ascii_digit())
+        || !(1..=12).contains(&month)
+        || !(1..=31).contains(&day)
+    {
+        return None;
+    }
+    let micros: i64 = format!("{frac:0<6}")[..6].parse().ok()?;
+    let days = days_from_civil(year, month, day);
+    Some(((days * 24 + h) * 60 + m) * 60_000_000 + sec * 1_000_000 + micros)
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's
+/// algorithm).
+pub fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}

@@ -53,6 +53,9 @@ pub struct Outcome {
     pub seconds: f64,
     /// The failure's message and location, when it failed.
     pub failure: Option<String>,
+    /// What the spec wrote while it ran (its steps, the commands it ran
+    /// and their output), when it failed.
+    pub output: Option<String>,
 }
 
 impl Outcome {
@@ -90,6 +93,14 @@ pub fn run(cluster: &KubeCluster, e2e: &Path, focus: &str, dir: &Path) -> Run {
         .arg(e2e)
         .arg(format!("--kubeconfig={}", kubeconfig.display()))
         .arg("--provider=skeleton")
+        // The specs that run `kubectl exec` (the Services' reachability
+        // checks, among others) run this one, the cluster's own version;
+        // without the flag they take whatever `kubectl` is on the PATH, and
+        // on a machine without one they fail on every try.
+        .arg(format!(
+            "--kubectl-path={}",
+            crate::kube::k8s_bin_dir().join("kubectl").display()
+        ))
         .arg(format!("--ginkgo.focus={focus}"))
         .arg(format!("--ginkgo.json-report={}", report.display()))
         .arg("--ginkgo.timeout=3h")
@@ -165,11 +176,17 @@ pub fn outcomes(report: &Value) -> Vec<Outcome> {
                     f["Location"]["LineNumber"]
                 )
             });
+            let output = failure.as_ref().and_then(|_| {
+                spec["CapturedGinkgoWriterOutput"]
+                    .as_str()
+                    .map(str::to_string)
+            });
             all.push(Outcome {
                 name: parts.join(" "),
                 state,
                 seconds: spec["RunTime"].as_f64().unwrap_or(0.0) / 1e9,
                 failure,
+                output,
             });
         }
     }

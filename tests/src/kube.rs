@@ -337,6 +337,15 @@ impl KubeApi {
         format!("https://{}:{API_PORT}", self.address)
     }
 
+    /// The PIDs of the API server's etcd and of kube-apiserver, while they
+    /// run (our children, not reaped).
+    pub fn pids(&self) -> (Option<u32>, Option<u32>) {
+        (
+            self.etcd.as_ref().map(Child::id),
+            self.apiserver.as_ref().map(Child::id),
+        )
+    }
+
     /// The netns the server runs in.
     pub fn netns(&self) -> &Netns {
         &self.netns

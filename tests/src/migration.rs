@@ -821,6 +821,55 @@ pub fn send_frame(ns: &Netns, ifname: &str, frame: &[u8]) -> Instant {
     .unwrap_or_else(|e| panic!("{what}: {e}"))
 }
 
+/// A packet socket bound to a link inside a netns, holding one frame to
+/// send: opened ahead, so that many frames (one per pod, say) can leave
+/// at once from threads of any netns, without entering one at send time.
+pub struct FrameSender {
+    sock: OwnedFd,
+    to: SockAddr,
+    frame: Vec<u8>,
+}
+
+impl FrameSender {
+    /// Opens a sender of `frame` (a whole Ethernet frame, without FCS) out
+    /// of `ifname` inside `ns`; panics if it cannot.
+    pub fn open(ns: &Netns, ifname: &str, frame: &[u8]) -> FrameSender {
+        assert!(frame.len() >= 14, "an Ethernet frame has a 14-byte header");
+        let what = format!("opening a packet socket on {ifname} in {}", ns.name());
+        let ethertype = u16::from_be_bytes([frame[12], frame[13]]);
+        let mut dst = [0u8; 6];
+        dst.copy_from_slice(&frame[..6]);
+        let (sock, to) = ns
+            .run(|| -> io::Result<(OwnedFd, SockAddr)> {
+                let ifindex = if_index(ifname)?;
+                let sock = socket(libc::AF_PACKET, libc::SOCK_RAW, 0)?;
+                SockAddr::packet(ifindex, 0, dst).bind(&sock)?;
+                Ok((sock, SockAddr::packet(ifindex, ethertype, dst)))
+            })
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        FrameSender {
+            sock,
+            to,
+            frame: frame.to_vec(),
+        }
+    }
+
+    /// A sender of QEMU's RARP announcement for `mac` ([`rarp_frame`]).
+    pub fn rarp(ns: &Netns, ifname: &str, mac: [u8; 6]) -> FrameSender {
+        FrameSender::open(ns, ifname, &rarp_frame(mac))
+    }
+
+    /// Sends the frame; returns the moment just before the send. Panics
+    /// if it cannot.
+    pub fn send(&self) -> Instant {
+        let at = Instant::now();
+        self.to
+            .send_to(&self.sock, &self.frame)
+            .unwrap_or_else(|e| panic!("sending a frame: {e}"));
+        at
+    }
+}
+
 /// The index of link `ifname` in the calling thread's netns.
 fn if_index(ifname: &str) -> io::Result<libc::c_int> {
     let name = CString::new(ifname).map_err(io::Error::other)?;

@@ -1043,7 +1043,8 @@ fn sigterm_while_waiting_for_etcd_exits_cleanly() {
     );
     let read_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
     assert!(
-        wait_until(CONVERGE, || read_log().contains("retrying registration")),
+        wait_until(CONVERGE, || read_log()
+            .contains("did not answer the registration; retrying")),
         "{}",
         read_log()
     );

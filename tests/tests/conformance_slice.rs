@@ -50,7 +50,18 @@ fn the_data_path_conformance_slice_passes_on_two_kubelet_nodes() {
     let failed: Vec<String> = ran
         .iter()
         .filter(|o| !o.passed())
-        .map(|o| format!("{}: {}", o.name, o.failure.as_deref().unwrap_or("?")))
+        .map(|o| {
+            // The spec's own output: its steps and the commands it ran,
+            // with what they printed (the last 120 lines).
+            let output = o.output.as_deref().unwrap_or_default();
+            let lines: Vec<&str> = output.lines().collect();
+            let tail = lines[lines.len().saturating_sub(120)..].join("\n");
+            format!(
+                "{}: {}\n--- its output ---\n{tail}",
+                o.name,
+                o.failure.as_deref().unwrap_or("?")
+            )
+        })
         .collect();
     assert!(
         failed.is_empty() && run.success,

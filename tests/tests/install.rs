@@ -346,11 +346,13 @@ fn each_mode_renders_its_flags_and_only_flags_tetherd_knows() {
         "--socket=/run/tether/tether.sock",
         "--state-dir=/var/lib/tether",
     ];
-    let tail = [
+    let nat_pools = [
         "--no-nat-to=10.96.0.0/12,fd00:10:96::/112",
         "--pools=/etc/tether/pools/pools.json",
-        "--metrics-address=$(HOST_IP):9654",
     ];
+    // Cutover notices need other nodes: every mode but singleNode.
+    let cutover = ["--cutover-port=9655"];
+    let metrics = ["--metrics-address=$(HOST_IP):9654"];
     let modes: [(&str, &[&str]); 4] = [
         (
             "kubernetes",
@@ -381,7 +383,15 @@ fn each_mode_renders_its_flags_and_only_flags_tetherd_knows() {
     for (mode, own) in modes {
         let objects = chart::objects(&chart::template(&[&format!("mode={mode}")]));
         let args = chart::tetherd_args(&objects);
-        let want: Vec<&str> = common.iter().chain(own).chain(&tail).copied().collect();
+        let notices: &[&str] = if mode == "singleNode" { &[] } else { &cutover };
+        let want: Vec<&str> = common
+            .iter()
+            .chain(own)
+            .chain(&nat_pools)
+            .chain(notices)
+            .chain(&metrics)
+            .copied()
+            .collect();
         assert_eq!(args, want, "mode {mode}");
         for arg in &args {
             let flag = arg.split('=').next().unwrap_or(arg);

@@ -21,6 +21,7 @@ tether_e2e::on_both_stores!(
     requested_addresses_are_honoured_and_conflicts_name_the_holder,
     a_daemon_restart_in_the_middle_of_a_migration_recovers_it_from_the_store,
     an_ephemeral_vm_address_is_freed_with_its_last_pod,
+    the_targets_notice_repoints_the_others_before_the_commit_and_a_refusal_brings_them_back,
 );
 
 /// Routes follow the store through a watch: allow for it.
@@ -51,6 +52,24 @@ fn migrate(prober: &Prober, from: &Pod, to: &Pod, ip: IpAddr, mac: &str) -> Dura
         "probes to {ip} never resumed after the cutover"
     );
     paused_at.elapsed()
+}
+
+/// `node`'s next hop for `ip`: "dev" or "dev via gateway".
+fn hop(node: &ClusterNode, ip: IpAddr) -> String {
+    let out = node
+        .netns()
+        .exec_ok(&["ip", "-j", "route", "get", &ip.to_string()]);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("ip -j route get");
+    let dev = v[0]["dev"].as_str().unwrap_or_default();
+    match v[0]["gateway"].as_str() {
+        Some(gw) => format!("{dev} via {gw}"),
+        None => dev.to_string(),
+    }
+}
+
+/// [`hop`] on `from` toward node `to` (host-gw).
+fn toward(from: &ClusterNode, to: &ClusterNode) -> String {
+    format!("{} via {}", from.underlay().ifname, to.underlay().v4)
 }
 
 fn loss_after(prober: Prober, t: Instant) -> Duration {
@@ -545,4 +564,73 @@ fn a_single_node_keeps_vm_addresses_in_the_embedded_store() {
     assert!(run(&daemon, "DEL", &second).success());
     release_vm(daemon.socket(), "tenant", "solo", false).expect("release");
     assert!(daemon.state_dir().join("control-plane.json").exists());
+}
+
+/// The target's cutover notice (UDP to the other nodes, sent the moment the
+/// VM announces itself) repoints them before the record's write lands; the
+/// write is held back here (hidden test hook) while the target's pod is
+/// deleted, so the record refuses the promotion, and the nodes that
+/// followed the notice must route back to the source at once, long before
+/// the notice would lapse.
+fn the_targets_notice_repoints_the_others_before_the_commit_and_a_refusal_brings_them_back(
+    store: Store,
+) {
+    require_root();
+    const HOLD_MS: u64 = 3000;
+    let mut opts = ClusterOpts::on(store);
+    opts.node.extra_args = vec!["--test-cutover-commit-delay-ms".into(), HOLD_MS.to_string()];
+    let cluster = Cluster::new(opts);
+    let (a, b, c) = (cluster.node(0), cluster.node(1), cluster.node(2));
+    let spec = VmPodSpec::new("tenant", "vm1", "virt-launcher-vm1-aaaaa");
+    let source = add_vm_pod(a, &spec);
+    let ip = source.v4().expect("an IPv4 address");
+    let mac = result_mac(&source);
+    let observer = c.add_pod();
+    assert_ping_within(observer.netns(), ip, CONVERGE);
+    let target = add_vm_pod(b, &spec.target("virt-launcher-vm1-bbbbb"));
+    let generation = get_vm(socket(a), "tenant", "vm1").unwrap().generation;
+    assert_eq!(hop(c, ip), toward(c, a));
+
+    // The VM announces itself on B: C and A follow B's notice while B
+    // holds its write.
+    let t0 = Instant::now();
+    send_rarp(target.netns(), "eth0", mac_bytes(&mac));
+    assert!(
+        wait_until(Duration::from_millis(HOLD_MS / 2), || hop(c, ip)
+            == toward(c, b)
+            && hop(a, ip) == toward(a, b)),
+        "the notice did not repoint C and A: C {}, A {}",
+        hop(c, ip),
+        hop(a, ip)
+    );
+    let repointed = t0.elapsed();
+    let rec = get_vm(socket(c), "tenant", "vm1").unwrap();
+    assert_eq!(
+        (active_node(&rec), rec.generation),
+        (a.name(), generation),
+        "repointed before the record changed: by the notice"
+    );
+    eprintln!("RARP → C and A repointed by B's notice: {repointed:?} (record unchanged)");
+
+    // The target's pod goes away before B's write: the record refuses it,
+    // and C and A come back to A at once.
+    assert!(del_vm_pod(b, &spec, &target).success());
+    drop(target);
+    let t1 = Instant::now();
+    assert!(
+        wait_until(Duration::from_secs(2), || hop(c, ip) == toward(c, a)
+            && hop(a, ip) != toward(a, b)),
+        "C and A still route to B after the record refused: C {}, A {}",
+        hop(c, ip),
+        hop(a, ip)
+    );
+    eprintln!("the refusal → C and A back to A: {:?}", t1.elapsed());
+    // After the held write, too: B's retraction, the record unchanged.
+    std::thread::sleep(Duration::from_millis(HOLD_MS));
+    let rec = get_vm(socket(c), "tenant", "vm1").unwrap();
+    assert_eq!(active_node(&rec), a.name());
+    assert_eq!(alternate_node(&rec), "");
+    assert_eq!(hop(c, ip), toward(c, a));
+    assert!(observer.ping(ip), "the VM answers on A");
+    assert_eq!(tether_e2e::admin::stats(socket(b)).vm_cutovers, 0);
 }

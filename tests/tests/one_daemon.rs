@@ -32,7 +32,7 @@ impl Pinger {
         let count = PINGS.to_string();
         let child = Command::new("ip")
             .args(["netns", "exec", from.name(), "ping", fam, "-n", "-q"])
-            .args(["-i", "0.02", "-W", "1", "-c", &count, to])
+            .args(["-i", "0.02", "-w", "60", "-c", &count, to])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

@@ -152,6 +152,30 @@ fn pod_pb(a: &VmAttachment) -> pb::VmPod {
     }
 }
 
+fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+fn cutover_stats(c: &crate::vm::CutoverTiming) -> pb::CutoverStats {
+    pb::CutoverStats {
+        vm: c.vm.to_string(),
+        trigger: c.trigger.name().into(),
+        generation: c.generation,
+        seen_unix_nanos: c.seen_unix_nanos.as_nanos(),
+        local_route_ms: c.local_route.map_or(0.0, ms),
+        committed_ms: ms(c.committed),
+    }
+}
+
+fn route_stats(u: &crate::vm::RouteUpdateTiming) -> pb::VmRouteStats {
+    pb::VmRouteStats {
+        vm: u.vm.to_string(),
+        generation: u.generation,
+        done_unix_nanos: u.done_unix_nanos.as_nanos(),
+        since_trigger_ms: u.since_trigger.map_or(0.0, ms),
+    }
+}
+
 fn vm_pb(r: &VmRecord) -> pb::Vm {
     pb::Vm {
         namespace: r.key.namespace.clone(),
@@ -358,24 +382,23 @@ impl admin_server::Admin for AdminService {
             })
             .unwrap_or((0, 0.0));
         let vm = self.node.vms().stats();
-        let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
         Ok(Response::new(pb::StatsResponse {
             vm_cutovers: vm.cutovers,
-            last_cutover: vm.last_cutover.map(|c| pb::CutoverStats {
-                vm: c.vm.to_string(),
-                trigger: c.trigger.name().into(),
-                generation: c.generation,
-                seen_unix_nanos: c.seen_unix_nanos.as_nanos(),
-                local_route_ms: c.local_route.map_or(0.0, ms),
-                committed_ms: ms(c.committed),
-            }),
+            last_cutover: vm.last_cutover.as_ref().map(cutover_stats),
+            recent_cutovers: vm.recent_cutovers.iter().map(cutover_stats).collect(),
             vm_route_updates: vm.route_updates,
-            last_vm_route_update: vm.last_route_update.map(|u| pb::VmRouteStats {
-                vm: u.vm.to_string(),
-                generation: u.generation,
-                done_unix_nanos: u.done_unix_nanos.as_nanos(),
-                since_trigger_ms: u.since_trigger.map_or(0.0, ms),
-            }),
+            last_vm_route_update: vm.last_route_update.as_ref().map(route_stats),
+            recent_vm_route_updates: vm.recent_route_updates.iter().map(route_stats).collect(),
+            recent_block_routes: self
+                .node
+                .routes
+                .recent_block_routes()
+                .into_iter()
+                .map(|b| pb::BlockRouteStats {
+                    block: b.dst.to_string(),
+                    done_unix_nanos: b.done_unix_nanos.as_nanos(),
+                })
+                .collect(),
             pending_del_queue: pending_del::queue_len(&self.node.config().state_dir),
             verbs,
             uptime_seconds: self.stats.started.elapsed().as_secs(),

@@ -21,6 +21,7 @@ mod gc;
 mod guest;
 mod ipam_only;
 mod link_reaper;
+mod notices;
 mod reconcile;
 mod route_loop;
 mod status;
@@ -127,6 +128,8 @@ pub struct Node {
     /// The Kubernetes API (events, IPAMClaims), once its client is up;
     /// unset when the daemon runs without one.
     pub(crate) kube: std::sync::OnceLock<Arc<crate::kube::KubeLink>>,
+    /// The cutover-notice sockets, once opened (cluster peers and a port).
+    pub(crate) notice_bus: std::sync::OnceLock<Arc<notices::NoticeBus>>,
 }
 
 /// Holds an attachment's lock; frees the table entry when nobody else waits.
@@ -311,6 +314,7 @@ impl Node {
             routes,
             named,
             kube: std::sync::OnceLock::new(),
+            notice_bus: std::sync::OnceLock::new(),
         };
         node.vms.sync_reservations(&node, &vm_view);
         node.spawn_deletion_worker()?;
@@ -335,9 +339,10 @@ impl Node {
                 routing::manager::program_cluster(c.as_ref(), node.kernel.as_ref(), &c.view())
                     .await;
             match &first {
-                Ok((added, removed)) => {
-                    reconciled.cluster_routes_added = *added;
-                    reconciled.cluster_routes_removed = *removed;
+                Ok(p) => {
+                    reconciled.cluster_routes_added = p.added;
+                    reconciled.cluster_routes_removed = p.removed;
+                    node.routes.note_cluster_routes(&p.dsts);
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot program the cluster routes yet; retrying")

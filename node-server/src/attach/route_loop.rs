@@ -26,6 +26,9 @@ impl Node {
         // in after that (a pod added meanwhile) makes another pass.
         let forced = self.routes.take_forced();
         self.vms.sync_reservations(self, view);
+        // Other nodes' cutover notices forecast records being written.
+        let forecast = self.vms.routed_view(view);
+        let view = forecast.as_ref().unwrap_or(view);
         let me = self.config.name.as_str();
         let local: HashMap<AttachmentKey, Attachment> = lock(&self.attachments)
             .iter()
@@ -41,13 +44,11 @@ impl Node {
             targets: pending,
         } = plan::vm_routes(me, view, &local, side.as_ref());
         self.vms.refresh_pending(self, pending, view).await;
-        if let Some(update) = self
+        let updates = self
             .routes
             .apply_vm_routes(view, &local, wants, forced)
-            .await?
-        {
-            self.vms.note_route_update(update);
-        }
+            .await?;
+        self.vms.note_route_updates(updates);
         Ok(())
     }
 
@@ -110,7 +111,9 @@ impl Node {
                     if view.synced {
                         let outcome = program_cluster(c.as_ref(), node.kernel.as_ref(), &view)
                             .await
-                            .map(|(added, removed)| {
+                            .map(|p| {
+                                node.routes.note_cluster_routes(&p.dsts);
+                                let (added, removed) = (p.added, p.removed);
                                 if added + removed > 0 {
                                     tracing::info!(
                                         added,

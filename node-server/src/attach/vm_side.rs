@@ -77,4 +77,8 @@ impl NodeSide for Node {
     fn pod_event(&self, pod: PodRef, event: PodEvent) {
         self.emit_event(pod, event);
     }
+
+    fn send_notice(&self, notice: &crate::vm::notices::CutoverNotice) {
+        Node::send_notice(self, notice);
+    }
 }

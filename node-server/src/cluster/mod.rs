@@ -243,18 +243,8 @@ impl Cluster {
     pub async fn join(store: Arc<dyn ControlStore>, config: ClusterConfig) -> Result<Arc<Self>> {
         config.validate()?;
         let keys = Keys::new(&config.prefix);
-        let mut delay = Duration::from_millis(200);
-        let me = loop {
-            match register(&*store, &keys, &config).await {
-                Ok(me) => break me,
-                Err(e @ Error::TryAgain(_)) => {
-                    tracing::warn!(error = %e, "control plane unreachable; retrying registration");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(5));
-                }
-                Err(e) => return Err(e),
-            }
-        };
+        let me = control::until_answered("the registration", || register(&*store, &keys, &config))
+            .await?;
         tracing::info!(node = %me.name, id = me.id, ips = ?me.node_ips, "registered in the control plane");
         let (view, _) = watch::channel(ClusterView::default());
         let cluster = Arc::new(Cluster {
@@ -278,7 +268,8 @@ impl Cluster {
         // Kubernetes store keeps each as a kind, and a watch follows one.
         let mut revisions = Vec::new();
         for part in Part::ALL {
-            revisions.push((part, cluster.relist(part).await?));
+            let listed = control::until_answered("the first listing", || cluster.relist(part));
+            revisions.push((part, listed.await?));
         }
         let mine = cluster.view().blocks_of(&cluster.me().name);
         lock(&cluster.held).extend(mine);

@@ -7,7 +7,8 @@ use crate::kernel::{ClusterRoute, Kernel, NodeRoutes, VxlanConfig};
 use crate::store::{Attachment, AttachmentKey};
 use crate::time::UnixNanos;
 use crate::vm::{RouteUpdateTiming, VmKey, VmView};
-use std::collections::{HashMap, HashSet};
+use ipnet::IpNet;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -33,6 +34,8 @@ pub struct Routes {
     /// The first pass over the cluster routes, at start-up, failed: the
     /// loop starts by retrying it.
     cluster_failed: AtomicBool,
+    /// The routes to other nodes' blocks in place, and when each came.
+    block_routes: Mutex<BlockRoutes>,
 }
 
 impl Routes {
@@ -44,6 +47,7 @@ impl Routes {
             vm_forced: AtomicBool::new(false),
             resync: Notify::new(),
             cluster_failed: AtomicBool::new(false),
+            block_routes: Mutex::default(),
         }
     }
 
@@ -51,6 +55,12 @@ impl Routes {
     /// change (a route may have been removed under it), and wakes the loop.
     pub fn force_vm_resync(&self) {
         self.vm_forced.store(true, Ordering::SeqCst);
+        self.resync.notify_one();
+    }
+
+    /// Wakes the loop for a pass, which touches the kernel only if the
+    /// routes it wants changed.
+    pub fn wake(&self) {
         self.resync.notify_one();
     }
 
@@ -82,18 +92,19 @@ impl Routes {
 
     /// Programs the VM routes the plan `wants` for the records of `view`,
     /// given the local VM pods `local`, unless they are what was programmed
-    /// last and no pass was `forced`. Returns the timing of the route
-    /// update of the most recently cut-over VM whose routes changed here.
+    /// last and no pass was `forced`. Returns the timings of the route
+    /// updates of the VMs whose routes changed here, the most recently
+    /// cut-over one last.
     pub async fn apply_vm_routes(
         &self,
         view: &VmView,
         local: &HashMap<AttachmentKey, Attachment>,
         wants: HashMap<VmKey, Want>,
         forced: bool,
-    ) -> Result<Option<RouteUpdateTiming>> {
+    ) -> Result<Vec<RouteUpdateTiming>> {
         let previous = lock(&self.vm_applied).clone();
         if !forced && previous.as_ref() == Some(&wants) {
-            return Ok(None);
+            return Ok(Vec::new());
         }
         let mut via: Vec<ClusterRoute> = wants.values().flat_map(|w| w.via.clone()).collect();
         via.sort();
@@ -127,24 +138,71 @@ impl Routes {
                 .as_ref()
                 .is_some_and(|p| p.get(&r.key) != wants.get(&r.key))
         });
-        let update = changed
-            .max_by_key(|r| {
-                r.last_cutover
-                    .as_ref()
-                    .map_or(UnixNanos::EPOCH, |c| c.seen_unix_nanos)
-            })
-            .map(|latest| RouteUpdateTiming {
-                vm: latest.key.clone(),
-                generation: latest.generation,
+        let mut updates: Vec<RouteUpdateTiming> = changed
+            .map(|r| RouteUpdateTiming {
+                vm: r.key.clone(),
+                generation: r.generation,
                 done_unix_nanos: done,
-                since_trigger: latest
+                since_trigger: r
                     .last_cutover
                     .as_ref()
                     .map(|c| done.saturating_duration_since(c.seen_unix_nanos)),
-            });
+            })
+            .collect();
+        let trigger = |u: &RouteUpdateTiming| {
+            view.records
+                .get(&u.vm)
+                .and_then(|(r, _)| r.last_cutover.as_ref())
+                .map_or(UnixNanos::EPOCH, |c| c.seen_unix_nanos)
+        };
+        updates.sort_by_key(trigger);
         *lock(&self.vm_applied) = Some(wants);
-        Ok(update)
+        Ok(updates)
     }
+
+    /// Notes the routes to other nodes' blocks a successful pass left in
+    /// place: each destination not in place after the previous pass is
+    /// timed now.
+    pub fn note_cluster_routes(&self, dsts: &[IpNet]) {
+        let done = UnixNanos::now();
+        let mut h = lock(&self.block_routes);
+        let now: HashSet<IpNet> = dsts.iter().copied().collect();
+        for dst in dsts {
+            if !h.programmed.contains(dst) {
+                crate::vm::push_recent(
+                    &mut h.added,
+                    BlockRouteTiming {
+                        dst: *dst,
+                        done_unix_nanos: done,
+                    },
+                );
+            }
+        }
+        h.programmed = now;
+    }
+
+    /// The last [`crate::vm::RECENT`] routes to other nodes' blocks added,
+    /// oldest first.
+    pub fn recent_block_routes(&self) -> Vec<BlockRouteTiming> {
+        lock(&self.block_routes).added.iter().cloned().collect()
+    }
+}
+
+/// When a route to another node's block was first in place here.
+#[derive(Debug, Clone)]
+pub struct BlockRouteTiming {
+    /// The block.
+    pub dst: IpNet,
+    /// When the pass that added it ended, ns since the epoch.
+    pub done_unix_nanos: UnixNanos,
+}
+
+/// The routes to other nodes' blocks: those in place after the last
+/// successful pass, and when each was added.
+#[derive(Debug, Default)]
+struct BlockRoutes {
+    programmed: HashSet<IpNet>,
+    added: VecDeque<BlockRouteTiming>,
 }
 
 /// Logs when one kind of route starts or stops failing (once each way),
@@ -160,14 +218,24 @@ pub(crate) fn note(failing: &mut bool, what: &str, outcome: &Result<()>) {
     *failing = outcome.is_err();
 }
 
+/// What one pass over the routes to other nodes' blocks did.
+#[derive(Debug)]
+pub struct ProgrammedCluster {
+    /// Routes added and removed.
+    pub added: usize,
+    pub removed: usize,
+    /// Every block routed to another node now.
+    pub dsts: Vec<IpNet>,
+}
+
 /// Programs the routes to other nodes' blocks (and the VXLAN peers) that
-/// the plan wants for `view`, as `c` sees the cluster. Returns (added,
-/// removed) routes.
+/// the plan wants for `view`, as `c` sees the cluster. Returns how many
+/// routes it added and removed, and the destinations now in place.
 pub async fn program_cluster(
     c: &dyn Peers,
     kernel: &dyn NodeRoutes,
     view: &ClusterView,
-) -> Result<(usize, usize)> {
+) -> Result<ProgrammedCluster> {
     let me = c.me();
     let overlay = c.overlay();
     let side = ClusterSide {
@@ -180,7 +248,11 @@ pub async fn program_cluster(
         kernel.sync_vxlan_peers(&peers).await?;
     }
     let synced = kernel.sync_cluster_routes(&routes).await?;
-    Ok((synced.added, synced.removed))
+    Ok(ProgrammedCluster {
+        added: synced.added,
+        removed: synced.removed,
+        dsts: routes.iter().map(|r| r.dst).collect(),
+    })
 }
 
 /// Creates (or checks) the VXLAN device in vxlan mode, and removes a
@@ -214,5 +286,36 @@ pub async fn prepare_overlay(c: &dyn Peers, kernel: &dyn NodeRoutes, pod_mtu: u3
                 .await?;
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vm::{push_recent, RECENT};
+
+    #[test]
+    fn a_block_route_is_timed_once_when_it_first_is_in_place() {
+        let routes = Routes::new(Arc::new(crate::kernel::fake::FakeKernel::new()));
+        let net = |s: &str| s.parse::<IpNet>().expect("a CIDR");
+        routes.note_cluster_routes(&[net("10.244.0.4/30")]);
+        routes.note_cluster_routes(&[net("10.244.0.4/30"), net("10.244.0.8/30")]);
+        routes.note_cluster_routes(&[net("10.244.0.8/30")]);
+        let added: Vec<IpNet> = routes.recent_block_routes().iter().map(|b| b.dst).collect();
+        assert_eq!(added, [net("10.244.0.4/30"), net("10.244.0.8/30")]);
+        // Withdrawn and back: in place again, timed again.
+        routes.note_cluster_routes(&[net("10.244.0.4/30"), net("10.244.0.8/30")]);
+        assert_eq!(routes.recent_block_routes().len(), 3);
+    }
+
+    #[test]
+    fn the_recent_lists_keep_the_newest() {
+        let mut list = VecDeque::new();
+        for i in 0..RECENT + 10 {
+            push_recent(&mut list, i);
+        }
+        assert_eq!(list.len(), RECENT);
+        assert_eq!(list.front(), Some(&10));
+        assert_eq!(list.back(), Some(&(RECENT + 9)));
     }
 }

@@ -2,6 +2,7 @@
 //! node, the listener that sees a migrated VM announce itself, and the
 //! compare-and-swap that makes the target active.
 
+use super::notices::CutoverNotice;
 use super::placement::join;
 use super::signals::pod_event;
 use super::*;
@@ -57,6 +58,18 @@ pub(crate) fn promote(
         seen_unix_nanos: seen,
     });
     Ok(true)
+}
+
+/// Takes back the promotion this node announced, if any: the record
+/// refused it, or this node could not route the VM to its pod.
+fn retract<N: NodeSide>(side: &N, announced: Option<CutoverNotice>) {
+    if let Some(CutoverNotice::Promote {
+        vm, generation, to, ..
+    }) = announced
+    {
+        tracing::info!(%vm, generation, "the cutover this node announced did not happen: retracting it");
+        side.send_notice(&CutoverNotice::Retract { vm, generation, to });
+    }
 }
 
 impl Vms {
@@ -141,7 +154,9 @@ impl Vms {
         let me = self.node.clone();
         let want = only.map(|a| (&a.key, me.as_str()));
         let mut local_route = None;
+        let mut announced = None;
         if let Some(a) = only {
+            let mut known = None;
             if !trigger.proves_the_vm_runs_here() {
                 let current = self.records.read(vm).await?;
                 let Some((rec, _)) = current else {
@@ -151,11 +166,25 @@ impl Vms {
                     tracing::debug!(%vm, trigger = trigger.name(), "the record refuses this cutover: nothing touched");
                     return Ok(rec);
                 }
+                known = Some(rec);
             }
-            self.kernel
-                .ensure_host_routes(&a.host_ifname, &a.ips)
-                .await?;
+            // The other nodes repoint on the notice while this node routes
+            // the VM here and writes the record; the record as this node
+            // saw it decides what they are told. Sent first: it travels
+            // while the local route goes in.
+            let seen_rec = known.or_else(|| self.records.cached(vm).map(|(r, _)| r));
+            if let Some(rec) = seen_rec {
+                announced = self.announce(side, &rec, a, trigger, seen.1);
+            }
+            if let Err(e) = self.kernel.ensure_host_routes(&a.host_ifname, &a.ips).await {
+                retract(side, announced);
+                return Err(e.into());
+            }
             local_route = Some(seen.0.elapsed());
+        }
+        let hold = self.test_commit_delay();
+        if !hold.is_zero() {
+            tokio::time::sleep(hold).await;
         }
         let outcome = self
             .records
@@ -187,7 +216,9 @@ impl Vms {
         };
         if committed.is_none() {
             // Not the alternate (any more): an earlier announcement won, or
-            // the record moved on. Let the routes follow the record.
+            // the record moved on. Let the routes follow the record, and
+            // the other nodes too, if they were told otherwise.
+            retract(side, announced);
             let active_here = rec.active.as_ref().is_some_and(|x| {
                 only.is_some_and(|a| x.is(&me, &a.key.network, &a.key.container_id, &a.key.ifname))
             });
@@ -245,14 +276,16 @@ impl Vms {
         }
         let mut stats = lock(&self.stats);
         stats.cutovers += 1;
-        stats.last_cutover = Some(CutoverTiming {
+        let timing = CutoverTiming {
             vm: vm.clone(),
             trigger,
             generation: rec.generation,
             seen_unix_nanos: seen.1,
             local_route,
             committed: committed_after,
-        });
+        };
+        super::push_recent(&mut stats.recent_cutovers, timing.clone());
+        stats.last_cutover = Some(timing);
         Ok(rec)
     }
 

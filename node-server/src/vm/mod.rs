@@ -28,6 +28,7 @@
 pub mod admin;
 pub mod cutover;
 pub use tether_base::guest;
+pub mod notices;
 pub mod placement;
 pub mod records;
 pub mod reservations;
@@ -129,6 +130,9 @@ pub trait NodeSide: Send + Sync {
 
     /// Queues an event on a pod.
     fn pod_event(&self, pod: PodRef, event: PodEvent);
+
+    /// Sends a cutover notice to every other node.
+    fn send_notice(&self, notice: &notices::CutoverNotice);
 }
 
 /// The VM component of one node: the records, and what the node keeps
@@ -149,6 +153,11 @@ pub struct Vms {
     pending: Mutex<HashMap<Mac, Vec<PendingTarget>>>,
     /// Cutover counters and timings.
     stats: Mutex<VmStats>,
+    /// Promotions other nodes announced whose records have not settled.
+    notices: Mutex<notices::NoticeTable>,
+    /// Test hook: holds a cutover's write back this long after its notice
+    /// went out. Zero in production.
+    test_commit_delay: Mutex<Duration>,
 }
 
 impl Vms {
@@ -161,7 +170,19 @@ impl Vms {
             held: Mutex::default(),
             pending: Mutex::default(),
             stats: Mutex::default(),
+            notices: Mutex::default(),
+            test_commit_delay: Mutex::default(),
         }
+    }
+
+    /// Test hook: holds every cutover's write back by `delay` after its
+    /// notice went out, so that a test can change the record under it.
+    pub fn set_test_commit_delay(&self, delay: Duration) {
+        *lock(&self.test_commit_delay) = delay;
+    }
+
+    fn test_commit_delay(&self) -> Duration {
+        *lock(&self.test_commit_delay)
     }
 
     /// This node's name.
@@ -179,12 +200,32 @@ impl Vms {
         lock(&self.stats).clone()
     }
 
-    /// Counts a route change that followed a VM.
-    pub(crate) fn note_route_update(&self, update: RouteUpdateTiming) {
+    /// Counts a pass whose route changes followed VMs: `updates` holds one
+    /// timing per VM whose routes changed, the most recently cut-over one
+    /// last.
+    pub(crate) fn note_route_updates(&self, updates: Vec<RouteUpdateTiming>) {
+        let Some(last) = updates.last().cloned() else {
+            return;
+        };
         let mut stats = lock(&self.stats);
         stats.route_updates += 1;
-        stats.last_route_update = Some(update);
+        stats.last_route_update = Some(last);
+        for u in updates {
+            push_recent(&mut stats.recent_route_updates, u);
+        }
     }
+}
+
+/// How many route updates and cutovers [`VmStats`] keeps, most recent
+/// last: enough for every VM of a mass migration at once.
+pub const RECENT: usize = 4096;
+
+/// Appends `item` to `list`, dropping the oldest beyond [`RECENT`].
+pub(crate) fn push_recent<T>(list: &mut std::collections::VecDeque<T>, item: T) {
+    if list.len() == RECENT {
+        list.pop_front();
+    }
+    list.push_back(item);
 }
 
 /// Counters and timings of VM cutovers and route changes on this node.
@@ -194,10 +235,16 @@ pub struct VmStats {
     pub cutovers: u64,
     /// The last one.
     pub last_cutover: Option<CutoverTiming>,
-    /// Route changes this node made because a VM moved.
+    /// Passes in which this node changed routes because VMs moved.
     pub route_updates: u64,
-    /// The last one.
+    /// The last one's most recently cut-over VM.
     pub last_route_update: Option<RouteUpdateTiming>,
+    /// The last [`RECENT`] cutovers made here, oldest first.
+    pub recent_cutovers: std::collections::VecDeque<CutoverTiming>,
+    /// The last [`RECENT`] route changes, one per VM and pass, oldest
+    /// first (a pass that repointed many VMs at once gives each the same
+    /// time).
+    pub recent_route_updates: std::collections::VecDeque<RouteUpdateTiming>,
 }
 
 /// Timings of a cutover made here.

@@ -361,8 +361,8 @@ pub struct VmRegistry {
 }
 
 impl VmRegistry {
-    /// Lists the records and starts following them. Fails if the control
-    /// plane does not answer the first listing.
+    /// Lists the records and starts following them; waits while the
+    /// control plane does not answer the first listing.
     pub async fn open(store: Arc<dyn ControlStore>, prefix: &str) -> Result<Arc<VmRegistry>> {
         let (view, _) = watch::channel(VmView::default());
         let registry = Arc::new(VmRegistry {
@@ -370,7 +370,9 @@ impl VmRegistry {
             keys: Keys::new(prefix),
             view,
         });
-        let revision = registry.relist().await?;
+        let revision =
+            control::until_answered("the first listing of VM records", || registry.relist())
+                .await?;
         tokio::spawn(control::follow(
             registry.store.clone(),
             registry.keys.records(),

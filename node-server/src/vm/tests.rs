@@ -21,6 +21,7 @@ struct Side {
     welcomed: Mutex<Vec<String>>,
     resyncs: AtomicUsize,
     events: Mutex<Vec<(PodRef, PodEvent)>>,
+    notices: Mutex<Vec<notices::CutoverNotice>>,
 }
 
 impl Side {
@@ -106,6 +107,10 @@ impl NodeSide for Side {
 
     fn pod_event(&self, pod: PodRef, event: PodEvent) {
         lock(&self.events).push((pod, event));
+    }
+
+    fn send_notice(&self, notice: &notices::CutoverNotice) {
+        lock(&self.notices).push(notice.clone());
     }
 }
 
@@ -431,4 +436,231 @@ async fn a_reservation_takes_its_address_and_a_release_gives_the_record_up() {
         .await
         .expect("read")
         .is_none());
+}
+
+/// Waits until `one`'s view shows vm1's record at `generation` or later.
+async fn seen_at(one: &One, generation: u64) -> VmView {
+    for _ in 0..500 {
+        let view = one.vms.records().view().clone();
+        if view
+            .records
+            .get(&vm_key())
+            .is_some_and(|(r, _)| r.generation >= generation)
+        {
+            return view;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    panic!("the view never showed generation {generation}");
+}
+
+/// Waits until B's and then A's view show the record as B's target
+/// placement wrote it; returns A's view.
+async fn both_see_the_target(a: &One, b: &One) -> VmView {
+    let placed = b
+        .vms
+        .records()
+        .cached(&vm_key())
+        .map_or(0, |(r, _)| r.generation);
+    let on_b = seen_at(b, placed).await;
+    seen_at(a, active_in(&on_b).1).await
+}
+
+fn active_in(view: &VmView) -> (String, u64) {
+    let (r, _) = view.records.get(&vm_key()).expect("vm1's record");
+    (
+        r.active
+            .as_ref()
+            .map(|x| x.node.clone())
+            .unwrap_or_default(),
+        r.generation,
+    )
+}
+
+#[tokio::test]
+async fn the_targets_notice_moves_the_other_nodes_until_the_record_settles() {
+    let (a, b, _c1, c2, _dir) = migrating().await;
+    let before = both_see_the_target(&a, &b).await;
+    b.vms
+        .cutover(&b.side, &vm_key(), Some(&c2), Trigger::Rarp, now())
+        .await
+        .expect("cut over");
+    let sent = lock(&b.side.notices).clone();
+    let [notice @ notices::CutoverNotice::Promote { generation, .. }] = sent.as_slice() else {
+        panic!("one promotion announced: {sent:?}");
+    };
+    assert_eq!(
+        *generation,
+        active_in(&before).1,
+        "the generation it promoted from"
+    );
+
+    // On A, before the commit reaches its view, the notice alone routes
+    // the VM to B, as the committed record will.
+    assert!(a.vms.take_notice(notice.clone()));
+    let forecast = a.vms.routed_view(&before).expect("a forecast");
+    assert_eq!(active_in(&forecast), ("node-b".to_string(), generation + 1));
+    let (r, _) = forecast.records.get(&vm_key()).expect("vm1");
+    assert_eq!(
+        r.alternate.as_ref().map(|x| x.node.as_str()),
+        Some("node-a")
+    );
+    assert_eq!(
+        r.last_cutover.as_ref().map(|c| c.trigger),
+        Some(Trigger::Rarp)
+    );
+    // A node never follows its own notice.
+    assert!(!b.vms.take_notice(notice.clone()));
+
+    // Once the commit is in A's view, the record alone decides, and the
+    // notice is gone.
+    let after = seen_at(&a, generation + 1).await;
+    assert_eq!(active_in(&after), ("node-b".to_string(), generation + 1));
+    assert!(a.vms.routed_view(&after).is_none());
+    assert!(a.vms.routed_view(&before).is_none(), "dropped, not kept");
+}
+
+#[tokio::test]
+async fn a_notice_the_record_refuses_is_retracted_and_the_others_return() {
+    let (a, b, _c1, c2, _dir) = migrating().await;
+    let before = both_see_the_target(&a, &b).await;
+    // B announces, then holds its write while the target's pod goes away
+    // (its DEL clears the alternate): the write is refused.
+    b.vms.set_test_commit_delay(Duration::from_millis(300));
+    let cut = {
+        let vms = b.vms.clone();
+        let c2 = c2.clone();
+        tokio::spawn(async move {
+            let side = Side::new("10.9.0.0/24");
+            let out = vms
+                .cutover(&side, &vm_key(), Some(&c2), Trigger::Rarp, now())
+                .await;
+            let sent = lock(&side.notices).clone();
+            (out, sent)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    a.vms
+        .records()
+        .update(&vm_key(), |r| {
+            r.alternate = None;
+            Ok(true)
+        })
+        .await
+        .expect("the target's pod gone");
+    let (out, sent) = cut.await.expect("the cutover task");
+    let rec = out.expect("a refusal is no error");
+    assert_eq!(rec.active.as_ref().map(|x| x.node.as_str()), Some("node-a"));
+    let [promote @ notices::CutoverNotice::Promote { .. }, retract @ notices::CutoverNotice::Retract { .. }] =
+        sent.as_slice()
+    else {
+        panic!("a promotion, then its retraction: {sent:?}");
+    };
+
+    // A followed the promotion; the retraction brings it back at once,
+    // though its view has not moved yet.
+    assert!(a.vms.take_notice(promote.clone()));
+    assert_eq!(
+        active_in(&a.vms.routed_view(&before).expect("forecast")).0,
+        "node-b"
+    );
+    assert!(a.vms.take_notice(retract.clone()));
+    assert!(a.vms.routed_view(&before).is_none());
+
+    // Without the retraction, the refusing change in the view does it.
+    assert!(a.vms.take_notice(promote.clone()));
+    let later = seen_at(&a, active_in(&before).1 + 1).await;
+    assert!(a.vms.routed_view(&later).is_none());
+    assert!(a.vms.routed_view(&before).is_none(), "dropped for good");
+}
+
+#[test]
+fn notices_apply_only_to_their_generation_and_attachment_and_lapse() {
+    let rec = |generation: u64| VmRecord {
+        key: vm_key(),
+        ips: vec!["10.9.0.5".parse().expect("ip")],
+        mac: "0a:58:0a:09:00:05".parse().expect("mac"),
+        origin: Origin::Allocated,
+        active: Some(this("node-a", "c1")),
+        alternate: Some(this("node-b", "c2")),
+        generation,
+        created_unix_ms: UnixMillis::now(),
+        last_cutover: None,
+    };
+    let view = |generation: u64| VmView {
+        records: [(vm_key(), (rec(generation), 10))].into_iter().collect(),
+        revision: 10,
+        synced: true,
+    };
+    let promote = |cid: &str, generation: u64| notices::CutoverNotice::Promote {
+        vm: vm_key(),
+        generation,
+        to: notices::NoticeTarget {
+            node: "node-b".into(),
+            network: "tether".into(),
+            container_id: cid.into(),
+            ifname: "eth0".into(),
+        },
+        trigger: Trigger::Rarp,
+        seen_unix_nanos: UnixNanos::now(),
+    };
+    let t0 = Instant::now();
+    let mut table = notices::NoticeTable::new();
+
+    // Another attachment than the record's alternate: refused, dropped.
+    assert!(notices::note(&mut table, promote("c9", 4), t0));
+    assert!(notices::forecast(&view(4), &mut table, t0).is_none());
+    assert!(table.is_empty());
+
+    // A view older than the notice: kept, not applied; then applied.
+    notices::note(&mut table, promote("c2", 4), t0);
+    assert!(notices::forecast(&view(3), &mut table, t0).is_none());
+    assert_eq!(table.len(), 1);
+    assert!(notices::forecast(&view(4), &mut table, t0).is_some());
+
+    // An older notice does not replace a newer one.
+    assert!(!notices::note(&mut table, promote("c2", 3), t0));
+
+    // It lapses.
+    let late = t0 + notices::NOTICE_TTL + Duration::from_millis(1);
+    assert!(notices::forecast(&view(4), &mut table, late).is_none());
+    assert!(table.is_empty());
+
+    // On the wire: its version, and nothing else is taken for a notice.
+    let n = promote("c2", 4);
+    assert_eq!(notices::CutoverNotice::decode(&n.encode()), Some(n.clone()));
+    let other = String::from_utf8(n.encode())
+        .expect("json")
+        .replace("\"tether_cutover\":1", "\"tether_cutover\":2");
+    assert_eq!(notices::CutoverNotice::decode(other.as_bytes()), None);
+    assert_eq!(notices::CutoverNotice::decode(b"hello"), None);
+}
+
+#[tokio::test]
+async fn a_target_that_cannot_route_its_vm_retracts_its_notice() {
+    let (a, b, _c1, c2, _dir) = migrating().await;
+    both_see_the_target(&a, &b).await;
+    b.kernel.fail_always(Call::EnsureHostRoutes);
+    let out = b
+        .vms
+        .cutover(&b.side, &vm_key(), Some(&c2), Trigger::Rarp, now())
+        .await;
+    assert!(out.is_err(), "the local route failed: {out:?}");
+    let sent = lock(&b.side.notices).clone();
+    assert!(
+        matches!(
+            sent.as_slice(),
+            [
+                notices::CutoverNotice::Promote { .. },
+                notices::CutoverNotice::Retract { .. }
+            ]
+        ),
+        "announced, then retracted: {sent:?}"
+    );
+    let rec = b.vms.records().read(&vm_key()).await.expect("read");
+    assert_eq!(
+        rec.and_then(|(r, _)| r.active.map(|x| x.node)).as_deref(),
+        Some("node-a"),
+        "nothing written"
+    );
 }

@@ -322,6 +322,30 @@ pub trait Follower: Send + Sync + 'static {
     }
 }
 
+/// Runs `call` until the control store answers it: while it fails with
+/// [`Error::TryAgain`] (no answer in time, no member reachable), waits
+/// 200 ms doubling to 5 s and calls again, saying so; any other error is
+/// returned. For what a daemon must have before it serves (its
+/// registration, the first listings): a slow or absent store makes it
+/// wait, not exit.
+pub async fn until_answered<T, F, Fut>(what: &str, mut call: F) -> Result<T, Error>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, Error>>,
+{
+    let mut delay = Duration::from_millis(200);
+    loop {
+        match call().await {
+            Err(e @ Error::TryAgain(_)) => {
+                tracing::warn!(error = %e, "the control plane did not answer {what}; retrying in {delay:?}");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(5));
+            }
+            done => return done,
+        }
+    }
+}
+
 /// Follows `prefix` from `revision` forever: every change goes to
 /// `follower`; when the watch breaks (a member died, history was
 /// compacted), the view is marked stale and listed again, with a backoff
@@ -391,5 +415,36 @@ impl From<ControlError> for Error {
             | ControlError::NotOneKey(_)
             | ControlError::Unmapped(_) => Error::Internal(text),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[tokio::test]
+    async fn until_answered_waits_out_unanswered_calls_and_returns_other_errors() {
+        let calls = AtomicUsize::new(0);
+        let answered = until_answered("a listing", || {
+            let n = calls.fetch_add(1, Ordering::SeqCst);
+            async move {
+                match n {
+                    0 | 1 => Err(Error::TryAgain("no answer within 2000 ms".into())),
+                    _ => Ok(n),
+                }
+            }
+        })
+        .await;
+        assert_eq!(answered.ok(), Some(2), "answered on the third call");
+
+        let calls = AtomicUsize::new(0);
+        let refused: Result<(), Error> = until_answered("a listing", || {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async { Err(Error::Internal("forbidden".into())) }
+        })
+        .await;
+        assert!(matches!(refused, Err(Error::Internal(_))));
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "not retried");
     }
 }

@@ -43,8 +43,9 @@ use std::time::{Duration, Instant};
 use ipnet::IpNet;
 use tether_e2e::admin;
 use tether_e2e::benchkit::{
-    finish, first_lines, guarded, judge, parse_command_line, poll_until, poll_until_fast,
-    release_dir, start, stdout_of, CommonArgs, Failures, Machine, Start,
+    finish, first_lines, guarded, judge, parse_command_line, parse_utc_micros, poll_until,
+    poll_until_fast, release_dir, start, stdout_of, strip_ansi, CommonArgs, Failures, Machine,
+    Start,
 };
 use tether_e2e::cluster::{Cluster, ClusterOpts, NodeOpts, Overlay, CLUSTER_ROUTE_PROTOCOL};
 use tether_e2e::{
@@ -696,57 +697,6 @@ fn parse_monitor_line(line: &str) -> Option<(i64, IpNet)> {
     }
     let dst = tokens.first()?.parse::<IpNet>().ok()?;
     Some((at, dst))
-}
-
-/// Removes ANSI colour sequences (`ESC [ ... m`), in case a log has them.
-fn strip_ansi(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    let mut chars = s.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for d in chars.by_ref() {
-                if d.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
-/// Microseconds since the Unix epoch of `YYYY-MM-DDTHH:MM:SS[.fraction][Z]`
-/// read as UTC (the caller makes sure it is UTC).
-fn parse_utc_micros(s: &str) -> Option<i64> {
-    let s = s.strip_suffix('Z').unwrap_or(s);
-    let (date, time) = s.split_once('T')?;
-    let mut d = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
-    let (year, month, day) = (d.next()??, d.next()??, d.next()??);
-    let (hms, frac) = time.split_once('.').unwrap_or((time, ""));
-    let mut t = hms.splitn(3, ':').map(|p| p.parse::<i64>().ok());
-    let (h, m, sec) = (t.next()??, t.next()??, t.next()??);
-    if !frac.bytes().all(|b| b.is_ascii_digit())
-        || !(1..=12).contains(&month)
-        || !(1..=31).contains(&day)
-    {
-        return None;
-    }
-    let micros: i64 = format!("{frac:0<6}")[..6].parse().ok()?;
-    let days = days_from_civil(year, month, day);
-    Some(((days * 24 + h) * 60 + m) * 60_000_000 + sec * 1_000_000 + micros)
-}
-
-/// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's
-/// algorithm).
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
 }
 
 // ---------------------------------------------------------------------------
