@@ -8,7 +8,7 @@ RELEASE_DIR := target/release
 ROOT_TESTS := tether-kernel/root-tests,tether-node-server/root-tests
 DEBUG_DIR := target/debug
 
-.PHONY: all setup setup-demo k8s helm e2e-bins conformance-images conformance kubevirt manifests build release demo check test unit integration lint bench clean shim-size min-kernel
+.PHONY: all setup setup-demo k8s helm e2e-bins conformance-images conformance kubevirt bench-kubevirt manifests build release demo check test unit integration lint bench clean shim-size min-kernel
 
 all: build
 
@@ -132,6 +132,15 @@ conformance: setup k8s helm e2e-bins build
 kubevirt: setup k8s helm build
 	@test "$$(id -u)" = 0 || { echo "make kubevirt must run as root (it creates namespaces)"; exit 1; }
 	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test -p tether-e2e --test kubevirt -- --ignored --nocapture --test-threads=1
+
+## bench-kubevirt: migrations of a VirtualMachine through KubeVirt's API
+## (the `make kubevirt` cluster; 10 timed after 1 untimed), beside
+## bench_vm's QMP-driven QEMU migrations on the Kubernetes store run first
+## in the same sitting; writes its section of BENCHMARKS.md. Apart from
+## `make bench`: it needs the KubeVirt build. Root only.
+bench-kubevirt: setup k8s helm release
+	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) build --release -p tether-e2e --bin bench_vm --bin bench_kubevirt
+	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_kubevirt -- --no-build --write BENCHMARKS.md
 
 ## min-kernel: the netlink suites (tether-kernel's unit tests with the root
 ## tests, node-server's DHCP server against udhcpc) on Debian 12's stock

@@ -181,13 +181,7 @@ impl OneNode {
         ));
         one.write_containerd_config();
         one.start_containerd();
-        for (name, entry, path) in [
-            (PAUSE_IMAGE, vec!["/bin/sleep", "infinity"], "images/pause"),
-            (BUSYBOX_IMAGE, vec!["/bin/sh"], "images/busybox"),
-        ] {
-            let root = Rootfs::busybox(&one.path(path));
-            let archive = one.path(&format!("{path}.tar"));
-            root.pack(name, &entry, &archive);
+        for archive in busybox_images(&one.path("images")) {
             one.import(&archive);
         }
         one.write_kubelet_config();
@@ -1208,4 +1202,22 @@ impl Removals {
         }
         removed
     }
+}
+
+/// The harness's own pause and busybox images ([`PAUSE_IMAGE`],
+/// [`BUSYBOX_IMAGE`]), both made of busybox, packed as image archives in
+/// `dir` for a node's containerd to import.
+pub fn busybox_images(dir: &Path) -> Vec<PathBuf> {
+    [
+        (PAUSE_IMAGE, vec!["/bin/sleep", "infinity"], "pause"),
+        (BUSYBOX_IMAGE, vec!["/bin/sh"], "busybox"),
+    ]
+    .into_iter()
+    .map(|(name, entry, path)| {
+        let root = Rootfs::busybox(&dir.join(path));
+        let archive = dir.join(format!("{path}.tar"));
+        root.pack(name, &entry, &archive);
+        archive
+    })
+    .collect()
 }

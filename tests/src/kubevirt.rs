@@ -34,6 +34,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+pub mod scenario;
+
 use crate::nodes::{KubeCluster, KubeNode};
 use crate::oci::{Image, Owners, Rootfs};
 use crate::{wait_until, workspace_dir};

@@ -21,26 +21,10 @@
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tether_e2e::kubelet::{BUSYBOX_IMAGE, PAUSE_IMAGE};
+use tether_e2e::kubelet::{busybox_images, BUSYBOX_IMAGE, PAUSE_IMAGE};
 use tether_e2e::nodes::{ClusterOpts, KubeCluster, KubeNode};
-use tether_e2e::oci::Rootfs;
 use tether_e2e::vm::VmPodSpec;
 use tether_e2e::{admin, require_root, wait_until, TempDir};
-
-fn busybox_images(dir: &TempDir) -> Vec<std::path::PathBuf> {
-    [
-        (PAUSE_IMAGE, vec!["/bin/sleep", "infinity"], "pause"),
-        (BUSYBOX_IMAGE, vec!["/bin/sh"], "busybox"),
-    ]
-    .into_iter()
-    .map(|(name, entry, path)| {
-        let root = Rootfs::busybox(&dir.path().join(path));
-        let archive = dir.path().join(format!("{path}.tar"));
-        root.pack(name, &entry, &archive);
-        archive
-    })
-    .collect()
-}
 
 fn pod(name: &str, node: &str, host_network: bool) -> Value {
     json!({
@@ -96,7 +80,7 @@ fn two_kubelet_nodes_with_their_own_namespaces_wire_pods_through_the_installed_c
     let images = TempDir::new("kimg");
     let mut c = KubeCluster::start(&ClusterOpts {
         nodes: 2,
-        images: busybox_images(&images),
+        images: busybox_images(images.path()),
         sandbox_image: PAUSE_IMAGE.to_string(),
         aggregating: false,
         node_paths: Vec::new(),
@@ -163,7 +147,7 @@ fn two_kubelet_nodes_with_their_own_namespaces_wire_pods_through_the_installed_c
 fn cluster(images: &TempDir) -> KubeCluster {
     let c = KubeCluster::start(&ClusterOpts {
         nodes: 2,
-        images: busybox_images(images),
+        images: busybox_images(images.path()),
         sandbox_image: PAUSE_IMAGE.to_string(),
         aggregating: false,
         node_paths: Vec::new(),

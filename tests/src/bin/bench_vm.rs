@@ -113,6 +113,11 @@ struct Sample {
     loss: Option<f64>,
     /// The target daemon's read of the first RARP → the last node's route.
     rarp_to_all: Option<f64>,
+    /// The guest's pause as the two QEMUs' events tell it: the source's
+    /// `STOP` to the target's `RESUME` (both stamped by this machine's
+    /// clock). QEMU's `downtime` is the source's count, which ends when
+    /// it has sent the last state, before the target has loaded it.
+    pause: Option<f64>,
     trigger: String,
 }
 
@@ -173,6 +178,25 @@ fn boot(pod: &Pod, incoming: bool) -> Guest {
     Guest::start(pod.netns(), opts)
 }
 
+/// The microseconds since the epoch at which `guest`'s QMP sent its
+/// first `event` (by then, or after a `query-status`).
+fn event_micros(guest: &Guest, event: &str) -> Option<i64> {
+    guest.qmp(|q| {
+        q.execute("query-status", json!({}));
+        q.events.iter().find(|e| e["event"] == event).and_then(|e| {
+            let t = &e["timestamp"];
+            Some(t["seconds"].as_i64()? * 1_000_000 + t["microseconds"].as_i64()?)
+        })
+    })
+}
+
+/// The source's `STOP` to the target's `RESUME`, in ms.
+fn pause_ms(source: &Guest, target: &Guest) -> Option<f64> {
+    let stop = event_micros(source, "STOP")?;
+    let resume = event_micros(target, "RESUME")?;
+    Some((resume - stop) as f64 / 1e3)
+}
+
 fn ms_between(from_nanos: u64, to_nanos: u64) -> f64 {
     (to_nanos as f64 - from_nanos as f64) / 1e6
 }
@@ -208,6 +232,14 @@ fn migrations(args: &Args, cluster: &Cluster, run: &mut Config, f: &mut Failures
             f.fail(format!("migration {}: no answers before it", i + 1));
             return;
         }
+        // Both QMP connections open before the migration, so that the
+        // source's STOP and the target's RESUME events are kept.
+        for g in [&guest, &target_guest] {
+            g.qmp(|q| {
+                q.execute("query-status", json!({}));
+                q.events.clear();
+            });
+        }
         let t0 = Instant::now();
         let m = guest.migrate_to(&target_guest, MIGRATION_LIMIT);
         let resumed = wait_until(Duration::from_secs(10), || {
@@ -220,6 +252,7 @@ fn migrations(args: &Args, cluster: &Cluster, run: &mut Config, f: &mut Failures
             loss: report
                 .longest_loss_after(t0)
                 .map(|w| w.duration.as_secs_f64() * 1e3),
+            pause: pause_ms(&guest, &target_guest),
             ..Sample::default()
         };
         if m.status != "completed" || !resumed {
@@ -405,7 +438,10 @@ fn report(m: &Machine, args: &Args, run: &Run, failures: &Failures, runtime: Dur
          only QEMU's own RARP triggers the cutover. {} timed migrations after {} untimed, per \
          configuration. Loss window: the observer's longest run of unanswered probes, from \
          the last answer before it to the first after. Downtime and total: QEMU's \
-         `query-migrate`. First RARP → all nodes: from the target daemon's read of QEMU's \
+         `query-migrate` (the source's count: its downtime ends when it has sent the last \
+         state, before the target has loaded it and resumed). Pause: from the source QEMU's \
+         `STOP` event to the target's `RESUME`, both stamped by this machine's clock, the \
+         guest's whole pause. First RARP → all nodes: from the target daemon's read of QEMU's \
          first RARP to the last of the three nodes' route changes (Stats, one clock).\n",
         lease.join(" / "),
         PROBE_INTERVAL.as_micros(),
@@ -415,9 +451,12 @@ fn report(m: &Machine, args: &Args, run: &Run, failures: &Failures, runtime: Dur
     let _ = writeln!(
         r,
         "| per migration (ms) | downtime p50 | loss p50 | loss − downtime p50 | p90 | max | \
-         first RARP → every node p50 | p90 | max | total p50 |"
+         first RARP → every node p50 | p90 | max | total p50 | pause p50 | loss − pause p50 |"
     );
-    let _ = writeln!(r, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(
+        r,
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
     let mut verdicts = Vec::new();
     let mut lines = Vec::new();
     for c in &run.configs {
@@ -435,9 +474,11 @@ fn report(m: &Machine, args: &Args, run: &Run, failures: &Failures, runtime: Dur
         let excess = col(&|s| Some(s.loss? - s.downtime?));
         let total = col(&|s| s.total);
         let rarp = col(&|s| s.rarp_to_all);
+        let pause = col(&|s| s.pause);
+        let over_pause = col(&|s| Some(s.loss? - s.pause?));
         let _ = writeln!(
             r,
-            "| {} ({} migrations) | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} ({} migrations) | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             c.name(),
             timed.len(),
             fmt(median(&downtime)),
@@ -449,6 +490,8 @@ fn report(m: &Machine, args: &Args, run: &Run, failures: &Failures, runtime: Dur
             fmt(percentile(&rarp, 0.9)),
             fmt(max_of(&rarp)),
             fmt(median(&total)),
+            fmt(median(&pause)),
+            fmt(median(&over_pause)),
         );
         if c.notices {
             let target = target_excess_ms(c.store);
@@ -462,7 +505,15 @@ fn report(m: &Machine, args: &Args, run: &Run, failures: &Failures, runtime: Dur
         }
         let samples: Vec<String> = timed
             .iter()
-            .map(|s| format!("{}/{}/{}", fmt(s.downtime), fmt(s.loss), fmt(s.rarp_to_all)))
+            .map(|s| {
+                format!(
+                    "{}/{}/{}/{}",
+                    fmt(s.downtime),
+                    fmt(s.pause),
+                    fmt(s.loss),
+                    fmt(s.rarp_to_all)
+                )
+            })
             .collect();
         lines.push(format!("- {}: {}", c.name(), samples.join(", ")));
     }
@@ -476,7 +527,7 @@ fn report(m: &Machine, args: &Args, run: &Run, failures: &Failures, runtime: Dur
     }
     let _ = writeln!(
         r,
-        "\nEvery sample, in order (ms): downtime / loss / first RARP → all nodes:\n"
+        "\nEvery sample, in order (ms): downtime / pause / loss / first RARP → all nodes:\n"
     );
     for l in lines {
         let _ = writeln!(r, "{l}");
