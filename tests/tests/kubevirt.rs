@@ -250,7 +250,8 @@ fn kubevirt_boots_a_vm_on_tethers_tap_binding_and_live_migrates_it_between_two_k
     wait_claim(c, claim, &ip3, &owner);
     let record = tether_record(c, &ip3);
     assert_eq!(
-        record["metadata"]["name"], "default.vm3.default",
+        record["spec"]["key"],
+        json!({"namespace": "default", "vm": claim, "interface": ":ipamclaim"}),
         "vm3's record is not keyed by its claim: {record}"
     );
     let other3 = kv.other_than(&node3);

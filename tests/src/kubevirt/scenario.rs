@@ -212,6 +212,10 @@ pub fn wait_lease(c: &KubeCluster, vmi: &str, node: &str, ip: &str) {
 pub struct Measured {
     /// From the migration object's creation to its `Succeeded`.
     pub took: Duration,
+    /// From its creation to the domain running on the target.
+    pub running: Option<Duration>,
+    /// Whether the target's virt-handler had to be restarted.
+    pub healed: bool,
     /// The observer's longest loss window.
     pub loss: Option<Duration>,
     /// The downtime libvirt reports, in ms.
@@ -233,7 +237,12 @@ pub fn migrate_observed(c: &KubeCluster, vmi: &str, ip: &str, to: &str, n: usize
         warm,
         "the observer does not reach {vmi} at {ip} before migration {n}"
     );
-    let (took, state) = migrate(c, vmi, to, n);
+    let Migration {
+        took,
+        running,
+        healed,
+        state,
+    } = migrate(c, vmi, to, n);
     let after = Instant::now();
     let back = wait_until(Duration::from_secs(30), || {
         prober.received_since(after) > 100
@@ -251,7 +260,12 @@ pub fn migrate_observed(c: &KubeCluster, vmi: &str, ip: &str, to: &str, n: usize
             .to_string()
     };
     eprintln!(
-        "kubevirt: {vmi} migration {n} to {to}: Succeeded {took:?} after its creation; observer: {} sent, {} answered, longest loss window {worst:?} ({} windows); libvirt: downtime {}, time elapsed {}, data processed {}; migrationState: start {} end {} mode {}",
+        "kubevirt: {vmi} migration {n} to {to}: domain running on the target {running:?} and Succeeded {took:?} after its creation{}; observer: {} sent, {} answered, longest loss window {worst:?} ({} windows); libvirt: downtime {}, time elapsed {}, data processed {}; migrationState: start {} end {} mode {}",
+        if healed {
+            " (its target's virt-handler restarted)"
+        } else {
+            ""
+        },
         report.sent,
         report.received,
         windows.len(),
@@ -271,6 +285,8 @@ pub fn migrate_observed(c: &KubeCluster, vmi: &str, ip: &str, to: &str, n: usize
     assert_eq!(ip_after, ip, "{vmi}'s IP changed with migration {n}");
     Measured {
         took,
+        running,
+        healed,
         loss: worst,
         downtime_ms: field("Total downtime")
             .strip_suffix(" ms")
@@ -412,19 +428,7 @@ pub fn settle_source(
     eprintln!(
         "kubevirt: virt-handler {pod} on {source} did not clean up {vmi} after migrating it away (KubeVirt's Delete race): restarting it"
     );
-    c.api
-        .kubectl_ok(&["-n", "kubevirt", "delete", "pod", pod, "--wait=false"]);
-    let mut new = None;
-    let back = wait_until(Duration::from_secs(240), || {
-        new = handler_pod(c, source).filter(|p| p != pod);
-        new.is_some()
-    });
-    assert!(
-        back,
-        "virt-handler on {source} not back after its restart\n{}",
-        super::describe(c)
-    );
-    let new = new.expect("the new handler pod");
+    let new = restart_handler(c, source, pod);
     let cleaned = wait_until(Duration::from_secs(60), || final_cleanups(&new, uid) > 0);
     eprintln!(
         "kubevirt: virt-handler {new} on {source} {} {vmi}",
@@ -436,10 +440,44 @@ pub fn settle_source(
     );
 }
 
+/// Deletes virt-handler pod `pod` on `node` and waits for its
+/// DaemonSet's next one there to run: its name.
+pub fn restart_handler(c: &KubeCluster, node: &str, pod: &str) -> String {
+    c.api
+        .kubectl_ok(&["-n", "kubevirt", "delete", "pod", pod, "--wait=false"]);
+    let mut new = None;
+    let back = wait_until(Duration::from_secs(240), || {
+        new = handler_pod(c, node).filter(|p| p != pod);
+        new.is_some()
+    });
+    assert!(
+        back,
+        "virt-handler on {node} not back after its restart\n{}",
+        super::describe(c)
+    );
+    new.expect("the new handler pod")
+}
+
+/// One migration through KubeVirt, timed.
+pub struct Migration {
+    /// From the object's creation to its `Succeeded`.
+    pub took: Duration,
+    /// From the object's creation to the VMI's status saying the domain
+    /// runs on the target (`targetNodeDomainReadyTimestamp`, seen by
+    /// polling every 50 ms).
+    pub running: Option<Duration>,
+    /// Whether the target's virt-handler had to be restarted for the
+    /// migration to end (see [`migrate`]).
+    pub healed: bool,
+    /// The VMI's `migrationState` afterwards.
+    pub state: Value,
+}
+
 /// Migrates VMI `vmi` to `node` with a VirtualMachineInstanceMigration
-/// (`addedNodeSelector`), waits for `Succeeded`; the time from the
-/// object's creation to that, and the migration's state from the VMI.
-pub fn migrate(c: &KubeCluster, vmi: &str, node: &str, n: usize) -> (Duration, Value) {
+/// (`addedNodeSelector`) and waits for `Succeeded`, restarting the
+/// target's virt-handler when KubeVirt has not ended the migration 30 s
+/// after the domain runs there; then [`settle_source`].
+pub fn migrate(c: &KubeCluster, vmi: &str, node: &str, n: usize) -> Migration {
     let name = format!("{vmi}-mig{n}");
     let now = c
         .api
@@ -469,13 +507,46 @@ pub fn migrate(c: &KubeCluster, vmi: &str, node: &str, n: usize) -> (Duration, V
         .to_string(),
     );
     let mut last = Value::Null;
-    let done = wait_until(Duration::from_secs(300), || {
-        last = c
+    let mut running = None;
+    let ended = |last: &mut Value, running: &mut Option<Duration>| {
+        *last = c
             .api
             .get(&["-n", "default", "vmim", &name])
             .unwrap_or(Value::Null);
+        if running.is_none() {
+            let vmi_now = c
+                .api
+                .get(&["-n", "default", "vmi", vmi])
+                .unwrap_or(Value::Null);
+            let state = &vmi_now["status"]["migrationState"];
+            if state["migrationUid"] == last["metadata"]["uid"]
+                && state["targetNodeDomainReadyTimestamp"].is_string()
+            {
+                *running = Some(start.elapsed());
+            }
+        }
         last["status"]["phase"] == "Succeeded" || last["status"]["phase"] == "Failed"
+    };
+    // Until it ends, or until 30 s after the domain runs on the target.
+    let mut done = wait_until(Duration::from_secs(300), || {
+        ended(&mut last, &mut running)
+            || running.is_some_and(|r| start.elapsed() > r + Duration::from_secs(30))
     });
+    let mut healed = false;
+    if done && !ended(&mut last, &mut running) {
+        // KubeVirt 1.7 on this machine, now and then: the target's
+        // virt-handler never hears from its launcher that the migration
+        // ended (the domain's migration EndTimestamp), so it acks it only
+        // at its next resync of the launchers' domains, every 5 minutes.
+        // A restarted handler resyncs at once.
+        let target = handler_pod(c, node).unwrap_or_default();
+        eprintln!(
+            "kubevirt: migration {name}: the domain runs on {node}, but KubeVirt has not ended the migration 30 s later (virt-handler {target} missed the domain's end): restarting that handler"
+        );
+        restart_handler(c, node, &target);
+        healed = true;
+        done = wait_until(Duration::from_secs(300), || ended(&mut last, &mut running));
+    }
     let took = start.elapsed();
     let state = c
         .api
@@ -493,13 +564,21 @@ pub fn migrate(c: &KubeCluster, vmi: &str, node: &str, n: usize) -> (Duration, V
         super::describe(c)
     );
     settle_source(c, vmi, &uid, &source, &source_handler, cleanups_before);
-    (took, state)
+    Migration {
+        took,
+        running,
+        healed,
+        state,
+    }
 }
+
 /// The medians of `runs`: the time to `Succeeded`, the loss window, the
 /// downtime libvirt reports and the loss window's excess over it (ms).
 pub struct Medians {
     /// To `Succeeded`.
     pub took: Option<Duration>,
+    /// To the domain running on the target.
+    pub running: Option<Duration>,
     /// The loss window (ms).
     pub loss_ms: Option<f64>,
     /// libvirt's downtime (ms).
@@ -512,11 +591,13 @@ impl Medians {
     /// The medians of `runs`.
     pub fn of(runs: &[Measured]) -> Medians {
         let mut took: Vec<Duration> = runs.iter().map(|m| m.took).collect();
+        let mut running: Vec<Duration> = runs.iter().filter_map(|m| m.running).collect();
         let mut loss: Vec<f64> = runs.iter().filter_map(Measured::loss_ms).collect();
         let mut down: Vec<f64> = runs.iter().filter_map(|m| m.downtime_ms).collect();
         let mut excess: Vec<f64> = runs.iter().filter_map(Measured::excess_ms).collect();
         Medians {
             took: median(&mut took),
+            running: median(&mut running),
             loss_ms: median(&mut loss),
             downtime_ms: median(&mut down),
             excess_ms: median(&mut excess),
