@@ -139,7 +139,7 @@ kubevirt: setup k8s helm build
 ## in the same sitting; writes its section of BENCHMARKS.md. Apart from
 ## `make bench`: it needs the KubeVirt build. Root only.
 bench-kubevirt: setup k8s helm release
-	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) build --release -p tether-e2e --bin bench_vm --bin bench_kubevirt
+	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) build --release -p tether-e2e --bin bench_vm --bin bench_kubevirt --bin node_init
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_kubevirt -- --no-build --write BENCHMARKS.md
 
 ## min-kernel: the netlink suites (tether-kernel's unit tests with the root

@@ -208,7 +208,7 @@ fn report(
         "## KubeVirt migrations over tether (bench_kubevirt): latest run: {}\n",
         stdout_of("date", &["-u", "+%Y-%m-%d %H:%M UTC"]).trim()
     );
-    let _ = writeln!(r, "- Machine: {}", machine.report_line());
+    let _ = writeln!(r, "{}", machine.report_line());
     let _ = writeln!(
         r,
         "- Software: tether {} (git {}); KubeVirt {KUBEVIRT_VERSION} built from its Go module, its launcher on Debian's libvirt 9.0 and qemu-system-x86 7.2 (TCG); Kubernetes v1.37.2 (kube-apiserver, kubelet, kube-proxy) on two kubelet nodes, tether installed by its chart (the Kubernetes store).",
