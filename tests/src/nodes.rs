@@ -755,12 +755,24 @@ impl KubeCluster {
             "-c",
             "tetherd",
             "--prefix",
-            "--tail=30",
+            "--tail=80",
         ]);
         text.push_str(&format!(
             "--- tetherd logs ---\n{}{}",
             String::from_utf8_lossy(&logs.stdout),
             String::from_utf8_lossy(&logs.stderr)
+        ));
+        let blocks = self.api.kubectl(&[
+            "get",
+            "addressblocks,tethernodes,leases",
+            "-A",
+            "-o",
+            "wide",
+        ]);
+        text.push_str(&format!(
+            "--- tether's objects ---\n{}{}",
+            String::from_utf8_lossy(&blocks.stdout),
+            String::from_utf8_lossy(&blocks.stderr)
         ));
         text
     }

@@ -111,8 +111,8 @@ fn two_kubelet_nodes_with_their_own_namespaces_wire_pods_through_the_installed_c
         wait_running(&c, &format!("h{i}"));
     }
     let nodes = c.nodes();
-    wait_route(&nodes[0], &ips[1], &toward(&nodes[0], &nodes[1]));
-    wait_route(&nodes[1], &ips[0], &toward(&nodes[1], &nodes[0]));
+    wait_route(&c, &nodes[0], &ips[1], &toward(&nodes[0], &nodes[1]));
+    wait_route(&c, &nodes[1], &ips[0], &toward(&nodes[1], &nodes[0]));
     for (from, to) in [
         ("p0", &ips[1]),
         ("p1", &ips[0]),
@@ -219,12 +219,13 @@ fn ping_ok(c: &KubeCluster, from: &str, to: &str) {
 /// Waits until `node` routes `ip` by `dev`: a block claimed on one node
 /// reaches the others through the store's watch, after the pod on it is
 /// already running.
-fn wait_route(node: &KubeNode, ip: &str, dev: &str) {
+fn wait_route(c: &KubeCluster, node: &KubeNode, ip: &str, dev: &str) {
     assert!(
         wait_until(Duration::from_secs(30), || route_dev(node, ip) == dev),
-        "{} routes {ip} via {}, not {dev}",
+        "{} routes {ip} via {}, not {dev}\n{}",
         node.name(),
-        route_dev(node, ip)
+        route_dev(node, ip),
+        c.network_view()
     );
 }
 
@@ -284,8 +285,8 @@ fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping
     c.api.apply(&pod("obs-b", b.name(), false).to_string());
     let obs_a = wait_running(&c, "obs-a");
     let obs_b = wait_running(&c, "obs-b");
-    wait_route(a, &obs_b, &toward(a, b));
-    wait_route(b, &obs_a, &toward(b, a));
+    wait_route(&c, a, &obs_b, &toward(a, b));
+    wait_route(&c, b, &obs_a, &toward(b, a));
 
     // The VM on A.
     let vm = VmPodSpec::new("default", "vm1", "virt-launcher-vm1-aaaaa");

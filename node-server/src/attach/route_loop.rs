@@ -73,33 +73,43 @@ impl Node {
     /// peers) and the VM records (routes to VM addresses), re-planning on
     /// every change and retrying every 500 ms while the kernel refuses.
     /// `cluster_failing` says the first cluster pass, at start-up, failed.
+    ///
+    /// Its first pass runs at once, before it waits for a change: the
+    /// views it subscribes to count as seen from the moment it subscribes,
+    /// so a block or a VM record that arrived after the start-up pass (a
+    /// node that claimed its first block while this one was starting)
+    /// would otherwise wait for the next change, which in a quiet cluster
+    /// may never come.
     pub(crate) fn spawn_route_manager(self: &Arc<Self>, cluster_failing: bool) {
         let node = self.clone();
         tokio::spawn(async move {
             let mut rx = node.vms.records().subscribe();
             let mut cluster_rx = node.peers.as_ref().map(|c| c.subscribe());
             let mut cluster_failing = cluster_failing;
-            let mut cluster_dirty = cluster_failing;
+            let mut cluster_dirty = true;
             let mut vm_failing = false;
+            let mut first = true;
             loop {
-                let cluster_changed = async {
-                    match cluster_rx.as_mut() {
-                        Some(c) => c.changed().await.is_ok(),
-                        None => std::future::pending().await,
+                if !std::mem::take(&mut first) {
+                    let cluster_changed = async {
+                        match cluster_rx.as_mut() {
+                            Some(c) => c.changed().await.is_ok(),
+                            None => std::future::pending().await,
+                        }
+                    };
+                    let retry = async {
+                        if cluster_failing || vm_failing {
+                            tokio::time::sleep(Duration::from_millis(500)).await;
+                        } else {
+                            std::future::pending::<()>().await;
+                        }
+                    };
+                    tokio::select! {
+                        r = rx.changed() => if r.is_err() { return },
+                        changed = cluster_changed => cluster_dirty |= changed,
+                        () = node.routes.resync_asked() => {},
+                        () = retry => cluster_dirty |= cluster_failing,
                     }
-                };
-                let retry = async {
-                    if cluster_failing || vm_failing {
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                    } else {
-                        std::future::pending::<()>().await;
-                    }
-                };
-                tokio::select! {
-                    r = rx.changed() => if r.is_err() { return },
-                    changed = cluster_changed => cluster_dirty |= changed,
-                    () = node.routes.resync_asked() => {},
-                    () = retry => cluster_dirty |= cluster_failing,
                 }
                 if let (Some(c), Some(crx), true) =
                     (&node.peers, cluster_rx.as_mut(), cluster_dirty)

@@ -9,6 +9,7 @@
 mod attach;
 mod guest;
 pub(crate) mod pools;
+mod routes;
 mod vm;
 
 use std::net::IpAddr;
@@ -61,6 +62,8 @@ pub(crate) struct Options {
     pub store_faults: Option<Arc<StoreFaults>>,
     /// Named pools (`--pools`).
     pub pools: Vec<crate::pools::PoolDef>,
+    /// The other nodes, as the route manager learns them.
+    pub peers: Option<Arc<dyn crate::cluster::Peers>>,
 }
 
 impl Default for Options {
@@ -72,6 +75,7 @@ impl Default for Options {
             vm_tasks: true,
             store_faults: None,
             pools: Vec::new(),
+            peers: None,
         }
     }
 }
@@ -123,6 +127,7 @@ impl TestNode {
             vm_tasks: true,
             store_faults: None,
             pools: self.pools.clone(),
+            peers: None,
         };
         before(&self);
         let TestNode {
@@ -217,7 +222,7 @@ impl Parts {
             config,
             store.clone(),
             None,
-            None,
+            opts.peers.clone(),
             vms,
             Arc::new(self.kernel.clone()),
             self.host.clone(),

@@ -1,0 +1,98 @@
+//! The route manager against a cluster view the test sets.
+
+use tokio::sync::watch;
+
+use super::*;
+use crate::cluster::{BlockRecord, ClusterView, NodeRecord, Overlay, Peers};
+use crate::time::UnixMillis;
+
+/// The other nodes as the test says they are: a test double of the control
+/// plane's view (the cluster suites prove the store's watch behind it).
+struct SetPeers {
+    me: NodeRecord,
+    tx: watch::Sender<ClusterView>,
+}
+
+impl SetPeers {
+    fn new() -> Arc<SetPeers> {
+        let view = ClusterView {
+            synced: true,
+            ..ClusterView::default()
+        };
+        Arc::new(SetPeers {
+            me: NodeRecord {
+                name: "node-a".into(),
+                id: 1,
+                node_ips: vec![ip("192.0.2.1")],
+                vtep_mac: None,
+            },
+            tx: watch::channel(view).0,
+        })
+    }
+
+    /// `name` (ID `id`, underlay `node_ip`) joins, holding `block`.
+    fn join(&self, name: &str, id: u32, node_ip: &str, block: &str) {
+        self.tx.send_modify(|v| {
+            let revision = v.revision + 1;
+            let record = NodeRecord {
+                name: name.into(),
+                id,
+                node_ips: vec![ip(node_ip)],
+                vtep_mac: None,
+            };
+            v.nodes.insert(name.into(), (record, revision));
+            let block = BlockRecord {
+                cidr: net(block),
+                node: name.into(),
+                node_id: id,
+                claimed_unix_ms: UnixMillis::EPOCH,
+            };
+            v.blocks.insert(block.cidr, (block, revision));
+            v.revision = revision;
+        });
+    }
+}
+
+impl Peers for SetPeers {
+    fn me(&self) -> NodeRecord {
+        self.me.clone()
+    }
+    fn overlay(&self) -> Overlay {
+        Overlay::HostGw
+    }
+    fn view(&self) -> ClusterView {
+        self.tx.borrow().clone()
+    }
+    fn subscribe(&self) -> watch::Receiver<ClusterView> {
+        self.tx.subscribe()
+    }
+}
+
+fn routed(t: &TestNode, block: &str) -> bool {
+    t.kernel.routes().contains_key(&net(block))
+}
+
+/// A peer's block that arrives after the start-up pass programmed the
+/// routes, but before the route manager subscribed to the view, is routed
+/// all the same: the route manager's first pass does not wait for a
+/// change. (Seen on two kubelet nodes starting together: one node never
+/// routed the other's first block, claimed in that window.)
+#[tokio::test]
+async fn a_block_seen_before_the_route_manager_starts_is_routed() {
+    let peers = SetPeers::new();
+    let t = TestNode::with(Options {
+        vm_tasks: false,
+        peers: Some(peers.clone()),
+        ..Options::default()
+    })
+    .await;
+    assert!(!routed(&t, "10.2.0.0/28"));
+    peers.join("node-b", 2, "192.0.2.2", "10.2.0.0/28");
+    t.node.start_vm_tasks();
+    t.eventually("node-b's block routed", |t| routed(t, "10.2.0.0/28"))
+        .await;
+    // And the manager follows the changes after that.
+    peers.join("node-c", 3, "192.0.2.3", "10.3.0.0/28");
+    t.eventually("node-c's block routed", |t| routed(t, "10.3.0.0/28"))
+        .await;
+}
