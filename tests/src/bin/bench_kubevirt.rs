@@ -224,36 +224,40 @@ fn report(
     );
     let _ = writeln!(
         r,
-        "Method: a VirtualMachine on tether's `tap` binding (the test guest, 128 MiB, booted from a shared host disk) leases its address by DHCP from tether; it migrates between the two nodes by a VirtualMachineInstanceMigration each, {} timed after {} untimed, while an observer on the API server's host (a third place on the fabric) pings it every millisecond. Loss window: the observer's longest run of unanswered pings. Downtime: what libvirt reports for the migration job on the target (`virsh domjobinfo --completed`). To the domain running on the target: from the migration object's creation to the VMI's status saying so (`targetNodeDomainReadyTimestamp`, polled every 50 ms). To Succeeded: from the creation to the `Succeeded` phase. When KubeVirt has not ended a migration 30 s after its domain runs on the target (its virt-handler there missed the domain's end and would ack it only at its 5-minute resync, a KubeVirt 1.7 race seen on this machine), that handler is restarted, and the migration is marked *. Beside it, in the same sitting, `bench_vm`'s QMP-driven QEMU migrations on a 3-node tether cluster on the Kubernetes store (no KubeVirt, no libvirt: QEMU's own downtime).\n",
+        "Method: a VirtualMachine on tether's `tap` binding (the test guest, 128 MiB, booted from a shared host disk) leases its address by DHCP from tether; it migrates between the two nodes by a VirtualMachineInstanceMigration each, {} timed after {} untimed, while an observer on the API server's host (a third place on the fabric) pings it every millisecond. Loss window: the observer's longest run of unanswered pings. Downtime: what libvirt reports for the migration job on the target (`virsh domjobinfo --completed`). First lost ping → announcement read: from the send of the first ping the loss window lost to the target tetherd's read of the guest's announcement (QEMU's RARP, or the guest's GARP), both on this machine's clock (tetherd's admin `Stats`): the guest's pause as the network sees it, KubeVirt's, libvirt's and QEMU's share. Read → first answered ping: from there to the send of the first ping answered after the loss, tether's share on the observer's path plus up to one ping interval. Read → every node repointed: to the last route change on the other node (`Stats`). To the domain running on the target: from the migration object's creation to the VMI's status saying so (`targetNodeDomainReadyTimestamp`, polled every 50 ms). To Succeeded: from the creation to the `Succeeded` phase. When KubeVirt has not ended a migration 30 s after its domain runs on the target (its virt-handler there missed the domain's end and would ack it only at its 5-minute resync, a KubeVirt 1.7 race seen on this machine), that handler is restarted, and the migration is marked *. Beside it, in the same sitting, `bench_vm`'s QMP-driven QEMU migrations on a 3-node tether cluster on the Kubernetes store (no KubeVirt, no libvirt: QEMU's own downtime).\n",
         args.migrations, args.warmup
     );
     let _ = writeln!(
         r,
-        "| per migration (ms) | downtime p50 | loss p50 | loss − downtime p50 | to the domain running on the target p50 (s) | to Succeeded p50 (s) |"
+        "| per migration (ms) | downtime p50 | loss p50 | loss − downtime p50 | first lost ping → announcement read p50 | read → first answered ping p50 | read → every node repointed p50 | to the domain running on the target p50 (s) | to Succeeded p50 (s) |"
     );
-    let _ = writeln!(r, "|---|---:|---:|---:|---:|---:|");
+    let _ = writeln!(r, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     if let Some(runs) = runs {
         let m = Medians::of(&runs.timed);
         let _ = writeln!(
             r,
-            "| KubeVirt (libvirt's downtime), {} migrations | {} | {} | {} | {} | {} |",
+            "| KubeVirt (libvirt's downtime), {} migrations | {} | {} | {} | {} | {} | {} | {} | {} |",
             runs.timed.len(),
             ms(m.downtime_ms),
             ms(m.loss_ms),
             ms(m.excess_ms),
+            ms(m.stop_to_rarp_ms),
+            ms(m.rarp_to_answer_ms),
+            ms(m.rarp_to_all_ms),
             secs(m.running),
             secs(m.took)
         );
     }
     if let Some(vm) = vm {
         for row in &vm.rows {
-            // bench_vm's columns: name, downtime p50, loss p50, excess p50, ...
+            // bench_vm's columns: name, downtime p50, loss p50, excess p50,
+            // p90, max, first RARP → every node p50, ...
             let cells: Vec<&str> = row.trim_matches('|').split('|').map(str::trim).collect();
-            if cells.len() >= 4 {
+            if cells.len() >= 7 {
                 let _ = writeln!(
                     r,
-                    "| bench_vm, QMP: {} | {} | {} | {} | - | - |",
-                    cells[0], cells[1], cells[2], cells[3]
+                    "| bench_vm, QMP: {} | {} | {} | {} | - | - | {} | - | - |",
+                    cells[0], cells[1], cells[2], cells[3], cells[6]
                 );
             }
         }
@@ -272,7 +276,7 @@ fn report(
         );
         let _ = writeln!(
             r,
-            "Every timed migration, in order: downtime / loss / loss − downtime (ms) / to the domain running on the target / to Succeeded (s), * where the target's virt-handler was restarted ({}; {} untimed before):\n",
+            "Every timed migration, in order: downtime / loss / loss − downtime / first lost ping → announcement read / read → first answered ping / read → every node (ms) / to the domain running on the target / to Succeeded (s), * where the target's virt-handler was restarted ({}; {} untimed before):\n",
             runs.boot, runs.untimed
         );
         let list: Vec<String> = runs
@@ -280,10 +284,13 @@ fn report(
             .iter()
             .map(|m| {
                 format!(
-                    "{}/{}/{}/{}/{:.1}{}",
+                    "{}/{}/{}/{}/{}/{}/{}/{:.1}{}",
                     ms(m.downtime_ms),
                     ms(m.loss_ms()),
                     ms(m.excess_ms()),
+                    ms(m.stop_to_rarp_ms),
+                    ms(m.rarp_to_answer_ms),
+                    ms(m.rarp_to_all_ms),
                     secs(m.running),
                     m.took.as_secs_f64(),
                     if m.healed { "*" } else { "" }

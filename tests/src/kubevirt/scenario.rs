@@ -216,6 +216,15 @@ pub struct Measured {
     pub running: Option<Duration>,
     /// Whether the target's virt-handler had to be restarted.
     pub healed: bool,
+    /// From the first lost ping to the target tetherd's read of the
+    /// guest's announcement (ms): the guest's pause as the network saw it.
+    pub stop_to_rarp_ms: Option<f64>,
+    /// From that read to the send of the first answered ping after the
+    /// loss (ms): tether's repointing on the observer's path, plus up to
+    /// one ping interval.
+    pub rarp_to_answer_ms: Option<f64>,
+    /// From that read to the last node's route change (ms).
+    pub rarp_to_all_ms: Option<f64>,
     /// The observer's longest loss window.
     pub loss: Option<Duration>,
     /// The downtime libvirt reports, in ms.
@@ -229,6 +238,9 @@ pub struct Measured {
 /// afterwards.
 pub fn migrate_observed(c: &KubeCluster, vmi: &str, ip: &str, to: &str, n: usize) -> Measured {
     let target: std::net::IpAddr = ip.parse().expect("the VMI's IP");
+    // One moment on both clocks: the probes are timed by the monotonic
+    // one, tetherd's Stats by the wall clock.
+    let (mono0, wall0) = (Instant::now(), unix_nanos_now());
     let prober = Prober::start(c.api.netns(), target, Duration::from_millis(1));
     let warm = wait_until(Duration::from_secs(30), || {
         prober.received_since(Instant::now() - Duration::from_millis(500)) > 100
@@ -249,7 +261,16 @@ pub fn migrate_observed(c: &KubeCluster, vmi: &str, ip: &str, to: &str, n: usize
     });
     let report = prober.stop();
     let windows = report.loss_windows();
-    let worst = windows.iter().map(|w| w.duration).max();
+    let worst_window = windows.iter().max_by_key(|w| w.duration);
+    let worst = worst_window.map(|w| w.duration);
+    let wall = |t: Instant| wall0 + t.saturating_duration_since(mono0).as_nanos() as i128;
+    let path = cutover_path(c, vmi, to);
+    let stop_to_rarp = worst_window
+        .zip(path.as_ref())
+        .map(|(w, p)| (p.seen - wall(w.start)) as f64 / 1e6);
+    let rarp_to_answer = worst_window
+        .zip(path.as_ref())
+        .map(|(w, p)| (wall(w.resumed) - p.seen) as f64 / 1e6);
     let job = launcher_pod(c, vmi, to)
         .map(|pod| super::completed_job(c, &pod, vmi))
         .unwrap_or_default();
@@ -260,7 +281,7 @@ pub fn migrate_observed(c: &KubeCluster, vmi: &str, ip: &str, to: &str, n: usize
             .to_string()
     };
     eprintln!(
-        "kubevirt: {vmi} migration {n} to {to}: domain running on the target {running:?} and Succeeded {took:?} after its creation{}; observer: {} sent, {} answered, longest loss window {worst:?} ({} windows); libvirt: downtime {}, time elapsed {}, data processed {}; migrationState: start {} end {} mode {}",
+        "kubevirt: {vmi} migration {n} to {to}: domain running on the target {running:?} and Succeeded {took:?} after its creation{}; observer: {} sent, {} answered, longest loss window {worst:?} ({} windows): from its first lost ping to tetherd's read of the {} {stop_to_rarp:?} ms, from there to the first answered ping {rarp_to_answer:?} ms, every node repointed {:?} ms after the read; libvirt: downtime {}, time elapsed {}, data processed {}; migrationState: start {} end {} mode {}",
         if healed {
             " (its target's virt-handler restarted)"
         } else {
@@ -269,6 +290,8 @@ pub fn migrate_observed(c: &KubeCluster, vmi: &str, ip: &str, to: &str, n: usize
         report.sent,
         report.received,
         windows.len(),
+        path.as_ref().map_or("announcement", |p| p.trigger.as_str()),
+        path.as_ref().map(|p| p.to_all_ms),
         field("Total downtime"),
         field("Time elapsed"),
         field("Data processed"),
@@ -287,11 +310,59 @@ pub fn migrate_observed(c: &KubeCluster, vmi: &str, ip: &str, to: &str, n: usize
         took,
         running,
         healed,
+        stop_to_rarp_ms: stop_to_rarp,
+        rarp_to_answer_ms: rarp_to_answer,
+        rarp_to_all_ms: path.map(|p| p.to_all_ms),
         loss: worst,
         downtime_ms: field("Total downtime")
             .strip_suffix(" ms")
             .and_then(|v| v.parse().ok()),
     }
+}
+
+/// A cutover as tetherd's Stats tell it.
+struct CutoverPath {
+    /// What triggered it (`rarp`, `garp`, ...).
+    trigger: String,
+    /// When the target's tetherd read the trigger (ns since the epoch).
+    seen: i128,
+    /// From that read to the last node's route change (ms).
+    to_all_ms: f64,
+}
+
+fn unix_nanos_now() -> i128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as i128)
+}
+
+/// VMI `vmi`'s last cutover, made by tetherd on node `to`, and the other
+/// node's route change that followed it (their admin `Stats`).
+fn cutover_path(c: &KubeCluster, vmi: &str, to: &str) -> Option<CutoverPath> {
+    let socket = |n: &crate::nodes::KubeNode| n.host_path("/run/tether").join("tether.sock");
+    let target = c.nodes().iter().find(|n| n.name() == to)?;
+    let cut = crate::admin::stats(&socket(target))
+        .last_cutover
+        .filter(|k| k.vm.starts_with(&format!("default/{vmi}/")))?;
+    let mut to_all_ms = cut.local_route_ms;
+    for other in c.nodes().iter().filter(|n| n.name() != to) {
+        let done = wait_until(Duration::from_secs(10), || {
+            crate::admin::stats(&socket(other))
+                .last_vm_route_update
+                .is_some_and(|u| u.generation >= cut.generation)
+        });
+        if !done {
+            return None;
+        }
+        let update = crate::admin::stats(&socket(other)).last_vm_route_update?;
+        to_all_ms =
+            to_all_ms.max((update.done_unix_nanos as f64 - cut.seen_unix_nanos as f64) / 1e6);
+    }
+    Some(CutoverPath {
+        trigger: cut.trigger,
+        seen: cut.seen_unix_nanos as i128,
+        to_all_ms,
+    })
 }
 
 /// The median of `values` (sorted here), if any.
@@ -585,6 +656,12 @@ pub struct Medians {
     pub downtime_ms: Option<f64>,
     /// The loss window minus libvirt's downtime (ms).
     pub excess_ms: Option<f64>,
+    /// First lost ping → tetherd's read of the announcement (ms).
+    pub stop_to_rarp_ms: Option<f64>,
+    /// That read → the first answered ping (ms).
+    pub rarp_to_answer_ms: Option<f64>,
+    /// That read → every node repointed (ms).
+    pub rarp_to_all_ms: Option<f64>,
 }
 
 impl Medians {
@@ -595,12 +672,18 @@ impl Medians {
         let mut loss: Vec<f64> = runs.iter().filter_map(Measured::loss_ms).collect();
         let mut down: Vec<f64> = runs.iter().filter_map(|m| m.downtime_ms).collect();
         let mut excess: Vec<f64> = runs.iter().filter_map(Measured::excess_ms).collect();
+        let mut stop_rarp: Vec<f64> = runs.iter().filter_map(|m| m.stop_to_rarp_ms).collect();
+        let mut rarp_answer: Vec<f64> = runs.iter().filter_map(|m| m.rarp_to_answer_ms).collect();
+        let mut rarp_all: Vec<f64> = runs.iter().filter_map(|m| m.rarp_to_all_ms).collect();
         Medians {
             took: median(&mut took),
             running: median(&mut running),
             loss_ms: median(&mut loss),
             downtime_ms: median(&mut down),
             excess_ms: median(&mut excess),
+            stop_to_rarp_ms: median(&mut stop_rarp),
+            rarp_to_answer_ms: median(&mut rarp_answer),
+            rarp_to_all_ms: median(&mut rarp_all),
         }
     }
 }
