@@ -534,6 +534,14 @@ fn the_defaults_render_a_versioned_image_and_nothing_optional() {
         assert_eq!(c["image"], want.as_str(), "{}", c["name"]);
         assert_eq!(c["imagePullPolicy"], "IfNotPresent", "{}", c["name"]);
     }
+    // tetherd asks for CPU (a cutover must not wait behind QEMU for the
+    // CPU: with no request its weight is the kernel's minimum) and has no
+    // limit (which would throttle it at the busiest moment).
+    assert_eq!(
+        containers[1]["resources"],
+        json!({"requests": {"cpu": "100m", "memory": "64Mi"}}),
+        "tetherd's resources"
+    );
     assert_eq!(
         chart::find(&objects, "ConfigMap", "tether-pools")["data"]["pools.json"],
         r#"{"pools":[]}"#
