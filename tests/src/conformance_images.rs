@@ -265,7 +265,7 @@ fn sha256(cmd: &mut Command) -> String {
 }
 
 /// The hex SHA-256 of `data` (by `sha256sum`).
-fn sha256_of(data: &[u8]) -> String {
+pub(crate) fn sha256_of(data: &[u8]) -> String {
     use std::io::Write;
     let mut child = Command::new("sha256sum")
         .stdin(Stdio::piped())

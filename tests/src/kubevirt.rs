@@ -194,7 +194,7 @@ fn pack_cached() -> PathBuf {
         include_str!("kubevirt.rs"),
         include_str!("oci.rs"),
     );
-    let key = &sha256_of(key.as_bytes())[..16];
+    let key = &crate::conformance_images::sha256_of(key.as_bytes())[..16];
     let base = cache_base();
     let out = base.join(format!("kubevirt-images-{key}"));
     if out.join("done").exists() {
@@ -367,29 +367,6 @@ fn add_lines(top: &Rootfs, lower: &Path, lines: &[(&str, &str)]) {
             .unwrap_or_else(|e| panic!("reading {}: {e}", lower.join(file).display()));
         top.write(file, &format!("{base}{line}"), 0o644);
     }
-}
-
-/// The hex SHA-256 of `data` (by `sha256sum`).
-fn sha256_of(data: &[u8]) -> String {
-    use std::io::Write;
-    let mut child = Command::new("sha256sum")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("running sha256sum");
-    child
-        .stdin
-        .take()
-        .expect("sha256sum's stdin")
-        .write_all(data)
-        .expect("writing to sha256sum");
-    let out = child.wait_with_output().expect("waiting for sha256sum");
-    assert!(out.status.success(), "sha256sum failed");
-    String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .next()
-        .expect("sha256sum prints the digest")
-        .to_string()
 }
 
 /// Gives every image imported into `node`'s containerd the name
