@@ -2,7 +2,7 @@
 //! node, the listener that sees a migrated VM announce itself, and the
 //! compare-and-swap that makes the target active.
 
-use super::notices::CutoverNotice;
+use super::notices::{CutoverNotice, NOTICE_TTL};
 use super::placement::join;
 use super::signals::pod_event;
 use super::*;
@@ -59,6 +59,12 @@ pub(crate) fn promote(
     });
     Ok(true)
 }
+
+/// The first wait before a cutover's unanswered write is tried again; it
+/// doubles on each try, up to [`COMMIT_RETRY_MAX`].
+const COMMIT_RETRY_FIRST: Duration = Duration::from_millis(50);
+/// The longest wait between two tries of a cutover's write.
+const COMMIT_RETRY_MAX: Duration = Duration::from_secs(2);
 
 /// Takes back the promotion this node announced, if any: the record
 /// refused it, or this node could not route the VM to its pod.
@@ -186,10 +192,46 @@ impl Vms {
         if !hold.is_zero() {
             tokio::time::sleep(hold).await;
         }
-        let outcome = self
-            .records
-            .update(vm, |r| promote(r, want, trigger, seen.1))
-            .await;
+        // A write the store did not answer is tried again for as long as
+        // the VM provably runs here (its announcement was seen on this
+        // pod's interface) and the pod is still here: no later trigger
+        // may come (QEMU's announcements last about a second), and until
+        // the record says so the other nodes route the VM to the node it
+        // left. The notice is renewed meanwhile, so that the nodes that
+        // follow it keep doing so. The record still decides: every try
+        // reads it again, and one that refuses ends the retries.
+        let proven = only.is_some() && trigger.proves_the_vm_runs_here();
+        let mut tries = 0u32;
+        let mut backoff = COMMIT_RETRY_FIRST;
+        let mut renewed = Instant::now();
+        let outcome = loop {
+            let outcome = self
+                .records
+                .update(vm, |r| promote(r, want, trigger, seen.1))
+                .await;
+            let here = only.is_some_and(|a| side.attachment(&a.key).is_some());
+            match outcome {
+                Err(Error::TryAgain(why)) if proven && here => {
+                    tries += 1;
+                    tracing::warn!(
+                        %vm,
+                        tries,
+                        error = %why,
+                        retry_in_ms = backoff.as_millis() as u64,
+                        "the cutover's write got no answer; the VM runs here, so it is tried again"
+                    );
+                    if renewed.elapsed() >= NOTICE_TTL / 2 {
+                        if let Some(n) = &announced {
+                            side.send_notice(n);
+                        }
+                        renewed = Instant::now();
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(COMMIT_RETRY_MAX);
+                }
+                other => break other,
+            }
+        };
         let (rec, committed) = match outcome {
             Ok(done) => done,
             Err(e) => {
@@ -214,18 +256,24 @@ impl Vms {
                 return Err(e);
             }
         };
-        if committed.is_none() {
+        let active_here = rec.active.as_ref().is_some_and(|x| {
+            only.is_some_and(|a| x.is(&me, &a.key.network, &a.key.container_id, &a.key.ifname))
+        });
+        if committed.is_none() && !(active_here && tries > 0) {
             // Not the alternate (any more): an earlier announcement won, or
             // the record moved on. Let the routes follow the record, and
-            // the other nodes too, if they were told otherwise.
-            retract(side, announced);
-            let active_here = rec.active.as_ref().is_some_and(|x| {
-                only.is_some_and(|a| x.is(&me, &a.key.network, &a.key.container_id, &a.key.ifname))
-            });
-            if !active_here && only.is_some() {
-                side.resync_routes();
+            // the other nodes too, if they were told otherwise. A record
+            // that names this pod active already confirms the notice.
+            if !active_here {
+                retract(side, announced);
+                if only.is_some() {
+                    side.resync_routes();
+                }
             }
             return Ok(rec);
+        }
+        if committed.is_none() {
+            tracing::info!(%vm, tries, "the cutover's write had landed, although the store's answer was lost");
         }
         let committed_after = seen.0.elapsed();
         if let Some(a) = only {

@@ -131,6 +131,17 @@ pub(crate) fn note(table: &mut NoticeTable, notice: CutoverNotice, now: Instant)
             if table.get(&vm).is_some_and(|n| n.generation > generation) {
                 return false;
             }
+            if let Some(n) = table.get_mut(&vm).filter(|n| {
+                n.generation == generation
+                    && n.to == to
+                    && n.trigger == trigger
+                    && n.seen == seen_unix_nanos
+            }) {
+                // The same notice again (a target renewing it while its
+                // write is retried): it holds longer; nothing to re-plan.
+                n.expires = now + NOTICE_TTL;
+                return false;
+            }
             let noted = Noted {
                 generation,
                 to,

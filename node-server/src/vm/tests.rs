@@ -7,7 +7,7 @@
 use super::signals::VmPodSeen;
 use super::*;
 use crate::control::embedded::EmbeddedStore;
-use crate::control::ControlStore;
+use crate::control::{BoxFut, Cmp, ControlError, ControlStore, Kv, Op, WatchMessage};
 use crate::kernel::fake::{Call, FakeKernel, FakeLink};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use tether_base::time::UnixNanos;
@@ -126,6 +126,12 @@ async fn two() -> (One, One, tempfile::TempDir) {
     let dir = tempfile::tempdir().expect("tempdir");
     let control: Arc<dyn ControlStore> =
         Arc::new(EmbeddedStore::open(dir.path()).expect("the control store"));
+    let (a, b) = two_on(control).await;
+    (a, b, dir)
+}
+
+/// Nodes "node-a" and "node-b" on `control`.
+async fn two_on(control: Arc<dyn ControlStore>) -> (One, One) {
     let mut nodes = Vec::new();
     for name in ["node-a", "node-b"] {
         let records = VmRegistry::open(control.clone(), "/tether")
@@ -140,7 +146,95 @@ async fn two() -> (One, One, tempfile::TempDir) {
     }
     let b = nodes.pop().expect("b");
     let a = nodes.pop().expect("a");
-    (a, b, dir)
+    (a, b)
+}
+
+/// A test double of a control store that does not answer: the embedded
+/// store, whose next commits fail as an unanswered etcd or API server's
+/// do (an error for which `is_transient` holds), either before they are
+/// applied or after (the answer lost). It cannot show how long a real
+/// store takes, nor a watch that stalls with it.
+struct Unanswering {
+    inner: EmbeddedStore,
+    /// Commits still to fail.
+    failing: AtomicUsize,
+    /// Whether a failing commit is applied first.
+    landing: std::sync::atomic::AtomicBool,
+    /// Every commit tried.
+    commits: AtomicUsize,
+}
+
+impl Unanswering {
+    fn fail_next(&self, n: usize, landing: bool) {
+        self.landing.store(landing, Ordering::SeqCst);
+        self.failing.store(n, Ordering::SeqCst);
+    }
+}
+
+impl ControlStore for Unanswering {
+    fn backend(&self) -> &'static str {
+        "unanswering"
+    }
+    fn location(&self) -> String {
+        self.inner.location()
+    }
+    fn list(&self, prefix: &str) -> BoxFut<'_, (Vec<Kv>, i64)> {
+        self.inner.list(prefix)
+    }
+    fn commit(&self, when: Vec<Cmp>, ops: Vec<Op>) -> BoxFut<'_, Option<i64>> {
+        Box::pin(async move {
+            self.commits.fetch_add(1, Ordering::SeqCst);
+            let fail = self
+                .failing
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok();
+            if !fail {
+                return self.inner.commit(when, ops).await;
+            }
+            if self.landing.load(Ordering::SeqCst) {
+                self.inner.commit(when, ops).await?;
+            }
+            Err(ControlError::ApiUnavailable {
+                doing: "replace a VM record".into(),
+                server: "test double".into(),
+                cause: "no answer within 2000 ms".into(),
+            })
+        })
+    }
+    fn watch(
+        &self,
+        prefix: &str,
+        after: i64,
+    ) -> BoxFut<'_, tokio::sync::mpsc::Receiver<WatchMessage>> {
+        self.inner.watch(prefix, after)
+    }
+    fn grant_lease(&self, ttl_secs: i64) -> BoxFut<'_, i64> {
+        self.inner.grant_lease(ttl_secs)
+    }
+    fn keep_alive(&self, lease: i64) -> BoxFut<'_, bool> {
+        self.inner.keep_alive(lease)
+    }
+    fn probe(&self) -> BoxFut<'_, ()> {
+        self.inner.probe()
+    }
+}
+
+/// [`migrating`] on an [`Unanswering`] store.
+async fn migrating_unanswered() -> (One, One, Attachment, Arc<Unanswering>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Arc::new(Unanswering {
+        inner: EmbeddedStore::open(dir.path()).expect("the control store"),
+        failing: AtomicUsize::new(0),
+        landing: Default::default(),
+        commits: AtomicUsize::new(0),
+    });
+    let (a, b) = two_on(store.clone()).await;
+    let first = place(&a, "node-a", "c1", false).await;
+    attach(&a, "c1", &first.rec);
+    let target = place(&b, "node-b", "c2", true).await;
+    let c2 = attach(&b, "c2", &target.rec);
+    both_see_the_target(&a, &b).await;
+    (a, b, c2, store, dir)
 }
 
 fn vm_key() -> VmKey {
@@ -626,6 +720,15 @@ fn notices_apply_only_to_their_generation_and_attachment_and_lapse() {
     assert!(notices::forecast(&view(4), &mut table, late).is_none());
     assert!(table.is_empty());
 
+    // The same notice again (a target renewing it while its write is
+    // retried) asks for no new route pass, and holds past the first lapse.
+    let n = promote("c2", 4);
+    assert!(notices::note(&mut table, n.clone(), t0));
+    let renewal = t0 + notices::NOTICE_TTL - Duration::from_secs(1);
+    assert!(!notices::note(&mut table, n, renewal));
+    assert!(notices::forecast(&view(4), &mut table, late).is_some());
+    table.clear();
+
     // On the wire: its version, and nothing else is taken for a notice.
     let n = promote("c2", 4);
     assert_eq!(notices::CutoverNotice::decode(&n.encode()), Some(n.clone()));
@@ -663,4 +766,80 @@ async fn a_target_that_cannot_route_its_vm_retracts_its_notice() {
         Some("node-a"),
         "nothing written"
     );
+}
+
+#[tokio::test]
+async fn an_announced_cutover_whose_write_gets_no_answer_is_tried_until_it_commits() {
+    let (_a, b, c2, store, _dir) = migrating_unanswered().await;
+    store.fail_next(3, false);
+    let before = store.commits.load(Ordering::SeqCst);
+    let rec = b
+        .vms
+        .cutover(&b.side, &vm_key(), Some(&c2), Trigger::Rarp, now())
+        .await
+        .expect("cut over after the store answered again");
+    assert_eq!(rec.active.as_ref().map(|x| x.node.as_str()), Some("node-b"));
+    assert_eq!(
+        store.commits.load(Ordering::SeqCst) - before,
+        4,
+        "three unanswered writes, then the one that commits"
+    );
+    let stored = b.vms.records().read(&vm_key()).await.expect("read");
+    assert_eq!(
+        stored.and_then(|(r, _)| r.active).map(|x| x.node),
+        Some("node-b".to_string())
+    );
+    let sent = lock(&b.side.notices).clone();
+    assert!(
+        !sent.is_empty()
+            && sent
+                .iter()
+                .all(|n| matches!(n, notices::CutoverNotice::Promote { .. })),
+        "promoted, never retracted: {sent:?}"
+    );
+    assert_eq!(b.vms.stats().cutovers, 1);
+}
+
+#[tokio::test]
+async fn a_cutover_whose_write_landed_but_lost_its_answer_is_not_retracted() {
+    let (_a, b, c2, store, _dir) = migrating_unanswered().await;
+    store.fail_next(1, true);
+    let rec = b
+        .vms
+        .cutover(&b.side, &vm_key(), Some(&c2), Trigger::Rarp, now())
+        .await
+        .expect("the write had landed");
+    assert_eq!(rec.active.as_ref().map(|x| x.node.as_str()), Some("node-b"));
+    let sent = lock(&b.side.notices).clone();
+    assert!(
+        matches!(sent.as_slice(), [notices::CutoverNotice::Promote { .. }]),
+        "the promotion alone, not retracted: {sent:?}"
+    );
+    assert_eq!(b.vms.stats().cutovers, 1);
+    assert_eq!(b.side.resyncs.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn an_unanswered_cutover_stops_trying_when_the_target_pod_goes() {
+    let (_a, b, c2, store, _dir) = migrating_unanswered().await;
+    store.fail_next(usize::MAX, false);
+    let b = Arc::new(b);
+    let cut = {
+        let b = b.clone();
+        let c2 = c2.clone();
+        tokio::spawn(async move {
+            b.vms
+                .cutover(&b.side, &vm_key(), Some(&c2), Trigger::Rarp, now())
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!cut.is_finished(), "still trying while the pod is there");
+    lock(&b.side.attachments).remove(&c2.key);
+    let out = tokio::time::timeout(Duration::from_secs(5), cut)
+        .await
+        .expect("the retries end once the pod is gone")
+        .expect("the task");
+    assert!(matches!(out, Err(Error::TryAgain(_))), "{out:?}");
+    store.fail_next(0, false);
 }
