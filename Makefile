@@ -114,13 +114,15 @@ test: setup k8s helm e2e-bins lint build shim-size
 
 ## conformance: Kubernetes' own network conformance tests, the 47
 ## `[sig-network] ... [Conformance]` tests of e2e.test v1.37.2, on two
-## kubelet nodes wired by tether (installed with its chart in etcd mode),
-## with kube-proxy and CoreDNS (tests/src/nodes.rs); writes CONFORMANCE.md.
+## kubelet nodes wired by tether (installed with its chart in its default
+## mode, the Kubernetes store), with kube-proxy and CoreDNS
+## (tests/src/nodes.rs); while they run, one node's tetherd is killed and
+## the other's kubelet restarted (--faults); writes CONFORMANCE.md.
 ## `make test` runs a slice of them (tests/tests/conformance_slice.rs).
 ## Root only.
 conformance: setup k8s helm e2e-bins build
 	@test "$$(id -u)" = 0 || { echo "make conformance must run as root (it creates namespaces)"; exit 1; }
-	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) run -p tether-e2e --bin conformance -- --write CONFORMANCE.md
+	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) run -p tether-e2e --bin conformance -- --faults --write CONFORMANCE.md
 
 ## kubevirt: KubeVirt itself on tether (tests/tests/kubevirt.rs):
 ## KubeVirt v1.7.0 built from its Go module (tests/k8s/kubevirt/build.sh,

@@ -79,9 +79,15 @@ pub struct Run {
 }
 
 /// Runs `e2e.test` with `focus` against `cluster`, `e2e.test` and its
-/// report under `dir`; panics only if it cannot be started or leaves no
-/// report.
-pub fn run(cluster: &KubeCluster, e2e: &Path, focus: &str, dir: &Path) -> Run {
+/// report under `dir`, with `faults` injected while it runs; panics only if
+/// it cannot be started or leaves no report.
+pub fn run(
+    cluster: &mut KubeCluster,
+    e2e: &Path,
+    focus: &str,
+    dir: &Path,
+    faults: &mut Faults,
+) -> Run {
     std::fs::create_dir_all(dir).expect("creating the report dir");
     let report = dir.join("report.json");
     let log = dir.join("e2e.log");
@@ -123,8 +129,10 @@ pub fn run(cluster: &KubeCluster, e2e: &Path, focus: &str, dir: &Path) -> Run {
             let _ = child.kill();
             break child.wait().expect("waiting for e2e.test");
         }
+        faults.step(cluster, started.elapsed());
         std::thread::sleep(Duration::from_millis(200));
     };
+    faults.finish(cluster);
     let elapsed = started.elapsed();
     let text = std::fs::read_to_string(&report).unwrap_or_else(|e| {
         if stopped() {
@@ -142,6 +150,192 @@ pub fn run(cluster: &KubeCluster, e2e: &Path, focus: &str, dir: &Path) -> Run {
         elapsed,
         success: status.success(),
         log,
+    }
+}
+
+/// Faults injected into the cluster while `e2e.test` runs (see [`run`]):
+/// the last node's tetherd killed with SIGKILL (its container is then
+/// restarted by the kubelet, as after a crash), and the first node's
+/// kubelet stopped and started again. Neither may change a test's result.
+#[derive(Debug, Default)]
+pub struct Faults {
+    /// When, after `e2e.test`'s start, tetherd is killed (none: never).
+    pub kill_tetherd_at: Option<Duration>,
+    /// When, after `e2e.test`'s start, the kubelet restarts (none: never).
+    pub restart_kubelet_at: Option<Duration>,
+    killed: Option<Killed>,
+    tetherd_done: bool,
+    kubelet_done: bool,
+    /// What was done and seen, a line each.
+    pub log: Vec<String>,
+    /// A fault that could not be injected, or a node that did not recover
+    /// from one: the run is not a proof then.
+    pub problems: Vec<String>,
+}
+
+/// The tetherd that [`Faults`] killed.
+#[derive(Debug)]
+struct Killed {
+    node: usize,
+    pid: i32,
+    at: Duration,
+    /// When a new tetherd ran on the node.
+    back: Option<Duration>,
+    checked: Duration,
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.1} s", d.as_secs_f64())
+}
+
+impl Faults {
+    /// No faults.
+    pub fn none() -> Faults {
+        Faults::default()
+    }
+
+    /// tetherd killed at `kill_tetherd`, the kubelet restarted at
+    /// `restart_kubelet`.
+    pub fn at(kill_tetherd: Duration, restart_kubelet: Duration) -> Faults {
+        Faults {
+            kill_tetherd_at: Some(kill_tetherd),
+            restart_kubelet_at: Some(restart_kubelet),
+            ..Faults::default()
+        }
+    }
+
+    /// Injects what is due at `elapsed`, and watches for tetherd's return.
+    fn step(&mut self, cluster: &mut KubeCluster, elapsed: Duration) {
+        if !self.tetherd_done && self.kill_tetherd_at.is_some_and(|at| elapsed >= at) {
+            self.tetherd_done = true;
+            self.kill_tetherd(cluster, elapsed);
+        }
+        if let Some(k) = self.killed.as_mut() {
+            if k.back.is_none() && elapsed >= k.checked + Duration::from_secs(1) {
+                k.checked = elapsed;
+                let pids = cluster.nodes()[k.node].pids_named("tetherd");
+                if pids.iter().any(|&p| p != k.pid) {
+                    k.back = Some(elapsed);
+                }
+            }
+        }
+        if !self.kubelet_done && self.restart_kubelet_at.is_some_and(|at| elapsed >= at) {
+            self.kubelet_done = true;
+            let name = cluster.nodes()[0].name().to_string();
+            let took = Instant::now();
+            cluster.restart_kubelet(0);
+            self.log.push(format!(
+                "at {}: the kubelet of node {name} stopped (SIGTERM) and started again, in {}",
+                secs(elapsed),
+                secs(took.elapsed())
+            ));
+        }
+    }
+
+    fn kill_tetherd(&mut self, cluster: &KubeCluster, elapsed: Duration) {
+        let node = cluster.nodes().len() - 1;
+        let name = cluster.nodes()[node].name().to_string();
+        match cluster.nodes()[node].pids_named("tetherd").as_slice() {
+            &[pid] => {
+                // SAFETY: kill has no memory preconditions; the PID is of a
+                // process in this run's node, just read from /proc.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                }
+                self.log.push(format!(
+                    "at {}: tetherd on node {name} (PID {pid}) killed with SIGKILL",
+                    secs(elapsed)
+                ));
+                self.killed = Some(Killed {
+                    node,
+                    pid,
+                    at: elapsed,
+                    back: None,
+                    checked: elapsed,
+                });
+            }
+            other => self.problems.push(format!(
+                "at {}: not one tetherd on node {name} to kill, but PIDs {other:?}",
+                secs(elapsed)
+            )),
+        }
+    }
+
+    /// After the run: whether tetherd came back (a new process, its
+    /// container restarted and ready) and every node is Ready.
+    fn finish(&mut self, cluster: &KubeCluster) {
+        if let Some(at) = self.kill_tetherd_at.filter(|_| !self.tetherd_done) {
+            self.problems.push(format!(
+                "e2e.test ended before tetherd's kill was due ({})",
+                secs(at)
+            ));
+        }
+        if let Some(at) = self.restart_kubelet_at.filter(|_| !self.kubelet_done) {
+            self.problems.push(format!(
+                "e2e.test ended before the kubelet's restart was due ({})",
+                secs(at)
+            ));
+        }
+        if let Some(k) = &self.killed {
+            let node = &cluster.nodes()[k.node];
+            match k.back {
+                Some(back) => self.log.push(format!(
+                    "a new tetherd ran on node {} {} after the kill",
+                    node.name(),
+                    secs(back.saturating_sub(k.at))
+                )),
+                None if node.pids_named("tetherd").iter().any(|&p| p != k.pid) => {
+                    self.log.push(format!(
+                        "a new tetherd ran on node {} by the end of the run",
+                        node.name()
+                    ))
+                }
+                None => self.problems.push(format!(
+                    "no new tetherd ran on node {} after the kill",
+                    node.name()
+                )),
+            }
+            let pods = cluster
+                .api
+                .get(&[
+                    "-n",
+                    crate::chart::NAMESPACE,
+                    "pods",
+                    "-l",
+                    "app.kubernetes.io/name=tether",
+                ])
+                .unwrap_or(Value::Null);
+            let status = pods["items"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|p| p["spec"]["nodeName"] == node.name())
+                .flat_map(|p| p["status"]["containerStatuses"].as_array().cloned())
+                .flatten()
+                .find(|c| c["name"] == "tetherd");
+            match status {
+                Some(c) if c["restartCount"].as_u64().unwrap_or(0) >= 1 && c["ready"] == true => {
+                    self.log.push(format!(
+                        "its container: restartCount {}, ready",
+                        c["restartCount"]
+                    ))
+                }
+                other => self.problems.push(format!(
+                    "tetherd's container on node {} after the kill: {other:?}",
+                    node.name()
+                )),
+            }
+        }
+        if self.kubelet_done {
+            let name = cluster.nodes()[0].name();
+            if cluster.node_ready(name) {
+                self.log
+                    .push(format!("node {name} Ready at the end of the run"));
+            } else {
+                self.problems
+                    .push(format!("node {name} not Ready at the end of the run"));
+            }
+        }
     }
 }
 
@@ -207,6 +401,9 @@ pub struct Context {
     /// The specs known not to pass here, each with its reason (a spec's
     /// name → why it cannot pass on this machine and what would make it).
     pub known: Vec<(String, String)>,
+    /// The faults injected during the run and what was seen of them
+    /// ([`Faults::log`] and [`Faults::problems`]).
+    pub faults: Vec<String>,
 }
 
 /// `CONFORMANCE.md`: the context, the total, every spec with its result and
@@ -243,6 +440,12 @@ pub fn markdown(run: &Run, ctx: &Context) -> String {
     let _ = writeln!(md, "\n## The cluster\n");
     for line in &ctx.setup {
         let _ = writeln!(md, "- {line}");
+    }
+    if !ctx.faults.is_empty() {
+        let _ = writeln!(md, "\n## Faults injected during the run\n");
+        for line in &ctx.faults {
+            let _ = writeln!(md, "- {line}");
+        }
     }
     let _ = writeln!(md, "\n## Results\n");
     let _ = writeln!(md, "| # | Test | Result | Time (s) |");

@@ -364,6 +364,30 @@ impl KubeNode {
             .unwrap_or_else(|e| panic!("spawning {} on {}: {e}", program.display(), self.name))
     }
 
+    /// The processes named `comm` whose PID namespace is this node's (so
+    /// also those of `hostPID` pods, tetherd's among them), by their PIDs
+    /// as this machine sees them.
+    pub fn pids_named(&self, comm: &str) -> Vec<i32> {
+        let ns_of = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok();
+        let Some(own) = ns_of(&self.init_pid.to_string()) else {
+            return Vec::new();
+        };
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        let mut pids: Vec<i32> = entries
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let pid: i32 = name.parse().ok()?;
+                let c = std::fs::read_to_string(format!("/proc/{name}/comm")).ok()?;
+                (c.trim_end() == comm && ns_of(&name).as_ref() == Some(&own)).then_some(pid)
+            })
+            .collect();
+        pids.sort_unstable();
+        pids
+    }
+
     /// The last lines of `<name>.log` (containerd, kubelet, kube-proxy).
     pub fn log_tail(&self, name: &str) -> String {
         crate::log_tail(&self.path(&format!("{name}.log")), 40)

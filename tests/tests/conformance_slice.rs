@@ -9,10 +9,15 @@
 //!   UDP, through the chained portmap);
 //! - one ClusterIP test, one NodePort test and one cluster-DNS test.
 //!
-//! Every one of them must pass; the report names each failure with its
-//! message.
+//! While they run, the second node's tetherd is killed with SIGKILL (its
+//! container restarted by the kubelet, as after a crash) and the first
+//! node's kubelet is restarted (`conformance::Faults`). Every test must
+//! still pass, and both faults must have happened and been recovered
+//! from; the report names each failure with its message.
 
-use tether_e2e::conformance;
+use std::time::Duration;
+
+use tether_e2e::conformance::{self, Faults};
 use tether_e2e::conformance_images::{conformance_images, e2e_dir, COREDNS, PAUSE};
 use tether_e2e::nodes::{ClusterOpts, KubeCluster};
 use tether_e2e::{require_root, TempDir};
@@ -27,7 +32,7 @@ const SLICE: usize = 8;
 fn the_data_path_conformance_slice_passes_on_two_kubelet_nodes() {
     require_root();
     let images = conformance_images();
-    let cluster = KubeCluster::start(&ClusterOpts {
+    let mut cluster = KubeCluster::start(&ClusterOpts {
         nodes: 2,
         images: images.iter().map(|(_, a)| a.clone()).collect(),
         sandbox_image: PAUSE.to_string(),
@@ -38,7 +43,20 @@ fn the_data_path_conformance_slice_passes_on_two_kubelet_nodes() {
     cluster.install_tether(&tether);
     cluster.deploy_coredns(COREDNS);
     let out = TempDir::new("conf");
-    let run = conformance::run(&cluster, &e2e_dir().join("e2e.test"), FOCUS, out.path());
+    // The slice's tests run for about 2 minutes: tetherd dies early, while
+    // the granular checks' pods are being made; the kubelet restarts
+    // in the middle of the run.
+    let mut faults = Faults::at(Duration::from_secs(20), Duration::from_secs(50));
+    let run = conformance::run(
+        &mut cluster,
+        &e2e_dir().join("e2e.test"),
+        FOCUS,
+        out.path(),
+        &mut faults,
+    );
+    for line in &faults.log {
+        eprintln!("conformance slice: fault: {line}");
+    }
     let ran: Vec<_> = run
         .outcomes
         .iter()
@@ -82,6 +100,12 @@ fn the_data_path_conformance_slice_passes_on_two_kubelet_nodes() {
             .unwrap_or_default()
     );
     assert_eq!(ran.len(), SLICE, "the focus selected {} tests", ran.len());
+    assert!(
+        faults.problems.is_empty(),
+        "the faults were not injected or not recovered from: {:?}\n{:?}",
+        faults.problems,
+        faults.log
+    );
     eprintln!(
         "conformance slice: {} passed in {:.0} s",
         ran.len(),

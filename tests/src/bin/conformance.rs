@@ -3,23 +3,36 @@
 //! kubelet nodes wired by tether (tests/src/nodes.rs), and the results as
 //! `CONFORMANCE.md`.
 //!
-//! Usage: `conformance [--nodes 2] [--focus REGEX] [--write CONFORMANCE.md]`
+//! Usage: `conformance [--nodes 2] [--focus REGEX] [--faults] [--write CONFORMANCE.md]`
 //!
 //! It starts the cluster with the tests' images imported into every node,
 //! installs tether with its chart, deploys CoreDNS, runs `e2e.test` with
 //! the focus (default: every `[sig-network] ... [Conformance]` test), and
 //! writes the report (or prints it). It exits non-zero if a test failed.
+//!
+//! With `--faults` (as `make conformance` runs it), the run also takes two
+//! faults while the tests run, and the report lists them: the last node's
+//! tetherd is killed with SIGKILL 90 s into `e2e.test` (the kubelet
+//! restarts its container, as after a crash), and the first node's kubelet
+//! is stopped and started again at 180 s. No test's result may change; a
+//! fault that could not be injected, or a node that did not recover from
+//! it, fails the run.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use tether_e2e::benchkit::{stdout_of, Machine};
-use tether_e2e::conformance::{self, Context, FOCUS_ALL};
+use tether_e2e::conformance::{self, Context, Faults, FOCUS_ALL};
 use tether_e2e::conformance_images::{conformance_images, e2e_dir, COREDNS, PAUSE};
 use tether_e2e::nodes::{ClusterOpts, KubeCluster, CLUSTER_DNS, POD_CIDR, SERVICE_CIDR};
 use tether_e2e::{require_root, workspace_dir, TempDir};
 
-const USAGE: &str = "usage: conformance [--nodes N] [--focus REGEX] [--write FILE]";
+const USAGE: &str = "usage: conformance [--nodes N] [--focus REGEX] [--faults] [--write FILE]";
+/// When `--faults` kills the last node's tetherd, after `e2e.test`'s start.
+const KILL_TETHERD_AT: Duration = Duration::from_secs(90);
+/// When `--faults` restarts the first node's kubelet.
+const RESTART_KUBELET_AT: Duration = Duration::from_secs(180);
 
 /// Tests that cannot pass on this machine, each with its reason and what
 /// would make it pass. Empty: every test is expected to pass.
@@ -28,6 +41,7 @@ const KNOWN: &[(&str, &str)] = &[];
 struct Args {
     nodes: usize,
     focus: String,
+    faults: bool,
     write: Option<PathBuf>,
 }
 
@@ -35,6 +49,7 @@ fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         nodes: 2,
         focus: FOCUS_ALL.to_string(),
+        faults: false,
         write: None,
     };
     let mut it = std::env::args().skip(1);
@@ -47,6 +62,7 @@ fn parse_args() -> Result<Args, String> {
                     .map_err(|e| format!("--nodes: {e}\n{USAGE}"))?
             }
             "--focus" => args.focus = value()?,
+            "--faults" => args.faults = true,
             "--write" => args.write = Some(PathBuf::from(value()?)),
             _ => return Err(format!("unknown argument {flag}\n{USAGE}")),
         }
@@ -76,7 +92,7 @@ fn main() -> ExitCode {
     let images = conformance_images();
     let archives = images.iter().map(|(_, a)| a.clone()).collect();
     eprintln!("conformance: starting {} nodes", args.nodes);
-    let cluster = KubeCluster::start(&ClusterOpts {
+    let mut cluster = KubeCluster::start(&ClusterOpts {
         nodes: args.nodes,
         images: archives,
         sandbox_image: PAUSE.to_string(),
@@ -91,7 +107,12 @@ fn main() -> ExitCode {
         args.focus
     );
     let out = TempDir::new("conf");
-    let run = conformance::run(&cluster, &e2e, &args.focus, out.path());
+    let mut faults = if args.faults {
+        Faults::at(KILL_TETHERD_AT, RESTART_KUBELET_AT)
+    } else {
+        Faults::none()
+    };
+    let run = conformance::run(&mut cluster, &e2e, &args.focus, out.path(), &mut faults);
     if conformance::stopped() {
         eprintln!("conformance: stopped; nothing written");
         return ExitCode::FAILURE;
@@ -129,6 +150,12 @@ fn main() -> ExitCode {
             .iter()
             .map(|(n, w)| (n.to_string(), w.to_string()))
             .collect(),
+        faults: faults
+            .log
+            .iter()
+            .cloned()
+            .chain(faults.problems.iter().map(|p| format!("**Problem:** {p}")))
+            .collect(),
     };
     let mut md = conformance::markdown(&run, &ctx);
     md.push_str(&format!(
@@ -158,7 +185,10 @@ fn main() -> ExitCode {
         if run.success { "succeeded" } else { "failed" },
         run.log.display()
     );
-    if !run.success || passed != ran.len() {
+    for p in &faults.problems {
+        eprintln!("conformance: fault injection: {p}");
+    }
+    if !run.success || passed != ran.len() || !faults.problems.is_empty() {
         // Keep the log: the temp dir would take it.
         let kept = std::env::temp_dir().join("tether-conformance-e2e.log");
         let _ = std::fs::copy(&run.log, &kept);
