@@ -158,7 +158,10 @@ min-kernel: setup
 ## real kube-apiserver), one node; tether on 3 nodes; pod-ready latency
 ## through a real kubelet and containerd, tether's DaemonSet beside ptp;
 ## 10, 30 and 100 nodes on each control store (claims, 100 simultaneous
-## migrations, the store's load, a node's start-up with 1,000 VM records).
+## migrations, the store's load, a node's start-up with 1,000 VM records);
+## pod to pod across two nodes (iperf3 throughput and sockperf round
+## trips, tether host-gw and VXLAN beside two netns joined by a bare veth)
+## and pod-ready latency on two kubelet nodes.
 bench: setup k8s release
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench -- --write BENCHMARKS.md
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_cluster -- --write BENCHMARKS.md
@@ -167,6 +170,7 @@ bench: setup k8s release
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_ipam -- --write BENCHMARKS.md
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_kubelet -- --write BENCHMARKS.md
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_scale -- --write BENCHMARKS.md
+	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_nodes -- --write BENCHMARKS.md
 
 clean:
 	$(CARGO) clean

@@ -52,6 +52,8 @@ libcap2-bin                  test
 dosfstools                   test
 syslinux                     test
 mtools                       test
+iperf3                       test
+sockperf                     test
 "
 # iproute2, iputils-ping: netns, links, routes, ping between pods (the demo
 #   and every suite)
@@ -107,6 +109,12 @@ mtools                       test
 #   with the test guest's kernel and initramfs, booted by SYSLINUX, made
 #   without mounting it: mkfs.vfat -C, syslinux --install, mcopy), which a
 #   KubeVirt container disk carries (tests/src/kubevirt.rs guest_image)
+# iperf3, sockperf: bench_nodes' TCP throughput (iperf3 -J) and TCP
+#   request/response latency (sockperf ping-pong) between two pods on two
+#   nodes, servers and clients started by the bench in the pods' netns.
+#   iperf3's debconf question (iperf3/start_daemon) defaults to false under
+#   DEBIAN_FRONTEND=noninteractive: its iperf3.service stays disabled and
+#   the install starts no server (unlike etcd-server and prometheus below)
 # Neither list has Rust or the C toolchain (Debian build-essential) the builds
 # need: README, "Requirements".
 

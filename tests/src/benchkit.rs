@@ -87,6 +87,16 @@ impl Machine {
     }
 }
 
+/// The head of a benchmark's report: its title with the run's date, and
+/// the machine's line.
+pub fn report_head(title: &str, machine: &Machine) -> String {
+    format!(
+        "## {title}: latest run: {}\n\n{}\n",
+        machine.date,
+        machine.report_line()
+    )
+}
+
 /// The trimmed stdout of a command that succeeded, else "unknown" (for
 /// version strings in a report).
 pub fn stdout_of(cmd: &str, args: &[&str]) -> String {
@@ -317,7 +327,7 @@ pub fn guarded<T>(
 }
 
 /// The `q` quantile (0 to 1) of `v` by nearest rank; `None` if empty.
-pub fn percentile(v: &[Duration], q: f64) -> Option<Duration> {
+pub fn percentile<T: Copy + Ord>(v: &[T], q: f64) -> Option<T> {
     let mut v = v.to_vec();
     v.sort();
     let i = ((v.len() as f64 - 1.0) * q).round() as usize;

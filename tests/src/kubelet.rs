@@ -495,26 +495,9 @@ impl OneNode {
         );
     }
 
-    /// A busybox pod on this node (`spec.nodeName`, no scheduler), that
-    /// sleeps and exits at once on SIGTERM.
+    /// A busybox pod on this node ([`busybox_pod`]).
     pub fn pod_manifest(&self, name: &str, labels: Value, annotations: Value) -> Value {
-        json!({
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name, "namespace": "default",
-                         "labels": labels, "annotations": annotations},
-            "spec": {
-                "nodeName": self.name,
-                "automountServiceAccountToken": false,
-                "terminationGracePeriodSeconds": 2,
-                "containers": [{
-                    "name": "main",
-                    "image": BUSYBOX_IMAGE,
-                    "imagePullPolicy": "Never",
-                    "command": ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 1000000 & wait"],
-                }],
-            },
-        })
+        busybox_pod(name, &self.name, labels, annotations)
     }
 
     /// Creates the pod of `manifest`.
@@ -745,39 +728,9 @@ impl OneNode {
         name
     }
 
-    /// A watch on the pods of `default` (`kubectl get pods --watch`):
-    /// lines "name phase podIP", each with when it arrived.
+    /// A watch on the pods of `default` ([`PodWatch::start`]).
     pub fn watch_pods(&self) -> PodWatch {
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", self.api.netns().name()])
-            .arg(k8s_bin_dir().join("kubectl"))
-            .arg(format!(
-                "--kubeconfig={}",
-                self.api.admin_kubeconfig().display()
-            ))
-            .args([
-                "-n",
-                "default",
-                "get",
-                "pods",
-                "--watch",
-                "-o",
-                "jsonpath={.metadata.name} {.status.phase} {.status.podIP}{\"\\n\"}",
-            ])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawning kubectl get --watch");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send((Instant::now(), line)).is_err() {
-                    break;
-                }
-            }
-        });
-        PodWatch { child, rx }
+        PodWatch::start(&self.api)
     }
 
     /// Netns pins of this containerd's pod sandboxes (from their specs).
@@ -1073,7 +1026,7 @@ impl Drop for OneNode {
     }
 }
 
-/// A running `kubectl get pods --watch` (see [`OneNode::watch_pods`]).
+/// A running `kubectl get pods --watch` ([`PodWatch::start`]).
 #[derive(Debug)]
 pub struct PodWatch {
     child: Child,
@@ -1081,6 +1034,39 @@ pub struct PodWatch {
 }
 
 impl PodWatch {
+    /// A watch on the pods of `default` through `api`'s admin kubeconfig
+    /// (`kubectl get pods --watch`, run in the API server's netns): lines
+    /// "name phase podIP", each with when it arrived.
+    pub fn start(api: &KubeApi) -> PodWatch {
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", api.netns().name()])
+            .arg(k8s_bin_dir().join("kubectl"))
+            .arg(format!("--kubeconfig={}", api.admin_kubeconfig().display()))
+            .args([
+                "-n",
+                "default",
+                "get",
+                "pods",
+                "--watch",
+                "-o",
+                "jsonpath={.metadata.name} {.status.phase} {.status.podIP}{\"\\n\"}",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawning kubectl get --watch");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send((Instant::now(), line)).is_err() {
+                    break;
+                }
+            }
+        });
+        PodWatch { child, rx }
+    }
+
     /// Waits up to `limit` for a line about pod `name` that `pred` accepts
     /// (its phase and IP); when it arrived.
     pub fn wait_for(
@@ -1202,6 +1188,28 @@ impl Removals {
         }
         removed
     }
+}
+
+/// A busybox pod `default/name` on node `node` (`spec.nodeName`, no
+/// scheduler), that sleeps and exits at once on SIGTERM.
+pub fn busybox_pod(name: &str, node: &str, labels: Value, annotations: Value) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default",
+                     "labels": labels, "annotations": annotations},
+        "spec": {
+            "nodeName": node,
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 2,
+            "containers": [{
+                "name": "main",
+                "image": BUSYBOX_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 1000000 & wait"],
+            }],
+        },
+    })
 }
 
 /// The harness's own pause and busybox images ([`PAUSE_IMAGE`],
