@@ -315,7 +315,8 @@ pub trait NodeRoutes: Send + Sync {
     /// Deletes the VXLAN device if it exists (host-gw mode).
     async fn delete_vxlan(&self) -> Result<()>;
 
-    /// The MTU of the link that holds `ip`, if one does.
+    /// The MTU of the underlay at `ip`: of the link that holds it, for an
+    /// address of this node; else of the path the kernel routes it on.
     async fn underlay_mtu(&self, ip: IpAddr) -> Result<Option<u32>>;
 }
 

@@ -332,6 +332,27 @@ impl Netlink {
         }))
     }
 
+    /// The index of the device that holds address `ip`, if one does.
+    async fn index_holding(&self, ip: IpAddr) -> Result<Option<u32>> {
+        let mut request = AddressMessage::default();
+        request.header.family = match ip {
+            IpAddr::V4(_) => AddressFamily::Inet,
+            IpAddr::V6(_) => AddressFamily::Inet6,
+        };
+        let answers = {
+            let _one_dump_at_a_time = self.dumps.lock().await;
+            messages::request(&self.handle, RouteNetlinkMessage::GetAddress(request), DUMP)
+                .await
+                .map_err(|e| KernelError::refused("reading the node's addresses", reason(&e)))?
+        };
+        Ok(answers.iter().find_map(|m| match m {
+            RouteNetlinkMessage::NewAddress(a) if messages::address_of(a) == Some(ip) => {
+                Some(a.header.index)
+            }
+            _ => None,
+        }))
+    }
+
     async fn link_by_index(&self, index: u32) -> Result<Option<LinkMessage>> {
         use futures::TryStreamExt;
         let mut links = self.handle.link().get().match_index(index).execute();
@@ -495,11 +516,19 @@ impl NodeRoutes for Netlink {
         }
     }
 
-    /// The MTU packets to `ip` get: the MTU of the device the kernel's route
-    /// to it uses, or the route's own MTU when that is lower (a route or a
-    /// learned path MTU can be). Sizes the vxlan device, whose packets go
-    /// to the peers over this path. None when there is no route.
+    /// The MTU of the underlay at `ip`. For an address of this node (the
+    /// VXLAN device's local address, its packets' source), the MTU of the
+    /// device that holds it: the kernel's route to an own address goes
+    /// through `lo` (the local table), whose 65536 would size the VXLAN
+    /// device far above what the wire carries. For another address, the
+    /// MTU packets to it get: the device the kernel's route to it uses, or
+    /// the route's own MTU when that is lower (a route or a learned path
+    /// MTU can be). None when there is no route.
     async fn underlay_mtu(&self, ip: IpAddr) -> Result<Option<u32>> {
+        if let Some(index) = self.index_holding(ip).await? {
+            let link = self.link_by_index(index).await?;
+            return Ok(link.and_then(|l| messages::link_facts(&l).mtu));
+        }
         let context = || format!("looking up the route to {ip}");
         let answers = match messages::request(
             &self.handle,

@@ -1112,6 +1112,11 @@ fn underlay_mtu_follows_the_route() {
         run_in(a.path(), &["ip", "link", "set", "ul0", "mtu", "9000"]);
         assert_eq!(mtu("192.0.2.2"), Some(9000));
         assert_eq!(mtu("fd00:1::2"), Some(9000));
+        // An address of the node itself (the VXLAN device's local one):
+        // the device that holds it, not `lo`, through which the kernel
+        // routes an own address (65536).
+        assert_eq!(mtu("192.0.2.1"), Some(9000));
+        assert_eq!(mtu("fd00:1::1"), Some(9000));
         // No route at all.
         assert_eq!(mtu("203.0.113.1"), None);
         assert_eq!(mtu("2001:db8::1"), None);
