@@ -185,9 +185,12 @@ struct Args {
     state_dir: PathBuf,
 
     /// MTU of pod interfaces (both ends of the veth); a netconf "mtu"
-    /// overrides it per network. Set it to the node uplink's MTU.
-    #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u32).range(576..=65535))]
-    mtu: u32,
+    /// overrides it per network. Default: 1500, or with `--overlay vxlan`
+    /// the VXLAN device's (the underlay's MTU less 50 bytes over IPv4, 70
+    /// over IPv6), so that a pod's full-size packet fits the overlay.
+    /// Set it to the node uplink's MTU (less the overlay's overhead).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(576..=65535))]
+    mtu: Option<u32>,
 
     /// When a state change is flushed to the device. "always": flushed
     /// (fdatasync of the journal) before the reply. "background": written to

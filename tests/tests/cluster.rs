@@ -251,7 +251,15 @@ fn vxlan_pods_on_every_pair_of_nodes_reach_each_other(store: Store) {
         for r in routes {
             assert_eq!(r["dev"].as_str(), Some("tether.vxlan"), "{r}");
         }
-        assert_eq!(get_node(node).routing, "vxlan");
+        let me = get_node(node);
+        assert_eq!(me.routing, "vxlan");
+        // Without --mtu, pods get the VXLAN device's MTU: the fabric's
+        // 1500 less 50 bytes of encapsulation over IPv4.
+        let vxlan = node
+            .netns()
+            .ip_json(&["link", "show", "dev", "tether.vxlan"]);
+        assert_eq!(vxlan[0]["mtu"], 1450, "{vxlan:?}");
+        assert_eq!(me.mtu, 1450, "the pod MTU GetNode reports");
         // One static FDB entry per remote node.
         let fdb = node
             .netns()

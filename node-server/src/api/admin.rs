@@ -222,7 +222,7 @@ impl admin_server::Admin for AdminService {
             store_location: self.node.store().location(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             socket: self.socket.display().to_string(),
-            mtu: cfg.mtu,
+            mtu: self.node.pod_mtu(),
             ipam_mode: "pod-cidr".into(),
             routing: "none".into(),
             state_dir: cfg.state_dir.display().to_string(),

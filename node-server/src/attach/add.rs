@@ -104,7 +104,7 @@ impl Node {
             )));
         }
         self.wait_for_deletion(&host_ifname).await;
-        let mtu = inv.conf.mtu.unwrap_or(self.config.mtu);
+        let mtu = inv.conf.mtu.unwrap_or_else(|| self.pod_mtu());
         // A VM pod's addresses come from its VM's record (and a migration
         // target is wired without being routed to); a plain pod's from the
         // pools.

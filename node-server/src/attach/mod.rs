@@ -50,6 +50,7 @@ use ipnet::IpNet;
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 pub(crate) use tether_base::sync::lock;
@@ -63,8 +64,9 @@ pub struct NodeConfig {
     /// Fixed pod CIDRs, at most one per family (`--pod-cidr` mode); empty
     /// in cluster mode, where addresses come from claimed blocks.
     pub pod_cidrs: Vec<IpNet>,
-    /// MTU of pod interfaces unless the netconf overrides it.
-    pub mtu: u32,
+    /// MTU of pod interfaces unless the netconf overrides it; `None`: the
+    /// default, [`DEFAULT_POD_MTU`] or in VXLAN mode the VXLAN device's.
+    pub mtu: Option<u32>,
     /// The daemon's state directory.
     pub state_dir: PathBuf,
     /// Non-root uids allowed to use the daemon (on the socket, and as
@@ -130,7 +132,14 @@ pub struct Node {
     pub(crate) kube: std::sync::OnceLock<Arc<crate::kube::KubeLink>>,
     /// The cutover-notice sockets, once opened (cluster peers and a port).
     pub(crate) notice_bus: std::sync::OnceLock<Arc<notices::NoticeBus>>,
+    /// The MTU of pod interfaces a netconf does not set: `--mtu`, else
+    /// [`DEFAULT_POD_MTU`], or in VXLAN mode the VXLAN device's (known once
+    /// the device is made, before the node serves).
+    pub(crate) pod_mtu: AtomicU32,
 }
+
+/// The pod MTU without `--mtu`, outside VXLAN mode.
+pub const DEFAULT_POD_MTU: u32 = 1500;
 
 /// Holds an attachment's lock; frees the table entry when nobody else waits.
 struct KeyGuard<'a> {
@@ -296,6 +305,7 @@ impl Node {
         }
         let attachments = loaded.into_iter().map(|a| (a.key.clone(), a)).collect();
         let routes = Routes::new(kernel.clone());
+        let config_mtu = config.mtu.unwrap_or(DEFAULT_POD_MTU);
         let vms = Arc::new(Vms::new(config.name.clone(), vms, kernel.clone()));
         let node = Node {
             config,
@@ -315,6 +325,7 @@ impl Node {
             named,
             kube: std::sync::OnceLock::new(),
             notice_bus: std::sync::OnceLock::new(),
+            pod_mtu: AtomicU32::new(config_mtu),
         };
         node.vms.sync_reservations(&node, &vm_view);
         node.spawn_deletion_worker()?;
@@ -330,8 +341,17 @@ impl Node {
             }
         }
         if let Some(c) = &node.peers {
-            routing::manager::prepare_overlay(c.as_ref(), node.kernel.as_ref(), node.config.mtu)
-                .await?;
+            let vxlan_mtu = routing::manager::prepare_overlay(
+                c.as_ref(),
+                node.kernel.as_ref(),
+                node.config.mtu,
+            )
+            .await?;
+            if let (None, Some(mtu)) = (node.config.mtu, vxlan_mtu) {
+                // Pods get what fits the overlay, unless the operator chose.
+                node.pod_mtu.store(mtu, Ordering::Relaxed);
+                tracing::info!(pod_mtu = mtu, "pod MTU: the VXLAN device's");
+            }
             // A route the kernel refuses now (the underlay not up yet, say)
             // must not stop the node from serving its own pods: the route
             // manager keeps trying.
@@ -400,6 +420,12 @@ impl Node {
         if let Some(k) = self.kube.get() {
             k.events.emit(pod, event);
         }
+    }
+
+    /// The MTU of pod interfaces whose netconf sets none (`--mtu`, else 1500, or in VXLAN
+    /// mode the VXLAN device's).
+    pub fn pod_mtu(&self) -> u32 {
+        self.pod_mtu.load(Ordering::Relaxed)
     }
 
     /// The node's settings.

@@ -256,10 +256,20 @@ pub async fn program_cluster(
 }
 
 /// Creates (or checks) the VXLAN device in vxlan mode, and removes a
-/// leftover one in host-gw mode.
-pub async fn prepare_overlay(c: &dyn Peers, kernel: &dyn NodeRoutes, pod_mtu: u32) -> Result<()> {
+/// leftover one in host-gw mode. Returns the VXLAN device's MTU (the
+/// underlay's less the encapsulation), or `None` in host-gw mode.
+/// `pod_mtu` is the operator's `--mtu`, if given: one larger than the
+/// device's is warned about.
+pub async fn prepare_overlay(
+    c: &dyn Peers,
+    kernel: &dyn NodeRoutes,
+    pod_mtu: Option<u32>,
+) -> Result<Option<u32>> {
     match c.overlay() {
-        Overlay::HostGw => Ok(kernel.delete_vxlan().await?),
+        Overlay::HostGw => {
+            kernel.delete_vxlan().await?;
+            Ok(None)
+        }
         Overlay::Vxlan { vni, port } => {
             let me = c.me();
             let local = vtep_underlay(&me.node_ips, &me.node_ips)
@@ -268,7 +278,7 @@ pub async fn prepare_overlay(c: &dyn Peers, kernel: &dyn NodeRoutes, pod_mtu: u3
             let underlay = kernel.underlay_mtu(local).await?.unwrap_or(1500);
             let overhead = if local.is_ipv4() { 50 } else { 70 };
             let mtu = underlay.saturating_sub(overhead);
-            if pod_mtu > mtu {
+            if let Some(pod_mtu) = pod_mtu.filter(|&m| m > mtu) {
                 tracing::warn!(
                     pod_mtu,
                     vxlan_mtu = mtu,
@@ -284,7 +294,7 @@ pub async fn prepare_overlay(c: &dyn Peers, kernel: &dyn NodeRoutes, pod_mtu: u3
                     mtu,
                 })
                 .await?;
-            Ok(())
+            Ok(Some(mtu))
         }
     }
 }

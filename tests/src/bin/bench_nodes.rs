@@ -9,8 +9,8 @@
 //!    - tether host-gw: a 2-node [`Cluster`] (real `tetherd`s, each in its
 //!      node netns on a fabric bridge; `--overlay none`), one pod on each
 //!      node, added through the real plugin;
-//!    - tether VXLAN: the same with `--overlay vxlan` and the pods' MTU at
-//!      the VXLAN device's (`--mtu`, as tetherd's warning asks).
+//!    - tether VXLAN: the same with `--overlay vxlan`, whose pods get the
+//!      VXLAN device's MTU by default (the bench checks it).
 //!
 //!    Both clusters keep their records in a one-member etcd: the store
 //!    decides which routes exist, not how packets travel. Each path must
@@ -61,8 +61,8 @@ const END: &str = "<!-- bench-nodes:end -->";
 
 /// The ceiling's two ends, inside its two netns only.
 const CEILING_ADDRS: [&str; 2] = ["10.250.0.1/30", "10.250.0.2/30"];
-/// The pods' MTU under VXLAN: the fabric's 1500 less VXLAN's 50 bytes
-/// over IPv4, the VXLAN device's MTU.
+/// The pods' MTU under VXLAN, tetherd's default there: the fabric's 1500
+/// less VXLAN's 50 bytes over IPv4, the VXLAN device's MTU.
 const VXLAN_POD_MTU: u32 = 1450;
 const IPERF_PORT: u16 = 5201;
 const SOCKPERF_PORT: u16 = 11111;
@@ -269,10 +269,6 @@ impl Carrier {
     /// A 2-node cluster on a one-member etcd with `overlay`, and a pod on
     /// each node.
     fn tether(overlay: Overlay, tetherd: &Path) -> Carrier {
-        let mut extra_args = Vec::new();
-        if overlay == Overlay::Vxlan {
-            extra_args = vec!["--mtu".to_owned(), VXLAN_POD_MTU.to_string()];
-        }
         let cluster = Cluster::new(ClusterOpts {
             nodes: 2,
             etcd_members: 1,
@@ -284,7 +280,7 @@ impl Carrier {
                 node_grace_secs: 600,
                 log_level: Some("info".to_owned()),
                 bin: Some(tetherd.to_path_buf()),
-                extra_args,
+                extra_args: Vec::new(),
                 ..NodeOpts::default()
             },
             store: Store::Etcd,
@@ -463,6 +459,13 @@ impl Lane {
                 .unwrap_or(0),
             via: format!("{via} ({})", link_kind(carrier.sending_host(), &via)),
         };
+        if kind == PathKind::Vxlan && shape.mtu != u64::from(VXLAN_POD_MTU) {
+            return Err(format!(
+                "{}: the pod's MTU is {}, not the VXLAN device's {VXLAN_POD_MTU}",
+                kind.label(),
+                shape.mtu
+            ));
+        }
         eprintln!(
             "{BENCH}: {}: {ip} answers; the sender's MTU {}, out through {}",
             kind.label(),
@@ -899,8 +902,8 @@ fn podnet_report(r: &mut String, args: &Args, results: Option<&[PathResult]>) {
          fabric bridge, `--overlay none`), a pod added on each node through the real plugin, \
          so a packet crosses the pod's veth, node 0's routes, node 0's uplink veth, the \
          fabric's bridge, node 1's uplink veth and node 1's routes to the other pod's veth; \
-         **tether VXLAN**, the same with `--overlay vxlan` and `--mtu {VXLAN_POD_MTU}` (the \
-         VXLAN device's MTU, as tetherd's warning asks). Both clusters keep their records in \
+         **tether VXLAN**, the same with `--overlay vxlan`, whose pods get the VXLAN \
+         device's MTU ({VXLAN_POD_MTU}) by default. Both clusters keep their records in \
          a one-member etcd, which decides which routes exist, not how packets travel. Each \
          path first had to answer a ping between its two pods. Servers run in the receiving \
          pod's netns on CPU {SERVER_CPU}, clients in the sender's on CPU {CLIENT_CPU} (`ip \

@@ -64,6 +64,8 @@ pub(crate) struct Options {
     pub pools: Vec<crate::pools::PoolDef>,
     /// The other nodes, as the route manager learns them.
     pub peers: Option<Arc<dyn crate::cluster::Peers>>,
+    /// `--mtu`.
+    pub mtu: Option<u32>,
 }
 
 impl Default for Options {
@@ -76,6 +78,7 @@ impl Default for Options {
             store_faults: None,
             pools: Vec::new(),
             peers: None,
+            mtu: None,
         }
     }
 }
@@ -128,6 +131,7 @@ impl TestNode {
             store_faults: None,
             pools: self.pools.clone(),
             peers: None,
+            mtu: None,
         };
         before(&self);
         let TestNode {
@@ -211,7 +215,7 @@ impl Parts {
         let config = NodeConfig {
             name: opts.name.clone(),
             pod_cidrs: opts.cidrs.clone(),
-            mtu: 1500,
+            mtu: opts.mtu,
             state_dir: self.dir.path().join("state"),
             allowed_uids: Vec::new(),
             test_delete_delay: Duration::ZERO,

@@ -10,11 +10,16 @@ use crate::time::UnixMillis;
 /// plane's view (the cluster suites prove the store's watch behind it).
 struct SetPeers {
     me: NodeRecord,
+    overlay: Overlay,
     tx: watch::Sender<ClusterView>,
 }
 
 impl SetPeers {
     fn new() -> Arc<SetPeers> {
+        SetPeers::on(Overlay::HostGw)
+    }
+
+    fn on(overlay: Overlay) -> Arc<SetPeers> {
         let view = ClusterView {
             synced: true,
             ..ClusterView::default()
@@ -26,6 +31,7 @@ impl SetPeers {
                 node_ips: vec![ip("192.0.2.1")],
                 vtep_mac: None,
             },
+            overlay,
             tx: watch::channel(view).0,
         })
     }
@@ -58,7 +64,7 @@ impl Peers for SetPeers {
         self.me.clone()
     }
     fn overlay(&self) -> Overlay {
-        Overlay::HostGw
+        self.overlay
     }
     fn view(&self) -> ClusterView {
         self.tx.borrow().clone()
@@ -95,4 +101,36 @@ async fn a_block_seen_before_the_route_manager_starts_is_routed() {
     peers.join("node-c", 3, "192.0.2.3", "10.3.0.0/28");
     t.eventually("node-c's block routed", |t| routed(t, "10.3.0.0/28"))
         .await;
+}
+
+/// The MTU of the pod ends of this node's veths.
+fn pod_mtus(t: &TestNode) -> Vec<u32> {
+    t.kernel.links().values().map(|l| l.mtu).collect()
+}
+
+/// Without `--mtu`, pods get 1500 in host-gw mode and the VXLAN device's
+/// MTU (the underlay's 1500 less 50) in VXLAN mode, so that a pod's
+/// full-size packet fits the overlay; `--mtu` wins in either mode.
+#[tokio::test]
+async fn the_default_pod_mtu_fits_the_overlay_and_mtu_wins() {
+    let vxlan = Overlay::Vxlan {
+        vni: 4096,
+        port: 4789,
+    };
+    for (overlay, mtu, want) in [
+        (Overlay::HostGw, None, 1500),
+        (vxlan, None, 1450),
+        (vxlan, Some(1400), 1400),
+        (Overlay::HostGw, Some(9000), 9000),
+    ] {
+        let t = TestNode::with(Options {
+            vm_tasks: false,
+            peers: Some(SetPeers::on(overlay)),
+            mtu,
+            ..Options::default()
+        })
+        .await;
+        t.add("c1", "p1").await.expect("ADD");
+        assert_eq!(pod_mtus(&t), [want], "{overlay:?} with --mtu {mtu:?}");
+    }
 }
