@@ -68,6 +68,9 @@ pub struct KubeApi {
     /// Whether the server serves aggregated APIs (see
     /// [`KubeApi::start_aggregating`]).
     aggregating: bool,
+    /// Flags kube-apiserver gets beyond the harness's own (see
+    /// [`KubeApi::restart_apiserver_with`]).
+    extra_args: Vec<String>,
     // Dropped after the processes: the netns, then the dir.
     netns: Netns,
     dir: TempDir,
@@ -181,6 +184,7 @@ impl KubeApi {
             apiserver: None,
             address: ip,
             aggregating,
+            extra_args: Vec::new(),
             netns,
             dir,
         };
@@ -271,6 +275,7 @@ impl KubeApi {
                 "--enable-aggregator-routing=true",
             ]);
         }
+        args.extend(self.extra_args.iter().map(String::as_str));
         let child = self.spawn("apiserver", &k8s_bin_dir().join("kube-apiserver"), &args);
         self.apiserver = Some(child);
         let started = Instant::now();
@@ -335,6 +340,30 @@ impl KubeApi {
     /// The server's URL, as the nodes reach it.
     pub fn server(&self) -> String {
         format!("https://{}:{API_PORT}", self.address)
+    }
+
+    /// Stops kube-apiserver and starts it again with `extra` flags beyond
+    /// the harness's own (a later flag wins), and waits until it is ready.
+    pub fn restart_apiserver_with(&mut self, extra: &[&str]) {
+        self.stop_apiserver();
+        self.extra_args = extra.iter().map(|s| s.to_string()).collect();
+        self.start_apiserver();
+    }
+
+    /// Stops (`SIGSTOP`) or resumes (`SIGCONT`) the API server's etcd: a
+    /// store that holds its connections and answers nothing.
+    pub fn freeze_etcd(&self, frozen: bool) {
+        let pid = self
+            .etcd
+            .as_ref()
+            .map(Child::id)
+            .expect("the API server's etcd runs");
+        let signal = if frozen { libc::SIGSTOP } else { libc::SIGCONT };
+        // SAFETY: kill has no memory preconditions; the PID is our child's,
+        // not reaped (it cannot have been reused).
+        unsafe {
+            libc::kill(pid as i32, signal);
+        }
     }
 
     /// The PIDs of the API server's etcd and of kube-apiserver, while they
@@ -574,4 +603,22 @@ impl Drop for KubeApi {
             let _ = c.wait();
         }
     }
+}
+
+/// The sum of every sample of metric `name` in a Prometheus text page.
+pub fn metric_sum(text: &str, name: &str) -> f64 {
+    metric_sum_with(text, name, "")
+}
+
+/// [`metric_sum`] of the samples whose labels contain `label`.
+pub fn metric_sum_with(text: &str, name: &str, label: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.contains(label))
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }

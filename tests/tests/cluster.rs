@@ -15,6 +15,7 @@ use tether_e2e::cluster::{
     assert_ping_within, Cluster, ClusterNode, ClusterOpts, NodeOpts, Overlay, Pod, Store,
     CLUSTER_NETWORK,
 };
+use tether_e2e::vm::{get_vm, reserve_vm};
 use tether_e2e::{
     assert_distinct, cni, parallel, require_root, tether_bin, wait_until, CniEnv, CniOutput, Netns,
 };
@@ -1069,5 +1070,183 @@ fn sigterm_while_waiting_for_etcd_exits_cleanly() {
         read_log().contains("stopped before joining the cluster"),
         "{}",
         read_log()
+    );
+}
+
+/// ADD on `node`, again while it fails with 11 (as a runtime retries), up
+/// to `limit`; the pod, or the last failure.
+fn add_retrying(node: &ClusterNode, limit: Duration) -> Result<Pod, CniOutput> {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        let (ns, out) = add(node);
+        if out.success() {
+            let id = ns.name().to_owned();
+            return Ok(Pod::from_output(ns, id, node.name(), &out));
+        }
+        if out.error_code() != Some(11) || std::time::Instant::now() >= deadline {
+            return Err(out);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The API server's answers to tetherd (its user agent) whose status code
+/// `pick` accepts, from the server's audit log.
+fn answered_tetherd(cluster: &Cluster, pick: impl Fn(u64) -> bool) -> usize {
+    cluster
+        .kube_api()
+        .audit_events()
+        .iter()
+        .filter(|e| e["stage"] == "ResponseComplete")
+        .filter(|e| {
+            e["userAgent"]
+                .as_str()
+                .is_some_and(|ua| ua.starts_with("tetherd/"))
+        })
+        .filter(|e| e["responseStatus"]["code"].as_u64().is_some_and(&pick))
+        .count()
+}
+
+/// The Kubernetes store under a real API server that answers 429 and
+/// 5xx, as one under load or whose etcd stalls does:
+/// - throttled (`--max-requests-inflight 1` and
+///   `--max-mutating-requests-inflight 1`, priority and fairness off, so
+///   that a second request in flight is answered 429) while 3 nodes race
+///   for tiny blocks (409s between them): every ADD succeeds (retried on
+///   11, as runtimes do), no address is handed out twice, no block is held
+///   twice, and VM records reserved meanwhile are all there after;
+/// - its etcd frozen (SIGSTOP) behind a 1 s `--request-timeout`, so that
+///   every write is answered 504 before tetherd's own timeout: an ADD from
+///   the blocks held works, one that needs a block fails with 11, and
+///   when etcd resumes claims work again, still with no block held twice
+///   and every VM record in place.
+///
+/// The test fails if the server answered no 429 (or no 5xx): then it
+/// proved nothing.
+#[test]
+fn kubernetes_store_answers_429_and_5xx_lose_nothing_and_hold_no_block_twice() {
+    require_root();
+    let mut cluster = Cluster::new(ClusterOpts {
+        node: NodeOpts {
+            // Longer than the API server's 1 s request timeout below, so
+            // that its 504 comes first.
+            etcd_timeout_ms: Some(3000),
+            ..small_blocks()
+        },
+        ..ClusterOpts::on(Store::Kubernetes)
+    });
+    cluster.kube_api_mut().restart_apiserver_with(&[
+        "--enable-priority-and-fairness=false",
+        "--max-requests-inflight=1",
+        "--max-mutating-requests-inflight=1",
+        "--request-timeout=1s",
+    ]);
+    let pods: Vec<Pod> = parallel(30, |i| {
+        add_retrying(cluster.node(i % 3), Duration::from_secs(120))
+            .unwrap_or_else(|out| panic!("ADD on node {} under 429s: {out}", i % 3))
+    });
+    let throttled = answered_tetherd(&cluster, |c| c == 429);
+    assert!(
+        throttled > 0,
+        "the API server answered tetherd no 429: the test proved nothing"
+    );
+    eprintln!("the API server answered tetherd 429 {throttled} times");
+    assert_distinct("pod addresses", pods.iter().flat_map(|p| p.ips().to_vec()));
+    assert_no_overlap(&store_blocks(&cluster));
+
+    // VM records reserved under the same throttling, from the addresses
+    // of pods deleted for them.
+    let mut vms = Vec::new();
+    let mut kept = Vec::new();
+    for (i, pod) in pods.into_iter().enumerate() {
+        if i >= 3 {
+            kept.push(pod);
+            continue;
+        }
+        let node = cluster
+            .nodes()
+            .iter()
+            .find(|n| n.name() == pod.node())
+            .unwrap_or_else(|| panic!("the node of {}", pod.id()));
+        assert!(node.del(&pod).success());
+        let name = format!("vm{i}");
+        let ips = pod.ips().to_vec();
+        let reserved = wait_until(Duration::from_secs(60), || {
+            reserve_vm(node.daemon().socket(), "tenant", &name, &ips, "").is_ok()
+        });
+        assert!(reserved, "{name} not reserved under 429s");
+        vms.push((name, ips));
+    }
+    let all_there = |cluster: &Cluster| {
+        vms.iter().all(|(name, ips)| {
+            get_vm(cluster.node(0).daemon().socket(), "tenant", name).is_ok_and(|v| {
+                let held: Vec<IpAddr> = v
+                    .ips
+                    .iter()
+                    .filter_map(|ip| ip.split('/').next()?.parse().ok())
+                    .collect();
+                held == *ips
+            })
+        })
+    };
+    let records = |cluster: &Cluster| -> Vec<String> {
+        vms.iter()
+            .map(|(name, _)| {
+                format!(
+                    "{name}: {:?}",
+                    get_vm(cluster.node(0).daemon().socket(), "tenant", name)
+                )
+            })
+            .collect()
+    };
+    assert!(
+        wait_until(CONVERGE, || all_there(&cluster)),
+        "a VM record went missing: {:?} against {vms:?}",
+        records(&cluster)
+    );
+
+    // The API server's etcd stalls: every write is answered 504.
+    let failed_before = answered_tetherd(&cluster, |c| c >= 500);
+    // One address of each family free on node 0.
+    let first = kept
+        .iter()
+        .position(|p| p.node() == cluster.node(0).name())
+        .unwrap_or_else(|| panic!("no pod on node 0"));
+    let freed = kept.remove(first);
+    assert!(cluster.node(0).del(&freed).success());
+    drop(freed);
+    cluster.kube_api().freeze_etcd(true);
+    let (from_held, out) = add(cluster.node(0));
+    assert!(out.success(), "an ADD from a held block: {out}");
+    let needs_block = loop {
+        let (ns, out) = add(cluster.node(0));
+        if !out.success() {
+            break out;
+        }
+        let id = ns.name().to_owned();
+        kept.push(Pod::from_output(ns, id, cluster.node(0).name(), &out));
+        assert!(kept.len() < 60, "ADDs kept succeeding with etcd frozen");
+    };
+    assert_eq!(needs_block.error_code(), Some(11), "{needs_block}");
+    eprintln!("with etcd frozen, an ADD that needs a block: {needs_block}");
+    cluster.kube_api().freeze_etcd(false);
+    let failed = answered_tetherd(&cluster, |c| c >= 500) - failed_before;
+    assert!(
+        failed > 0,
+        "the API server answered tetherd no 5xx while its etcd was frozen: the test proved nothing"
+    );
+    eprintln!("the API server answered tetherd 5xx {failed} times");
+    drop(from_held);
+
+    // etcd is back: claims work again; nothing is held twice or lost.
+    let pod = add_retrying(cluster.node(0), Duration::from_secs(60))
+        .unwrap_or_else(|out| panic!("an ADD needing a block after etcd resumed: {out}"));
+    kept.push(pod);
+    assert_distinct("pod addresses", kept.iter().flat_map(|p| p.ips().to_vec()));
+    assert_no_overlap(&store_blocks(&cluster));
+    assert!(
+        wait_until(CONVERGE, || all_there(&cluster)),
+        "a VM record went missing after the 5xx answers: {:?} against {vms:?}",
+        records(&cluster)
     );
 }

@@ -74,6 +74,7 @@ use tether_e2e::benchkit::{
     release_dir, start, stdout_of, strip_ansi, CommonArgs, Failures, Machine, Start,
 };
 use tether_e2e::cluster::{Cluster, ClusterNode, ClusterOpts, NodeOpts, Pod, Store};
+use tether_e2e::kube::{metric_sum, metric_sum_with};
 use tether_e2e::migration::FrameSender;
 use tether_e2e::vm::{mac_bytes, reserve_vm, result_mac, try_add_vm_pod, VmPodSpec};
 use tether_e2e::{run_prefix, Family};
@@ -1225,24 +1226,6 @@ impl StoreProbe {
         }
         c
     }
-}
-
-/// The sum of every sample of metric `name` in a Prometheus text page.
-fn metric_sum(text: &str, name: &str) -> f64 {
-    metric_sum_with(text, name, "")
-}
-
-/// [`metric_sum`] of the samples whose labels contain `label`.
-fn metric_sum_with(text: &str, name: &str, label: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.contains(label))
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 fn clock_ticks() -> f64 {
