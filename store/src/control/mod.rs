@@ -361,15 +361,17 @@ pub async fn follow(
         match store.watch(&prefix, revision).await {
             Ok(mut rx) => {
                 while let Some(message) = rx.recv().await {
-                    match message {
-                        WatchMessage::Events(events) => {
-                            backoff = Duration::from_millis(100);
-                            follower.apply(&events);
-                        }
-                        WatchMessage::Broken(why) => {
-                            tracing::warn!(%prefix, %why, "control-plane watch broke; listing again");
-                            break;
-                        }
+                    let (events, broken) = match message {
+                        WatchMessage::Events(events) => with_ready(events, &mut rx),
+                        WatchMessage::Broken(why) => (Vec::new(), Some(why)),
+                    };
+                    if !events.is_empty() {
+                        backoff = Duration::from_millis(100);
+                        follower.apply(&events);
+                    }
+                    if let Some(why) = broken {
+                        tracing::warn!(%prefix, %why, "control-plane watch broke; listing again");
+                        break;
                     }
                 }
             }
@@ -388,6 +390,24 @@ pub async fn follow(
             }
         }
     }
+}
+
+/// `events`, and after them those of every message already waiting in
+/// `rx`, in order, so that the follower applies a burst as one change
+/// (one view update, one route pass on each node) instead of one per
+/// event: the Kubernetes store's watch sends each object's event alone.
+/// Stops at a [`WatchMessage::Broken`], whose reason it returns.
+fn with_ready(
+    mut events: Vec<Event>,
+    rx: &mut mpsc::Receiver<WatchMessage>,
+) -> (Vec<Event>, Option<String>) {
+    while let Ok(message) = rx.try_recv() {
+        match message {
+            WatchMessage::Events(more) => events.extend(more),
+            WatchMessage::Broken(why) => return (events, Some(why)),
+        }
+    }
+    (events, None)
 }
 
 /// Which error, and so which CNI code, each control-plane failure is.
@@ -422,6 +442,40 @@ impl From<ControlError> for Error {
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    fn put(key: &str, rev: i64) -> Event {
+        Event::Put(Kv {
+            key: key.into(),
+            value: Vec::new(),
+            mod_revision: rev,
+            lease: 0,
+        })
+    }
+
+    /// A burst already waiting is applied as one change, in order, up to a
+    /// broken watch; what comes after the break is left for the relist.
+    #[test]
+    fn waiting_events_are_applied_together_up_to_a_break() {
+        let (tx, mut rx) = mpsc::channel(8);
+        for (key, rev) in [("b", 2), ("c", 3)] {
+            tx.try_send(WatchMessage::Events(vec![put(key, rev)]))
+                .expect("room");
+        }
+        let (events, broken) = with_ready(vec![put("a", 1)], &mut rx);
+        assert_eq!(events, vec![put("a", 1), put("b", 2), put("c", 3)]);
+        assert_eq!(broken, None);
+
+        for m in [
+            WatchMessage::Events(vec![put("d", 4)]),
+            WatchMessage::Broken("gone".into()),
+            WatchMessage::Events(vec![put("e", 5)]),
+        ] {
+            tx.try_send(m).expect("room");
+        }
+        let (events, broken) = with_ready(Vec::new(), &mut rx);
+        assert_eq!(events, vec![put("d", 4)]);
+        assert_eq!(broken.as_deref(), Some("gone"));
+    }
 
     #[tokio::test]
     async fn until_answered_waits_out_unanswered_calls_and_returns_other_errors() {
