@@ -310,15 +310,7 @@ impl Netlink {
         family: AddressFamily,
         index: u32,
     ) -> Result<Option<IpAddr>> {
-        let mut request = AddressMessage::default();
-        request.header.family = family;
-        request.header.index = index;
-        let answers = {
-            let _one_dump_at_a_time = self.dumps.lock().await;
-            messages::request(&self.handle, RouteNetlinkMessage::GetAddress(request), DUMP)
-                .await
-                .map_err(|e| KernelError::refused("reading the node's addresses", reason(&e)))?
-        };
+        let answers = self.address_dump(family, index).await?;
         Ok(answers.iter().find_map(|m| match m {
             RouteNetlinkMessage::NewAddress(a)
                 if a.header.family == family
@@ -334,23 +326,33 @@ impl Netlink {
 
     /// The index of the device that holds address `ip`, if one does.
     async fn index_holding(&self, ip: IpAddr) -> Result<Option<u32>> {
-        let mut request = AddressMessage::default();
-        request.header.family = match ip {
+        let family = match ip {
             IpAddr::V4(_) => AddressFamily::Inet,
             IpAddr::V6(_) => AddressFamily::Inet6,
         };
-        let answers = {
-            let _one_dump_at_a_time = self.dumps.lock().await;
-            messages::request(&self.handle, RouteNetlinkMessage::GetAddress(request), DUMP)
-                .await
-                .map_err(|e| KernelError::refused("reading the node's addresses", reason(&e)))?
-        };
+        let answers = self.address_dump(family, 0).await?;
         Ok(answers.iter().find_map(|m| match m {
             RouteNetlinkMessage::NewAddress(a) if messages::address_of(a) == Some(ip) => {
                 Some(a.header.index)
             }
             _ => None,
         }))
+    }
+
+    /// The addresses of one family (of device `index`, or of every device
+    /// for 0), dumped under the dump lock.
+    async fn address_dump(
+        &self,
+        family: AddressFamily,
+        index: u32,
+    ) -> Result<Vec<RouteNetlinkMessage>> {
+        let mut request = AddressMessage::default();
+        request.header.family = family;
+        request.header.index = index;
+        let _one_dump_at_a_time = self.dumps.lock().await;
+        messages::request(&self.handle, RouteNetlinkMessage::GetAddress(request), DUMP)
+            .await
+            .map_err(|e| KernelError::refused("reading the node's addresses", reason(&e)))
     }
 
     async fn link_by_index(&self, index: u32) -> Result<Option<LinkMessage>> {
