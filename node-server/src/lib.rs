@@ -20,6 +20,8 @@ pub mod api;
 pub mod attach;
 pub mod cluster;
 pub mod dhcp;
+#[cfg(test)]
+pub(crate) mod faulty_control;
 pub mod instance;
 pub mod kube;
 pub mod metrics;

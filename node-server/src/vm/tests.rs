@@ -7,7 +7,8 @@
 use super::signals::VmPodSeen;
 use super::*;
 use crate::control::embedded::EmbeddedStore;
-use crate::control::{BoxFut, Cmp, ControlError, ControlStore, Kv, Op, WatchMessage};
+use crate::control::ControlStore;
+use crate::faulty_control::{Failure, FaultyControl};
 use crate::kernel::fake::{Call, FakeKernel, FakeLink};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use tether_base::time::UnixNanos;
@@ -149,92 +150,16 @@ async fn two_on(control: Arc<dyn ControlStore>) -> (One, One) {
     (a, b)
 }
 
-/// A test double of a control store that does not answer: the embedded
-/// store, whose next commits fail as an unanswered etcd or API server's
-/// do (an error for which `is_transient` holds), either before they are
-/// applied or after (the answer lost). It cannot show how long a real
-/// store takes, nor a watch that stalls with it.
-struct Unanswering {
-    inner: EmbeddedStore,
-    /// Commits still to fail.
-    failing: AtomicUsize,
-    /// Whether a failing commit is applied first.
-    landing: std::sync::atomic::AtomicBool,
-    /// Every commit tried.
-    commits: AtomicUsize,
-}
-
-impl Unanswering {
-    fn fail_next(&self, n: usize, landing: bool) {
-        self.landing.store(landing, Ordering::SeqCst);
-        self.failing.store(n, Ordering::SeqCst);
-    }
-}
-
-impl ControlStore for Unanswering {
-    fn backend(&self) -> &'static str {
-        "unanswering"
-    }
-    fn location(&self) -> String {
-        self.inner.location()
-    }
-    fn list(&self, prefix: &str) -> BoxFut<'_, (Vec<Kv>, i64)> {
-        self.inner.list(prefix)
-    }
-    fn commit(&self, when: Vec<Cmp>, ops: Vec<Op>) -> BoxFut<'_, Option<i64>> {
-        Box::pin(async move {
-            self.commits.fetch_add(1, Ordering::SeqCst);
-            let fail = self
-                .failing
-                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-                .is_ok();
-            if !fail {
-                return self.inner.commit(when, ops).await;
-            }
-            if self.landing.load(Ordering::SeqCst) {
-                self.inner.commit(when, ops).await?;
-            }
-            Err(ControlError::ApiUnavailable {
-                doing: "replace a VM record".into(),
-                server: "test double".into(),
-                cause: "no answer within 2000 ms".into(),
-            })
-        })
-    }
-    fn watch(
-        &self,
-        prefix: &str,
-        after: i64,
-    ) -> BoxFut<'_, tokio::sync::mpsc::Receiver<WatchMessage>> {
-        self.inner.watch(prefix, after)
-    }
-    fn grant_lease(&self, ttl_secs: i64) -> BoxFut<'_, i64> {
-        self.inner.grant_lease(ttl_secs)
-    }
-    fn keep_alive(&self, lease: i64) -> BoxFut<'_, bool> {
-        self.inner.keep_alive(lease)
-    }
-    fn probe(&self) -> BoxFut<'_, ()> {
-        self.inner.probe()
-    }
-}
-
-/// [`migrating`] on an [`Unanswering`] store.
-async fn migrating_unanswered() -> (One, One, Attachment, Arc<Unanswering>, tempfile::TempDir) {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let store = Arc::new(Unanswering {
-        inner: EmbeddedStore::open(dir.path()).expect("the control store"),
-        failing: AtomicUsize::new(0),
-        landing: Default::default(),
-        commits: AtomicUsize::new(0),
-    });
+/// [`migrating`] on a [`FaultyControl`] store.
+async fn migrating_on_faults() -> (One, One, Attachment, Arc<FaultyControl>) {
+    let store = FaultyControl::new();
     let (a, b) = two_on(store.clone()).await;
     let first = place(&a, "node-a", "c1", false).await;
     attach(&a, "c1", &first.rec);
     let target = place(&b, "node-b", "c2", true).await;
     let c2 = attach(&b, "c2", &target.rec);
     both_see_the_target(&a, &b).await;
-    (a, b, c2, store, dir)
+    (a, b, c2, store)
 }
 
 fn vm_key() -> VmKey {
@@ -770,9 +695,9 @@ async fn a_target_that_cannot_route_its_vm_retracts_its_notice() {
 
 #[tokio::test]
 async fn an_announced_cutover_whose_write_gets_no_answer_is_tried_until_it_commits() {
-    let (_a, b, c2, store, _dir) = migrating_unanswered().await;
-    store.fail_next(3, false);
-    let before = store.commits.load(Ordering::SeqCst);
+    let (_a, b, c2, store) = migrating_on_faults().await;
+    store.fail_next(3, Failure::Unanswered);
+    let before = store.commits();
     let rec = b
         .vms
         .cutover(&b.side, &vm_key(), Some(&c2), Trigger::Rarp, now())
@@ -780,7 +705,7 @@ async fn an_announced_cutover_whose_write_gets_no_answer_is_tried_until_it_commi
         .expect("cut over after the store answered again");
     assert_eq!(rec.active.as_ref().map(|x| x.node.as_str()), Some("node-b"));
     assert_eq!(
-        store.commits.load(Ordering::SeqCst) - before,
+        store.commits() - before,
         4,
         "three unanswered writes, then the one that commits"
     );
@@ -802,8 +727,8 @@ async fn an_announced_cutover_whose_write_gets_no_answer_is_tried_until_it_commi
 
 #[tokio::test]
 async fn a_cutover_whose_write_landed_but_lost_its_answer_is_not_retracted() {
-    let (_a, b, c2, store, _dir) = migrating_unanswered().await;
-    store.fail_next(1, true);
+    let (_a, b, c2, store) = migrating_on_faults().await;
+    store.fail_next(1, Failure::AnswerLost);
     let rec = b
         .vms
         .cutover(&b.side, &vm_key(), Some(&c2), Trigger::Rarp, now())
@@ -821,8 +746,8 @@ async fn a_cutover_whose_write_landed_but_lost_its_answer_is_not_retracted() {
 
 #[tokio::test]
 async fn an_unanswered_cutover_stops_trying_when_the_target_pod_goes() {
-    let (_a, b, c2, store, _dir) = migrating_unanswered().await;
-    store.fail_next(usize::MAX, false);
+    let (_a, b, c2, store) = migrating_on_faults().await;
+    store.fail_next(usize::MAX, Failure::Unanswered);
     let b = Arc::new(b);
     let cut = {
         let b = b.clone();
@@ -841,5 +766,5 @@ async fn an_unanswered_cutover_stops_trying_when_the_target_pod_goes() {
         .expect("the retries end once the pod is gone")
         .expect("the task");
     assert!(matches!(out, Err(Error::TryAgain(_))), "{out:?}");
-    store.fail_next(0, false);
+    store.fail_next(0, Failure::Unanswered);
 }

@@ -6,15 +6,13 @@
 //! differ from node A's, as `--pod-cidr` mode gives every node its own.
 
 use super::*;
-use crate::control::{BoxFut, Cmp, ControlError, Kv, Op, WatchMessage};
+use crate::faulty_control::{Failure, FaultyControl};
 use crate::kernel::fake::Call as K;
 use crate::kernel::{self, AnnounceKind, Announcement, ROUTE_PROTOCOL};
 use crate::mac::Mac;
 use crate::time::UnixNanos;
 use crate::vm::{Trigger, VmAttachment, VmKey, VmRecord, TARGET_READY_ANNOTATION};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
-use tokio::sync::mpsc;
 
 /// Node A, with the default options and a fresh control store.
 async fn node_a() -> TestNode {
@@ -657,77 +655,9 @@ async fn an_admin_cutover_without_an_alternate_is_refused() {
     assert_eq!(a.node.vms().stats().cutovers, 0);
 }
 
-/// A control store that fails every commit while told to: the embedded
-/// store underneath, everything else delegated.
-struct FlakyControl {
-    inner: EmbeddedStore,
-    failing: AtomicBool,
-    failed: AtomicUsize,
-    _dir: tempfile::TempDir,
-}
-
-impl FlakyControl {
-    fn new() -> Arc<FlakyControl> {
-        let dir = tempfile::tempdir().expect("tempdir");
-        Arc::new(FlakyControl {
-            inner: EmbeddedStore::open(dir.path()).expect("control"),
-            failing: AtomicBool::new(false),
-            failed: AtomicUsize::new(0),
-            _dir: dir,
-        })
-    }
-
-    /// Every commit fails (outcome unknown to the caller) while `on`.
-    fn fail_commits(&self, on: bool) {
-        self.failing.store(on, Ordering::SeqCst);
-    }
-
-    /// Commits failed so far.
-    fn failed(&self) -> usize {
-        self.failed.load(Ordering::SeqCst)
-    }
-}
-
-impl ControlStore for FlakyControl {
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
-    fn location(&self) -> String {
-        self.inner.location()
-    }
-    fn list(&self, prefix: &str) -> BoxFut<'_, (Vec<Kv>, i64)> {
-        self.inner.list(prefix)
-    }
-    fn commit(&self, when: Vec<Cmp>, ops: Vec<Op>) -> BoxFut<'_, Option<i64>> {
-        if self.failing.load(Ordering::SeqCst) {
-            self.failed.fetch_add(1, Ordering::SeqCst);
-            return Box::pin(async {
-                Err(ControlError::Io {
-                    context: "writing (injected failure)",
-                    path: "control-plane.json".into(),
-                    cause: std::io::Error::other("injected commit failure"),
-                })
-            });
-        }
-        self.inner.commit(when, ops)
-    }
-    fn watch(&self, prefix: &str, after: i64) -> BoxFut<'_, mpsc::Receiver<WatchMessage>> {
-        self.inner.watch(prefix, after)
-    }
-    fn grant_lease(&self, ttl_secs: i64) -> BoxFut<'_, i64> {
-        self.inner.grant_lease(ttl_secs)
-    }
-    fn keep_alive(&self, lease: i64) -> BoxFut<'_, bool> {
-        self.inner.keep_alive(lease)
-    }
-    fn probe(&self) -> BoxFut<'_, ()> {
-        self.inner.probe()
-    }
-}
-
 #[tokio::test]
 async fn a_cutover_the_control_store_fails_keeps_the_route_and_completes_later() {
-    let flaky = FlakyControl::new();
+    let flaky = FaultyControl::new();
     let a = TestNode::with(Options {
         control: Some(flaky.clone()),
         ..Default::default()
@@ -746,7 +676,7 @@ async fn a_cutover_the_control_store_fails_keeps_the_route_and_completes_later()
         .find(|x| x.key.container_id == "c2")
         .expect("the target's attachment");
 
-    flaky.fail_commits(true);
+    flaky.fail_next(usize::MAX, Failure::LocalIo);
     // The trigger on the target's node: the route goes in first, then the
     // write fails and is reported.
     let err = b
@@ -785,7 +715,7 @@ async fn a_cutover_the_control_store_fails_keeps_the_route_and_completes_later()
 
     // The store is back: a later announcement (QEMU sends several)
     // completes the cutover.
-    flaky.fail_commits(false);
+    flaky.fail_next(0, Failure::LocalIo);
     b.eventually("a later announcement cuts over", |t| {
         t.host
             .announce(announcement(index, &mac.to_string(), AnnounceKind::Rarp));
