@@ -111,6 +111,21 @@ pub struct ClusterOpts {
     pub node_paths: Vec<(String, String)>,
 }
 
+impl ClusterOpts {
+    /// `nodes` nodes with the harness's own busybox and pause images
+    /// ([`crate::kubelet::busybox_images`], their archives written to
+    /// `dir`), nothing more.
+    pub fn busybox(nodes: usize, dir: &Path) -> ClusterOpts {
+        ClusterOpts {
+            nodes,
+            images: crate::kubelet::busybox_images(dir),
+            sandbox_image: crate::kubelet::PAUSE_IMAGE.to_string(),
+            aggregating: false,
+            node_paths: Vec::new(),
+        }
+    }
+}
+
 /// Where the clusters of every process on this machine keep track of the
 /// mount points they created (see [`MountPoints`]).
 const MOUNT_POINTS_FILE: &str = "tether-test-node-mount-points";

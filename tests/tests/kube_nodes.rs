@@ -21,7 +21,7 @@
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tether_e2e::kubelet::{busybox_images, BUSYBOX_IMAGE, PAUSE_IMAGE};
+use tether_e2e::kubelet::BUSYBOX_IMAGE;
 use tether_e2e::nodes::{ClusterOpts, KubeCluster, KubeNode};
 use tether_e2e::vm::VmPodSpec;
 use tether_e2e::{admin, require_root, wait_until, TempDir};
@@ -78,13 +78,7 @@ fn exec(c: &KubeCluster, name: &str, argv: &[&str]) -> std::process::Output {
 fn two_kubelet_nodes_with_their_own_namespaces_wire_pods_through_the_installed_chart() {
     require_root();
     let images = TempDir::new("kimg");
-    let mut c = KubeCluster::start(&ClusterOpts {
-        nodes: 2,
-        images: busybox_images(images.path()),
-        sandbox_image: PAUSE_IMAGE.to_string(),
-        aggregating: false,
-        node_paths: Vec::new(),
-    });
+    let mut c = KubeCluster::start(&ClusterOpts::busybox(2, images.path()));
     let names: Vec<String> = c.nodes().iter().map(|n| n.name().to_string()).collect();
     for node in c.nodes() {
         // The node's own init, and its own /var/lib/kubelet.
@@ -145,13 +139,7 @@ fn two_kubelet_nodes_with_their_own_namespaces_wire_pods_through_the_installed_c
 
 /// The two-node cluster with tether installed.
 fn cluster(images: &TempDir) -> KubeCluster {
-    let c = KubeCluster::start(&ClusterOpts {
-        nodes: 2,
-        images: busybox_images(images.path()),
-        sandbox_image: PAUSE_IMAGE.to_string(),
-        aggregating: false,
-        node_paths: Vec::new(),
-    });
+    let c = KubeCluster::start(&ClusterOpts::busybox(2, images.path()));
     let image = c.build_tether_image("1");
     c.install_tether(&image);
     c

@@ -48,7 +48,7 @@ use tether_e2e::benchkit::{
     report_head, start, stdout_of, strip_ansi, CommonArgs, Failures, Machine, Start,
 };
 use tether_e2e::cluster::{Cluster, ClusterOpts, NodeOpts, Overlay, Pod, Store};
-use tether_e2e::kubelet::{busybox_images, busybox_pod, PodWatch, PAUSE_IMAGE};
+use tether_e2e::kubelet::{busybox_pod, PodWatch};
 use tether_e2e::nodes::{self, KubeCluster, POD_CIDR};
 use tether_e2e::{bin_dir, ping, ping_output, wait_until, Netns, TempDir};
 
@@ -754,13 +754,7 @@ struct Ready {
 fn ready(args: &Args, f: &mut Failures) -> Ready {
     eprintln!("{BENCH}: part 2: pod-ready latency on two kubelet nodes");
     let images = TempDir::new("bimg");
-    let cluster = KubeCluster::start(&nodes::ClusterOpts {
-        nodes: 2,
-        images: busybox_images(images.path()),
-        sandbox_image: PAUSE_IMAGE.to_owned(),
-        aggregating: false,
-        node_paths: Vec::new(),
-    });
+    let cluster = KubeCluster::start(&nodes::ClusterOpts::busybox(2, images.path()));
     let image = cluster.build_tether_image("bench");
     cluster.install_tether(&image);
     let names: Vec<String> = cluster
