@@ -777,13 +777,16 @@ impl KubeCluster {
     /// failure's message.
     pub fn network_view(&self) -> String {
         let mut text = String::new();
+        let mut section = |title: &str, out: Output| {
+            text.push_str(&format!(
+                "--- {title} ---\n{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        };
         for node in &self.nodes {
             let routes = node.netns().exec(&["ip", "route", "show"]);
-            text.push_str(&format!(
-                "--- routes of {} ---\n{}",
-                node.name(),
-                String::from_utf8_lossy(&routes.stdout)
-            ));
+            section(&format!("routes of {}", node.name()), routes);
         }
         let logs = self.api.kubectl(&[
             "-n",
@@ -796,23 +799,15 @@ impl KubeCluster {
             "--prefix",
             "--tail=80",
         ]);
-        text.push_str(&format!(
-            "--- tetherd logs ---\n{}{}",
-            String::from_utf8_lossy(&logs.stdout),
-            String::from_utf8_lossy(&logs.stderr)
-        ));
-        let blocks = self.api.kubectl(&[
+        section("tetherd logs", logs);
+        let objects = self.api.kubectl(&[
             "get",
             "addressblocks,tethernodes,leases",
             "-A",
             "-o",
             "wide",
         ]);
-        text.push_str(&format!(
-            "--- tether's objects ---\n{}{}",
-            String::from_utf8_lossy(&blocks.stdout),
-            String::from_utf8_lossy(&blocks.stderr)
-        ));
+        section("tether's objects", objects);
         text
     }
 
