@@ -2,19 +2,20 @@
 //! [`crate::streams`], all started before a live migration and read after
 //! it: the suites and `bench_vm` run the same set.
 //!
-//! The VM is a QEMU guest ([`crate::qemu`]) whose `tether-echo`s this
-//! module starts: two listeners (TCP [`VM_TCP`], UDP [`VM_UDP`]) for the
+//! The VM is a guest (a [`GuestShell`]: the harness's QEMU guests of
+//! [`crate::qemu`], or KubeVirt's) whose `tether-echo`s this module
+//! starts: two listeners (TCP [`VM_TCP`], UDP [`VM_UDP`]) for the
 //! streams toward the VM, and one connector per stream the VM opens. The
 //! measuring ends are [`crate::streams::Stream`]s in the test's pods and in
-//! a host outside the cluster ([`Outside`]: on the nodes' underlay, with no
+//! a host outside the cluster (each a [`Place`]) ([`Outside`]: on the nodes' underlay, with no
 //! route to any pod, so the VM reaches it only through outbound NAT).
 //!
 //! | path | opened by | where the translation is |
 //! |---|---|---|
 //! | pod on the source, target or third node → VM (pod IP) | the pod | none |
 //! | VM → a host outside the cluster | the VM | outbound NAT on the VM's node |
-//! | VM → a pod on the third node | the VM | none |
-//! | pod → ClusterIP whose endpoint is the VM | the pod | kube-proxy on the pod's node |
+//! | VM → a pod (on the third node) | the VM | none |
+//! | pod (on the third node) → ClusterIP whose endpoint is the VM | the pod | kube-proxy on the pod's node |
 //! | outside → NodePort on the source, target, third node | the outside host | kube-proxy on the entry node (DNAT and masquerade) |
 //! | VM → ClusterIP of two pods | the VM | kube-proxy on the VM's node |
 //!
@@ -25,7 +26,7 @@ use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
-use crate::cluster::{assert_ping_within, Cluster, ClusterOpts, Pod, Underlay};
+use crate::cluster::{assert_ping_within, Cluster, ClusterOpts, Fabric, Pod, Underlay};
 use crate::qemu::{Guest, Pause, BOOT_TIMEOUT};
 use crate::streams::{Proto, Stream, StreamReport};
 use crate::vm::{add_vm_pod, boot_guest, VmPodSpec};
@@ -60,9 +61,24 @@ pub struct Outside {
 impl Outside {
     /// Attaches a new host to `cluster`'s fabric.
     pub fn new(cluster: &Cluster) -> Outside {
+        Outside::on(cluster.fabric())
+    }
+
+    /// Attaches a new host to `fabric` (any cluster's: the kubelet
+    /// clusters' too).
+    pub fn on(fabric: &Fabric) -> Outside {
         let netns = Netns::new("out");
-        let underlay = cluster.fabric().attach_host(&netns, OUTSIDE_HOST);
+        let underlay = fabric.attach_host(&netns, OUTSIDE_HOST);
         Outside { netns, underlay }
+    }
+
+    /// The host as a place streams run from.
+    pub fn place(&self) -> Place<'_> {
+        Place {
+            netns: &self.netns,
+            v4: IpAddr::V4(self.underlay.v4),
+            v6: Some(IpAddr::V6(self.underlay.v6)),
+        }
     }
 
     /// Its netns.
@@ -224,16 +240,17 @@ impl Scene {
     pub fn ends(&self) -> Ends<'_> {
         let (s, t) = (self.on, 1 - self.on);
         let c = &self.cluster;
+        let node = |i: usize| Some(IpAddr::V4(c.node(i).underlay().v4));
         Ends {
-            vm: self.vm,
-            pods: [&self.pods[s], &self.pods[t], &self.pods[2]],
-            nodes: [
-                c.node(s).underlay(),
-                c.node(t).underlay(),
-                c.node(2).underlay(),
-            ],
-            outside: &self.outside,
-            services: Some((&self.services, [&self.backends[0], &self.backends[1]])),
+            vm: (self.vm.0, Some(self.vm.1)),
+            pods: [s, t, 2].map(|i| Some(Place::of(&self.pods[i]))),
+            nodes: [node(s), node(t), node(2)],
+            outside: self.outside.place(),
+            peer: Place::of(&self.pods[2]),
+            services: Some((
+                &self.services,
+                self.backends.iter().map(|p| p.netns()).collect(),
+            )),
         }
     }
 
@@ -260,20 +277,77 @@ impl Scene {
     }
 }
 
+/// Where a stream's end runs: a netns (a pod's, a host's) and its
+/// addresses.
+#[derive(Clone, Copy)]
+pub struct Place<'a> {
+    /// The netns the end's socket is opened in.
+    pub netns: &'a Netns,
+    /// Its IPv4 address.
+    pub v4: IpAddr,
+    /// Its IPv6 address, if it has one.
+    pub v6: Option<IpAddr>,
+}
+
+impl<'a> Place<'a> {
+    /// A pod of the harness's clusters.
+    pub fn of(pod: &'a Pod) -> Place<'a> {
+        Place {
+            netns: pod.netns(),
+            v4: pod.v4().expect("the pod's IPv4 address"),
+            v6: pod.v6(),
+        }
+    }
+}
+
 /// Who takes part in the paths.
 pub struct Ends<'a> {
-    /// The VM's addresses, IPv4 and IPv6.
-    pub vm: (IpAddr, IpAddr),
-    /// A pod on the source node, one on the target node, one on a third.
-    pub pods: [&'a Pod; 3],
-    /// The nodes' underlay addresses (NodePort entries), in the order of
+    /// The VM's addresses: IPv4, and IPv6 if it has one.
+    pub vm: (IpAddr, Option<IpAddr>),
+    /// A pod on the source node, one on the target node, one on a third
+    /// (None: the cluster has two nodes).
+    pub pods: [Option<Place<'a>>; 3],
+    /// The nodes' IPv4 addresses (NodePort entries), in the order of
     /// `pods`: source, target, third.
-    pub nodes: [&'a Underlay; 3],
+    pub nodes: [Option<IpAddr>; 3],
     /// The host outside the cluster.
-    pub outside: &'a Outside,
+    pub outside: Place<'a>,
+    /// The pod the VM opens its connection to (a pod on the third node,
+    /// or on any other than the VM's).
+    pub peer: Place<'a>,
     /// The kube-proxy paths' Services, if the cluster runs kube-proxy,
-    /// with the two backend pods.
-    pub services: Option<(&'a Services, [&'a Pod; 2])>,
+    /// with the netns of each of the backends.
+    pub services: Option<(&'a Services, Vec<&'a Netns>)>,
+}
+
+/// A guest the paths can start `tether-echo` in and read the console of:
+/// the harness's QEMU guests, and KubeVirt's.
+pub trait GuestShell {
+    /// Runs a shell command in the guest (it backgrounds what it starts);
+    /// panics if it cannot.
+    fn run_ok(&self, command: &str) -> String;
+    /// How many console lines there are so far.
+    fn mark(&self) -> usize;
+    /// Waits up to `limit` for a console line after `mark` that starts
+    /// with `prefix`; panics if none comes.
+    fn wait_line_after(&self, prefix: &str, mark: usize, limit: Duration) -> (usize, String);
+    /// The console so far, for a failure's message.
+    fn console_text(&self) -> String;
+}
+
+impl GuestShell for Guest {
+    fn run_ok(&self, command: &str) -> String {
+        Guest::run_ok(self, command)
+    }
+    fn mark(&self) -> usize {
+        Guest::mark(self)
+    }
+    fn wait_line_after(&self, prefix: &str, mark: usize, limit: Duration) -> (usize, String) {
+        Guest::wait_line_after(self, prefix, mark, limit)
+    }
+    fn console_text(&self) -> String {
+        Guest::console_text(self)
+    }
 }
 
 /// The streams of every path, started together.
@@ -289,54 +363,43 @@ impl PathSet {
     /// Starts the guest's echoes and a stream for every path of `ends`,
     /// each sending every `interval`, and waits until every stream has
     /// echoes; panics naming the streams that never did.
-    pub fn start(guest: &Guest, ends: &Ends, interval: Duration) -> PathSet {
+    pub fn start(guest: &dyn GuestShell, ends: &Ends, interval: Duration) -> PathSet {
         let mut set = PathSet::default();
-        let (v4, v6) = ends.vm;
+        let vms: Vec<IpAddr> = std::iter::once(ends.vm.0).chain(ends.vm.1).collect();
         start_listeners(guest);
         for (i, pod) in ends.pods.iter().enumerate() {
-            for vm in [v4, v6] {
+            let Some(pod) = pod else { continue };
+            for vm in &vms {
                 for (proto, port) in [(Proto::Tcp, VM_TCP), (Proto::Udp, VM_UDP)] {
-                    let name = format!("pod@{} -> VM {}", ROLES[i], family(vm));
+                    let name = format!("pod@{} -> VM {}", ROLES[i], family(*vm));
                     set.streams.push(Stream::connect(
-                        pod.netns(),
+                        pod.netns,
                         &name,
                         proto,
-                        SocketAddr::new(vm, port),
+                        SocketAddr::new(*vm, port),
                         interval,
                     ));
                 }
             }
         }
         // The VM opens these: listeners first, then the guest's connectors.
-        let out = ends.outside;
-        let third = ends.pods[2];
         let mut connectors = Vec::new();
-        for (far, ns, name, port) in [
-            (
-                IpAddr::V4(out.underlay.v4),
-                out.netns(),
-                "VM -> outside v4",
-                OUTSIDE_PORT,
-            ),
-            (
-                IpAddr::V6(out.underlay.v6),
-                out.netns(),
-                "VM -> outside v6",
-                OUTSIDE_PORT,
-            ),
-            (
-                third.v4().expect("IPv4"),
-                third.netns(),
-                "VM -> pod@third v4",
-                POD_PORT,
-            ),
-            (
-                third.v6().expect("IPv6"),
-                third.netns(),
-                "VM -> pod@third v6",
-                POD_PORT,
-            ),
+        let mut far_ends = Vec::new();
+        for (place, what, port) in [
+            (ends.outside, "outside", OUTSIDE_PORT),
+            (ends.peer, "pod", POD_PORT),
         ] {
+            let has_v6 = ends.vm.1.is_some();
+            for far in std::iter::once(place.v4).chain(place.v6.filter(|_| has_v6)) {
+                far_ends.push((
+                    place.netns,
+                    format!("VM -> {what} {}", family(far)),
+                    far,
+                    port,
+                ));
+            }
+        }
+        for (ns, name, far, port) in far_ends {
             let port = if far.is_ipv6() {
                 port + V6_OFFSET
             } else {
@@ -344,36 +407,46 @@ impl PathSet {
             };
             for proto in [Proto::Tcp, Proto::Udp] {
                 set.streams
-                    .push(Stream::listen(ns, name, proto, far, port, interval));
+                    .push(Stream::listen(ns, &name, proto, far, port, interval));
                 connectors.push(connector(proto, far, port));
             }
         }
-        if let Some((svc, backends)) = ends.services {
+        if let Some((svc, backends)) = &ends.services {
             let (tcp_np, udp_np) = svc.vm_node_ports;
-            for (proto, port) in [(Proto::Tcp, VM_TCP), (Proto::Udp, VM_UDP)] {
-                set.streams.push(Stream::connect(
-                    ends.pods[2].netns(),
-                    "pod@third -> ClusterIP -> VM",
-                    proto,
-                    SocketAddr::new(svc.vm_cluster_ip, port),
-                    interval,
-                ));
-            }
-            for (i, node) in ends.nodes.iter().enumerate() {
-                for (proto, port) in [(Proto::Tcp, tcp_np), (Proto::Udp, udp_np)] {
+            // The ClusterIP's client: the pod on the third node (or on the
+            // last node there is).
+            if let Some((i, client)) = ends
+                .pods
+                .iter()
+                .enumerate()
+                .rev()
+                .find_map(|(i, p)| Some((i, (*p)?)))
+            {
+                for (proto, port) in [(Proto::Tcp, VM_TCP), (Proto::Udp, VM_UDP)] {
                     set.streams.push(Stream::connect(
-                        out.netns(),
-                        &format!("outside -> NodePort@{} -> VM", ROLES[i]),
+                        client.netns,
+                        &format!("pod@{} -> ClusterIP -> VM", ROLES[i]),
                         proto,
-                        SocketAddr::new(IpAddr::V4(node.v4), port),
+                        SocketAddr::new(svc.vm_cluster_ip, port),
                         interval,
                     ));
                 }
             }
-            let nss: Vec<&Netns> = backends.iter().map(|p| p.netns()).collect();
+            for (i, node) in ends.nodes.iter().enumerate() {
+                let Some(node) = node else { continue };
+                for (proto, port) in [(Proto::Tcp, tcp_np), (Proto::Udp, udp_np)] {
+                    set.streams.push(Stream::connect(
+                        ends.outside.netns,
+                        &format!("outside -> NodePort@{} -> VM", ROLES[i]),
+                        proto,
+                        SocketAddr::new(*node, port),
+                        interval,
+                    ));
+                }
+            }
             for proto in [Proto::Tcp, Proto::Udp] {
                 set.streams.push(Stream::listen_any(
-                    &nss,
+                    backends,
                     "VM -> ClusterIP -> pods",
                     proto,
                     svc.backend_cluster_ip,
@@ -406,7 +479,7 @@ impl PathSet {
 
 /// Starts the guest's two listeners ([`VM_TCP`], [`VM_UDP`]), ending any
 /// `tether-echo` of an earlier run first, and waits until they listen.
-pub fn start_listeners(guest: &Guest) {
+pub fn start_listeners(guest: &dyn GuestShell) {
     let mark = guest.mark();
     guest.run_ok(&format!(
         "killall -q tether-echo; tether-echo tcp-listen {VM_TCP} >/dev/console 2>&1 & \
