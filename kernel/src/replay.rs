@@ -1,5 +1,5 @@
 //! The packets a paused guest missed: held on the node the VM leaves, and
-//! sent again once it runs on the node it went to (docs/LIVE-MIGRATION.md).
+//! sent again once it runs on the node it went to (docs/user/vm-connections.md).
 //!
 //! While a migration runs, the source node keeps the last packets it sent
 //! down the source pod's veth ([`Capture`]: an `AF_PACKET` socket that sees

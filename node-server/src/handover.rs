@@ -1,7 +1,7 @@
 //! A VM's connections across its live migration: what the node the VM
 //! leaves (the source) and the node it goes to (the target) do beyond the
 //! routes, so that every connection of the VM survives the move
-//! (docs/LIVE-MIGRATION.md has the design, the measurements and the
+//! (docs/user/vm-connections.md has the design, the measurements and the
 //! limits; [`crate::kernel::handover`] and [`crate::kernel::replay`] the
 //! kernel side).
 //!
