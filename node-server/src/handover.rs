@@ -56,8 +56,8 @@ pub const GUARD_TTL: Duration = Duration::from_secs(60);
 /// source sends the VM's flows again (every [`RESEND`]).
 pub const WAITING_TTL: Duration = Duration::from_secs(10);
 /// How long a source waits for its own route to the VM to leave the
-/// source pod before it sends the held packets anyway (they then reach no
-/// one, and are counted).
+/// source pod before it sends the held packets; after that, it sends
+/// none (the move was undone, and the guest may run here still).
 pub const REROUTE_WAIT: Duration = Duration::from_secs(2);
 /// The version of the flows datagram.
 pub const FLOWS_VERSION: u32 = 1;
@@ -416,8 +416,15 @@ impl Handovers {
                     .await
                     .unwrap_or(false);
             }
-            if !local || since.elapsed() >= REROUTE_WAIT {
+            if !local {
                 break;
+            }
+            if since.elapsed() >= REROUTE_WAIT {
+                // Still routed to the pod it left: the move did not happen
+                // after all (a retracted cutover), and the guest may run
+                // here still; what it missed must not reach it twice.
+                tracing::warn!(%vm, "the VM is still routed to the pod it left: its missed packets are not sent again");
+                return;
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }

@@ -453,3 +453,55 @@ async fn a_flow_that_collides_with_one_of_the_targets_waits_for_the_cutover() {
     );
     assert_eq!(b.stats().flows_replaced, 1);
 }
+
+#[tokio::test]
+async fn a_move_undone_before_the_source_rerouted_sends_nothing_again() {
+    let ka = Arc::new(FakeHandover::default());
+    let a = Arc::new(Handovers::new("node-a", ka.clone()));
+    let side_a = Arc::new(Side {
+        me: node("node-a", 1, "10.77.0.21"),
+        local: vec![attachment("src")],
+        sent: Mutex::default(),
+    });
+    let src = attachment("src");
+    let tap = (
+        src.netns.clone().into(),
+        "tap0".to_owned(),
+        src.host_ifname.clone(),
+    );
+    ka.with(|s| {
+        s.taps.insert(
+            tap.clone(),
+            TapCounters {
+                sent: 100,
+                read: 100,
+            },
+        );
+        s.captured.insert(src.host_ifname.clone(), Vec::new());
+        // The VM stays routed to the source pod throughout.
+        s.routed.insert(ip(VM), src.host_ifname.clone());
+    });
+    a.sync(&side_a, &view(false)).await;
+    ka.with(|s| {
+        s.captured.insert(
+            src.host_ifname.clone(),
+            (0..5u8).map(|i| vec![0x45, i]).collect(),
+        );
+        s.taps.insert(
+            tap.clone(),
+            TapCounters {
+                sent: 105,
+                read: 100,
+            },
+        );
+    });
+    // A cutover the source began to follow, then undone (a retraction):
+    // the route never left the source pod, where the guest may run still.
+    a.before_reroute(&view(true)).await;
+    tokio::time::sleep(REROUTE_WAIT + Duration::from_millis(300)).await;
+    assert!(
+        ka.state().replayed.is_empty(),
+        "nothing sent again to a guest that may run here"
+    );
+    assert_eq!(a.stats().replayed, 0);
+}
