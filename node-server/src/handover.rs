@@ -344,7 +344,11 @@ impl Handovers {
             _ => None,
         };
         let (tx, rx) = mpsc::unbounded_channel();
-        lock(&self.state).leaving.insert(
+        let mut st = lock(&self.state);
+        // Whatever it found when it came here last is over: should it
+        // come back, it arrives anew.
+        st.arriving.remove(&key);
+        st.leaving.insert(
             key.clone(),
             Leaving {
                 to: to.clone(),
@@ -354,6 +358,7 @@ impl Handovers {
                 events: tx,
             },
         );
+        drop(st);
         tracing::info!(vm = %key, %to, holding = held.is_some(), "the VM is moving: its flows go to the target");
         let this = self.clone();
         let side = side.clone();

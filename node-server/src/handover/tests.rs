@@ -505,3 +505,34 @@ async fn a_move_undone_before_the_source_rerouted_sends_nothing_again() {
     );
     assert_eq!(a.stats().replayed, 0);
 }
+
+#[tokio::test]
+async fn a_vm_that_leaves_the_node_it_came_to_arrives_anew_when_it_comes_back() {
+    let kb = Arc::new(FakeHandover::default());
+    let b = Arc::new(Handovers::new("node-b", kb.clone()));
+    let side_b = Arc::new(Side {
+        me: node("node-b", 2, "10.77.0.22"),
+        local: vec![attachment("dst")],
+        sent: Mutex::default(),
+    });
+    b.arrived(side_b.cluster(), &vm_key(), &[ip(VM)]).await;
+    assert!(lock(&b.state).arriving[&vm_key()].arrived);
+    // It moves on, to a new pod on node-a placed after its cutover here.
+    let mut back = view(true);
+    if let Some((rec, _)) = back.records.get_mut(&vm_key()) {
+        rec.alternate = Some(pod("node-a", "again", 3_000));
+        rec.last_cutover = Some(crate::vm::CutoverInfo {
+            trigger: crate::vm::Trigger::Rarp,
+            from_node: Some("node-a".into()),
+            to_node: "node-b".into(),
+            seen_unix_nanos: UnixNanos::from(UnixMillis::from_millis(2_500)),
+        });
+    }
+    b.sync(&side_b, &back).await;
+    let st = lock(&b.state);
+    assert!(st.leaving.contains_key(&vm_key()), "it leaves node-b");
+    assert!(
+        !st.arriving.contains_key(&vm_key()),
+        "what it found on arriving is forgotten"
+    );
+}
