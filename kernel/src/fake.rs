@@ -685,9 +685,14 @@ impl Handover for FakeHandover {
         let translated = |f: &Flow| f.source_translated() || f.destination_translated();
         let same = |f: &Flow| f.orig == made.orig && f.reply == made.reply && f.mark == made.mark;
         let outcome = if let Some(f) = st.flows.iter_mut().find(|f| same(f)) {
-            // As the kernel's: the timeout and the TCP state set anew.
+            // As the kernel's: the timeout set anew, and an opening TCP
+            // state brought forward, never back.
             f.timeout_secs = made.timeout_secs;
-            f.tcp_state = made.tcp_state;
+            if let (Some(was), Some(now)) = (f.tcp_state, made.tcp_state) {
+                if was < crate::handover::TCP_ESTABLISHED && now > was {
+                    f.tcp_state = Some(now);
+                }
+            }
             FlowCreated::Refreshed
         } else if st.flows.iter().any(clash) {
             if !replace || st.flows.iter().any(|f| clash(f) && translated(f)) {

@@ -542,6 +542,16 @@ fn tcp_info(f: &Flow) -> std::result::Result<ConntrackAttribute, i32> {
     )]))
 }
 
+/// Whether `f`, sent again, is a TCP connection that has opened since
+/// `held` (the same flow, here) was made: `held` is still opening and `f`
+/// is further on.
+fn opened_since(held: &Flow, f: &Flow) -> bool {
+    match (held.tcp_state, f.tcp_state) {
+        (Some(was), Some(now)) => was < crate::handover::TCP_ESTABLISHED && now > was,
+        _ => false,
+    }
+}
+
 /// Creates `f` (see [`Handover::create_flow`]).
 fn create(s: &mut NfSocket, f: &Flow, replace: Replace) -> std::result::Result<FlowCreated, i32> {
     let family = nfproto(f.orig.src.ip());
@@ -580,10 +590,12 @@ fn create(s: &mut NfSocket, f: &Flow, replace: Replace) -> std::result::Result<F
     }
     // The same flow, made earlier (a source sends a moving VM's flows
     // again and again while it moves): its timeout is set anew, so that a
-    // flow idle here until the cutover does not expire first, and its TCP
-    // state with it: a connection first sent while it was being opened
-    // (SYN_SENT) has opened since, and left at its first state here, it
-    // would have every packet of its after the cutover taken as invalid.
+    // flow idle here until the cutover does not expire first. A TCP state
+    // is brought forward only from an opening one (SYN_SENT, SYN_RECV): a
+    // connection first sent while it was being opened has opened since,
+    // and left at its first state here, every packet of it after the
+    // cutover would be invalid. A state this node's own packets moved on
+    // (a flow of a pod here) is never set back to the source's older view.
     let reply = if f.destination_translated() || f.source_translated() {
         f.reply
     } else {
@@ -596,7 +608,7 @@ fn create(s: &mut NfSocket, f: &Flow, replace: Replace) -> std::result::Result<F
                     ConntrackAttribute::CtaTupleOrig(tuple(f.proto, &f.orig)),
                     ConntrackAttribute::CtaTimeout(f.timeout_secs.max(1)),
                 ];
-                if f.proto == TCP {
+                if opened_since(&h, f) {
                     update.push(tcp_info(f)?);
                 }
                 let update = ConntrackMessage::New(update);

@@ -130,9 +130,10 @@ fn flows_go_into_conntrack_with_their_translation_and_come_back_out() {
         assert_eq!(read6.len(), 1);
         assert_eq!(read6[0].orig, v6.orig);
 
-        // Creating the same flow again sets its timeout and its TCP state
-        // anew: a connection sent while it was being opened has opened
-        // since (left SYN_SENT here, its packets would be invalid).
+        // Creating the same flow again sets its timeout anew, and brings an
+        // opening TCP state forward: a connection sent while it was being
+        // opened has opened since (left SYN_SENT here, its packets would
+        // be invalid). An established one is never set back.
         let mut opening = anchored.clone();
         opening.orig.src.set_port(40002);
         opening.reply.dst.set_port(40002);
@@ -148,6 +149,18 @@ fn flows_go_into_conntrack_with_their_translation_and_come_back_out() {
         };
         let read = h.flows_of(vm.parse().unwrap()).await.unwrap();
         assert_eq!(state_of(&read, opening.orig).0, Some(TCP_SYN_SENT));
+        let mut stale = anchored.clone();
+        stale.tcp_state = Some(TCP_SYN_SENT);
+        assert_eq!(
+            h.create_flow(&stale, false).await.unwrap(),
+            FlowCreated::Refreshed
+        );
+        let read = h.flows_of(vm.parse().unwrap()).await.unwrap();
+        assert_eq!(
+            state_of(&read, anchored.orig).0,
+            Some(TCP_ESTABLISHED),
+            "an established flow is never set back"
+        );
         for f in [&opening, &anchored] {
             let mut later = f.clone();
             later.tcp_state = Some(TCP_ESTABLISHED);
