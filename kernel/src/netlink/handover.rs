@@ -527,19 +527,56 @@ fn entry_holding(
     }
 }
 
-/// A TCP flow's conntrack state, with both directions' window tracking
-/// liberal (a flow made here has seen none of its sequence numbers).
-fn tcp_info(f: &Flow) -> std::result::Result<ConntrackAttribute, i32> {
-    // The struct is non-exhaustive: built by parsing its two bytes.
+/// A TCP flow's conntrack state (`None`: left as it is), with both
+/// directions' window tracking made liberal: a flow made here has seen
+/// none of its sequence numbers, and one this node tracked before (the
+/// VM ran here, left, and comes back) has seen only old ones.
+fn tcp_info(state: Option<u8>) -> std::result::Result<ConntrackAttribute, i32> {
+    // The struct is non-exhaustive: built by parsing its two bytes (the
+    // flags, and the mask of those to set).
     let liberal =
         TCPFlags::parse(&[TCP_FLAG_BE_LIBERAL, TCP_FLAG_BE_LIBERAL]).map_err(|_| libc::EINVAL)?;
-    Ok(ConntrackAttribute::CtaProtoInfo(vec![ProtoInfo::TCP(
-        vec![
-            ProtoInfoTCP::State(f.tcp_state.unwrap_or(crate::handover::TCP_ESTABLISHED)),
-            ProtoInfoTCP::OriginalFlags(liberal.clone()),
-            ProtoInfoTCP::ReplyFlags(liberal),
-        ],
-    )]))
+    let mut info = Vec::with_capacity(3);
+    if let Some(state) = state {
+        info.push(ProtoInfoTCP::State(state));
+    }
+    info.push(ProtoInfoTCP::OriginalFlags(liberal.clone()));
+    info.push(ProtoInfoTCP::ReplyFlags(liberal));
+    Ok(ConntrackAttribute::CtaProtoInfo(vec![ProtoInfo::TCP(info)]))
+}
+
+/// Both directions' window-tracking flags of the TCP flow whose first
+/// direction is `ends` (for the root tests).
+#[cfg(test)]
+fn tcp_flags(s: &mut NfSocket, ends: &FlowEnds) -> std::result::Result<Option<(u8, u8)>, i32> {
+    let get = ConntrackMessage::Get(vec![ConntrackAttribute::CtaTupleOrig(tuple(TCP, ends))]);
+    let answer = match s.exchange(vec![message(nfproto(ends.src.ip()), 0, get, NLM_F_ACK)]) {
+        Ok(a) => a,
+        Err(libc::ENOENT) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut flags = (0, 0);
+    for m in answer.messages {
+        if let NetfilterMessageInner::Conntrack(ConntrackMessage::New(attrs)) = m.inner {
+            for a in attrs {
+                if let ConntrackAttribute::CtaProtoInfo(infos) = a {
+                    for info in infos {
+                        if let ProtoInfo::TCP(tcp) = info {
+                            for t in tcp {
+                                match t {
+                                    ProtoInfoTCP::OriginalFlags(f) => flags.0 = f.flags,
+                                    ProtoInfoTCP::ReplyFlags(f) => flags.1 = f.flags,
+                                    _ => {}
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            return Ok(Some(flags));
+        }
+    }
+    Ok(None)
 }
 
 /// Whether `f`, sent again, is a TCP connection that has opened since
@@ -565,7 +602,9 @@ fn create(s: &mut NfSocket, f: &Flow, replace: Replace) -> std::result::Result<F
         ConntrackAttribute::CtaMark(f.mark),
     ];
     if f.proto == TCP {
-        attrs.push(tcp_info(f)?);
+        attrs.push(tcp_info(Some(
+            f.tcp_state.unwrap_or(crate::handover::TCP_ESTABLISHED),
+        ))?);
     }
     // Made anew from the reply the flow had: the kernel computes the reply
     // of a new flow from these.
@@ -596,6 +635,10 @@ fn create(s: &mut NfSocket, f: &Flow, replace: Replace) -> std::result::Result<F
     // and left at its first state here, every packet of it after the
     // cutover would be invalid. A state this node's own packets moved on
     // (a flow of a pod here) is never set back to the source's older view.
+    // Its window tracking is made liberal: a flow this node tracked when
+    // the VM ran here before knows only sequence numbers long past, and
+    // would take every packet of it now as invalid (kube-proxy drops
+    // those).
     let reply = if f.destination_translated() || f.source_translated() {
         f.reply
     } else {
@@ -608,8 +651,10 @@ fn create(s: &mut NfSocket, f: &Flow, replace: Replace) -> std::result::Result<F
                     ConntrackAttribute::CtaTupleOrig(tuple(f.proto, &f.orig)),
                     ConntrackAttribute::CtaTimeout(f.timeout_secs.max(1)),
                 ];
-                if opened_since(&h, f) {
-                    update.push(tcp_info(f)?);
+                if f.proto == TCP {
+                    update.push(tcp_info(opened_since(&h, f).then_some(
+                        f.tcp_state.unwrap_or(crate::handover::TCP_ESTABLISHED),
+                    ))?);
                 }
                 let update = ConntrackMessage::New(update);
                 s.exchange(vec![message(family, 0, update, NLM_F_ACK)])?;
@@ -666,6 +711,16 @@ impl LinuxHandover {
             dumps,
             nf: Arc::new(Mutex::new(None)),
         }
+    }
+
+    /// Both directions' window-tracking flags of the TCP flow whose first
+    /// direction is `ends`, if it is there (for the root tests).
+    #[cfg(test)]
+    pub(crate) async fn tcp_flags_of(&self, ends: FlowEnds) -> Result<Option<(u8, u8)>> {
+        self.nf("reading a flow's TCP flags".into(), move |s| {
+            tcp_flags(s, &ends)
+        })
+        .await
     }
 
     /// Runs `work` on the netfilter socket, on the blocking pool.

@@ -177,6 +177,44 @@ fn flows_go_into_conntrack_with_their_translation_and_come_back_out() {
             assert!(t > 300, "timeout set anew: {t}");
         }
         assert_eq!(h.delete_anchored(9).await.unwrap(), 1);
+
+        // A flow this node tracked itself before (the VM ran here, left and
+        // comes back): a real connection over this netns's loopback, its
+        // window tracking strict. Sent again, it is made liberal, so that
+        // the packets of a connection that went on elsewhere are not
+        // invalid here.
+        let node = node_ns_path();
+        run_in(&node, &["ip", "link", "set", "lo", "up"]);
+        // conntrack runs in a netns only once a rule there asks for it.
+        nft("table inet ct_on {\n chain out {\n  type filter hook output priority 0;\n  ct state new accept\n }\n}\n");
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("listen");
+        let server = listener.local_addr().expect("address");
+        let client = std::net::TcpStream::connect(server).expect("connect");
+        let _accepted = listener.accept().expect("accept");
+        let back = FlowEnds {
+            src: client.local_addr().expect("address"),
+            dst: server,
+        };
+        // IP_CT_TCP_FLAG_BE_LIBERAL.
+        let liberal = 0x08;
+        let strict = h.tcp_flags_of(back).await.unwrap().expect("the flow");
+        assert_eq!(
+            (strict.0 & liberal, strict.1 & liberal),
+            (0, 0),
+            "{strict:?}"
+        );
+        let mut returning = flow(TCP, back, back.inverse(), 0);
+        returning.timeout_secs = 120;
+        assert_eq!(
+            h.create_flow(&returning, false).await.unwrap(),
+            FlowCreated::Refreshed
+        );
+        let now = h.tcp_flags_of(back).await.unwrap().expect("the flow");
+        assert_eq!(
+            (now.0 & liberal, now.1 & liberal),
+            (liberal, liberal),
+            "{now:?}"
+        );
         let mut other_mark = anchored.clone();
         other_mark.mark = anchor_mark(8);
         assert_eq!(
