@@ -5,9 +5,10 @@
 //!
 //! The Helm chart (install/helm/tether), with helm built from its Go
 //! module: `helm lint`, `helm template` of every mode (tetherd's flags,
-//! the images, the RBAC, the optional objects behind their values, what it
-//! refuses), and the plain manifests of install/manifests/ compared with
-//! the chart's output.
+//! the images, the RBAC, the optional objects behind their values, the
+//! conflist its `netconf` values make, what it refuses: misspelt keys and
+//! wrong shapes through values.schema.json), its NOTES, and the plain
+//! manifests of install/manifests/ compared with the chart's output.
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
@@ -323,6 +324,8 @@ fn helm_lint_passes_in_every_mode() {
             chart::CHART,
             "--set",
             &format!("mode={mode}"),
+            "--set",
+            "etcd.endpoints={https://10.0.0.1:2379}",
         ]);
         assert!(
             out.contains("1 chart(s) linted, 0 chart(s) failed"),
@@ -370,7 +373,7 @@ fn each_mode_renders_its_flags_and_only_flags_tetherd_knows() {
             "etcd",
             &[
                 "--store=etcd",
-                "--etcd-endpoints=https://10.0.0.1:2379,https://10.0.0.2:2379,https://10.0.0.3:2379",
+                "--etcd-endpoints=https://10.0.0.1:2379,https://10.0.0.2:2379",
                 "--etcd-ca=/etc/tether/etcd/ca.pem",
                 "--etcd-cert=/etc/tether/etcd/cert.pem",
                 "--etcd-key=/etc/tether/etcd/key.pem",
@@ -381,7 +384,10 @@ fn each_mode_renders_its_flags_and_only_flags_tetherd_knows() {
         ),
     ];
     for (mode, own) in modes {
-        let objects = chart::objects(&chart::template(&[&format!("mode={mode}")]));
+        let objects = chart::objects(&chart::template(&[
+            &format!("mode={mode}"),
+            "etcd.endpoints={https://10.0.0.1:2379,https://10.0.0.2:2379}",
+        ]));
         let args = chart::tetherd_args(&objects);
         let notices: &[&str] = if mode == "singleNode" { &[] } else { &cutover };
         let want: Vec<&str> = common
@@ -434,27 +440,161 @@ fn each_mode_renders_its_flags_and_only_flags_tetherd_knows() {
         !args.iter().any(|a| a.starts_with("--no-nat-to")),
         "{args:?}"
     );
-    let ds = chart::find(&objects, "DaemonSet", chart::RELEASE);
-    let init = &ds["spec"]["template"]["spec"]["initContainers"][0];
     assert_eq!(
-        init["env"],
-        json!([{"name": "TETHER_SOCKET", "value": "/var/run/t/tether.sock"}]),
-        "the installer writes the socket into the conflist"
+        conflist_of(&objects)["plugins"][0]["socket"],
+        "/var/run/t/tether.sock",
+        "the installer writes the daemon's socket into the conflist"
     );
 }
 
+/// The conflist the chart has the init container write
+/// (`TETHER_CONFLIST`), parsed.
+fn conflist_of(objects: &[Value]) -> Value {
+    let ds = chart::find(objects, "DaemonSet", chart::RELEASE);
+    let init = &ds["spec"]["template"]["spec"]["initContainers"][0];
+    let env = init["env"].as_array().expect("the init container's env");
+    assert_eq!(env.len(), 1, "{env:?}");
+    assert_eq!(env[0]["name"], "TETHER_CONFLIST");
+    serde_json::from_str(env[0]["value"].as_str().expect("a string"))
+        .unwrap_or_else(|e| panic!("TETHER_CONFLIST is not JSON ({e}): {}", env[0]["value"]))
+}
+
+/// The netconf comes from the chart's values: by default it is the
+/// image's conflist (install/10-tether.conflist) with the chart's socket;
+/// each `netconf` value lands in tether's entry of it; and install.sh,
+/// given it as TETHER_CONFLIST, installs exactly that file.
+#[test]
+fn the_conflist_comes_from_the_netconf_values() {
+    let image: Value = serde_json::from_slice(
+        &std::fs::read(workspace_dir().join("install").join(CONFLIST)).expect("the conflist"),
+    )
+    .expect("JSON");
+    let defaults = conflist_of(&chart::objects(&chart::template(&[])));
+    assert_eq!(
+        defaults, image,
+        "the chart's default conflist is the image's"
+    );
+    assert_conflist(defaults.to_string().as_bytes());
+
+    let objects = chart::objects(&chart::template(&[
+        "netconf.name=vms",
+        "netconf.mtu=1400",
+        "netconf.dns.nameservers={10.96.0.10}",
+        "netconf.dns.search={default.svc.cluster.local,cluster.local}",
+        "netconf.vmAddressPolicy=ephemeral",
+        "netconf.kubevirt.binding=managedTap",
+        "netconf.kubevirt.leaseSeconds=600",
+        "netconf.portmap=false",
+    ]));
+    let conf = conflist_of(&objects);
+    assert_eq!(conf["name"], "vms");
+    let plugins = conf["plugins"].as_array().expect("plugins");
+    assert_eq!(plugins.len(), 1, "no portmap: {conf}");
+    let tether = &plugins[0];
+    assert_eq!(tether["type"], "tether");
+    assert_eq!(tether["mtu"], 1400);
+    assert_eq!(
+        tether["dns"],
+        json!({"nameservers": ["10.96.0.10"], "search": ["default.svc.cluster.local", "cluster.local"]})
+    );
+    assert_eq!(tether["vmAddressPolicy"], "ephemeral");
+    assert_eq!(
+        tether["kubevirt"],
+        json!({"binding": "managedTap", "leaseSeconds": 600})
+    );
+    assert_eq!(tether["socket"], "/run/tether/tether.sock");
+    assert_conflist(conf.to_string().as_bytes());
+}
+
+#[test]
+fn install_sh_writes_tether_conflist_as_given_and_refuses_what_is_no_conflist() {
+    require_root();
+    let conf = conflist_of(&chart::objects(&chart::template(&[
+        "netconf.dns.nameservers={10.96.0.10}",
+        "netconf.kubevirt.binding=tap",
+    ])));
+    let text = conf.to_string();
+    let layout = Layout::new(true);
+    layout.run_ok(&[("TETHER_CONFLIST", &text)]);
+    let installed = listing(&layout.conf());
+    assert_eq!(names(&installed), [CONFLIST], "no temp files, nothing else");
+    assert_eq!(installed[CONFLIST].0, 0o644);
+    assert_eq!(
+        String::from_utf8_lossy(&installed[CONFLIST].1),
+        format!("{text}\n"),
+        "TETHER_CONFLIST installed as given"
+    );
+    assert_eq!(names(&listing(&layout.bin())), ["portmap", "tether"]);
+
+    for (env, says) in [
+        (vec![("TETHER_CONFLIST", "not json")], "not a JSON object"),
+        (
+            vec![(
+                "TETHER_CONFLIST",
+                r#"{"name":"x","plugins":[{"type":"bridge"}]}"#,
+            )],
+            "no plugin of type tether",
+        ),
+        (
+            vec![
+                ("TETHER_CONFLIST", text.as_str()),
+                ("TETHER_SOCKET", "/run/x.sock"),
+            ],
+            "both set",
+        ),
+    ] {
+        let layout = Layout::new(true);
+        let out = layout.run(&env);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{env:?} was taken");
+        assert!(err.contains(says), "{env:?}: {err}");
+        for dir in [layout.bin(), layout.conf()] {
+            assert!(
+                !dir.exists() || listing(&dir).is_empty(),
+                "{env:?}: something was installed in {}",
+                dir.display()
+            );
+        }
+    }
+}
+
 /// Modes and values the chart cannot render fail `helm template` with a
-/// message that says what to do.
+/// message that says what to do: a key it does not know, or a value of
+/// the wrong shape, is refused by values.schema.json naming the key; what
+/// one value needs of another, by the templates.
 #[test]
 fn the_chart_refuses_what_it_cannot_render() {
     let helm = Helm::new();
     for (set, says) in [
+        // A misspelt key: the schema names it, instead of its being ignored.
+        (
+            "clusterCidr=10.42.0.0/16",
+            "additional properties 'clusterCidr' not allowed",
+        ),
+        (
+            "netconf.kubevirt.bindng=tap",
+            "additional properties 'bindng' not allowed",
+        ),
+        // A wrong shape: one CIDR where a list is wanted.
+        (
+            "cluster.cidrs=10.42.0.0/16",
+            "at '/cluster/cidrs': got string, want array",
+        ),
+        ("netconf.mtu=9", "at '/netconf/mtu'"),
         (
             "mode=etcdd",
-            "mode must be kubernetes, singleNode, nodeCidrs or etcd",
+            "at '/mode': value must be one of 'kubernetes', 'singleNode', 'nodeCidrs', 'etcd'",
         ),
+        (
+            "overlay=geneve",
+            "at '/overlay': value must be one of 'none', 'vxlan'",
+        ),
+        (
+            "netconf.kubevirt.binding=bridge",
+            "at '/netconf/kubevirt/binding'",
+        ),
+        // What the templates check.
         ("cluster.cidrs=null", "mode kubernetes needs cluster.cidrs"),
-        ("overlay=geneve", "overlay must be none or vxlan"),
         ("image.tag=latest", "never \"latest\""),
         (
             "migrationNetwork.enabled=true",
@@ -470,17 +610,64 @@ fn the_chart_refuses_what_it_cannot_render() {
         assert!(!out.status.success(), "{set} rendered");
         assert!(err.contains(says), "{set}: {err}");
     }
+    // etcd.endpoints has no default (no example address stands in for
+    // the cluster's own): mode etcd without them is refused.
     let out = helm.run(&[
         "template",
         chart::RELEASE,
         chart::CHART,
         "--set",
         "mode=etcd",
-        "--set",
-        "etcd.endpoints=null",
     ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("mode etcd needs etcd.endpoints"));
+}
+
+/// What `helm install` prints after the install (NOTES.txt): the checks
+/// to run, and the upgrade without a pinned tag, CRDs first.
+#[test]
+fn the_notes_say_how_to_check_the_install_and_how_to_upgrade() {
+    let helm = Helm::new();
+    for mode in ["kubernetes", "nodeCidrs", "singleNode"] {
+        let out = helm.run_ok(&[
+            "install",
+            chart::RELEASE,
+            chart::CHART,
+            "--namespace",
+            chart::NAMESPACE,
+            "--dry-run=client",
+            "--set",
+            &format!("mode={mode}"),
+        ]);
+        let notes = out
+            .split_once("NOTES:")
+            .map(|(_, n)| n)
+            .unwrap_or_else(|| panic!("no NOTES in:\n{out}"));
+        for want in [
+            format!("mode {mode}"),
+            "kubectl -n kube-system rollout status ds/tether".into(),
+            "kubectl get pod tether-check -o wide".into(),
+            "kubectl apply --server-side -f install/helm/tether/crds/".into(),
+            "helm upgrade tether install/helm/tether -n kube-system --reset-then-reuse-values"
+                .into(),
+        ] {
+            assert!(notes.contains(&want), "{mode}: no {want:?} in:\n{notes}");
+        }
+        assert!(
+            !notes.contains("image.tag"),
+            "the upgrade pins no tag:\n{notes}"
+        );
+        assert_eq!(
+            notes.contains("kubectl get tether"),
+            mode == "kubernetes",
+            "{mode}:\n{notes}"
+        );
+        assert_eq!(
+            notes.contains("UDP 9655"),
+            mode != "singleNode",
+            "{mode}: the cutover port between nodes:\n{notes}"
+        );
+    }
 }
 
 /// The chart's defaults: the versioned image used if present, what is
@@ -573,7 +760,10 @@ fn the_defaults_render_a_versioned_image_and_nothing_optional() {
                 "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]}])
     );
     // The other modes write none of it.
-    let etcd = chart::objects(&chart::template(&["mode=etcd"]));
+    let etcd = chart::objects(&chart::template(&[
+        "mode=etcd",
+        "etcd.endpoints={https://10.0.0.1:2379}",
+    ]));
     let rules = chart::find(&etcd, "ClusterRole", "tether")["rules"].to_string();
     assert!(!rules.contains("tether.dev"), "{rules}");
     assert!(!etcd
