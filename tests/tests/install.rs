@@ -743,6 +743,8 @@ fn the_defaults_render_a_versioned_image_and_nothing_optional() {
             {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
             {"apiGroups": ["k8s.cni.cncf.io"], "resources": ["ipamclaims"], "verbs": ["get", "list", "watch"]},
             {"apiGroups": ["k8s.cni.cncf.io"], "resources": ["ipamclaims/status"], "verbs": ["patch"]},
+            // Names only: a deleted VirtualMachine frees its VM's addresses.
+            {"apiGroups": ["kubevirt.io"], "resources": ["virtualmachines"], "verbs": ["list", "watch"]},
             {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
             // Mode kubernetes (the default): tether's own records.
             {"apiGroups": ["tether.dev"], "resources": ["tethernodes"], "verbs": ["get", "list", "watch", "create", "update", "delete"]},
