@@ -40,8 +40,8 @@ struct Args {
 
     /// A fixed pod CIDR for this node (single node, or CIDRs handed out by
     /// hand): give it once per family (one IPv4 and/or one IPv6), e.g.
-    /// --pod-cidr 10.244.1.0/24 --pod-cidr fd00:10:244:1::/64. Give either
-    /// --pod-cidr or --cluster-cidr.
+    /// --pod-cidr 10.244.1.0/24 --pod-cidr fd00:10:244:1::/64. Give one of
+    /// --pod-cidr, --pod-cidr-from-node or --cluster-cidr.
     #[arg(
         long = "pod-cidr",
         value_name = "CIDR",
@@ -63,7 +63,8 @@ struct Args {
     pod_cidr_from_node: bool,
 
     /// A kubeconfig for the Kubernetes API: the migration-target watch on
-    /// this node's pods, IPAMClaims, --pod-cidr-from-node, and events on
+    /// this node's pods, IPAMClaims, KubeVirt's VirtualMachines (a deleted
+    /// one's addresses are freed), --pod-cidr-from-node, and events on
     /// pods. Without it, the in-cluster service account is used when the
     /// daemon runs in a pod; with neither, the daemon runs without the API
     /// (cutovers then follow the VM's RARP and the admin call only).
