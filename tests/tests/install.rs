@@ -889,3 +889,146 @@ fn the_committed_manifests_are_the_charts_output() {
         );
     }
 }
+
+/// The README and every Markdown file under docs/, relative to the
+/// workspace.
+fn doc_files() -> Vec<String> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+            let path = e.expect("an entry").path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|x| x == "md") {
+                out.push(path);
+            }
+        }
+    }
+    let root = workspace_dir();
+    let mut files = vec![root.join("README.md")];
+    walk(&root.join("docs"), &mut files);
+    files
+        .iter()
+        .map(|p| p.strip_prefix(&root).expect("a doc").display().to_string())
+        .collect()
+}
+
+/// A shell command line's words: whitespace splits, '...' and "..." quote.
+fn shell_words(line: &str) -> Vec<String> {
+    let (mut words, mut word, mut quote, mut any) = (Vec::new(), String::new(), None, false);
+    for c in line.chars() {
+        match (quote, c) {
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), c) => word.push(c),
+            (None, '\'' | '"') => {
+                quote = Some(c);
+                any = true;
+            }
+            (None, c) if c.is_whitespace() => {
+                if any || !word.is_empty() {
+                    words.push(std::mem::take(&mut word));
+                }
+                any = false;
+            }
+            (None, c) => word.push(c),
+        }
+    }
+    if any || !word.is_empty() {
+        words.push(word);
+    }
+    words
+}
+
+/// The mode tetherd's args say: its one distinctive flag.
+fn mode_of(args: &[String]) -> Vec<&'static str> {
+    let mut modes = Vec::new();
+    for (mode, flag) in [
+        ("kubernetes", "--store=kubernetes"),
+        ("etcd", "--store=etcd"),
+        ("nodeCidrs", "--pod-cidr-from-node"),
+        ("singleNode", "--pod-cidr="),
+    ] {
+        if args.iter().any(|a| a.starts_with(flag)) {
+            modes.push(mode);
+        }
+    }
+    modes
+}
+
+/// Every `helm install` of the README and the book (the ```sh block after
+/// `<!-- helm-install: MODE -->`) installs the chart in the mode it
+/// claims: rendered with its own `--set` values, tetherd gets that mode's
+/// flags and no other's. The README carries one for each of kubernetes,
+/// nodeCidrs and etcd, the install page one for every mode.
+#[test]
+fn every_helm_install_command_of_the_docs_renders_the_mode_it_claims() {
+    let tag = "<!-- helm-install:";
+    let mut seen: Vec<(String, String)> = Vec::new();
+    for file in doc_files() {
+        let text = std::fs::read_to_string(workspace_dir().join(&file)).expect("a doc");
+        let lines: Vec<&str> = text.lines().collect();
+        for (n, line) in lines.iter().enumerate() {
+            let Some(rest) = line.trim().strip_prefix(tag) else {
+                continue;
+            };
+            let mode = rest.trim_end_matches("-->").trim().to_string();
+            let at = format!("{file}:{}", n + 1);
+            assert_eq!(lines.get(n + 1).map(|l| l.trim()), Some("```sh"), "{at}");
+            let block: Vec<&str> = lines[n + 2..]
+                .iter()
+                .copied()
+                .take_while(|l| l.trim() != "```")
+                .collect();
+            let joined = block.join("\n").replace("\\\n", " ");
+            let commands: Vec<&str> = joined
+                .lines()
+                .map(str::trim)
+                .filter(|l| l.starts_with("helm install "))
+                .collect();
+            assert_eq!(
+                commands.len(),
+                1,
+                "{at}: one `helm install` wanted: {block:?}"
+            );
+            let words = shell_words(commands[0]);
+            assert_eq!(
+                words[..4],
+                ["helm", "install", chart::RELEASE, chart::CHART],
+                "{at}: {words:?}"
+            );
+            let mut sets = Vec::new();
+            let mut namespace = None;
+            let mut rest = words[4..].iter();
+            while let Some(w) = rest.next() {
+                match w.as_str() {
+                    "--set" => sets.push(rest.next().expect("a --set value").clone()),
+                    "--namespace" | "-n" => namespace = rest.next().cloned(),
+                    other => panic!("{at}: a word the test does not know: {other}"),
+                }
+            }
+            assert_eq!(namespace.as_deref(), Some(chart::NAMESPACE), "{at}");
+            let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+            let objects = chart::objects(&chart::template(&sets));
+            let args = chart::tetherd_args(&objects);
+            assert_eq!(
+                mode_of(&args),
+                [mode.as_str()],
+                "{at}: the command claims mode {mode}; tetherd gets {args:?}"
+            );
+            seen.push((file.clone(), mode));
+        }
+    }
+    for (file, modes) in [
+        ("README.md", &["kubernetes", "nodeCidrs", "etcd"][..]),
+        (
+            "docs/user/install.md",
+            &["kubernetes", "nodeCidrs", "etcd", "singleNode"][..],
+        ),
+    ] {
+        for mode in modes {
+            assert!(
+                seen.iter().any(|(f, m)| f == file && m == mode),
+                "{file} has no `helm install` for mode {mode}: {seen:?}"
+            );
+        }
+    }
+}

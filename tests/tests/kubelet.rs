@@ -580,7 +580,7 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     );
     eprintln!("step 6: helm upgrade to {v2}; pods kept, e's DEL not lost, files kept");
 
-    // 7. Uninstall: the pods go first (as the README says), then
+    // 7. Uninstall: the pods go first (as docs/user/upgrade.md says), then
     //    `helm uninstall`; the DaemonSet's removal takes the conflist, the
     //    plugin and the NAT table off the node, which goes NotReady, and a
     //    new pod waits for a network instead of failing in tether.
