@@ -29,6 +29,7 @@ iproute2                     demo
 iputils-ping                 demo
 util-linux                   demo
 iptables                     test
+conntrack                    test
 nftables                     demo
 containernetworking-plugins  test
 containerd                   test
@@ -61,6 +62,8 @@ sockperf                     test
 #   QEMU as uid 107 in a private mount namespace; nsenter (podman's netns,
 #   plugins run inside the node netns)
 # iptables: reading portmap's DNAT rules in the chaining test
+# conntrack: what a failing VM-connections test prints of each node's
+#   connection tracking (tests/tests/vm_connections.rs)
 # nftables: the `nft` command, through which tetherd programs outbound NAT
 #   (its table `inet tether`) in every node netns of every suite and of the
 #   demo, and which tests/tests/nat.rs reads the table with. Debian ships its

@@ -18,6 +18,8 @@ use async_trait::async_trait;
 use ipnet::IpNet;
 use tokio::sync::mpsc;
 
+use super::handover::{Flow, FlowCreated, FlowEnds, Handover, Held, TapCounters};
+use super::replay::Replayed;
 use super::{
     Announcement, Announcements, ClusterRoute, GuestDhcp, GuestLease, Host, HostRoute, Kernel,
     NatPlan, NodeRoutes, PodNetns, PodWiring, Synced, Veths, VxlanConfig, VxlanPeer,
@@ -109,6 +111,7 @@ struct State {
 #[derive(Debug, Clone, Default)]
 pub struct FakeKernel {
     state: Arc<Mutex<State>>,
+    handover: Arc<FakeHandover>,
 }
 
 fn host_net(ip: IpAddr) -> IpNet {
@@ -599,6 +602,230 @@ impl Kernel for FakeKernel {
     fn second_socket(&self) -> Result<Arc<dyn Kernel>> {
         Ok(Arc::new(self.clone()))
     }
+
+    fn handover(&self) -> Arc<dyn Handover> {
+        self.handover.clone()
+    }
+}
+
+impl FakeKernel {
+    /// The fake handover every handle of this kernel shares.
+    pub fn fake_handover(&self) -> Arc<FakeHandover> {
+        self.handover.clone()
+    }
+}
+
+/// The handover's kernel side as a test double (see the module doc): a
+/// conntrack table the test plants flows in and reads created ones from,
+/// the guarded addresses and the anchors as plain values, taps whose
+/// counters and captures the test sets, and the packets sent again. It
+/// cannot show that the kernel takes the messages or that a packet is
+/// forwarded: the root suites of `netlink::handover` and the VM suites do.
+#[derive(Debug, Default)]
+pub struct FakeHandover {
+    state: Arc<Mutex<FakeHandoverState>>,
+}
+
+/// What the fake handover holds.
+#[derive(Debug, Default, Clone)]
+pub struct FakeHandoverState {
+    /// The conntrack table.
+    pub flows: Vec<Flow>,
+    /// Guarded addresses.
+    pub moved: BTreeSet<IpAddr>,
+    /// Anchors and their next hops.
+    pub anchors: BTreeMap<u16, Vec<ClusterRoute>>,
+    /// Flows made again by pinning.
+    pub pinned: Vec<Flow>,
+    /// Directions passed untracked.
+    pub translated_back: Vec<(u8, FlowEnds)>,
+    /// Tap counters by (netns, tap, veth).
+    pub taps: BTreeMap<(PathBuf, String, String), TapCounters>,
+    /// What a capture on a veth holds, oldest first.
+    pub captured: BTreeMap<String, Vec<Vec<u8>>>,
+    /// Veths some address is routed to.
+    pub routed: BTreeMap<IpAddr, String>,
+    /// Packets sent again, in order.
+    pub replayed: Vec<Vec<u8>>,
+    /// Creations by outcome, in order.
+    pub created: Vec<(Flow, FlowCreated)>,
+}
+
+impl FakeHandover {
+    /// What it holds now.
+    pub fn state(&self) -> FakeHandoverState {
+        lock(&self.state).clone()
+    }
+
+    /// Changes what it holds.
+    pub fn with<R>(&self, f: impl FnOnce(&mut FakeHandoverState) -> R) -> R {
+        f(&mut lock(&self.state))
+    }
+}
+
+fn holds(f: &Flow, ends: &FlowEnds) -> bool {
+    f.orig == *ends || f.reply == *ends
+}
+
+#[async_trait]
+impl Handover for FakeHandover {
+    async fn flows_of(&self, ip: IpAddr) -> Result<Vec<Flow>> {
+        Ok(lock(&self.state)
+            .flows
+            .iter()
+            .filter(|f| f.orig.src.ip() == ip || f.reply.src.ip() == ip)
+            .cloned()
+            .collect())
+    }
+
+    async fn create_flow(&self, flow: &Flow, replace: bool) -> Result<FlowCreated> {
+        let mut st = lock(&self.state);
+        let made = flow.clone();
+        let clash = |f: &Flow| holds(f, &made.orig) || holds(f, &made.reply);
+        let translated = |f: &Flow| f.source_translated() || f.destination_translated();
+        let outcome = if st.flows.iter().any(|f| {
+            *f == made || (f.orig == made.orig && f.reply == made.reply && f.mark == made.mark)
+        }) {
+            FlowCreated::Refreshed
+        } else if st.flows.iter().any(clash) {
+            if !replace || st.flows.iter().any(|f| clash(f) && translated(f)) {
+                FlowCreated::Exists
+            } else {
+                st.flows.retain(|f| !clash(f));
+                st.flows.push(made.clone());
+                FlowCreated::Replaced
+            }
+        } else {
+            st.flows.push(made.clone());
+            FlowCreated::Created
+        };
+        st.created.push((made, outcome));
+        Ok(outcome)
+    }
+
+    async fn pin_translations(&self, vm: &[IpAddr]) -> Result<u32> {
+        let mut st = lock(&self.state);
+        let pinned: Vec<Flow> = st
+            .flows
+            .iter()
+            .filter(|f| {
+                vm.contains(&f.reply.src.ip())
+                    && !vm.contains(&f.orig.src.ip())
+                    && f.source_translated()
+            })
+            .cloned()
+            .collect();
+        let n = pinned.len() as u32;
+        st.pinned.extend(pinned);
+        Ok(n)
+    }
+
+    async fn count_anchored(&self, id: u16) -> Result<u32> {
+        Ok(lock(&self.state)
+            .flows
+            .iter()
+            .filter(|f| f.anchor() == Some(id))
+            .count() as u32)
+    }
+
+    async fn delete_anchored(&self, id: u16) -> Result<u32> {
+        let mut st = lock(&self.state);
+        let before = st.flows.len();
+        st.flows.retain(|f| f.anchor() != Some(id));
+        Ok((before - st.flows.len()) as u32)
+    }
+
+    async fn ensure_anchor(&self, id: u16, via: &[ClusterRoute]) -> Result<()> {
+        lock(&self.state).anchors.insert(id, via.to_vec());
+        Ok(())
+    }
+
+    async fn remove_anchor(&self, id: u16) -> Result<()> {
+        lock(&self.state).anchors.remove(&id);
+        Ok(())
+    }
+
+    async fn anchors(&self) -> Result<Vec<u16>> {
+        Ok(lock(&self.state).anchors.keys().copied().collect())
+    }
+
+    async fn guard_moved(&self, vm: &[IpAddr], _ttl: std::time::Duration) -> Result<()> {
+        lock(&self.state).moved.extend(vm.iter().copied());
+        Ok(())
+    }
+
+    async fn pass_translated_back(
+        &self,
+        directions: &[(u8, FlowEnds)],
+        _ttl: std::time::Duration,
+    ) -> Result<()> {
+        let mut st = lock(&self.state);
+        for d in directions {
+            if !st.translated_back.contains(d) {
+                st.translated_back.push(*d);
+            }
+        }
+        Ok(())
+    }
+
+    async fn capture(&self, host_ifname: &str) -> Result<Box<dyn Held>> {
+        Ok(Box::new(FakeCapture {
+            state: self.state.clone(),
+            veth: host_ifname.to_owned(),
+        }))
+    }
+
+    async fn tap_counters(
+        &self,
+        netns: &Path,
+        tap: &str,
+        host_ifname: &str,
+    ) -> Result<TapCounters> {
+        let key = (netns.to_owned(), tap.to_owned(), host_ifname.to_owned());
+        lock(&self.state).taps.get(&key).copied().ok_or_else(|| {
+            KernelError::refused(
+                format!("reading {tap}'s counters"),
+                "no such tap".to_string(),
+            )
+        })
+    }
+
+    async fn routes_to_link(&self, ip: IpAddr, host_ifname: &str) -> Result<bool> {
+        Ok(lock(&self.state)
+            .routed
+            .get(&ip)
+            .is_some_and(|v| v == host_ifname))
+    }
+
+    async fn replay(&self, packets: Vec<Vec<u8>>) -> Result<Replayed> {
+        let n = packets.len() as u32;
+        lock(&self.state).replayed.extend(packets);
+        Ok(Replayed {
+            sent: n,
+            skipped: 0,
+        })
+    }
+}
+
+/// A capture as the test fills it ([`FakeHandoverState::captured`]).
+struct FakeCapture {
+    state: Arc<Mutex<FakeHandoverState>>,
+    veth: String,
+}
+
+impl Held for FakeCapture {
+    fn seen(&self) -> u64 {
+        lock(&self.state)
+            .captured
+            .get(&self.veth)
+            .map_or(0, |c| c.len() as u64)
+    }
+
+    fn last(&self, n: usize) -> Vec<Vec<u8>> {
+        let st = lock(&self.state);
+        let all = st.captured.get(&self.veth).cloned().unwrap_or_default();
+        all[all.len().saturating_sub(n)..].to_vec()
+    }
 }
 
 /// The fake node: a boot id the test sets, forwarding as a flag,
@@ -619,6 +846,8 @@ pub struct FakeHost {
     no_packet_sockets: Mutex<bool>,
     /// The guest DHCP service, shared with every node opened on this host.
     dhcp: Arc<FakeDhcp>,
+    /// How many times the handover table was written.
+    handover_tables: Mutex<usize>,
 }
 
 /// The fake guest DHCP service: what is served where, and the router
@@ -679,6 +908,7 @@ impl Default for FakeHost {
             rx: Mutex::new(Some(rx)),
             no_packet_sockets: Mutex::new(false),
             dhcp: Arc::default(),
+            handover_tables: Mutex::new(0),
         }
     }
 }
@@ -729,6 +959,11 @@ impl FakeHost {
         *lock(&self.no_packet_sockets) = true;
     }
 
+    /// How many times the handover table was written.
+    pub fn handover_table_writes(&self) -> usize {
+        *lock(&self.handover_tables)
+    }
+
     /// Delivers an announcement to the daemon's listener.
     pub fn announce(&self, a: Announcement) {
         // The receiver is gone only when no listener runs any more.
@@ -771,6 +1006,11 @@ impl Host for FakeHost {
 
     fn remove_outbound_nat(&self) -> Result<()> {
         self.write_nat(None)
+    }
+
+    fn ensure_handover_table(&self) -> Result<()> {
+        *lock(&self.handover_tables) += 1;
+        Ok(())
     }
 }
 

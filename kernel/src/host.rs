@@ -77,6 +77,13 @@ impl Host for LinuxHost {
             "removing outbound NAT (nft table inet tether)",
         )
     }
+
+    fn ensure_handover_table(&self) -> Result<()> {
+        run_nft(
+            &super::handover::handover_script(),
+            "programming the migration handover (nft table inet tether_vm)",
+        )
+    }
 }
 
 /// Runs `nft -f -` with `script` on stdin, in the daemon's netns (a child

@@ -17,10 +17,12 @@
 
 pub mod error;
 pub mod fake;
+pub mod handover;
 pub mod host;
 pub mod nat;
 pub mod netlink;
 pub mod packet;
+pub mod replay;
 
 use std::fs::File;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -32,6 +34,7 @@ use ipnet::IpNet;
 
 use crate::error::Result;
 pub use error::{Cause, KernelError};
+pub use handover::{Flow, FlowCreated, FlowEnds, Handover, Held, TapCounters};
 pub use host::LinuxHost;
 pub use nat::NatPlan;
 pub use packet::{AnnounceKind, Announcement};
@@ -326,6 +329,9 @@ pub trait Kernel: Veths + NodeRoutes {
     /// background work (batched veth deletion) that must not hold up the
     /// requests behind it.
     fn second_socket(&self) -> Result<Arc<dyn Kernel>>;
+
+    /// The handover of migrating VMs' connections ([`handover`]).
+    fn handover(&self) -> Arc<dyn Handover>;
 }
 
 /// The node outside its network objects.
@@ -351,6 +357,10 @@ pub trait Host: Send + Sync {
 
     /// Removes tether's nftables table; no table is success.
     fn remove_outbound_nat(&self) -> Result<()>;
+
+    /// Writes the migration handover's nftables table anew
+    /// ([`handover::handover_script`]).
+    fn ensure_handover_table(&self) -> Result<()>;
 }
 
 /// Counters of the guest DHCP service since the daemon started.

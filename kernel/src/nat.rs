@@ -16,6 +16,13 @@ pub const NAT_TABLE_FAMILY: &str = "inet";
 /// The name of tether's table (`nft list table inet tether`).
 pub const NAT_TABLE: &str = "tether";
 
+/// The packet mark of a packet tether leaves untranslated: one a migrated
+/// VM sends in the middle of a connection whose translation, if any, is
+/// elsewhere (the handover's rules set it), and one sent again after a
+/// migration (made untracked). Bit 31, in the half of the mark tether
+/// owns (kube-proxy uses `0x4000` and `0x8000`).
+pub const NO_TRANSLATION_MARK: u32 = 0x8000_0000;
+
 /// Multicast ranges: never masqueraded (a multicast packet has no reply to
 /// translate back; the reference ptp plugin leaves it alone too).
 const MULTICAST: [&str; 2] = ["224.0.0.0/4", "ff00::/8"];
@@ -99,6 +106,11 @@ impl NatPlan {
         // and these also cover addresses of no range (a VM's, routed in).
         s.push_str(&format!("    oifname \"{HOST_IFNAME_PREFIX}*\" return\n"));
         s.push_str(&format!("    oifname \"{VXLAN_IFNAME}\" return\n"));
+        // A migrated VM's packet in the middle of a connection: its
+        // translation, if it has one, is on another node.
+        s.push_str(&format!(
+            "    meta mark & {NO_TRANSLATION_MARK:#x} == {NO_TRANSLATION_MARK:#x} return\n"
+        ));
         for rule in rules {
             s.push_str(&rule);
         }
@@ -181,11 +193,15 @@ mod tests {
         );
         assert!(script.contains("ip saddr @nat_sources_v4 ip daddr != @no_nat_v4 masquerade"));
         assert!(script.contains("ip6 saddr @nat_sources_v6 ip6 daddr != @no_nat_v6 masquerade"));
-        // The pod veths and the overlay come before any masquerade.
+        // The pod veths, the overlay and what is marked untranslated come
+        // before any masquerade.
         let ret = script.find("oifname \"tth*\" return").unwrap();
         let vxlan = script.find("oifname \"tether.vxlan\" return").unwrap();
+        let marked = script
+            .find("meta mark & 0x80000000 == 0x80000000 return")
+            .unwrap();
         let masq = script.find("masquerade").unwrap();
-        assert!(ret < masq && vxlan < masq, "{script}");
+        assert!(ret < masq && vxlan < masq && marked < masq, "{script}");
     }
 
     #[test]

@@ -22,6 +22,7 @@ pub mod cluster;
 pub mod dhcp;
 #[cfg(test)]
 pub(crate) mod faulty_control;
+pub mod handover;
 pub mod instance;
 pub mod kube;
 pub mod metrics;

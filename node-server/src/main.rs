@@ -218,6 +218,14 @@ struct Args {
     #[arg(long, value_name = "PORT", default_value_t = 9655)]
     cutover_port: u16,
 
+    /// When a VM leaves this node by live migration, hold the packets sent
+    /// to its guest and, after the cutover, send again those the guest
+    /// never read while QEMU paused it: they reach it late instead of
+    /// never. --migration-replay=false turns it off (the flows of the VM's
+    /// connections go to the target either way).
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
+    migration_replay: bool,
+
     /// Test hook (hidden): hold every cutover's write of the record back
     /// by this many ms after its notice went out.
     #[arg(long, hide = true, default_value_t = 0)]
@@ -521,6 +529,7 @@ async fn run(args: Args) -> Result<(), Fatal> {
     tracing::info!(?reconciled, "reconciled the kernel against the store");
     let node = Arc::new(node);
     node.set_test_cutover_commit_delay(Duration::from_millis(args.test_cutover_commit_delay_ms));
+    node.handovers().set_replay(args.migration_replay);
     node.start_vm_tasks();
     node.start_notices(args.cutover_port);
     if let Some((client, _)) = kube {

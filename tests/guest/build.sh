@@ -1,7 +1,9 @@
 #!/bin/sh
 # Builds the test guest: a Debian cloud kernel (unpacked, never installed)
-# and an initramfs of busybox-static, the virtio-net modules and dhcpcd,
-# whose init (tests/guest/init) asks for a lease with a real DHCP client.
+# and an initramfs of busybox-static, the virtio-net modules, dhcpcd and
+# tether-echo (tests/guest/echo.rs, the guest's end of the connection
+# streams, built here with rustc), whose init (tests/guest/init) asks for a
+# lease with a real DHCP client.
 # The result is cached in $TETHER_GUEST_DIR (default /var/tmp/tether-guest),
 # keyed by the kernel package version and the guest's own files; a cached
 # guest is reused at once. Prints the directory holding vmlinuz and
@@ -22,8 +24,9 @@ fi
 [ -n "$pkg" ] || { echo "build.sh: no linux-image-cloud-amd64 in apt" >&2; exit 1; }
 kver=$(apt-cache policy "$pkg" | awk '/Candidate:/ { print $2 }')
 dver=$(apt-cache policy dhcpcd-base | awk '/Candidate:/ { print $2 }')
-inputs=$(cat "$here/build.sh" "$here/init" "$here/udhcpc.script" "$here/dhcpcd.script" /bin/busybox |
-    sha256sum | cut -c1-16)
+command -v rustc >/dev/null || { echo "build.sh: no rustc on PATH (tether-echo is built with it)" >&2; exit 1; }
+inputs=$( (cat "$here/build.sh" "$here/init" "$here/udhcpc.script" "$here/dhcpcd.script" \
+    "$here/echo.rs" /bin/busybox; rustc --version) | sha256sum | cut -c1-16)
 out="$base/$pkg-$kver-$dver-$inputs"
 if [ -f "$out/done" ]; then
     echo "$out"
@@ -71,6 +74,10 @@ echo "root:x:0:" > "$root/etc/group"
 printf 'nohook resolv.conf\n' > "$root/etc/dhcpcd.conf"
 
 install -m 0755 "$here/init" "$root/init"
+# std only and statically linked (glibc's libc.a, from libc6-dev), so it
+# needs nothing in the guest.
+rustc --edition 2021 -O -C target-feature=+crt-static -C panic=abort -C strip=symbols \
+    "$here/echo.rs" -o "$root/bin/tether-echo" >&2
 install -m 0755 "$here/udhcpc.script" "$root/etc/udhcpc.script"
 install -m 0755 "$here/dhcpcd.script" "$root/etc/dhcpcd.script"
 

@@ -52,9 +52,11 @@ pub mod migration;
 mod netns;
 pub mod nodes;
 pub mod oci;
+pub mod paths;
 pub mod qemu;
 pub mod reference;
 pub mod runtime;
+pub mod streams;
 pub mod view;
 pub mod vm;
 

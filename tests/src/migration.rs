@@ -264,6 +264,7 @@ fn probe_loop(
         shared.probes().push(ProbeRecord {
             sent: Instant::now(),
             reply: None,
+            duplicates: 0,
         });
         if dest.send_to(sock, &packet).is_err() {
             // The probe stays recorded, unanswered: a path that refuses to
@@ -359,8 +360,11 @@ fn wait_for_replies(
         };
         let mut probes = shared.probes();
         if let Some(p) = probes.get_mut(seq as usize) {
-            // A duplicate reply does not move the first one.
-            p.reply.get_or_insert(at);
+            // A duplicate reply does not move the first one; it is counted.
+            match p.reply {
+                Some(_) => p.duplicates += 1,
+                None => p.reply = Some(at),
+            }
         }
     }
 }
@@ -577,6 +581,9 @@ pub struct ProbeRecord {
     pub sent: Instant,
     /// When the reply was read, however late.
     pub reply: Option<Instant>,
+    /// Replies after the first: the probe (or its reply) was delivered
+    /// more than once.
+    pub duplicates: u32,
 }
 
 impl ProbeRecord {
@@ -618,6 +625,8 @@ pub struct ProbeReport {
     /// Schedule slots skipped because the prober thread ran late; a
     /// non-zero value means the machine was too busy for the interval.
     pub skipped_slots: u64,
+    /// Replies beyond each probe's first.
+    pub duplicates: u64,
 }
 
 /// A maximal run of unanswered probes between two answered ones: an
@@ -645,6 +654,7 @@ impl ProbeReport {
     ) -> ProbeReport {
         let sent = probes.len() as u64;
         let received = probes.iter().filter(|p| p.answered()).count() as u64;
+        let duplicates = probes.iter().map(|p| u64::from(p.duplicates)).sum();
         let late = probes
             .iter()
             .filter(|p| p.reply.is_some() && !p.answered())
@@ -667,7 +677,27 @@ impl ProbeReport {
             trailing_lost,
             send_errors: tally.send_errors,
             skipped_slots: tally.skipped_slots,
+            duplicates,
         }
+    }
+
+    /// Probes sent in `from..to` that were never answered (within
+    /// [`REPLY_TIMEOUT`]).
+    pub fn lost_in(&self, from: Instant, to: Instant) -> u64 {
+        self.probes
+            .iter()
+            .filter(|p| p.sent >= from && p.sent < to && !p.answered())
+            .count() as u64
+    }
+
+    /// Of the probes sent in `from..to` and answered, the longest wait for
+    /// a reply.
+    pub fn longest_reply_in(&self, from: Instant, to: Instant) -> Option<Duration> {
+        self.probes
+            .iter()
+            .filter(|p| p.sent >= from && p.sent < to && p.answered())
+            .filter_map(|p| Some(p.reply?.duration_since(p.sent)))
+            .max()
     }
 
     /// Every loss window, in time order.
@@ -716,12 +746,13 @@ impl fmt::Display for ProbeReport {
         };
         write!(
             f,
-            "{}: sent {}, received {} ({pct:.2}%), late {}, leading lost {}, trailing lost {}, \
-             send errors {}, skipped slots {}, {} loss window(s)",
+            "{}: sent {}, received {} ({pct:.2}%), late {}, duplicates {}, leading lost {}, \
+             trailing lost {}, send errors {}, skipped slots {}, {} loss window(s)",
             self.target,
             self.sent,
             self.received,
             self.late,
+            self.duplicates,
             self.leading_lost,
             self.trailing_lost,
             self.send_errors,
@@ -932,7 +963,11 @@ mod tests {
                     'L' => Some(sent + REPLY_TIMEOUT + ms),
                     _ => None,
                 };
-                ProbeRecord { sent, reply }
+                ProbeRecord {
+                    sent,
+                    reply,
+                    duplicates: 0,
+                }
             })
             .collect();
         ProbeReport::from_records(

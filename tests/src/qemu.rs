@@ -424,6 +424,72 @@ pub struct Migration {
     pub finished: Instant,
 }
 
+/// The microseconds since the epoch at which `guest`'s QMP sent its first
+/// `event` (by then, or after a `query-status`); QMP connections keep the
+/// events they read while waiting for answers.
+pub fn event_unix_micros(guest: &Guest, event: &str) -> Option<i64> {
+    guest.qmp(|q| {
+        q.execute("query-status", json!({}));
+        q.events.iter().find(|e| e["event"] == event).and_then(|e| {
+            let t = &e["timestamp"];
+            Some(t["seconds"].as_i64()? * 1_000_000 + t["microseconds"].as_i64()?)
+        })
+    })
+}
+
+/// Forgets the events `guest`'s QMP connection has read so far (after
+/// opening it, so that it reads the next ones): call it on both guests
+/// before a migration whose [`pause`] is wanted.
+pub fn clear_events(guest: &Guest) {
+    guest.qmp(|q| {
+        q.execute("query-status", json!({}));
+        q.events.clear();
+    });
+}
+
+/// The guest's whole pause in a live migration, as the two QEMUs' events
+/// tell it: the source's `STOP` to the target's `RESUME`, both stamped by
+/// this machine's clock, as instants of this process.
+#[derive(Debug, Clone, Copy)]
+pub struct Pause {
+    /// The source QEMU stopped the guest.
+    pub stop: Instant,
+    /// The target QEMU resumed it.
+    pub resume: Instant,
+}
+
+impl Pause {
+    /// How long the guest did not run.
+    pub fn duration(&self) -> Duration {
+        self.resume.saturating_duration_since(self.stop)
+    }
+}
+
+/// The pause of the migration from `source` to `target` (see [`Pause`]);
+/// None if either event is missing.
+pub fn pause(source: &Guest, target: &Guest) -> Option<Pause> {
+    let stop = event_unix_micros(source, "STOP")?;
+    let resume = event_unix_micros(target, "RESUME")?;
+    Some(Pause {
+        stop: instant_of_unix_micros(stop),
+        resume: instant_of_unix_micros(resume),
+    })
+}
+
+/// This process's instant for a time given in µs since the epoch.
+fn instant_of_unix_micros(us: i64) -> Instant {
+    let (now, unix) = (Instant::now(), std::time::SystemTime::now());
+    let now_us = unix
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64);
+    let back = Duration::from_micros((now_us - us).unsigned_abs());
+    if us <= now_us {
+        now.checked_sub(back).unwrap_or(now)
+    } else {
+        now + back
+    }
+}
+
 /// A QMP connection.
 pub struct Qmp {
     reader: BufReader<UnixStream>,

@@ -13,6 +13,7 @@ use crate::admin::{pb, with_client};
 use crate::cluster::{ClusterNode, Pod};
 use crate::cni::CniOutput;
 use crate::netns::Netns;
+use crate::qemu::{Client, Guest, GuestOptions};
 
 /// What a virt-launcher pod's ADD says about itself.
 #[derive(Debug, Clone)]
@@ -54,6 +55,14 @@ impl VmPodSpec {
             uid: None,
             claim: None,
         }
+    }
+
+    /// A pod of the `tap` binding (`kubevirt.binding: tap` in the netconf),
+    /// whose guest runs in QEMU on the tap tether makes ([`boot_guest`]).
+    pub fn tap(namespace: &str, vm: &str, pod_name: &str) -> VmPodSpec {
+        let mut s = VmPodSpec::new(namespace, vm, pod_name);
+        s.extra_conf = vec![("kubevirt".into(), json!({"binding": "tap"}))];
+        s
     }
 
     /// The same VM's migration target pod.
@@ -117,6 +126,27 @@ impl VmPodSpec {
         }
         args
     }
+}
+
+/// The MAC KubeVirt gives a domain on the primary network: the pod
+/// interface's (`eth0`).
+pub fn pod_interface_mac(pod: &Pod) -> String {
+    let out = pod.netns().exec(&["cat", "/sys/class/net/eth0/address"]);
+    assert!(out.status.success(), "no eth0 in the pod");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// A QEMU guest on a `tap`-binding pod's `tap0`, with the pod interface's
+/// MAC (as KubeVirt gives it), leasing IPv4 with udhcpc and IPv6 with
+/// dhcpcd; a migration's target (`incoming`) listens on
+/// `migration.sock` instead of booting.
+pub fn boot_guest(pod: &Pod, incoming: bool) -> Guest {
+    let mut opts = GuestOptions::new("tap0", &pod_interface_mac(pod));
+    opts.dhcp6 = Client::Dhcpcd;
+    if incoming {
+        opts.incoming = Some("migration.sock".into());
+    }
+    Guest::start(pod.netns(), opts)
 }
 
 /// ADD of a VM pod in a new netns on `node`; the output as it is, and the

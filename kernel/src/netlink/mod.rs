@@ -12,6 +12,7 @@
 //! through a connection opened inside the pod netns by a dedicated thread
 //! (see `netns`). This module is the only place that speaks netlink.
 
+mod handover;
 mod messages;
 mod netns;
 mod overlay;
@@ -39,6 +40,7 @@ use super::{
     ROUTE_PROTOCOL,
 };
 use crate::error::{KernelError, Result};
+pub use handover::LinuxHandover;
 use messages::{errno, reason, Step, ACKED, CREATE, CREATE_ECHO, REPLACE};
 pub(super) use netns::open_netns;
 use netns::pod_interface_exists;
@@ -568,6 +570,10 @@ impl Veths for Netlink {
 impl Kernel for Netlink {
     fn second_socket(&self) -> Result<Arc<dyn Kernel>> {
         Ok(Arc::new(Netlink::connect()?))
+    }
+
+    fn handover(&self) -> Arc<dyn crate::Handover> {
+        Arc::new(LinuxHandover::new(self.handle.clone(), self.dumps.clone()))
     }
 }
 

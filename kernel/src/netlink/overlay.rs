@@ -761,7 +761,7 @@ fn is_onlink(msg: &RouteMessage) -> bool {
 
 /// RTM_GETROUTE for one address: the kernel answers with the route it
 /// would use.
-fn route_get(ip: IpAddr) -> RouteMessage {
+pub(super) fn route_get(ip: IpAddr) -> RouteMessage {
     let mut msg = RouteMessage::default();
     msg.header.address_family = family_of(ip);
     msg.header.destination_prefix_length = messages::host_prefix_len(ip);

@@ -97,6 +97,7 @@ fn open_netns_accepts_a_netns_and_refuses_other_namespaces() {
     assert!(err.to_string().contains("not a network namespace"), "{err}");
 }
 
+mod handover_tests;
 mod tap_tests;
 
 // ---------------------------------------------------------------- harness

@@ -47,6 +47,11 @@ struct ReasonLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EventLabel {
+    event: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildLabels {
     version: String,
 }
@@ -225,6 +230,27 @@ impl Collector for NodeCollector {
             "Node-side interfaces the guest DHCP service answers on.",
             i64::try_from(served).unwrap_or(i64::MAX),
         )?;
+        let h = self.node.handovers().stats();
+        let event = |e: &str| EventLabel { event: e.into() };
+        counters(
+            &mut encoder,
+            "tether_vm_handover_flows",
+            "Connections (conntrack flows) of migrating VMs, by event: sent (by a source to the target), received, created (here, for a VM that arrives), replaced (one of this node's own, at the cutover), refused (not the VM's, or from a node that is not its source), pinned (translations fixed before a reroute).",
+            &[
+                (event("sent"), h.flows_sent),
+                (event("received"), h.flows_received),
+                (event("created"), h.flows_created),
+                (event("replaced"), h.flows_replaced),
+                (event("refused"), h.flows_refused),
+                (event("pinned"), h.pinned),
+            ],
+        )?;
+        counters(
+            &mut encoder,
+            "tether_vm_replayed_packets",
+            "Packets a migrating guest missed while paused, by outcome: sent (again, to its new node) or skipped (no longer held, larger than the MTU, or not IP).",
+            &[(event("sent"), h.replayed), (event("skipped"), h.replay_skipped)],
+        )?;
         gauges(
             &mut encoder,
             "tether_build_info",
@@ -393,6 +419,14 @@ mod tests {
         );
         assert_eq!(
             value(r#"tether_dhcp_packets_dropped_total{reason="malformed"}"#),
+            Some(0.0)
+        );
+        assert_eq!(
+            value(r#"tether_vm_handover_flows_total{event="created"}"#),
+            Some(0.0)
+        );
+        assert_eq!(
+            value(r#"tether_vm_replayed_packets_total{event="sent"}"#),
             Some(0.0)
         );
         assert!(text.contains(&format!(

@@ -136,6 +136,9 @@ pub struct Node {
     /// [`DEFAULT_POD_MTU`], or in VXLAN mode the VXLAN device's (known once
     /// the device is made, before the node serves).
     pub(crate) pod_mtu: AtomicU32,
+    /// Migrating VMs' connections: what this node does as a migration's
+    /// source or target beyond the routes.
+    pub(crate) handovers: Arc<crate::handover::Handovers>,
 }
 
 /// The pod MTU without `--mtu`, outside VXLAN mode.
@@ -307,6 +310,10 @@ impl Node {
         let routes = Routes::new(kernel.clone());
         let config_mtu = config.mtu.unwrap_or(DEFAULT_POD_MTU);
         let vms = Arc::new(Vms::new(config.name.clone(), vms, kernel.clone()));
+        let handovers = Arc::new(crate::handover::Handovers::new(
+            config.name.clone(),
+            kernel.handover(),
+        ));
         let node = Node {
             config,
             store,
@@ -326,6 +333,7 @@ impl Node {
             kube: std::sync::OnceLock::new(),
             notice_bus: std::sync::OnceLock::new(),
             pod_mtu: AtomicU32::new(config_mtu),
+            handovers,
         };
         node.vms.sync_reservations(&node, &vm_view);
         node.spawn_deletion_worker()?;
@@ -351,6 +359,16 @@ impl Node {
                 // Pods get what fits the overlay, unless the operator chose.
                 node.pod_mtu.store(mtu, Ordering::Relaxed);
                 tracing::info!(pod_mtu = mtu, "pod MTU: the VXLAN device's");
+            }
+            // The migration handover's table. Without it VMs still move
+            // with their addresses; only connections that need its rules
+            // fare worse, which is said.
+            if let Err(e) = node.host.ensure_handover_table() {
+                tracing::error!(
+                    error = %e,
+                    "cannot write the migration handover's nftables table: a migrating VM's \
+                     connections through a translation may break"
+                );
             }
             // A route the kernel refuses now (the underlay not up yet, say)
             // must not stop the node from serving its own pods: the route
@@ -392,6 +410,11 @@ impl Node {
     /// Node objects with `--pod-cidr-from-node`.
     pub fn peers(&self) -> Option<&Arc<dyn Peers>> {
         self.peers.as_ref()
+    }
+
+    /// The VM migrations' connection handovers of this node.
+    pub fn handovers(&self) -> &crate::handover::Handovers {
+        &self.handovers
     }
 
     /// Connects the node to the Kubernetes API (once; later calls are

@@ -26,27 +26,31 @@ pub struct NoticeBus {
 }
 
 impl NoticeBus {
-    /// Sends `notice` to every node in `view` but `me`, at its first
-    /// underlay address of a family this bus has a socket for.
+    /// Sends `notice` to every node in `view` but `me`.
     fn send(&self, notice: &CutoverNotice, me: &str, view: &crate::cluster::ClusterView) {
         let bytes = notice.encode();
         for (name, (rec, _)) in &view.nodes {
-            if name == me {
-                continue;
+            if name != me {
+                self.send_one(name, rec, &bytes);
             }
-            let dest = rec.node_ips.iter().find_map(|ip| {
-                let socket = match ip {
-                    IpAddr::V4(_) => self.v4.as_ref(),
-                    IpAddr::V6(_) => self.v6.as_ref(),
-                }?;
-                Some((socket, SocketAddr::new(*ip, self.port)))
-            });
-            let Some((socket, to)) = dest else {
-                continue;
-            };
-            if let Err(e) = socket.try_send_to(&bytes, to) {
-                tracing::debug!(node = %name, %to, error = %e, "a cutover notice was not sent");
-            }
+        }
+    }
+
+    /// Sends `bytes` to node `name` (record `rec`), at its first underlay
+    /// address of a family this bus has a socket for.
+    fn send_one(&self, name: &str, rec: &crate::cluster::NodeRecord, bytes: &[u8]) {
+        let dest = rec.node_ips.iter().find_map(|ip| {
+            let socket = match ip {
+                IpAddr::V4(_) => self.v4.as_ref(),
+                IpAddr::V6(_) => self.v6.as_ref(),
+            }?;
+            Some((socket, SocketAddr::new(*ip, self.port)))
+        });
+        let Some((socket, to)) = dest else {
+            return;
+        };
+        if let Err(e) = socket.try_send_to(bytes, to) {
+            tracing::debug!(node = %name, %to, error = %e, "a datagram to another node was not sent");
         }
     }
 }
@@ -104,7 +108,7 @@ impl Node {
         for socket in bus.v4.iter().chain(bus.v6.iter()) {
             let (node, socket) = (self.clone(), socket.clone());
             tokio::spawn(async move {
-                let mut buf = vec![0u8; 4096];
+                let mut buf = vec![0u8; 65536];
                 loop {
                     match socket.recv_from(&mut buf).await {
                         Ok((n, from)) => node.on_notice(&buf[..n], from),
@@ -130,9 +134,31 @@ impl Node {
         bus.send(notice, &self.config.name, &peers.view());
     }
 
+    /// Sends one datagram to node `node`, if notices are on and the node is
+    /// known.
+    pub(crate) fn send_to_node(&self, node: &str, bytes: &[u8]) {
+        let (Some(bus), Some(peers)) = (self.notice_bus.get(), self.peers.as_ref()) else {
+            return;
+        };
+        if let Some((rec, _)) = peers.view().nodes.get(node) {
+            bus.send_one(node, rec, bytes);
+        }
+    }
+
     /// A datagram from `from`: a notice is taken only from an underlay
-    /// address of the node it names as the target.
+    /// address of the node it names as the target; a migrating VM's flows
+    /// go to the handover, which checks them likewise.
     fn on_notice(self: &Arc<Self>, bytes: &[u8], from: SocketAddr) {
+        if let Some(flows) = crate::handover::FlowsDatagram::decode(bytes) {
+            let node = self.clone();
+            tokio::spawn(async move {
+                let view = node.vms.records().view().clone();
+                node.handovers
+                    .on_flows(node.as_ref(), &view, flows, from)
+                    .await;
+            });
+            return;
+        }
         let Some(notice) = CutoverNotice::decode(bytes) else {
             tracing::debug!(%from, "a datagram on the cutover port that is no notice");
             return;

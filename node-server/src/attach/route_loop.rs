@@ -9,6 +9,9 @@ use crate::routing::manager::{note, program_cluster};
 use crate::routing::plan::{self, ClusterSide, VmPlan};
 use crate::vm::VmView;
 
+/// How often unused anchors are removed.
+const ANCHOR_PRUNE: Duration = Duration::from_secs(30);
+
 impl Node {
     /// Makes the next VM pass touch the kernel even if the records did not
     /// change (a route may have been removed under it).
@@ -44,6 +47,9 @@ impl Node {
             targets: pending,
         } = plan::vm_routes(me, view, &local, side.as_ref());
         self.vms.refresh_pending(self, pending, view).await;
+        // A VM that leaves this node in these routes keeps the translations
+        // of the connections that entered here toward it.
+        self.handovers.before_reroute(view).await;
         let updates = self
             .routes
             .apply_vm_routes(view, &local, wants, forced)
@@ -66,6 +72,27 @@ impl Node {
             ),
         }
         self.spawn_route_manager(self.routes.cluster_failed());
+        self.spawn_anchor_pruner();
+    }
+
+    /// Every [`ANCHOR_PRUNE`], removes the handover's anchors that no flow
+    /// uses any more, and those (with their flows) of nodes gone from the
+    /// cluster.
+    fn spawn_anchor_pruner(self: &Arc<Self>) {
+        let Some(peers) = self.peers.clone() else {
+            return;
+        };
+        let handovers = self.handovers.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(ANCHOR_PRUNE);
+            loop {
+                tick.tick().await;
+                let view = peers.view();
+                if view.synced {
+                    handovers.prune_anchors(&view).await;
+                }
+            }
+        });
     }
 
     /// Starts the route manager: one task that keeps this node's routes in
@@ -144,6 +171,9 @@ impl Node {
                     node.routes.forget_vm_routes();
                 }
                 note(&mut vm_failing, "VM", &outcome);
+                if view.synced {
+                    node.handovers.sync(&node, &view).await;
+                }
             }
         });
     }

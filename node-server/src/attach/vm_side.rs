@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::cni::{Requested, VmPod};
+use crate::handover::HandoverSide;
 use crate::vm::{NodeSide, VmKey};
 use std::future::Future;
 use tether_base::pod_event::{PodEvent, PodRef};
@@ -80,5 +81,44 @@ impl NodeSide for Node {
 
     fn send_notice(&self, notice: &crate::vm::notices::CutoverNotice) {
         Node::send_notice(self, notice);
+    }
+
+    fn before_local_route(&self, vm: &VmKey, a: &Attachment) -> impl Future<Output = ()> + Send {
+        let (handovers, vm, ips) = (self.handovers.clone(), vm.clone(), a.ips.clone());
+        async move { handovers.pin(&vm, &ips).await }
+    }
+
+    fn arrived(&self, vm: &VmKey, a: &Attachment) {
+        let handovers = self.handovers.clone();
+        let cluster = HandoverSide::cluster(self);
+        let (vm, ips) = (vm.clone(), a.ips.clone());
+        tokio::spawn(async move { handovers.arrived(cluster, &vm, &ips).await });
+    }
+}
+
+impl HandoverSide for Node {
+    fn local_attachment(&self, key: &AttachmentKey) -> Option<Attachment> {
+        lock(&self.attachments).get(key).cloned()
+    }
+
+    fn cluster(
+        &self,
+    ) -> Option<(
+        crate::cluster::NodeRecord,
+        crate::cluster::Overlay,
+        crate::cluster::ClusterView,
+    )> {
+        let p = self.peers.as_ref()?;
+        Some((p.me(), p.overlay(), p.view()))
+    }
+
+    fn send_to_node(&self, node: &str, bytes: &[u8]) {
+        Node::send_to_node(self, node, bytes);
+    }
+
+    fn is_local_pod(&self, ip: IpAddr) -> bool {
+        lock(&self.attachments)
+            .values()
+            .any(|a| a.ips.contains(&ip))
     }
 }

@@ -182,11 +182,15 @@ impl Vms {
             if let Some(rec) = seen_rec {
                 announced = self.announce(side, &rec, a, trigger, seen.1);
             }
+            side.before_local_route(vm, a).await;
             if let Err(e) = self.kernel.ensure_host_routes(&a.host_ifname, &a.ips).await {
                 retract(side, announced);
                 return Err(e.into());
             }
             local_route = Some(seen.0.elapsed());
+            if trigger.proves_the_vm_runs_here() {
+                side.arrived(vm, a);
+            }
         }
         let hold = self.test_commit_delay();
         if !hold.is_zero() {
@@ -278,6 +282,11 @@ impl Vms {
         let committed_after = seen.0.elapsed();
         if let Some(a) = only {
             side.welcome_guest(a);
+            // An announcement said so before the write; the marker only
+            // once the record agrees.
+            if !trigger.proves_the_vm_runs_here() {
+                side.arrived(vm, a);
+            }
         }
         // An admin cutover to a pod of this node: route it now rather than
         // when the watch reports the change.
@@ -290,11 +299,13 @@ impl Vms {
                 };
                 let local = side.attachment(&key);
                 if let Some(a) = local {
+                    side.before_local_route(vm, &a).await;
                     self.kernel
                         .ensure_host_routes(&a.host_ifname, &a.ips)
                         .await?;
                     local_route = Some(seen.0.elapsed());
                     side.welcome_guest(&a);
+                    side.arrived(vm, &a);
                 }
             }
         }

@@ -133,6 +133,14 @@ pub trait NodeSide: Send + Sync {
 
     /// Sends a cutover notice to every other node.
     fn send_notice(&self, notice: &notices::CutoverNotice);
+
+    /// `vm`'s guest is about to be routed to its pod `a` on this node by
+    /// a cutover: the translations toward it are pinned first.
+    fn before_local_route(&self, vm: &VmKey, a: &Attachment) -> impl Future<Output = ()> + Send;
+
+    /// `vm`'s guest has just been routed to its pod `a` on this node by a
+    /// cutover (its connections' handover takes over from here).
+    fn arrived(&self, vm: &VmKey, a: &Attachment);
 }
 
 /// The VM component of one node: the records, and what the node keeps

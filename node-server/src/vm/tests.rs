@@ -23,6 +23,7 @@ struct Side {
     resyncs: AtomicUsize,
     events: Mutex<Vec<(PodRef, PodEvent)>>,
     notices: Mutex<Vec<notices::CutoverNotice>>,
+    arrived: Mutex<Vec<(VmKey, String)>>,
 }
 
 impl Side {
@@ -112,6 +113,14 @@ impl NodeSide for Side {
 
     fn send_notice(&self, notice: &notices::CutoverNotice) {
         lock(&self.notices).push(notice.clone());
+    }
+
+    fn before_local_route(&self, _vm: &VmKey, _a: &Attachment) -> impl Future<Output = ()> + Send {
+        std::future::ready(())
+    }
+
+    fn arrived(&self, vm: &VmKey, a: &Attachment) {
+        lock(&self.arrived).push((vm.clone(), a.host_ifname.clone()));
     }
 }
 

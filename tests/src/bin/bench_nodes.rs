@@ -285,6 +285,7 @@ impl Carrier {
             },
             store: Store::Etcd,
             with_api: false,
+            kube_proxy: false,
         });
         let pods = [cluster.add_pod(0), cluster.add_pod(1)];
         Carrier::Tether(Box::new(TetherPair { pods, cluster }))

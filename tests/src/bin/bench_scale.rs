@@ -400,6 +400,7 @@ fn run_config(tetherd: &Path, args: &Args, o: &mut Outcome, f: &mut Failures) {
         node: node_opts(tetherd, c.notices),
         store: c.store,
         with_api: false,
+        kube_proxy: false,
     });
     o.start_secs = Some(t0.elapsed().as_secs_f64());
     eprintln!(

@@ -163,6 +163,11 @@ pub struct ClusterOpts {
     /// token every daemon uses (`--kubeconfig`) for the API's signals
     /// (claims, pod watch, events). The Kubernetes store always has one.
     pub with_api: bool,
+    /// kube-proxy (iptables mode, as a kubeadm node runs it) in every node
+    /// netns, against the cluster's API server (started for it on etcd):
+    /// Services whose endpoints the test writes itself
+    /// ([`Cluster::expose`]), since no controller manager runs.
+    pub kube_proxy: bool,
 }
 
 impl Default for ClusterOpts {
@@ -173,6 +178,7 @@ impl Default for ClusterOpts {
             node: NodeOpts::default(),
             store: Store::Etcd,
             with_api: false,
+            kube_proxy: false,
         }
     }
 }
@@ -210,13 +216,14 @@ impl Cluster {
     /// after another (so node `i` registers `i`-th).
     pub fn new(opts: ClusterOpts) -> Cluster {
         let fabric = Fabric::new();
-        let api = (opts.with_api || opts.store == Store::Kubernetes).then(|| {
-            let api = KubeApi::start(&fabric);
-            api.install_tether();
-            let (ns, sa) = crate::kube::TETHER_SA;
-            let kubeconfig = api.token_kubeconfig(ns, sa);
-            (api, kubeconfig)
-        });
+        let api =
+            (opts.with_api || opts.kube_proxy || opts.store == Store::Kubernetes).then(|| {
+                let api = KubeApi::start(&fabric);
+                api.install_tether();
+                let (ns, sa) = crate::kube::TETHER_SA;
+                let kubeconfig = api.token_kubeconfig(ns, sa);
+                (api, kubeconfig)
+            });
         let mut node_opts = opts.node;
         let (etcd, kube, backend) = match (opts.store, api) {
             (Store::Etcd, api) => {
@@ -247,7 +254,90 @@ impl Cluster {
         for _ in 0..opts.nodes {
             cluster.add_node();
         }
+        if opts.kube_proxy {
+            cluster.start_kube_proxies();
+        }
         cluster
+    }
+
+    /// Starts kube-proxy on every node that runs none, and waits until
+    /// each has written its rules.
+    fn start_kube_proxies(&mut self) {
+        let Some(api) = self.kube.as_ref() else {
+            panic!("kube-proxy needs the cluster's API server");
+        };
+        for node in &mut self.nodes {
+            if !node.has_kube_proxy() {
+                node.start_kube_proxy(api);
+            }
+        }
+        for node in &self.nodes {
+            assert!(
+                wait_until(Duration::from_secs(60), || node.kube_proxy_synced()),
+                "kube-proxy on {} wrote no rules: {}",
+                node.name(),
+                node.kube_proxy_log()
+            );
+        }
+    }
+
+    /// A Service of `kind` (`ClusterIP` or `NodePort`) named `name` in
+    /// `default`, with one port per entry of `ports` (name, protocol,
+    /// port, target port) and its endpoints `endpoints` (IPv4 addresses),
+    /// written as an EndpointSlice by hand (no controller manager runs);
+    /// returns the Service as the API server answers it (its ClusterIP,
+    /// its NodePorts). Waits until every node's kube-proxy has its rules.
+    pub fn expose(
+        &self,
+        name: &str,
+        kind: &str,
+        ports: &[(&str, &str, u16, u16)],
+        endpoints: &[IpAddr],
+    ) -> Value {
+        let api = self.kube_api();
+        let service_ports: Vec<Value> = ports
+            .iter()
+            .map(|(n, proto, port, target)| {
+                serde_json::json!({"name": n, "protocol": proto, "port": port, "targetPort": target})
+            })
+            .collect();
+        let slice_ports: Vec<Value> = ports
+            .iter()
+            .map(|(n, proto, _, target)| serde_json::json!({"name": n, "protocol": proto, "port": target}))
+            .collect();
+        let addresses: Vec<Value> = endpoints
+            .iter()
+            .map(|ip| serde_json::json!({"addresses": [ip.to_string()], "conditions": {"ready": true}}))
+            .collect();
+        let service = serde_json::json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"type": kind, "ports": service_ports},
+        });
+        let slice = serde_json::json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": format!("{name}-1"), "namespace": "default",
+                         "labels": {"kubernetes.io/service-name": name}},
+            "addressType": "IPv4", "ports": slice_ports, "endpoints": addresses,
+        });
+        api.apply(&service.to_string());
+        api.apply(&slice.to_string());
+        let svc = api
+            .get(&["service", "-n", "default", name])
+            .unwrap_or_else(|| panic!("Service {name} is not there"));
+        let ip = svc["spec"]["clusterIP"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        for node in &self.nodes {
+            assert!(
+                wait_until(Duration::from_secs(30), || node.kube_proxy_has(&ip)),
+                "kube-proxy on {} never programmed {name} ({ip}): {}",
+                node.name(),
+                node.kube_proxy_log()
+            );
+        }
+        svc
     }
 
     /// Starts one more node with the cluster's options; returns its index.

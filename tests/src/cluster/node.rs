@@ -133,6 +133,8 @@ impl NodeOpts {
 pub struct ClusterNode {
     daemon: Daemon,
     underlay: Underlay,
+    /// kube-proxy, when the cluster runs it ([`ClusterOpts::kube_proxy`]).
+    proxy: Option<Child>,
 }
 
 impl ClusterNode {
@@ -152,7 +154,70 @@ impl ClusterNode {
                 extra_args: opts.daemon_args(backend, &underlay),
             },
         );
-        ClusterNode { daemon, underlay }
+        ClusterNode {
+            daemon,
+            underlay,
+            proxy: None,
+        }
+    }
+
+    pub(super) fn has_kube_proxy(&self) -> bool {
+        self.proxy.is_some()
+    }
+
+    /// The file kube-proxy logs to, beside the daemon's state.
+    fn kube_proxy_log_path(&self) -> PathBuf {
+        self.daemon.dir().join("kube-proxy.log")
+    }
+
+    /// Starts kube-proxy in this node's netns against `api`, as a kubeadm
+    /// node runs it (iptables mode; `nf_conntrack_max` left alone, which
+    /// is read-only in a netns).
+    pub(super) fn start_kube_proxy(&mut self, api: &KubeApi) {
+        let kubeconfig =
+            api.cert_kubeconfig(&format!("proxy-{}", self.name()), "/CN=system:kube-proxy");
+        let (log, err) = crate::log_outputs(&self.kube_proxy_log_path());
+        let child = Command::new("ip")
+            .args(["netns", "exec", self.netns().name()])
+            .arg(crate::kube::k8s_bin_dir().join("kube-proxy"))
+            .arg(format!("--kubeconfig={}", kubeconfig.display()))
+            .arg(format!("--hostname-override={}", self.name()))
+            .arg(format!("--bind-address={}", self.underlay.v4))
+            .arg("--proxy-mode=iptables")
+            .arg(format!("--cluster-cidr={}", CLUSTER_CIDRS[0]))
+            .args(["--conntrack-max-per-core=0", "--v=2"])
+            .args([
+                "--metrics-bind-address=127.0.0.1:10249",
+                "--healthz-bind-address=127.0.0.1:10256",
+            ])
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning kube-proxy on {}: {e}", self.name()));
+        self.proxy = Some(child);
+    }
+
+    /// Whether kube-proxy wrote its chains in this node's netns.
+    pub(super) fn kube_proxy_synced(&self) -> bool {
+        self.iptables_nat().contains("KUBE-SERVICES")
+    }
+
+    /// Whether kube-proxy's rules name `ip` (a ClusterIP).
+    pub(super) fn kube_proxy_has(&self, ip: &str) -> bool {
+        !ip.is_empty() && self.iptables_nat().contains(ip)
+    }
+
+    fn iptables_nat(&self) -> String {
+        let out = self.netns().exec(&["iptables-save", "-t", "nat"]);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The last lines of kube-proxy's log, for a failure's message.
+    pub fn kube_proxy_log(&self) -> String {
+        let text = std::fs::read_to_string(self.kube_proxy_log_path()).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(LOG_TAIL_LINES)..].join("\n")
     }
 
     /// The node's name (`--node-name`, also its netns's name).
@@ -244,6 +309,15 @@ impl ClusterNode {
         let mut env = CniEnv::new(command, id, pod);
         env.args = args.map(str::to_owned);
         cni(&tether_bin(), &env, &stdin)
+    }
+}
+
+impl Drop for ClusterNode {
+    fn drop(&mut self) {
+        // kube-proxy before the daemon and the netns it runs in.
+        if let Some(c) = self.proxy.take() {
+            crate::kubelet::terminate(c);
+        }
     }
 }
 

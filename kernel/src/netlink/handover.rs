@@ -1,0 +1,1180 @@
+//! The real [`Handover`]: conntrack and nftables set elements over
+//! netfilter netlink (`NETLINK_NETFILTER`, through netlink-packet-netfilter's
+//! messages and a blocking socket of its own), policy rules and routes over
+//! the node's rtnetlink connection, and the taps' counters over rtnetlink
+//! sockets opened in the pod netns.
+//!
+//! Why blocking sockets here: an nftables change is a batch (begin, the
+//! changes, end) that the kernel takes only in one `sendmsg`, which the
+//! request-and-answer connection of netlink-proto does not send; and every
+//! call here is a few messages that the kernel answers at once, run on
+//! tokio's blocking pool.
+
+use std::collections::BTreeSet;
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::TryStreamExt;
+use netlink_packet_netfilter::conntrack::{
+    ConntrackAttribute, ConntrackMessage, IPTuple, ProtoInfo, ProtoInfoTCP, ProtoTuple, Protocol,
+    Status, TCPFlags, Tuple,
+};
+use netlink_packet_netfilter::nftables::{
+    DataAttribute, ListAttribute, NfTablesMessage, SetElementAttribute, SetElementList,
+    SetElementMessage,
+};
+use netlink_packet_netfilter::none::ControlMessage;
+use netlink_packet_netfilter::{
+    NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily,
+};
+use rtnetlink::packet_core::{
+    DefaultNla, NetlinkHeader, NetlinkMessage, NetlinkPayload, NLA_F_NESTED, NLM_F_ACK,
+    NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST,
+};
+use rtnetlink::packet_route::link::{LinkAttribute, LinkMessage};
+use rtnetlink::packet_route::route::{
+    RouteAddress, RouteAttribute, RouteFlags, RouteHeader, RouteMessage, RouteProtocol, RouteScope,
+    RouteType,
+};
+use rtnetlink::packet_route::rule::{RuleAttribute, RuleMessage};
+use rtnetlink::packet_route::{AddressFamily, RouteNetlinkMessage};
+use rtnetlink::sys::{protocols, Socket, SocketAddr as NetlinkAddr};
+use rtnetlink::{Handle, IpVersion};
+
+use super::messages::{self, errno, reason};
+use super::netns::{open_netns, spawn_in_netns};
+use crate::error::{KernelError, Result};
+use crate::handover::{
+    anchor_mark, anchor_of_mark, anchor_table, Flow, FlowCreated, FlowEnds, Handover, Held,
+    TapCounters, ANCHOR_MASK, ANCHOR_RULE_PRIORITY, ANCHOR_TABLE_BASE, ANCHOR_TABLE_LAST,
+    FREEZE_LIMIT, HANDOVER_ROUTE_PROTOCOL, HANDOVER_TABLE, TCP, UDP,
+};
+use crate::replay::{Capture, Replayed, Replayer};
+use crate::ClusterRoute;
+
+// ctnetlink's attributes the crate has no type for (linux/netfilter/
+// nfnetlink_conntrack.h).
+const CTA_NAT_SRC: u16 = 6;
+const CTA_NAT_DST: u16 = 13;
+const CTA_MARK_MASK: u16 = 21;
+const CTA_FILTER: u16 = 25;
+const CTA_FILTER_ORIG_FLAGS: u16 = 1;
+const CTA_FILTER_REPLY_FLAGS: u16 = 2;
+/// `CTA_FILTER_FLAG(CTA_IP_SRC)`: match the source address.
+const CTA_FILTER_F_CTA_IP_SRC: u32 = 1;
+const CTA_NAT_V4_MINIP: u16 = 1;
+const CTA_NAT_V4_MAXIP: u16 = 2;
+const CTA_NAT_PROTO: u16 = 3;
+const CTA_NAT_V6_MINIP: u16 = 4;
+const CTA_NAT_V6_MAXIP: u16 = 5;
+const CTA_PROTONAT_PORT_MIN: u16 = 1;
+const CTA_PROTONAT_PORT_MAX: u16 = 2;
+/// `IP_CT_TCP_FLAG_BE_LIBERAL`: conntrack does not judge the windows of a
+/// connection whose start it never saw (as for one it picks up mid-stream).
+const TCP_FLAG_BE_LIBERAL: u8 = 0x08;
+/// nftables' subsystem id, which a batch's begin and end carry.
+const NFNL_SUBSYS_NFTABLES: u16 = 10;
+/// How much of a dump one read takes.
+const RECV_BUF: usize = 1 << 16;
+
+/// A netlink attribute, in the kernel's layout: length and type in host
+/// order, the value, padding to 4 bytes.
+fn nla(kind: u16, value: &[u8]) -> Vec<u8> {
+    let len = 4 + value.len();
+    let mut out = Vec::with_capacity((len + 3) & !3);
+    out.extend_from_slice(&(len as u16).to_ne_bytes());
+    out.extend_from_slice(&kind.to_ne_bytes());
+    out.extend_from_slice(value);
+    out.resize((len + 3) & !3, 0);
+    out
+}
+
+/// Sets `NLA_F_NESTED` on the top-level attributes of kinds `kinds` of one
+/// serialized ctnetlink message. The crate's `Other` attributes cannot
+/// carry the flag (it is taken from the attribute's own kind), and the
+/// kernel parses `CTA_FILTER` strictly: without the flag it answers
+/// EINVAL.
+fn mark_nested(message: &mut [u8], kinds: &[u16]) {
+    // The netlink header (16 bytes), then nfgenmsg (4).
+    let mut at = 20;
+    while at + 4 <= message.len() {
+        let len = u16::from_ne_bytes([message[at], message[at + 1]]) as usize;
+        if len < 4 || at + len > message.len() {
+            return;
+        }
+        let kind = u16::from_ne_bytes([message[at + 2], message[at + 3]]);
+        if kinds.contains(&(kind & !NLA_F_NESTED)) {
+            message[at + 2..at + 4].copy_from_slice(&(kind | NLA_F_NESTED).to_ne_bytes());
+        }
+        at += (len + 3) & !3;
+    }
+}
+
+fn ip_bytes(ip: IpAddr) -> Vec<u8> {
+    match ip {
+        IpAddr::V4(v4) => v4.octets().to_vec(),
+        IpAddr::V6(v6) => v6.octets().to_vec(),
+    }
+}
+
+fn nfproto(ip: IpAddr) -> NetfilterProtoFamily {
+    match ip {
+        IpAddr::V4(_) => NetfilterProtoFamily::IPv4,
+        IpAddr::V6(_) => NetfilterProtoFamily::IPv6,
+    }
+}
+
+/// `CTA_NAT_DST` (or `CTA_NAT_SRC`, `kind`) translating that end to `to`.
+fn nat_to(kind: u16, to: SocketAddr) -> ConntrackAttribute {
+    let (min, max) = match to.ip() {
+        IpAddr::V4(_) => (CTA_NAT_V4_MINIP, CTA_NAT_V4_MAXIP),
+        IpAddr::V6(_) => (CTA_NAT_V6_MINIP, CTA_NAT_V6_MAXIP),
+    };
+    let port = to.port().to_be_bytes();
+    let mut value = nla(min, &ip_bytes(to.ip()));
+    value.extend(nla(max, &ip_bytes(to.ip())));
+    let mut proto = nla(CTA_PROTONAT_PORT_MIN, &port);
+    proto.extend(nla(CTA_PROTONAT_PORT_MAX, &port));
+    value.extend(nla(CTA_NAT_PROTO | NLA_F_NESTED, &proto));
+    ConntrackAttribute::Other(DefaultNla::new(kind, value))
+}
+
+fn tuple(proto: u8, ends: &FlowEnds) -> Vec<Tuple> {
+    vec![
+        Tuple::Ip(vec![
+            IPTuple::SourceAddress(ends.src.ip()),
+            IPTuple::DestinationAddress(ends.dst.ip()),
+        ]),
+        Tuple::Proto(vec![
+            ProtoTuple::Protocol(Protocol::from(proto)),
+            ProtoTuple::SourcePort(ends.src.port()),
+            ProtoTuple::DestinationPort(ends.dst.port()),
+        ]),
+    ]
+}
+
+/// The ends of a tuple the kernel reported; None when it is not TCP or UDP
+/// over IP.
+fn ends_of(parts: &[Tuple]) -> Option<(u8, FlowEnds)> {
+    let (mut src, mut dst, mut proto, mut sport, mut dport) = (None, None, None, None, None);
+    for part in parts {
+        match part {
+            Tuple::Ip(ips) => {
+                for ip in ips {
+                    match ip {
+                        IPTuple::SourceAddress(a) => src = Some(*a),
+                        IPTuple::DestinationAddress(a) => dst = Some(*a),
+                        _ => {}
+                    }
+                }
+            }
+            Tuple::Proto(ps) => {
+                for p in ps {
+                    match p {
+                        ProtoTuple::Protocol(n) => proto = Some(u8::from(*n)),
+                        ProtoTuple::SourcePort(n) => sport = Some(*n),
+                        ProtoTuple::DestinationPort(n) => dport = Some(*n),
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let proto = proto.filter(|p| *p == TCP || *p == UDP)?;
+    Some((
+        proto,
+        FlowEnds {
+            src: SocketAddr::new(src?, sport?),
+            dst: SocketAddr::new(dst?, dport?),
+        },
+    ))
+}
+
+/// A flow from a conntrack message's attributes.
+fn flow_of(attrs: &[ConntrackAttribute]) -> Option<Flow> {
+    let (mut orig, mut reply, mut mark, mut timeout, mut state) = (None, None, 0, 0, None);
+    for a in attrs {
+        match a {
+            ConntrackAttribute::CtaTupleOrig(t) => orig = ends_of(t),
+            ConntrackAttribute::CtaTupleReply(t) => reply = ends_of(t),
+            ConntrackAttribute::CtaMark(m) => mark = *m,
+            ConntrackAttribute::CtaTimeout(t) => timeout = *t,
+            ConntrackAttribute::CtaProtoInfo(infos) => {
+                for info in infos {
+                    if let ProtoInfo::TCP(tcp) = info {
+                        for t in tcp {
+                            if let ProtoInfoTCP::State(s) = t {
+                                state = Some(*s);
+                            }
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let (proto, orig) = orig?;
+    let (_, reply) = reply?;
+    Some(Flow {
+        proto,
+        orig,
+        reply,
+        mark,
+        timeout_secs: timeout,
+        tcp_state: if proto == TCP { state } else { None },
+    })
+}
+
+/// One blocking netfilter netlink socket (see the module doc).
+struct NfSocket {
+    socket: Socket,
+    seq: u32,
+}
+
+/// What one exchange on the socket returned.
+struct Answer {
+    messages: Vec<NetfilterMessage>,
+}
+
+impl NfSocket {
+    fn open() -> std::io::Result<NfSocket> {
+        let mut socket = Socket::new(protocols::NETLINK_NETFILTER)?;
+        socket.bind_auto()?;
+        socket.connect(&NetlinkAddr::new(0, 0))?;
+        Ok(NfSocket { socket, seq: 0 })
+    }
+
+    /// Sends `messages` in one datagram and reads until every one that asks
+    /// for an answer (an acknowledgement, or a dump's end) has it. The first
+    /// error the kernel reported is returned (as a positive errno) once
+    /// every answer is in.
+    fn exchange(
+        &mut self,
+        messages: Vec<NetlinkMessage<NetfilterMessage>>,
+    ) -> std::result::Result<Answer, i32> {
+        let mut buf = Vec::new();
+        let mut waiting = BTreeSet::new();
+        for mut m in messages {
+            self.seq = self.seq.wrapping_add(1);
+            m.header.sequence_number = self.seq;
+            m.finalize();
+            if m.header.flags & (NLM_F_ACK | NLM_F_DUMP) != 0 {
+                waiting.insert(self.seq);
+            }
+            let start = buf.len();
+            buf.resize(start + m.buffer_len(), 0);
+            m.serialize(&mut buf[start..]);
+            if matches!(&m.payload, NetlinkPayload::InnerMessage(n) if matches!(n.inner, NetfilterMessageInner::Conntrack(_)))
+            {
+                mark_nested(&mut buf[start..], &[CTA_FILTER, CTA_NAT_DST, CTA_NAT_SRC]);
+            }
+        }
+        self.socket
+            .send(&buf, 0)
+            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+        let mut answer = Answer {
+            messages: Vec::new(),
+        };
+        let mut first_error = None;
+        let mut rbuf: Vec<u8> = Vec::with_capacity(RECV_BUF);
+        while !waiting.is_empty() {
+            rbuf.clear();
+            let n = self
+                .socket
+                .recv(&mut rbuf, 0)
+                .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+            let mut at = 0;
+            while at + 16 <= n {
+                let len = u32::from_ne_bytes([rbuf[at], rbuf[at + 1], rbuf[at + 2], rbuf[at + 3]])
+                    as usize;
+                if len < 16 || at + len > n {
+                    break;
+                }
+                let bytes = &rbuf[at..at + len];
+                at += (len + 3) & !3;
+                let Ok(msg) = NetlinkMessage::<NetfilterMessage>::deserialize(bytes) else {
+                    continue;
+                };
+                let seq = msg.header.sequence_number;
+                match msg.payload {
+                    NetlinkPayload::Done(_) => {
+                        waiting.remove(&seq);
+                    }
+                    NetlinkPayload::Error(e) => {
+                        waiting.remove(&seq);
+                        if let Some(code) = e.code {
+                            first_error.get_or_insert(-code.get());
+                        }
+                    }
+                    NetlinkPayload::InnerMessage(m) => answer.messages.push(m),
+                    _ => {}
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(answer),
+        }
+    }
+}
+
+fn message(
+    family: NetfilterProtoFamily,
+    res_id: u16,
+    inner: impl Into<NetfilterMessageInner>,
+    flags: u16,
+) -> NetlinkMessage<NetfilterMessage> {
+    let mut m = NetlinkMessage::from(NetfilterMessage::new(
+        NetfilterHeader::new(family, 0, res_id),
+        inner,
+    ));
+    m.header.flags = NLM_F_REQUEST | flags;
+    m
+}
+
+/// An nftables batch: begin, `changes`, end.
+fn batch(changes: Vec<NetlinkMessage<NetfilterMessage>>) -> Vec<NetlinkMessage<NetfilterMessage>> {
+    let mut all = vec![message(
+        NetfilterProtoFamily::Unspec,
+        NFNL_SUBSYS_NFTABLES,
+        ControlMessage::BatchBegin,
+        0,
+    )];
+    all.extend(changes);
+    all.push(message(
+        NetfilterProtoFamily::Unspec,
+        NFNL_SUBSYS_NFTABLES,
+        ControlMessage::BatchEnd,
+        0,
+    ));
+    all
+}
+
+/// One element of a set of the handover table, with a timeout when given.
+fn element(
+    set: &str,
+    key: IpAddr,
+    timeout: Option<Duration>,
+    add: bool,
+) -> NetlinkMessage<NetfilterMessage> {
+    set_element(set, ip_bytes(key), timeout, add)
+}
+
+fn set_element(
+    set: &str,
+    key: Vec<u8>,
+    timeout: Option<Duration>,
+    add: bool,
+) -> NetlinkMessage<NetfilterMessage> {
+    let mut attrs = vec![SetElementAttribute::Key(DataAttribute::Value(key))];
+    if let Some(t) = timeout {
+        attrs.push(SetElementAttribute::Timeout(t.as_millis() as u64));
+    }
+    let list = SetElementMessage {
+        attributes: vec![
+            SetElementList::Table(HANDOVER_TABLE.to_owned()),
+            SetElementList::Set(set.to_owned()),
+            SetElementList::Elements(vec![ListAttribute::Element(attrs)]),
+        ],
+    };
+    let inet = NetfilterProtoFamily::Inet;
+    if add {
+        message(
+            inet,
+            0,
+            NfTablesMessage::NewSetElement(list),
+            NLM_F_CREATE | NLM_F_ACK,
+        )
+    } else {
+        message(inet, 0, NfTablesMessage::DeleteSetElement(list), NLM_F_ACK)
+    }
+}
+
+/// One element of a set of flow directions (source and destination
+/// address, protocol, destination port), as nftables lays a concatenation
+/// out: each part in registers of 4 bytes.
+fn flow_element(
+    set: &str,
+    ends: &FlowEnds,
+    proto: u8,
+    timeout: Option<Duration>,
+    add: bool,
+) -> NetlinkMessage<NetfilterMessage> {
+    let mut key = ip_bytes(ends.src.ip());
+    key.extend(ip_bytes(ends.dst.ip()));
+    key.extend([proto, 0, 0, 0]);
+    key.extend(ends.dst.port().to_be_bytes());
+    key.extend([0, 0]);
+    set_element(set, key, timeout, add)
+}
+
+/// The set of the handover table for `ip`'s family.
+fn set_of(ip: IpAddr, v4: &'static str, v6: &'static str) -> &'static str {
+    if ip.is_ipv4() {
+        v4
+    } else {
+        v6
+    }
+}
+
+/// Applies element changes one batch each, so that a missing element
+/// (ENOENT on removal) or one there already (EEXIST) fails only itself.
+fn apply_elements(
+    s: &mut NfSocket,
+    changes: Vec<NetlinkMessage<NetfilterMessage>>,
+) -> std::result::Result<(), i32> {
+    for change in changes {
+        match s.exchange(batch(vec![change])) {
+            Ok(_) | Err(libc::ENOENT) | Err(libc::EEXIST) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// A dump of the flows of family `ip` whose original (`reply` false) or
+/// reply (`reply` true) source is `ip`, filtered by the kernel where it
+/// can (see [`LinuxHandover::flows_of`]).
+fn dump_by_source(
+    s: &mut NfSocket,
+    ip: IpAddr,
+    reply: bool,
+) -> std::result::Result<Vec<Flow>, i32> {
+    let flags = CTA_FILTER_F_CTA_IP_SRC.to_ne_bytes();
+    let (orig_flags, reply_flags) = if reply {
+        ([0; 4], flags)
+    } else {
+        (flags, [0; 4])
+    };
+    let mut filter = nla(CTA_FILTER_ORIG_FLAGS, &orig_flags);
+    filter.extend(nla(CTA_FILTER_REPLY_FLAGS, &reply_flags));
+    let source = vec![Tuple::Ip(vec![IPTuple::SourceAddress(ip)])];
+    let tuple = if reply {
+        ConntrackAttribute::CtaTupleReply(source)
+    } else {
+        ConntrackAttribute::CtaTupleOrig(source)
+    };
+    let filtered = ConntrackMessage::Get(vec![
+        tuple,
+        ConntrackAttribute::Other(DefaultNla::new(CTA_FILTER, filter)),
+    ]);
+    // The kernel filters IPv4 dumps by source (Linux 5.8 and later); its
+    // IPv6 source filter matched nothing on 6.18, so IPv6 (and a kernel
+    // without the filter) dumps the family and filters here.
+    let request = match ip {
+        IpAddr::V4(_) => filtered,
+        IpAddr::V6(_) => ConntrackMessage::Get(Vec::new()),
+    };
+    let whole = || {
+        message(
+            nfproto(ip),
+            0,
+            ConntrackMessage::Get(Vec::new()),
+            NLM_F_DUMP,
+        )
+    };
+    let answer = match s.exchange(vec![message(nfproto(ip), 0, request, NLM_F_DUMP)]) {
+        Err(libc::EINVAL | libc::EOPNOTSUPP) if ip.is_ipv4() => s.exchange(vec![whole()])?,
+        other => other?,
+    };
+    Ok(answer
+        .messages
+        .into_iter()
+        .filter_map(|m| match m.inner {
+            NetfilterMessageInner::Conntrack(ConntrackMessage::New(attrs)) => flow_of(&attrs),
+            _ => None,
+        })
+        .filter(|f| {
+            if reply {
+                f.reply.src.ip() == ip
+            } else {
+                f.orig.src.ip() == ip
+            }
+        })
+        .collect())
+}
+
+/// Which entries holding a direction of a new flow it replaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Replace {
+    /// None: the flow is not created.
+    Nothing,
+    /// Untranslated ones (plain forwarding state); a translated one is
+    /// this node's own translation of the flow, and wins.
+    Untranslated,
+    /// Any (pinning replaces the very entry it makes again).
+    Anything,
+}
+
+/// The entry holding `ends` in either direction, if any.
+fn entry_holding(
+    s: &mut NfSocket,
+    proto: u8,
+    ends: &FlowEnds,
+) -> std::result::Result<Option<Flow>, i32> {
+    let get = ConntrackMessage::Get(vec![ConntrackAttribute::CtaTupleOrig(tuple(proto, ends))]);
+    match s.exchange(vec![message(nfproto(ends.src.ip()), 0, get, NLM_F_ACK)]) {
+        Ok(a) => Ok(a.messages.into_iter().find_map(|m| match m.inner {
+            NetfilterMessageInner::Conntrack(ConntrackMessage::New(attrs)) => flow_of(&attrs),
+            _ => None,
+        })),
+        Err(libc::ENOENT) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Creates `f` (see [`Handover::create_flow`]).
+fn create(s: &mut NfSocket, f: &Flow, replace: Replace) -> std::result::Result<FlowCreated, i32> {
+    let family = nfproto(f.orig.src.ip());
+    let mut attrs = vec![
+        ConntrackAttribute::CtaTupleOrig(tuple(f.proto, &f.orig)),
+        ConntrackAttribute::CtaTupleReply(tuple(f.proto, &f.orig.inverse())),
+        // The kernel marks a flow made over netlink confirmed before it
+        // applies the status asked for, and refuses to change that bit.
+        ConntrackAttribute::CtaStatus(Status::SeenReply | Status::Assured | Status::Confirmed),
+        ConntrackAttribute::CtaTimeout(f.timeout_secs.max(1)),
+        ConntrackAttribute::CtaMark(f.mark),
+    ];
+    if f.proto == TCP {
+        // The struct is non-exhaustive: built by parsing its two bytes.
+        let liberal = TCPFlags::parse(&[TCP_FLAG_BE_LIBERAL, TCP_FLAG_BE_LIBERAL])
+            .map_err(|_| libc::EINVAL)?;
+        attrs.push(ConntrackAttribute::CtaProtoInfo(vec![ProtoInfo::TCP(
+            vec![
+                ProtoInfoTCP::State(f.tcp_state.unwrap_or(crate::handover::TCP_ESTABLISHED)),
+                ProtoInfoTCP::OriginalFlags(liberal.clone()),
+                ProtoInfoTCP::ReplyFlags(liberal),
+            ],
+        )]));
+    }
+    // Made anew from the reply the flow had: the kernel computes the reply
+    // of a new flow from these.
+    if f.destination_translated() {
+        attrs.push(nat_to(CTA_NAT_DST, f.reply.src));
+    }
+    if f.source_translated() {
+        attrs.push(nat_to(CTA_NAT_SRC, f.reply.dst));
+    }
+    let new = || {
+        message(
+            family,
+            0,
+            ConntrackMessage::New(attrs.clone()),
+            NLM_F_CREATE | NLM_F_EXCL | NLM_F_ACK,
+        )
+    };
+    match s.exchange(vec![new()]) {
+        Ok(_) => return Ok(FlowCreated::Created),
+        Err(libc::EEXIST) => {}
+        Err(e) => return Err(e),
+    }
+    // The same flow, made earlier (a source sends a moving VM's flows
+    // again and again while it moves): only its timeout is set anew, so
+    // that a flow idle here until the cutover does not expire first.
+    let reply = if f.destination_translated() || f.source_translated() {
+        f.reply
+    } else {
+        f.orig.inverse()
+    };
+    if replace != Replace::Anything {
+        if let Some(h) = entry_holding(s, f.proto, &f.orig)? {
+            if h.orig == f.orig && h.reply == reply && h.mark == f.mark {
+                let update = ConntrackMessage::New(vec![
+                    ConntrackAttribute::CtaTupleOrig(tuple(f.proto, &f.orig)),
+                    ConntrackAttribute::CtaTimeout(f.timeout_secs.max(1)),
+                ]);
+                s.exchange(vec![message(family, 0, update, NLM_F_ACK)])?;
+                return Ok(FlowCreated::Refreshed);
+            }
+        }
+    }
+    if replace == Replace::Nothing {
+        return Ok(FlowCreated::Exists);
+    }
+    // What holds either direction goes: the direction the flow starts
+    // with, and the one its answers come in (after its translation).
+    let mut holders = Vec::new();
+    for ends in [f.orig, f.reply, f.orig.inverse()] {
+        if let Some(h) = entry_holding(s, f.proto, &ends)? {
+            if replace == Replace::Untranslated
+                && (h.source_translated() || h.destination_translated())
+            {
+                return Ok(FlowCreated::Exists);
+            }
+            if !holders.contains(&h) {
+                holders.push(h);
+            }
+        }
+    }
+    for h in holders {
+        let del = ConntrackMessage::Delete(vec![ConntrackAttribute::CtaTupleOrig(tuple(
+            h.proto, &h.orig,
+        ))]);
+        match s.exchange(vec![message(family, 0, del, NLM_F_ACK)]) {
+            Ok(_) | Err(libc::ENOENT) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    s.exchange(vec![new()]).map(|_| FlowCreated::Replaced)
+}
+
+/// The real handover (see the module doc).
+#[derive(Clone)]
+pub struct LinuxHandover {
+    handle: Handle,
+    /// The lock the node's connection takes around dumps (the kernel runs
+    /// one dump at a time per socket).
+    dumps: Arc<tokio::sync::Mutex<()>>,
+    nf: Arc<Mutex<Option<NfSocket>>>,
+}
+
+impl LinuxHandover {
+    /// The handover on the node's rtnetlink connection `handle` (whose
+    /// dumps `dumps` serialises); the netfilter socket opens on first use.
+    pub fn new(handle: Handle, dumps: Arc<tokio::sync::Mutex<()>>) -> LinuxHandover {
+        LinuxHandover {
+            handle,
+            dumps,
+            nf: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    /// Runs `work` on the netfilter socket, on the blocking pool.
+    async fn nf<T: Send + 'static>(
+        &self,
+        doing: String,
+        work: impl FnOnce(&mut NfSocket) -> std::result::Result<T, i32> + Send + 'static,
+    ) -> Result<T> {
+        let nf = self.nf.clone();
+        let doing2 = doing.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut slot = nf.lock().unwrap_or_else(|p| p.into_inner());
+            if slot.is_none() {
+                *slot = Some(
+                    NfSocket::open()
+                        .map_err(|e| KernelError::refused("opening the netfilter socket", e))?,
+                );
+            }
+            let Some(socket) = slot.as_mut() else {
+                return Err(KernelError::Internal("no netfilter socket".into()));
+            };
+            work(socket).map_err(|e| {
+                KernelError::refused(doing2.clone(), std::io::Error::from_raw_os_error(e))
+            })
+        })
+        .await
+        .map_err(|e| KernelError::Internal(format!("{doing}: {e}")))?
+    }
+
+    /// The rule of `mark`/`mask` to `table` at `priority`, for `family`.
+    fn rule(family: AddressFamily, mark: u32, mask: u32, table: u32, priority: u32) -> RuleMessage {
+        let mut r = RuleMessage::default();
+        r.header.family = family;
+        r.header.table = 0;
+        r.header.action = rtnetlink::packet_route::rule::RuleAction::ToTable;
+        r.attributes = vec![
+            RuleAttribute::FwMark(mark),
+            RuleAttribute::FwMask(mask),
+            RuleAttribute::Table(table),
+            RuleAttribute::Priority(priority),
+        ];
+        r
+    }
+
+    /// Adds a rule; one there already is success.
+    async fn add_rule(&self, rule: RuleMessage) -> Result<()> {
+        let mut req = self.handle.rule().add();
+        *req.message_mut() = rule;
+        match req.execute().await {
+            Ok(()) => Ok(()),
+            Err(e) if errno(&e) == Some(libc::EEXIST) => Ok(()),
+            Err(e) => Err(KernelError::refused(
+                "adding an anchor's policy rule",
+                reason(&e),
+            )),
+        }
+    }
+
+    /// Every rule of tether's anchor tables, both families.
+    async fn our_rules(&self) -> Result<Vec<RuleMessage>> {
+        let _dump = self.dumps.lock().await;
+        let mut out = Vec::new();
+        for family in [IpVersion::V4, IpVersion::V6] {
+            let rules: Vec<RuleMessage> = self
+                .handle
+                .rule()
+                .get(family)
+                .execute()
+                .try_collect()
+                .await
+                .map_err(|e| KernelError::refused("reading the policy rules", reason(&e)))?;
+            out.extend(rules.into_iter().filter(|r| {
+                r.attributes.iter().any(|a| {
+                    matches!(a, RuleAttribute::Table(t) if (ANCHOR_TABLE_BASE..=ANCHOR_TABLE_LAST).contains(t))
+                })
+            }));
+        }
+        Ok(out)
+    }
+
+    /// Deletes the routes of `table` with the handover protocol.
+    async fn flush_table(&self, table: u32) -> Result<()> {
+        for family in [AddressFamily::Inet, AddressFamily::Inet6] {
+            let mut filter = RouteMessage::default();
+            filter.header.address_family = family;
+            filter.header.protocol = RouteProtocol::Other(HANDOVER_ROUTE_PROTOCOL);
+            filter.attributes.push(RouteAttribute::Table(table));
+            let routes: Vec<RouteMessage> = {
+                let _dump = self.dumps.lock().await;
+                self.handle
+                    .route()
+                    .get(filter)
+                    .execute()
+                    .try_collect()
+                    .await
+                    .map_err(|e| KernelError::refused("reading an anchor's table", reason(&e)))?
+            };
+            for r in routes {
+                let in_table = r
+                    .attributes
+                    .iter()
+                    .any(|a| matches!(a, RouteAttribute::Table(t) if *t == table));
+                if !in_table || r.header.protocol != RouteProtocol::Other(HANDOVER_ROUTE_PROTOCOL) {
+                    continue;
+                }
+                match self.handle.route().del(r).execute().await {
+                    Ok(()) => {}
+                    Err(e) if errno(&e) == Some(libc::ESRCH) => {}
+                    Err(e) => {
+                        return Err(KernelError::refused(
+                            "removing an anchor's route",
+                            reason(&e),
+                        ))
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The index of node link `name`, if it exists.
+    async fn index_of(&self, name: &str) -> Result<Option<u32>> {
+        messages::link_by_name_get(&self.handle, name)
+            .await
+            .map(|l| l.map(|l| l.header.index))
+            .map_err(|e| KernelError::refused(format!("looking up {name}"), reason(&e)))
+    }
+}
+
+/// The default route of `via`'s family in anchor table `table`: through
+/// `via`, onlink on `oif` when given.
+fn anchor_route(table: u32, via: IpAddr, oif: Option<u32>) -> RouteMessage {
+    let mut msg = RouteMessage::default();
+    msg.header.address_family = if via.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    msg.header.table = RouteHeader::RT_TABLE_UNSPEC;
+    msg.header.protocol = RouteProtocol::Other(HANDOVER_ROUTE_PROTOCOL);
+    msg.header.kind = RouteType::Unicast;
+    msg.header.scope = RouteScope::Universe;
+    msg.header.destination_prefix_length = 0;
+    msg.attributes.push(RouteAttribute::Table(table));
+    msg.attributes
+        .push(RouteAttribute::Gateway(RouteAddress::from(via)));
+    if let Some(i) = oif {
+        msg.header.flags |= RouteFlags::Onlink;
+        msg.attributes.push(RouteAttribute::Oif(i));
+    }
+    msg
+}
+
+#[async_trait]
+impl Handover for LinuxHandover {
+    async fn flows_of(&self, ip: IpAddr) -> Result<Vec<Flow>> {
+        self.nf(format!("reading the flows of {ip}"), move |s| {
+            let mut flows = dump_by_source(s, ip, false)?;
+            flows.extend(
+                dump_by_source(s, ip, true)?
+                    .into_iter()
+                    .filter(|f| f.orig.src.ip() != ip),
+            );
+            Ok(flows)
+        })
+        .await
+    }
+
+    async fn create_flow(&self, flow: &Flow, replace: bool) -> Result<FlowCreated> {
+        let f = flow.clone();
+        let replace = if replace {
+            Replace::Untranslated
+        } else {
+            Replace::Nothing
+        };
+        self.nf(format!("creating the flow {:?}", flow.orig), move |s| {
+            create(s, &f, replace)
+        })
+        .await
+    }
+
+    async fn pin_translations(&self, vm: &[IpAddr]) -> Result<u32> {
+        let vm = vm.to_vec();
+        self.nf(
+            format!("pinning the translations toward {vm:?}"),
+            move |s| {
+                let mut masqueraded = Vec::new();
+                for ip in &vm {
+                    masqueraded.extend(
+                        dump_by_source(s, *ip, true)?
+                            .into_iter()
+                            .filter(|f| f.orig.src.ip() != *ip && f.source_translated()),
+                    );
+                }
+                if masqueraded.is_empty() {
+                    return Ok(0);
+                }
+                // The flows' packets are held off (dropped before conntrack
+                // sees them) while they are made again, so that none starts a
+                // new flow in between; the elements lapse by themselves should
+                // this stop half way.
+                let freeze = |add: bool| -> Vec<_> {
+                    masqueraded
+                        .iter()
+                        .flat_map(|f| [(f.orig, f.proto), (f.reply, f.proto)])
+                        .map(|(ends, proto)| {
+                            let set = set_of(ends.src.ip(), "frozen_v4", "frozen_v6");
+                            flow_element(set, &ends, proto, add.then_some(FREEZE_LIMIT), add)
+                        })
+                        .collect()
+                };
+                apply_elements(s, freeze(true))?;
+                let mut pinned = 0;
+                let mut first_error = None;
+                for f in &masqueraded {
+                    match create(s, f, Replace::Anything) {
+                        Ok(_) => pinned += 1,
+                        Err(e) => {
+                            first_error.get_or_insert(e);
+                        }
+                    }
+                }
+                apply_elements(s, freeze(false))?;
+                match first_error {
+                    Some(e) => Err(e),
+                    None => Ok(pinned),
+                }
+            },
+        )
+        .await
+    }
+
+    async fn count_anchored(&self, id: u16) -> Result<u32> {
+        self.nf(format!("counting the flows anchored at node {id}"), move |s| {
+            let request = ConntrackMessage::Get(vec![
+                ConntrackAttribute::CtaMark(anchor_mark(id)),
+                ConntrackAttribute::Other(DefaultNla::new(CTA_MARK_MASK, ANCHOR_MASK.to_be_bytes().to_vec())),
+            ]);
+            let answer = s.exchange(vec![message(NetfilterProtoFamily::Unspec, 0, request, NLM_F_DUMP)])?;
+            Ok(answer
+                .messages
+                .iter()
+                .filter(|m| matches!(&m.inner, NetfilterMessageInner::Conntrack(ConntrackMessage::New(a))
+                    if a.iter().any(|x| matches!(x, ConntrackAttribute::CtaMark(mk) if anchor_of_mark(*mk) == Some(id)))))
+                .count() as u32)
+        })
+        .await
+    }
+
+    async fn delete_anchored(&self, id: u16) -> Result<u32> {
+        let n = self.count_anchored(id).await?;
+        self.nf(
+            format!("deleting the flows anchored at node {id}"),
+            move |s| {
+                let request = ConntrackMessage::Delete(vec![
+                    ConntrackAttribute::CtaMark(anchor_mark(id)),
+                    ConntrackAttribute::Other(DefaultNla::new(
+                        CTA_MARK_MASK,
+                        ANCHOR_MASK.to_be_bytes().to_vec(),
+                    )),
+                ]);
+                match s.exchange(vec![message(
+                    NetfilterProtoFamily::Unspec,
+                    0,
+                    request,
+                    NLM_F_ACK,
+                )]) {
+                    Ok(_) | Err(libc::ENOENT) => Ok(n),
+                    Err(e) => Err(e),
+                }
+            },
+        )
+        .await
+    }
+
+    async fn ensure_anchor(&self, id: u16, via: &[ClusterRoute]) -> Result<()> {
+        let table = anchor_table(id);
+        for r in via {
+            let oif = match &r.onlink_dev {
+                Some(dev) => Some(self.index_of(dev).await?.ok_or_else(|| {
+                    KernelError::refused(
+                        format!("routing through {dev}"),
+                        "no such device".to_string(),
+                    )
+                })?),
+                None => None,
+            };
+            self.handle
+                .route()
+                .add(anchor_route(table, r.via, oif))
+                .replace()
+                .execute()
+                .await
+                .map_err(|e| KernelError::refused("adding an anchor's route", reason(&e)))?;
+            let family = if r.via.is_ipv4() {
+                AddressFamily::Inet
+            } else {
+                AddressFamily::Inet6
+            };
+            self.add_rule(Self::rule(
+                family,
+                anchor_mark(id),
+                ANCHOR_MASK,
+                table,
+                ANCHOR_RULE_PRIORITY,
+            ))
+            .await?;
+        }
+        Ok(())
+    }
+
+    async fn remove_anchor(&self, id: u16) -> Result<()> {
+        let table = anchor_table(id);
+        for r in self.our_rules().await? {
+            if r.attributes
+                .iter()
+                .any(|a| matches!(a, RuleAttribute::Table(t) if *t == table))
+            {
+                match self.handle.rule().del(r).execute().await {
+                    Ok(()) => {}
+                    Err(e) if errno(&e) == Some(libc::ENOENT) => {}
+                    Err(e) => {
+                        return Err(KernelError::refused(
+                            "removing an anchor's rule",
+                            reason(&e),
+                        ))
+                    }
+                }
+            }
+        }
+        self.flush_table(table).await
+    }
+
+    async fn anchors(&self) -> Result<Vec<u16>> {
+        let mut ids: Vec<u16> = self
+            .our_rules()
+            .await?
+            .iter()
+            .filter_map(|r| {
+                r.attributes.iter().find_map(|a| match a {
+                    RuleAttribute::Table(t)
+                        if *t > ANCHOR_TABLE_BASE && *t <= ANCHOR_TABLE_LAST =>
+                    {
+                        Some((*t - ANCHOR_TABLE_BASE) as u16)
+                    }
+                    _ => None,
+                })
+            })
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        Ok(ids)
+    }
+
+    async fn guard_moved(&self, vm: &[IpAddr], ttl: Duration) -> Result<()> {
+        let changes: Vec<_> = vm
+            .iter()
+            .map(|ip| element(set_of(*ip, "moved_v4", "moved_v6"), *ip, Some(ttl), true))
+            .collect();
+        self.nf("guarding a moved VM's connections".into(), move |s| {
+            apply_elements(s, changes)
+        })
+        .await
+    }
+
+    async fn pass_translated_back(
+        &self,
+        directions: &[(u8, FlowEnds)],
+        ttl: Duration,
+    ) -> Result<()> {
+        // An element's timeout is not set anew by adding it again: it goes
+        // first (which fails harmlessly when it is not there).
+        let changes: Vec<_> = directions
+            .iter()
+            .flat_map(|(proto, ends)| {
+                let mut key = ip_bytes(ends.src.ip());
+                key.extend(ip_bytes(ends.dst.ip()));
+                key.extend([*proto, 0, 0, 0]);
+                key.extend(ends.src.port().to_be_bytes());
+                key.extend([0, 0]);
+                key.extend(ends.dst.port().to_be_bytes());
+                key.extend([0, 0]);
+                let set = set_of(ends.src.ip(), "translated_back_v4", "translated_back_v6");
+                [
+                    set_element(set, key.clone(), None, false),
+                    set_element(set, key, Some(ttl), true),
+                ]
+            })
+            .collect();
+        self.nf("letting translated-back packets pass".into(), move |s| {
+            apply_elements(s, changes)
+        })
+        .await
+    }
+
+    async fn capture(&self, host_ifname: &str) -> Result<Box<dyn Held>> {
+        let index = self.index_of(host_ifname).await?.ok_or_else(|| {
+            KernelError::refused(
+                format!("capturing on {host_ifname}"),
+                "no such device".to_string(),
+            )
+        })?;
+        Ok(Box::new(Capture::start(index)?))
+    }
+
+    async fn tap_counters(
+        &self,
+        netns: &Path,
+        tap: &str,
+        host_ifname: &str,
+    ) -> Result<TapCounters> {
+        let file = open_netns(netns)?;
+        let tap_name = tap.to_owned();
+        let read =
+            spawn_in_netns(&file, move || LinkCounter::open(&tap_name)?.tx_packets())?.await?;
+        let host = host_ifname.to_owned();
+        let sent = tokio::task::spawn_blocking(move || LinkCounter::open(&host)?.tx_packets())
+            .await
+            .map_err(|e| KernelError::Internal(e.to_string()))??;
+        Ok(TapCounters { sent, read })
+    }
+
+    async fn routes_to_link(&self, ip: IpAddr, host_ifname: &str) -> Result<bool> {
+        let Some(index) = self.index_of(host_ifname).await? else {
+            return Ok(false);
+        };
+        let found = match messages::request(
+            &self.handle,
+            RouteNetlinkMessage::GetRoute(super::overlay::route_get(ip)),
+            messages::ACKED,
+        )
+        .await
+        {
+            Ok(answers) => answers,
+            Err(e) if matches!(errno(&e), Some(libc::ENETUNREACH | libc::EHOSTUNREACH)) => {
+                return Ok(false)
+            }
+            Err(e) => {
+                return Err(KernelError::refused(
+                    format!("looking up the route to {ip}"),
+                    reason(&e),
+                ))
+            }
+        };
+        let found: Vec<RouteMessage> = found
+            .into_iter()
+            .filter_map(|m| match m {
+                RouteNetlinkMessage::NewRoute(r) => Some(r),
+                _ => None,
+            })
+            .collect();
+        Ok(found.iter().any(|r| messages::route_oif(r) == Some(index)))
+    }
+
+    async fn replay(&self, packets: Vec<Vec<u8>>) -> Result<Replayed> {
+        tokio::task::spawn_blocking(move || Ok(Replayer::open()?.send(&packets)))
+            .await
+            .map_err(|e| KernelError::Internal(e.to_string()))?
+    }
+}
+
+/// A link's transmit counter, read over an rtnetlink socket of the netns
+/// it was opened in.
+struct LinkCounter {
+    socket: Socket,
+    name: String,
+    seq: u32,
+}
+
+impl LinkCounter {
+    fn open(name: &str) -> Result<LinkCounter> {
+        let mut socket = Socket::new(protocols::NETLINK_ROUTE)
+            .map_err(|e| KernelError::refused("opening an rtnetlink socket", e))?;
+        socket
+            .bind_auto()
+            .and_then(|_| socket.connect(&NetlinkAddr::new(0, 0)))
+            .map_err(|e| KernelError::refused("binding an rtnetlink socket", e))?;
+        let mut c = LinkCounter {
+            socket,
+            name: name.to_owned(),
+            seq: 0,
+        };
+        c.tx_packets()?;
+        Ok(c)
+    }
+
+    fn tx_packets(&mut self) -> Result<u64> {
+        let doing = || format!("reading {}'s counters", self.name);
+        let mut link = LinkMessage::default();
+        link.attributes
+            .push(LinkAttribute::IfName(self.name.clone()));
+        let mut m = NetlinkMessage::new(
+            NetlinkHeader::default(),
+            NetlinkPayload::InnerMessage(RouteNetlinkMessage::GetLink(link)),
+        );
+        self.seq = self.seq.wrapping_add(1);
+        m.header.flags = NLM_F_REQUEST;
+        m.header.sequence_number = self.seq;
+        m.finalize();
+        let mut buf = vec![0; m.buffer_len()];
+        m.serialize(&mut buf);
+        self.socket
+            .send(&buf, 0)
+            .map_err(|e| KernelError::refused(doing(), e))?;
+        let mut rbuf: Vec<u8> = Vec::with_capacity(RECV_BUF);
+        loop {
+            rbuf.clear();
+            let n = self
+                .socket
+                .recv(&mut rbuf, 0)
+                .map_err(|e| KernelError::refused(doing(), e))?;
+            let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&rbuf[..n])
+                .map_err(|e| KernelError::refused(doing(), e.to_string()))?;
+            if msg.header.sequence_number != self.seq {
+                continue;
+            }
+            return match msg.payload {
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(l)) => l
+                    .attributes
+                    .iter()
+                    .find_map(|a| match a {
+                        LinkAttribute::Stats64(s) => Some(s.tx_packets),
+                        _ => None,
+                    })
+                    .ok_or_else(|| KernelError::refused(doing(), "no counters".to_string())),
+                NetlinkPayload::Error(e) => Err(KernelError::refused(
+                    doing(),
+                    std::io::Error::from_raw_os_error(e.code.map_or(libc::EIO, |c| -c.get())),
+                )),
+                _ => Err(KernelError::refused(
+                    doing(),
+                    "an unexpected answer".to_string(),
+                )),
+            };
+        }
+    }
+}

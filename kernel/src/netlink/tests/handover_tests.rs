@@ -1,0 +1,656 @@
+//! The migration handover on the real kernel (`netlink::handover`):
+//! flows created, read back and deleted in conntrack with the translations
+//! the kernel makes of them, a flow the kernel masqueraded read as such,
+//! the anchors' rules and tables, the handover's nftables sets, and a
+//! link's counters read across namespaces.
+
+use std::net::{SocketAddr, UdpSocket};
+use std::sync::Arc;
+
+use super::*;
+use crate::handover::{
+    anchor_mark, anchor_table, handover_script, Flow, FlowCreated, FlowEnds, Handover,
+    ANCHOR_RULE_PRIORITY, TCP, TCP_ESTABLISHED, UDP,
+};
+use crate::netlink::LinuxHandover;
+use crate::ClusterRoute;
+
+fn ends(src: &str, dst: &str) -> FlowEnds {
+    FlowEnds {
+        src: src.parse().unwrap(),
+        dst: dst.parse().unwrap(),
+    }
+}
+
+fn flow(proto: u8, orig: FlowEnds, reply: FlowEnds, mark: u32) -> Flow {
+    Flow {
+        proto,
+        orig,
+        reply,
+        mark,
+        timeout_secs: 100,
+        tcp_state: (proto == TCP).then_some(TCP_ESTABLISHED),
+    }
+}
+
+/// `nft -f -` with `script` in the calling thread's netns.
+fn nft(script: &str) {
+    use std::io::Write;
+    let mut child = Command::new("nft")
+        .args(["-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("nft");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(script.as_bytes())
+        .expect("script");
+    assert!(
+        child.wait().expect("nft").success(),
+        "nft refused:\n{script}"
+    );
+}
+
+fn handover() -> LinuxHandover {
+    let dp = connect();
+    LinuxHandover::new(dp.handle.clone(), dp.dumps.clone())
+}
+
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
+#[test]
+fn flows_go_into_conntrack_with_their_translation_and_come_back_out() {
+    require_root!();
+    in_node_netns(|| async {
+        let h = handover();
+        let vm = "10.244.0.5";
+        let anchored = flow(
+            TCP,
+            ends("10.244.0.5:40000", "10.77.0.200:8000"),
+            ends("10.77.0.200:8000", "10.244.0.5:40000"),
+            anchor_mark(7),
+        );
+        let service = flow(
+            TCP,
+            ends("10.244.0.5:40001", "10.96.0.10:9100"),
+            ends("10.244.1.9:9100", "10.244.0.5:40001"),
+            0,
+        );
+        let datagrams = flow(
+            UDP,
+            ends("10.244.0.5:40002", "10.77.0.200:8001"),
+            ends("10.77.0.200:8001", "10.244.0.5:40002"),
+            anchor_mark(7),
+        );
+        let v6 = flow(
+            TCP,
+            ends("[fd00:10:244::5]:40000", "[fd00:77:ff::200]:8010"),
+            ends("[fd00:77:ff::200]:8010", "[fd00:10:244::5]:40000"),
+            anchor_mark(7),
+        );
+        for f in [&anchored, &service, &datagrams, &v6] {
+            assert_eq!(
+                h.create_flow(f, false).await.expect("create"),
+                FlowCreated::Created,
+                "{f:?}"
+            );
+        }
+        let mut read = h.flows_of(vm.parse().unwrap()).await.expect("flows");
+        read.sort_by_key(|f| f.orig.src.port());
+        assert_eq!(read.len(), 3, "{read:#?}");
+        // The kernel made the destination translation again: the answers
+        // come from the backend.
+        assert_eq!(read[1].orig, service.orig);
+        assert_eq!(read[1].reply, service.reply);
+        assert!(read[1].destination_translated() && !read[1].source_translated());
+        assert_eq!(read[1].mark, 0);
+        // The anchored flows are untranslated and keep their mark.
+        assert_eq!(
+            (read[0].reply, read[0].mark),
+            (anchored.orig.inverse(), anchor_mark(7))
+        );
+        assert_eq!(read[0].tcp_state, Some(TCP_ESTABLISHED));
+        assert_eq!((read[2].proto, read[2].mark), (UDP, anchor_mark(7)));
+        assert!(
+            read.iter()
+                .all(|f| f.timeout_secs <= 100 && f.timeout_secs > 90),
+            "{read:#?}"
+        );
+        let read6 = h
+            .flows_of("fd00:10:244::5".parse().unwrap())
+            .await
+            .expect("v6 flows");
+        assert_eq!(read6.len(), 1);
+        assert_eq!(read6[0].orig, v6.orig);
+
+        // Creating the same flow again sets its timeout anew; another one
+        // holding a direction is left alone, or replaced when asked.
+        let mut later = anchored.clone();
+        later.timeout_secs = 400;
+        assert_eq!(
+            h.create_flow(&later, false).await.unwrap(),
+            FlowCreated::Refreshed
+        );
+        let refreshed = h.flows_of(vm.parse().unwrap()).await.unwrap();
+        let t = refreshed
+            .iter()
+            .find(|f| f.orig == anchored.orig)
+            .unwrap()
+            .timeout_secs;
+        assert!(t > 300, "timeout set anew: {t}");
+        let mut other_mark = anchored.clone();
+        other_mark.mark = anchor_mark(8);
+        assert_eq!(
+            h.create_flow(&other_mark, false).await.unwrap(),
+            FlowCreated::Exists
+        );
+        assert_eq!(
+            h.create_flow(&other_mark, true).await.unwrap(),
+            FlowCreated::Replaced
+        );
+        // A flow one of whose directions another entry holds collides: the
+        // backend's answers to the VM are the reply of the service flow.
+        let backend_side = flow(
+            TCP,
+            ends("10.244.0.5:40001", "10.244.1.9:9100"),
+            ends("10.244.1.9:9100", "10.244.0.5:40001"),
+            0,
+        );
+        assert_eq!(
+            h.create_flow(&backend_side, false).await.unwrap(),
+            FlowCreated::Exists
+        );
+        // Asked to replace, it still keeps a translated entry: that is this
+        // node's own translation of the flow.
+        assert_eq!(
+            h.create_flow(&backend_side, true).await.unwrap(),
+            FlowCreated::Exists
+        );
+
+        assert_eq!(
+            h.create_flow(&anchored, true).await.unwrap(),
+            FlowCreated::Replaced
+        );
+        assert_eq!(h.count_anchored(7).await.unwrap(), 3);
+        assert_eq!(h.count_anchored(8).await.unwrap(), 0);
+        assert_eq!(h.delete_anchored(7).await.unwrap(), 3);
+        assert_eq!(h.count_anchored(7).await.unwrap(), 0);
+        let left = h.flows_of(vm.parse().unwrap()).await.unwrap();
+        assert_eq!(left.len(), 1, "only the service flow: {left:#?}");
+    });
+}
+
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
+#[test]
+fn a_flow_the_kernel_masqueraded_reads_as_source_translated() {
+    require_root!();
+    in_node_netns(|| async {
+        let dp = connect();
+        enable_forwarding().expect("forwarding");
+        let node = node_ns_path();
+        let pod = TestPod::new("masq", &["10.244.0.5"]);
+        dp.wire(&pod.wiring()).await.expect("wire");
+        // A host outside, on a veth of the node's.
+        let outside = new_netns();
+        let out_path = outside.path.to_str().expect("path").to_owned();
+        run_in(
+            &node,
+            &[
+                "ip", "link", "add", "uplink", "type", "veth", "peer", "name", "eth9", "netns",
+                &out_path,
+            ],
+        );
+        run_in(
+            &node,
+            &["ip", "addr", "add", "10.77.0.21/24", "dev", "uplink"],
+        );
+        run_in(&node, &["ip", "link", "set", "uplink", "up"]);
+        run_in(
+            &out_path,
+            &["ip", "addr", "add", "10.77.0.200/24", "dev", "eth9"],
+        );
+        run_in(&out_path, &["ip", "link", "set", "eth9", "up"]);
+        nft("table inet t {\n chain p {\n  type nat hook postrouting priority srcnat;\n  ip saddr 10.244.0.0/16 oifname \"uplink\" masquerade\n }\n}\n");
+        // One datagram from the pod: conntrack holds its masqueraded flow.
+        let pod_file = pod.ns.file.try_clone().expect("dup");
+        std::thread::spawn(move || {
+            nix::sched::setns(&pod_file, CloneFlags::CLONE_NEWNET).expect("setns");
+            let s = UdpSocket::bind("10.244.0.5:40005").expect("bind");
+            s.send_to(b"hello", "10.77.0.200:8001").expect("send");
+        })
+        .join()
+        .expect("pod thread");
+        let h = handover();
+        let read = h
+            .flows_of("10.244.0.5".parse().unwrap())
+            .await
+            .expect("flows");
+        let f = read
+            .iter()
+            .find(|f| f.orig.dst == "10.77.0.200:8001".parse::<SocketAddr>().unwrap())
+            .unwrap_or_else(|| panic!("no masqueraded flow: {read:#?}"));
+        assert_eq!(f.proto, UDP);
+        assert!(
+            f.source_translated() && !f.destination_translated(),
+            "{f:?}"
+        );
+        assert_eq!(f.reply.dst.ip(), "10.77.0.21".parse::<IpAddr>().unwrap());
+        assert_eq!(
+            f.landed("10.244.0.5".parse().unwrap(), 3).unwrap().reply,
+            f.orig.inverse()
+        );
+    });
+}
+
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
+#[test]
+fn anchors_are_rules_and_tables_and_the_guard_a_set_with_timeouts() {
+    require_root!();
+    in_node_netns(|| async {
+        let node = node_ns_path();
+        let outside = new_netns();
+        let out_path = outside.path.to_str().expect("path").to_owned();
+        run_in(
+            &node,
+            &[
+                "ip", "link", "add", "uplink", "type", "veth", "peer", "name", "eth9", "netns",
+                &out_path,
+            ],
+        );
+        run_in(
+            &node,
+            &["ip", "addr", "add", "10.77.0.21/24", "dev", "uplink"],
+        );
+        run_in(
+            &node,
+            &[
+                "ip",
+                "-6",
+                "addr",
+                "add",
+                "fd00:77:ff::21/64",
+                "dev",
+                "uplink",
+                "nodad",
+            ],
+        );
+        run_in(&node, &["ip", "link", "set", "uplink", "up"]);
+        nft(&handover_script());
+        let h = handover();
+
+        let via = |ip: &str| ClusterRoute {
+            dst: ip.parse::<IpAddr>().unwrap().into(),
+            via: ip.parse().unwrap(),
+            onlink_dev: None,
+        };
+        h.ensure_anchor(7, &[via("10.77.0.22"), via("fd00:77:ff::22")])
+            .await
+            .expect("anchor");
+        h.ensure_anchor(7, &[via("10.77.0.22"), via("fd00:77:ff::22")])
+            .await
+            .expect("the same anchor again");
+        let rules = run_in(&node, &["ip", "rule"]);
+        let table = anchor_table(7).to_string();
+        assert!(
+            rules.contains(&format!("{ANCHOR_RULE_PRIORITY}:"))
+                && rules.contains("fwmark 0x70000/0x7fff0000")
+                && rules.contains(&table),
+            "{rules}"
+        );
+        let routes = run_in(&node, &["ip", "route", "show", "table", &table]);
+        assert!(routes.contains("default via 10.77.0.22"), "{routes}");
+        let routes6 = run_in(&node, &["ip", "-6", "route", "show", "table", &table]);
+        assert!(routes6.contains("default via fd00:77:ff::22"), "{routes6}");
+        assert_eq!(h.anchors().await.unwrap(), vec![7]);
+        h.remove_anchor(7).await.expect("remove");
+        assert_eq!(h.anchors().await.unwrap(), Vec::<u16>::new());
+        assert!(run_in(&node, &["ip", "route", "show", "table", &table])
+            .trim()
+            .is_empty());
+
+        let vm: Vec<IpAddr> = vec![
+            "10.244.0.9".parse().unwrap(),
+            "fd00:10:244::9".parse().unwrap(),
+        ];
+        h.guard_moved(&vm, Duration::from_secs(60))
+            .await
+            .expect("guard");
+        h.guard_moved(&vm, Duration::from_secs(60))
+            .await
+            .expect("guard again");
+        let moved = run_in(
+            &node,
+            &["nft", "list", "set", "inet", "tether_vm", "moved_v4"],
+        );
+        assert!(
+            moved.contains("10.244.0.9 timeout 1m") || moved.contains("10.244.0.9 timeout 60s"),
+            "{moved}"
+        );
+    });
+}
+
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
+#[test]
+fn packets_sent_down_a_veth_are_held_counted_and_sent_again() {
+    require_root!();
+    in_node_netns(|| async {
+        let dp = connect();
+        enable_forwarding().expect("forwarding");
+        let node = node_ns_path();
+        nft(&handover_script());
+        let pod = TestPod::new("count", &["10.244.0.12"]);
+        dp.wire(&pod.wiring()).await.expect("wire");
+        let other = TestPod::new("other", &["10.244.0.13"]);
+        dp.wire(&other.wiring()).await.expect("wire");
+        let h = handover();
+        let held = h.capture(&pod.host).await.expect("capture");
+        // The pod's own interface stands in for the tap: its transmit
+        // counter is what it sent toward the node.
+        let before = h
+            .tap_counters(&pod.ns.path, "eth0", &pod.host)
+            .await
+            .expect("counters");
+        assert!(pings(other.path(), "10.244.0.12"));
+        let after = h
+            .tap_counters(&pod.ns.path, "eth0", &pod.host)
+            .await
+            .expect("counters");
+        assert!(
+            after.sent > before.sent,
+            "the node sent the echo request: {before:?} {after:?}"
+        );
+        assert!(
+            after.read > before.read,
+            "the pod answered: {before:?} {after:?}"
+        );
+        assert!(
+            h.tap_counters(&pod.ns.path, "tap0", &pod.host)
+                .await
+                .is_err(),
+            "no tap0 in the pod"
+        );
+        let waited = Instant::now();
+        while held.seen() == 0 && waited.elapsed() < Duration::from_secs(2) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let last = held.last(1);
+        assert_eq!(last.len(), 1);
+        // The echo request, as the node sent it: IPv4, ICMP, to the pod.
+        assert_eq!((last[0][0] >> 4, last[0][9]), (4, 1), "{:02x?}", last[0]);
+        assert_eq!(&last[0][16..20], &[10, 244, 0, 12]);
+        assert!(h
+            .routes_to_link("10.244.0.12".parse().unwrap(), &pod.host)
+            .await
+            .unwrap());
+        assert!(!h
+            .routes_to_link("10.244.0.13".parse().unwrap(), &pod.host)
+            .await
+            .unwrap());
+        // Sent again, it reaches the pod once more, untracked. Counted by
+        // the pod's own firewall: its link counters also see the node's
+        // neighbour probes.
+        let pod_ns = pod.ns.path.to_string_lossy().into_owned();
+        for cmd in [
+            "add table inet count",
+            "add chain inet count input { type filter hook input priority 0; }",
+            "add rule inet count input icmp type echo-request counter",
+        ] {
+            let argv: Vec<&str> = std::iter::once("nft").chain(cmd.split(' ')).collect();
+            run_in(&pod_ns, &argv);
+        }
+        let requests = || {
+            let out = run_in(&pod_ns, &["nft", "list", "chain", "inet", "count", "input"]);
+            out.split_whitespace()
+                .skip_while(|w| *w != "packets")
+                .nth(1)
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("no counter in {out}"))
+        };
+        let flows0 = run_in(&node, &["conntrack", "-C"]);
+        let sent = h.replay(last).await.expect("replay");
+        assert_eq!((sent.sent, sent.skipped), (1, 0));
+        let waited = Instant::now();
+        while requests() == 0 && waited.elapsed() < Duration::from_secs(2) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(requests(), 1, "the pod got the echo request again, once");
+        assert_eq!(
+            run_in(&node, &["conntrack", "-C"]),
+            flows0,
+            "no flow for a packet sent again"
+        );
+        drop(held);
+    });
+}
+
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
+#[test]
+fn a_pinned_nodeport_flow_keeps_its_translation_when_the_vm_is_routed_elsewhere() {
+    require_root!();
+    for pin in [false, true] {
+        let seen = std::thread::spawn(move || nodeport_source_after_a_move(pin))
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p));
+        let (first, second, third) = seen;
+        if pin {
+            assert_eq!(
+                first, second,
+                "pinned: the VM sees the same masqueraded source after the move"
+            );
+            assert_eq!(
+                Some(first),
+                third,
+                "pinned: the source pod's veth deleted (its DEL), the flow holds"
+            );
+        } else {
+            // Without pinning the kernel drops the masqueraded flow when its
+            // packets leave through another device: a new one, another port.
+            assert_ne!(first, second, "unpinned: the masquerade is made again");
+        }
+    }
+}
+
+/// A NodePort-like flow (DNAT to the VM's address, masqueraded toward it
+/// with random ports, as kube-proxy masquerades) from an outside host,
+/// then the VM's address routed to another pod (as a migration's source
+/// does): the source the VM saw before and after; pinned, also after the
+/// source pod's veth is deleted (its DEL: the kernel ends the masqueraded
+/// flows of a device that goes).
+fn nodeport_source_after_a_move(pin: bool) -> (SocketAddr, SocketAddr, Option<SocketAddr>) {
+    let out = Arc::new(std::sync::Mutex::new(None));
+    let slot = out.clone();
+    in_node_netns(move || async move {
+        let dp = connect();
+        enable_forwarding().expect("forwarding");
+        let node = node_ns_path();
+        nft(&handover_script());
+        nft("table ip kp {
+ chain pre {
+  type nat hook prerouting priority dstnat;
+  ip daddr 10.77.0.21 udp dport 31000 dnat to 10.244.0.5:7000
+ }
+ chain post {
+  type nat hook postrouting priority srcnat;
+  ip daddr 10.244.0.5 oifname \"tth*\" masquerade fully-random
+ }
+}
+");
+        let outside = new_netns();
+        let out_path = outside.path.to_str().expect("path").to_owned();
+        run_in(
+            &node,
+            &[
+                "ip", "link", "add", "uplink", "type", "veth", "peer", "name", "eth9", "netns",
+                &out_path,
+            ],
+        );
+        run_in(
+            &node,
+            &["ip", "addr", "add", "10.77.0.21/24", "dev", "uplink"],
+        );
+        run_in(&node, &["ip", "link", "set", "uplink", "up"]);
+        run_in(
+            &out_path,
+            &["ip", "addr", "add", "10.77.0.200/24", "dev", "eth9"],
+        );
+        run_in(&out_path, &["ip", "link", "set", "eth9", "up"]);
+        let source = TestPod::new("src", &["10.244.0.5"]);
+        dp.wire(&source.wiring()).await.expect("wire");
+        // The same address in another pod, wired as a migration's target.
+        let target = TestPod::new("dst", &["10.244.0.5"]);
+        let mut w = target.wiring();
+        w.routed = false;
+        dp.wire(&w).await.expect("wire the target unrouted");
+        let recv_in = |p: &TestPod| {
+            let f = p.ns.file.try_clone().expect("dup");
+            std::thread::spawn(move || {
+                nix::sched::setns(&f, CloneFlags::CLONE_NEWNET).expect("setns");
+                let s = UdpSocket::bind("0.0.0.0:7000").expect("bind 7000");
+                s.set_read_timeout(Some(Duration::from_secs(3)))
+                    .expect("timeout");
+                let mut buf = [0u8; 16];
+                s.recv_from(&mut buf)
+                    .map(|(_, from)| from)
+                    .expect("a datagram")
+            })
+        };
+        let outside_file = outside.file.try_clone().expect("dup");
+        let client = std::thread::spawn(move || {
+            nix::sched::setns(&outside_file, CloneFlags::CLONE_NEWNET).expect("setns");
+            UdpSocket::bind("10.77.0.200:50000").expect("bind")
+        })
+        .join()
+        .expect("client");
+        let first = recv_in(&source);
+        std::thread::sleep(Duration::from_millis(50));
+        client.send_to(b"one", "10.77.0.21:31000").expect("send");
+        let first = first.join().expect("first");
+        if pin {
+            let n = handover()
+                .pin_translations(&["10.244.0.5".parse().unwrap()])
+                .await
+                .expect("pin");
+            assert_eq!(n, 1, "one masqueraded flow toward the VM");
+        }
+        // The migration's route change: the address now leads to the target.
+        dp.ensure_host_routes(&target.host, &["10.244.0.5".parse().unwrap()])
+            .await
+            .expect("route");
+        let second = recv_in(&target);
+        std::thread::sleep(Duration::from_millis(50));
+        // Unpinned, the kernel drops the first packet after the move with
+        // its flow; the next one starts a new flow.
+        for _ in 0..3 {
+            client.send_to(b"two", "10.77.0.21:31000").expect("send");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let second = second.join().expect("second");
+        let third = if pin {
+            run_in(&node, &["ip", "link", "del", &source.host]);
+            let third = recv_in(&target);
+            std::thread::sleep(Duration::from_millis(50));
+            client.send_to(b"three", "10.77.0.21:31000").expect("send");
+            Some(third.join().expect("third"))
+        } else {
+            None
+        };
+        *slot.lock().unwrap() = Some((first, second, third));
+    });
+    let seen = out.lock().unwrap().take();
+    seen.expect("the test ran")
+}
+
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
+#[test]
+fn a_capture_hands_back_only_an_unbroken_run_of_the_newest_packets() {
+    require_root!();
+    in_node_netns(|| async {
+        let dp = connect();
+        enable_forwarding().expect("forwarding");
+        let pod = TestPod::new("burst", &["10.244.0.14"]);
+        dp.wire(&pod.wiring()).await.expect("wire");
+        let name = std::ffi::CString::new(pod.host.as_str()).expect("name");
+        // SAFETY: a valid NUL-terminated name that outlives the call.
+        let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+        assert_ne!(ifindex, 0, "no {}", pod.host);
+        // The real buffer, and one small enough that a burst overflows it.
+        for rcvbuf in [None, Some(4096)] {
+            let held = match rcvbuf {
+                None => crate::replay::Capture::start(ifindex),
+                Some(b) => crate::replay::Capture::start_with_buffer(ifindex, b),
+            }
+            .expect("capture");
+            // Whatever the socket drops, what the capture hands back must
+            // be the newest packets with none missing between them, or an
+            // older packet (one the guest read) would be sent again in
+            // place of a dropped one.
+            let sock = UdpSocket::bind("0.0.0.0:0").expect("bind");
+            const BURST: u32 = 30_000;
+            for seq in 0..BURST {
+                // A full queue drops a send: a gap in what the pod gets,
+                // never in what the capture hands back.
+                let _ = sock.send_to(&seq.to_be_bytes(), "10.244.0.14:9");
+            }
+            // Then a trickle the capture keeps up with: after a drop, the
+            // run counts again once the socket's queue was read empty.
+            std::thread::sleep(Duration::from_millis(200));
+            const TRICKLE: u32 = 100;
+            for seq in BURST..BURST + TRICKLE {
+                sock.send_to(&seq.to_be_bytes(), "10.244.0.14:9")
+                    .expect("send");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+            let seqs: Vec<u32> = held
+                .last(BURST as usize)
+                .iter()
+                .filter(|p| p.len() == 20 + 8 + 4 && p[9] == 17)
+                .map(|p| u32::from_be_bytes([p[28], p[29], p[30], p[31]]))
+                .collect();
+            assert!(held.seen() > 0, "nothing captured");
+            for w in seqs.windows(2) {
+                assert_eq!(
+                    w[1],
+                    w[0] + 1,
+                    "a gap in the run handed back: {} then {}",
+                    w[0],
+                    w[1]
+                );
+            }
+            eprintln!(
+                "buffer {rcvbuf:?}: captured {} of {BURST}; handed back an unbroken run of {}",
+                held.seen(),
+                seqs.len()
+            );
+            assert_eq!(
+                seqs.last(),
+                Some(&(BURST + TRICKLE - 1)),
+                "the newest packet last"
+            );
+            assert!(
+                seqs.len() >= (TRICKLE / 2) as usize,
+                "the trickle after the burst is handed back: {}",
+                seqs.len()
+            );
+        }
+    });
+}

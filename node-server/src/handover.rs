@@ -1,0 +1,764 @@
+//! A VM's connections across its live migration: what the node the VM
+//! leaves (the source) and the node it goes to (the target) do beyond the
+//! routes, so that every connection of the VM survives the move
+//! (docs/user/vm-connections.md has the design, the measurements and the
+//! limits; [`crate::kernel::handover`] and [`crate::kernel::replay`] the
+//! kernel side).
+//!
+//! **The source**, while its VM has a migration target on another node:
+//! - holds the packets it sends down the VM's pod veth (the last few
+//!   thousand), and reads the guest's tap counters at the start;
+//! - sends the target the VM's flows ([`FlowsDatagram`]) every
+//!   [`RESEND`];
+//! - at the cutover (the target's notice, or the record), before it
+//!   reroutes the VM: pins the translations of the flows toward the VM
+//!   ([`Handovers::before_reroute`]); after: sends the packets the guest
+//!   never read again (through the routes, to the target, where the guest
+//!   has just resumed), and its flows once more.
+//!
+//! **The target**, for a VM whose migration target pod is here:
+//! - recreates the flows it is sent (as [`Flow::landed`] says); one that
+//!   collides with one of this node's own waits for the cutover, then
+//!   replaces it;
+//! - at the cutover, before it routes the VM to its pod, pins the
+//!   translations toward the VM that entered here; after, guards the VM's
+//!   addresses for [`GUARD_TTL`].
+//!
+//! Datagrams are not authenticated, as the cutover notices: a node takes
+//! flows only from an underlay address of the node that holds the VM's
+//! active pod (or, after the cutover, the node it left), only for a VM
+//! whose pod is on this node, and only flows of one of the VM's addresses.
+
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+use crate::cluster::{ClusterView, NodeRecord, Overlay};
+use crate::ipam::Family;
+use crate::kernel::handover::{Flow, FlowCreated, FlowEnds, Handover, Held, TapCounters};
+use crate::kernel::ClusterRoute;
+use crate::routing::plan::{next_hop, ClusterSide};
+use crate::store::{Attachment, AttachmentKey};
+use crate::vm::cutover::placed_before_last_cutover;
+use crate::vm::{VmAttachment, VmKey, VmRecord, VmView};
+use tether_base::sync::lock;
+
+/// How often a source sends its VM's flows to the target while the
+/// migration runs (besides at the cutover).
+pub const RESEND: Duration = Duration::from_millis(500);
+/// How long the target guards a VM's addresses after its cutover.
+pub const GUARD_TTL: Duration = Duration::from_secs(60);
+/// How long what the target sets up for a waiting VM lasts unless the
+/// source sends the VM's flows again (every [`RESEND`]).
+pub const WAITING_TTL: Duration = Duration::from_secs(10);
+/// How long a source waits for its own route to the VM to leave the
+/// source pod before it sends the held packets; after that, it sends
+/// none (the move was undone, and the guest may run here still).
+pub const REROUTE_WAIT: Duration = Duration::from_secs(2);
+/// The version of the flows datagram.
+pub const FLOWS_VERSION: u32 = 1;
+/// Flows per datagram: each is about 200 bytes of JSON, so a datagram
+/// stays under a 1,500-byte MTU.
+const FLOWS_PER_DATAGRAM: usize = 6;
+
+/// The VM's flows, from the node it leaves to the node it goes to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FlowsDatagram {
+    /// The format's version ([`FLOWS_VERSION`]).
+    pub tether_flows: u32,
+    /// The VM.
+    pub vm: VmKey,
+    /// The sending node.
+    pub from: String,
+    /// Flows as the sender's conntrack holds them.
+    pub flows: Vec<Flow>,
+}
+
+impl FlowsDatagram {
+    /// The datagrams that carry `flows`.
+    pub fn encode(vm: &VmKey, from: &str, flows: &[Flow]) -> Vec<Vec<u8>> {
+        flows
+            .chunks(FLOWS_PER_DATAGRAM)
+            .filter_map(|chunk| {
+                serde_json::to_vec(&FlowsDatagram {
+                    tether_flows: FLOWS_VERSION,
+                    vm: vm.clone(),
+                    from: from.to_owned(),
+                    flows: chunk.to_vec(),
+                })
+                .ok()
+            })
+            .collect()
+    }
+
+    /// Reads a datagram; None for anything else.
+    pub fn decode(bytes: &[u8]) -> Option<FlowsDatagram> {
+        let d: FlowsDatagram = serde_json::from_slice(bytes).ok()?;
+        (d.tether_flows == FLOWS_VERSION).then_some(d)
+    }
+}
+
+/// How many of the packets held since `start` the guest never read:
+/// what went down the veth since, less what its QEMU read since.
+pub fn unread_since(start: TapCounters, now: TapCounters) -> u64 {
+    now.sent
+        .saturating_sub(start.sent)
+        .saturating_sub(now.read.saturating_sub(start.read))
+}
+
+/// Counters of the handovers since the daemon started.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct HandoverStats {
+    /// Flows sent to targets.
+    pub flows_sent: u64,
+    /// Flows received from sources.
+    pub flows_received: u64,
+    /// Flows created here.
+    pub flows_created: u64,
+    /// Flows that replaced one of this node's own at the cutover.
+    pub flows_replaced: u64,
+    /// Flows refused (not the VM's, or from a node that is not its
+    /// source).
+    pub flows_refused: u64,
+    /// Translations pinned before a VM was rerouted.
+    pub pinned: u64,
+    /// Packets a guest missed during its pause, sent again after its
+    /// cutover.
+    pub replayed: u64,
+    /// Missed packets not sent again (not held any more, too large, not
+    /// IP).
+    pub replay_skipped: u64,
+}
+
+/// What the handover needs of the node it runs on.
+pub trait HandoverSide: Send + Sync + 'static {
+    /// The local attachment under `key`.
+    fn local_attachment(&self, key: &AttachmentKey) -> Option<Attachment>;
+    /// This node's record, the overlay and the cluster view; None on a
+    /// node without peers (a VM can only move within it).
+    fn cluster(&self) -> Option<(NodeRecord, Overlay, ClusterView)>;
+    /// Sends one datagram to node `node`'s notice port.
+    fn send_to_node(&self, node: &str, bytes: &[u8]);
+    /// Whether `ip` is the address of a pod on this node.
+    fn is_local_pod(&self, ip: IpAddr) -> bool;
+}
+
+/// A VM leaving this node: what the leaving task is told.
+struct Leaving {
+    to: String,
+    /// The target pod (its container id): one move.
+    target: String,
+    ips: Vec<IpAddr>,
+    /// Its translations toward it were pinned for this move.
+    pinned: bool,
+    events: mpsc::UnboundedSender<()>,
+}
+
+/// A VM arriving on this node.
+#[derive(Default)]
+struct Arriving {
+    /// The answers of its Service flows that pass untracked (see
+    /// [`Handover::pass_translated_back`]).
+    translated_back: HashSet<(u8, FlowEnds)>,
+    /// Flows that collided with one of this node's, for the cutover.
+    deferred: Vec<Flow>,
+    /// The cutover to this node happened.
+    arrived: bool,
+}
+
+#[derive(Default)]
+struct State {
+    leaving: HashMap<VmKey, Leaving>,
+    /// Moves that ended here (VM, target pod) while the records still show
+    /// them: they are not started again.
+    ended: HashSet<(VmKey, String)>,
+    arriving: HashMap<VmKey, Arriving>,
+    /// Anchors this node has made rules for.
+    anchors: HashSet<u16>,
+}
+
+/// The handovers of one node (see the module doc).
+pub struct Handovers {
+    me: String,
+    kernel: Arc<dyn Handover>,
+    /// Whether a source sends again what its guest missed while paused
+    /// (`--migration-replay`).
+    replay: std::sync::atomic::AtomicBool,
+    state: Mutex<State>,
+    stats: Mutex<HandoverStats>,
+}
+
+/// Whether `alt` is a migration's target, rather than the source a cutover
+/// demoted.
+fn is_target(alt: &VmAttachment, rec: &VmRecord) -> bool {
+    !placed_before_last_cutover(alt, rec)
+}
+
+fn key_of(a: &VmAttachment) -> AttachmentKey {
+    AttachmentKey {
+        network: a.network.clone(),
+        container_id: a.container_id.clone(),
+        ifname: a.ifname.clone(),
+    }
+}
+
+/// The next hops to node `name`, one per family it can be reached in.
+fn hops_to(
+    me: &NodeRecord,
+    overlay: &Overlay,
+    view: &ClusterView,
+    name: &str,
+) -> Vec<ClusterRoute> {
+    let side = ClusterSide { me, overlay, view };
+    [Family::V4, Family::V6]
+        .into_iter()
+        .filter_map(|f| next_hop(&side, name, f))
+        .map(|(via, onlink_dev)| ClusterRoute {
+            dst: ipnet::IpNet::from(via),
+            via,
+            onlink_dev,
+        })
+        .collect()
+}
+
+impl Handovers {
+    /// The handovers of node `me`.
+    pub fn new(me: impl Into<String>, kernel: Arc<dyn Handover>) -> Handovers {
+        Handovers {
+            me: me.into(),
+            kernel,
+            replay: std::sync::atomic::AtomicBool::new(true),
+            state: Mutex::default(),
+            stats: Mutex::default(),
+        }
+    }
+
+    /// Whether a source sends again the packets its guest missed while
+    /// paused (on by default; moves already under way keep their choice).
+    pub fn set_replay(&self, on: bool) {
+        self.replay.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> HandoverStats {
+        *lock(&self.stats)
+    }
+
+    /// Brings the handovers in line with the records: a VM active here
+    /// whose migration target is on another node is held and its flows
+    /// sent; a leaving VM the records no longer move ends. Called on every
+    /// pass of the route loop.
+    pub async fn sync<S: HandoverSide>(self: &Arc<Self>, side: &Arc<S>, view: &VmView) {
+        if side.cluster().is_none() {
+            return;
+        }
+        let mut wanted: HashMap<VmKey, (VmRecord, String, String)> = HashMap::new();
+        for (key, (rec, _)) in &view.records {
+            let (Some(act), Some(alt)) = (&rec.active, &rec.alternate) else {
+                continue;
+            };
+            if is_target(alt, rec)
+                && act.node == self.me
+                && alt.node != self.me
+                && side.local_attachment(&key_of(act)).is_some()
+            {
+                wanted.insert(
+                    key.clone(),
+                    (rec.clone(), alt.node.clone(), alt.container_id.clone()),
+                );
+            }
+        }
+        let (to_start, to_end) = {
+            let mut st = lock(&self.state);
+            st.ended
+                .retain(|(k, target)| wanted.get(k).is_some_and(|(_, _, t)| t == target));
+            let to_start: Vec<(VmKey, VmRecord, String, String)> = wanted
+                .iter()
+                .filter(|(k, (_, to, target))| {
+                    st.leaving.get(*k).is_none_or(|l| &l.to != to)
+                        && !st.ended.contains(&((*k).clone(), target.clone()))
+                })
+                .map(|(k, (r, to, target))| (k.clone(), r.clone(), to.clone(), target.clone()))
+                .collect();
+            let to_end: Vec<VmKey> = st
+                .leaving
+                .iter()
+                .filter(|(k, l)| wanted.get(*k).is_none_or(|(_, to, _)| to != &l.to))
+                .map(|(k, _)| k.clone())
+                .collect();
+            (to_start, to_end)
+        };
+        for key in to_end {
+            self.leaving_ends(&key);
+        }
+        for (key, rec, to, target) in to_start {
+            self.start_leaving(side, key, rec, to, target).await;
+        }
+        lock(&self.state)
+            .arriving
+            .retain(|k, _| view.records.contains_key(k));
+    }
+
+    /// Starts holding a leaving VM's packets and sending its flows to
+    /// `to`.
+    async fn start_leaving<S: HandoverSide>(
+        self: &Arc<Self>,
+        side: &Arc<S>,
+        key: VmKey,
+        rec: VmRecord,
+        to: String,
+        target: String,
+    ) {
+        let Some(a) = rec
+            .active
+            .as_ref()
+            .and_then(|act| side.local_attachment(&key_of(act)))
+        else {
+            return;
+        };
+        // The tap is where KubeVirt puts it for every binding that has one;
+        // without it (a binding with no tap) nothing is held, and only the
+        // flows go over.
+        let replay = self.replay.load(std::sync::atomic::Ordering::Relaxed);
+        let held = match tether_base::guest::tap_name(&a.key.ifname) {
+            Ok(tap) if replay => {
+                let netns = std::path::Path::new(&a.netns);
+                match self.kernel.tap_counters(netns, &tap, &a.host_ifname).await {
+                    Ok(start) => match self.kernel.capture(&a.host_ifname).await {
+                        Ok(capture) => Some((capture, start, tap)),
+                        Err(e) => {
+                            tracing::warn!(vm = %key, error = %e, "cannot hold a leaving guest's packets");
+                            None
+                        }
+                    },
+                    Err(e) => {
+                        tracing::info!(vm = %key, error = %e, "no tap to count for a leaving guest: its missed packets are not sent again");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut st = lock(&self.state);
+        // Whatever it found when it came here last is over: should it
+        // come back, it arrives anew.
+        st.arriving.remove(&key);
+        st.leaving.insert(
+            key.clone(),
+            Leaving {
+                to: to.clone(),
+                target,
+                ips: rec.ips.clone(),
+                pinned: false,
+                events: tx,
+            },
+        );
+        drop(st);
+        tracing::info!(vm = %key, %to, holding = held.is_some(), "the VM is moving: its flows go to the target");
+        let this = self.clone();
+        let side = side.clone();
+        tokio::spawn(async move { this.leave(side, key, rec.ips, a, to, held, rx).await });
+    }
+
+    /// The leaving task: sends the flows until the cutover, then the
+    /// packets the guest missed.
+    #[allow(clippy::too_many_arguments)]
+    async fn leave<S: HandoverSide>(
+        self: Arc<Self>,
+        side: Arc<S>,
+        vm: VmKey,
+        ips: Vec<IpAddr>,
+        pod: Attachment,
+        to: String,
+        held: Option<(Box<dyn Held>, TapCounters, String)>,
+        mut rx: mpsc::UnboundedReceiver<()>,
+    ) {
+        let mut resend = tokio::time::interval(RESEND);
+        loop {
+            tokio::select! {
+                e = rx.recv() => if e.is_none() { break },
+                _ = resend.tick() => {
+                    self.send_flows(side.as_ref(), &vm, &ips, &to).await;
+                    continue;
+                }
+            }
+            // The cutover: rx got its one message (or its sender went).
+            break;
+        }
+        if let Some((capture, start, tap)) = held {
+            self.replay_missed(&vm, &ips, &pod, capture.as_ref(), start, &tap)
+                .await;
+            // Stopping a capture waits for its reader thread: not on a
+            // worker of the runtime.
+            let _ = tokio::task::spawn_blocking(move || drop(capture)).await;
+        }
+        self.send_flows(side.as_ref(), &vm, &ips, &to).await;
+    }
+
+    /// Sends again the packets the guest never read, once this node no
+    /// longer routes the VM to the pod it left.
+    async fn replay_missed(
+        &self,
+        vm: &VmKey,
+        ips: &[IpAddr],
+        pod: &Attachment,
+        held: &dyn Held,
+        start: TapCounters,
+        tap: &str,
+    ) {
+        let since = Instant::now();
+        loop {
+            let mut local = false;
+            for ip in ips {
+                local |= self
+                    .kernel
+                    .routes_to_link(*ip, &pod.host_ifname)
+                    .await
+                    .unwrap_or(false);
+            }
+            if !local {
+                break;
+            }
+            if since.elapsed() >= REROUTE_WAIT {
+                // Still routed to the pod it left: the move did not happen
+                // after all (a retracted cutover), and the guest may run
+                // here still; what it missed must not reach it twice.
+                tracing::warn!(%vm, "the VM is still routed to the pod it left: its missed packets are not sent again");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let now = match self
+            .kernel
+            .tap_counters(std::path::Path::new(&pod.netns), tap, &pod.host_ifname)
+            .await
+        {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(%vm, error = %e, "cannot read the guest's tap after its cutover: its missed packets are not sent again");
+                return;
+            }
+        };
+        let unread = unread_since(start, now);
+        let seen = held.seen();
+        let packets = held.last(unread.min(seen) as usize);
+        let lost = unread.saturating_sub(seen);
+        let n = packets.len();
+        match self.kernel.replay(packets).await {
+            Ok(r) => {
+                let mut st = lock(&self.stats);
+                st.replayed += u64::from(r.sent);
+                st.replay_skipped += u64::from(r.skipped) + lost;
+                tracing::info!(%vm, unread, held = n, sent = r.sent, skipped = r.skipped, "sent again the packets the guest missed while it paused");
+            }
+            Err(e) => tracing::warn!(%vm, error = %e, "cannot send a guest's missed packets again"),
+        }
+    }
+
+    /// Sends the VM's flows to node `to`. A flow the VM opened to a
+    /// Service whose backend is a pod of this node is anchored here (its
+    /// translation stays where the backend's answers come back through):
+    /// recreated on the target, its translation would meet this node's
+    /// own, which the backend's answers still take.
+    async fn send_flows<S: HandoverSide>(&self, side: &S, vm: &VmKey, ips: &[IpAddr], to: &str) {
+        let me = side.cluster().map(|(me, _, _)| me.id as u16);
+        let mut flows = Vec::new();
+        for ip in ips {
+            match self.kernel.flows_of(*ip).await {
+                Ok(found) => flows.extend(found.into_iter().map(|mut f| {
+                    let to_local_backend = f.orig.src.ip() == *ip
+                        && f.destination_translated()
+                        && !f.source_translated()
+                        && side.is_local_pod(f.reply.src.ip());
+                    if let (true, Some(me), None) = (to_local_backend, me, f.anchor()) {
+                        f.mark = crate::kernel::handover::anchor_mark(me);
+                    }
+                    f
+                })),
+                Err(e) => tracing::warn!(%vm, error = %e, "cannot read a leaving VM's flows"),
+            }
+        }
+        if flows.is_empty() {
+            return;
+        }
+        for datagram in FlowsDatagram::encode(vm, &self.me, &flows) {
+            side.send_to_node(to, &datagram);
+        }
+        lock(&self.stats).flows_sent += flows.len() as u64;
+    }
+
+    /// The VM `vm` is no longer moving from here (its cutover, or the
+    /// records gave it up): the leaving task ends with a last send.
+    pub fn leaving_ends(&self, vm: &VmKey) {
+        let leaving = {
+            let mut st = lock(&self.state);
+            let l = st.leaving.remove(vm);
+            if let Some(l) = &l {
+                st.ended.insert((vm.clone(), l.target.clone()));
+            }
+            l
+        };
+        if let Some(l) = leaving {
+            let _ = l.events.send(());
+        }
+    }
+
+    /// Before the route loop applies routes planned from `view` (the
+    /// records, and the cutover notices it follows): pins the translations
+    /// toward every VM that leaves this node in it, so that its rerouting
+    /// keeps them.
+    pub async fn before_reroute(&self, view: &VmView) {
+        let moving: Vec<(VmKey, Vec<IpAddr>)> = lock(&self.state)
+            .leaving
+            .iter()
+            .filter(|(k, l)| {
+                !l.pinned
+                    && view
+                        .records
+                        .get(*k)
+                        .and_then(|(r, _)| r.active.as_ref())
+                        .is_some_and(|a| a.node != self.me)
+            })
+            .map(|(k, l)| (k.clone(), l.ips.clone()))
+            .collect();
+        for (vm, ips) in moving {
+            self.pin(&vm, &ips).await;
+            if let Some(l) = lock(&self.state).leaving.get_mut(&vm) {
+                l.pinned = true;
+            }
+            self.leaving_ends(&vm);
+        }
+    }
+
+    /// Pins the translations toward `vm` (see the module doc).
+    pub async fn pin(&self, vm: &VmKey, ips: &[IpAddr]) {
+        match self.kernel.pin_translations(ips).await {
+            Ok(0) => {}
+            Ok(n) => {
+                lock(&self.stats).pinned += u64::from(n);
+                tracing::info!(%vm, flows = n, "pinned the translations toward a moving VM");
+            }
+            Err(e) => {
+                tracing::warn!(%vm, error = %e, "cannot pin the translations toward a moving VM: connections that entered here may break")
+            }
+        }
+    }
+
+    /// Flows arrived from `from` (the datagram's source address).
+    pub async fn on_flows<S: HandoverSide>(
+        &self,
+        side: &S,
+        view: &VmView,
+        d: FlowsDatagram,
+        from: SocketAddr,
+    ) {
+        let Some((me_rec, overlay, cview)) = side.cluster() else {
+            return;
+        };
+        let Some((sender, _)) = cview.nodes.get(&d.from) else {
+            return;
+        };
+        if !sender.node_ips.contains(&from.ip().to_canonical()) {
+            tracing::warn!(%from, node = %d.from, "flows from an address that is not that node's: ignored");
+            return;
+        }
+        let Some((rec, _)) = view.records.get(&d.vm) else {
+            return;
+        };
+        // The VM's pod is here, and the sender is where it runs (before the
+        // cutover) or where it came from (after).
+        let here = [&rec.active, &rec.alternate]
+            .into_iter()
+            .flatten()
+            .any(|a| a.node == self.me && side.local_attachment(&key_of(a)).is_some());
+        let from_source = rec.active.as_ref().is_some_and(|a| a.node == d.from)
+            || rec.last_cutover.as_ref().is_some_and(|c| {
+                c.from_node.as_deref() == Some(d.from.as_str()) && c.to_node == self.me
+            });
+        let n = d.flows.len() as u64;
+        lock(&self.stats).flows_received += n;
+        if !here || !from_source {
+            lock(&self.stats).flows_refused += n;
+            tracing::debug!(vm = %d.vm, from = %d.from, "flows for a VM this node does not take from that node");
+            return;
+        }
+        let from_id = sender.id as u16;
+        let landed: Vec<Flow> = d
+            .flows
+            .iter()
+            .filter_map(|f| rec.ips.iter().find_map(|ip| f.landed(*ip, from_id)))
+            .collect();
+        lock(&self.stats).flows_refused += n - landed.len() as u64;
+        for f in landed {
+            self.install(&me_rec, &overlay, &cview, &d.vm, f).await;
+        }
+    }
+
+    /// Creates a flow here, or sets its timeout anew when it is here (the
+    /// source sends them every [`RESEND`]: a flow idle here until the
+    /// cutover must not expire first; see the module doc).
+    async fn install(
+        &self,
+        me: &NodeRecord,
+        overlay: &Overlay,
+        cview: &ClusterView,
+        vm: &VmKey,
+        f: Flow,
+    ) {
+        let arrived = lock(&self.state)
+            .arriving
+            .entry(vm.clone())
+            .or_default()
+            .arrived;
+        if let Some(anchor) = f.anchor() {
+            if u32::from(anchor) == me.id {
+                // Its translation is on this node: the flow is here as it was.
+                return;
+            }
+            if !self.ensure_anchor(me, overlay, cview, anchor).await {
+                return;
+            }
+        }
+        if f.destination_translated() && f.anchor().is_none() {
+            // Until every node reroutes the VM, the backend's answers may
+            // still reach the node the VM left, which translates them back
+            // and sends them here. Until the cutover, as long as the source
+            // sends the flow again; after it, for the guard's while.
+            let back = (f.proto, f.orig.inverse());
+            let ttl = if arrived { GUARD_TTL } else { WAITING_TTL };
+            if let Err(e) = self.kernel.pass_translated_back(&[back], ttl).await {
+                tracing::warn!(%vm, error = %e, "cannot let a Service flow's translated answers pass");
+            }
+            if let Some(a) = lock(&self.state).arriving.get_mut(vm) {
+                a.translated_back.insert(back);
+            }
+        }
+        match self.kernel.create_flow(&f, arrived).await {
+            Ok(FlowCreated::Refreshed) => {}
+            Ok(FlowCreated::Created) => lock(&self.stats).flows_created += 1,
+            Ok(FlowCreated::Replaced) => lock(&self.stats).flows_replaced += 1,
+            Ok(FlowCreated::Exists) => {
+                if let Some(a) = lock(&self.state).arriving.get_mut(vm) {
+                    if !a.deferred.contains(&f) {
+                        a.deferred.push(f);
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(%vm, error = %e, "cannot create a migrated VM's flow"),
+        }
+    }
+
+    /// Makes the rules that route flows anchored at node `id` there.
+    async fn ensure_anchor(
+        &self,
+        me: &NodeRecord,
+        overlay: &Overlay,
+        cview: &ClusterView,
+        id: u16,
+    ) -> bool {
+        if lock(&self.state).anchors.contains(&id) {
+            return true;
+        }
+        let Some(name) = cview
+            .nodes
+            .values()
+            .find(|(n, _)| n.id == u32::from(id))
+            .map(|(n, _)| n.name.clone())
+        else {
+            tracing::warn!(
+                node_id = id,
+                "flows anchored at a node this node does not know"
+            );
+            return false;
+        };
+        let hops = hops_to(me, overlay, cview, &name);
+        match self.kernel.ensure_anchor(id, &hops).await {
+            Ok(()) => {
+                lock(&self.state).anchors.insert(id);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(node = %name, error = %e, "cannot route flows anchored at a node");
+                false
+            }
+        }
+    }
+
+    /// The VM `vm` (addresses `ips`) has just cut over to this node: its
+    /// addresses are guarded, and the flows that waited for it replace
+    /// this node's.
+    pub async fn arrived(
+        &self,
+        cluster: Option<(NodeRecord, Overlay, ClusterView)>,
+        vm: &VmKey,
+        ips: &[IpAddr],
+    ) {
+        let (deferred, back) = {
+            let mut st = lock(&self.state);
+            let a = st.arriving.entry(vm.clone()).or_default();
+            a.arrived = true;
+            let back: Vec<(u8, FlowEnds)> = a.translated_back.iter().copied().collect();
+            (std::mem::take(&mut a.deferred), back)
+        };
+        if let Err(e) = self.kernel.guard_moved(ips, GUARD_TTL).await {
+            tracing::warn!(%vm, error = %e, "cannot guard a moved VM's connections");
+        }
+        if let Err(e) = self.kernel.pass_translated_back(&back, GUARD_TTL).await {
+            tracing::warn!(%vm, error = %e, "cannot let a Service flow's translated answers pass");
+        }
+        let Some((me, overlay, cview)) = cluster else {
+            return;
+        };
+        for f in deferred {
+            self.install(&me, &overlay, &cview, vm, f).await;
+        }
+    }
+
+    /// Removes anchors no flow uses any more, and those (with their flows)
+    /// of nodes that left the cluster (whose translations died with the
+    /// node). Run periodically.
+    pub async fn prune_anchors(&self, cview: &ClusterView) {
+        let ids = match self.kernel.anchors().await {
+            Ok(ids) => ids,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the anchor rules");
+                return;
+            }
+        };
+        for id in ids {
+            let known = cview.nodes.values().any(|(n, _)| n.id == u32::from(id));
+            let gone = if known {
+                matches!(self.kernel.count_anchored(id).await, Ok(0))
+            } else {
+                match self.kernel.delete_anchored(id).await {
+                    Ok(n) => {
+                        if n > 0 {
+                            tracing::warn!(node_id = id, flows = n, "a node that anchored migrated VMs' flows is gone: those connections end");
+                        }
+                        true
+                    }
+                    Err(e) => {
+                        tracing::warn!(node_id = id, error = %e, "cannot delete a gone node's anchored flows");
+                        false
+                    }
+                }
+            };
+            if gone {
+                match self.kernel.remove_anchor(id).await {
+                    Ok(()) => {
+                        lock(&self.state).anchors.remove(&id);
+                    }
+                    Err(e) => tracing::warn!(node_id = id, error = %e, "cannot remove an anchor"),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,538 @@
+//! The handover on the fake kernel: a VM moving from node-a to node-b, its
+//! flows sent and recreated as they land, the translations toward it
+//! pinned before the source reroutes it, and the packets its guest missed
+//! sent again. The root suites prove the kernel side; this proves the
+//! decisions and their order.
+
+use super::*;
+use crate::kernel::fake::FakeHandover;
+use crate::kernel::handover::{anchor_mark, TCP, TCP_ESTABLISHED, UDP};
+use crate::time::{UnixMillis, UnixNanos};
+use crate::vm::Origin;
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+fn ends(src: &str, dst: &str) -> FlowEnds {
+    FlowEnds {
+        src: src.parse().unwrap(),
+        dst: dst.parse().unwrap(),
+    }
+}
+
+fn flow(proto: u8, orig: FlowEnds, reply: FlowEnds) -> Flow {
+    Flow {
+        proto,
+        orig,
+        reply,
+        mark: 0,
+        timeout_secs: 300,
+        tcp_state: (proto == TCP).then_some(TCP_ESTABLISHED),
+    }
+}
+
+const VM: &str = "10.244.0.5";
+
+fn node(name: &str, id: u32, addr: &str) -> NodeRecord {
+    NodeRecord {
+        name: name.into(),
+        id,
+        node_ips: vec![ip(addr)],
+        vtep_mac: None,
+    }
+}
+
+fn cluster() -> ClusterView {
+    let mut view = ClusterView {
+        synced: true,
+        ..ClusterView::default()
+    };
+    for n in [
+        node("node-a", 1, "10.77.0.21"),
+        node("node-b", 2, "10.77.0.22"),
+    ] {
+        view.nodes.insert(n.name.clone(), (n, 1));
+    }
+    view
+}
+
+fn pod(node: &str, cid: &str, since_ms: u64) -> VmAttachment {
+    VmAttachment {
+        node: node.into(),
+        network: "net".into(),
+        container_id: cid.into(),
+        ifname: "eth0".into(),
+        pod_name: None,
+        pod_uid: None,
+        since_unix_ms: UnixMillis::from_millis(since_ms),
+    }
+}
+
+fn attachment(cid: &str) -> Attachment {
+    Attachment {
+        key: AttachmentKey {
+            network: "net".into(),
+            container_id: cid.into(),
+            ifname: "eth0".into(),
+        },
+        netns: format!("/run/netns/{cid}"),
+        ips: vec![ip(VM)],
+        mac: "0a:58:0a:f4:00:05".parse().unwrap(),
+        host_ifname: format!("tth-{cid}"),
+        mtu: 1500,
+        created_unix_nanos: UnixNanos::EPOCH,
+        pod_namespace: None,
+        pod_name: None,
+        pod_uid: None,
+        vm: Some(vm_key()),
+        guest: None,
+        pools: Vec::new(),
+        ipam_only: false,
+    }
+}
+
+fn vm_key() -> VmKey {
+    VmKey::new("ns", "vm1", "eth0").unwrap()
+}
+
+/// The record with the source pod active on node-a and, when `moved`, the
+/// target on node-b active after a cutover.
+fn view(moved: bool) -> VmView {
+    let (src, dst) = (pod("node-a", "src", 1_000), pod("node-b", "dst", 2_000));
+    let (active, alternate) = if moved { (dst, src) } else { (src, dst) };
+    let rec = VmRecord {
+        key: vm_key(),
+        ips: vec![ip(VM)],
+        mac: "0a:58:0a:f4:00:05".parse().unwrap(),
+        origin: Origin::Allocated,
+        active: Some(active),
+        alternate: Some(alternate),
+        generation: 3,
+        created_unix_ms: UnixMillis::EPOCH,
+        last_cutover: None,
+    };
+    VmView {
+        records: [(vm_key(), (rec, 1))].into_iter().collect(),
+        revision: 1,
+        synced: true,
+    }
+}
+
+/// One node's side: its attachments, its record, and the datagrams it
+/// sent, by destination.
+struct Side {
+    me: NodeRecord,
+    local: Vec<Attachment>,
+    sent: Mutex<Vec<(String, Vec<u8>)>>,
+}
+
+impl HandoverSide for Side {
+    fn local_attachment(&self, key: &AttachmentKey) -> Option<Attachment> {
+        self.local.iter().find(|a| &a.key == key).cloned()
+    }
+    fn cluster(&self) -> Option<(NodeRecord, Overlay, ClusterView)> {
+        Some((self.me.clone(), Overlay::HostGw, cluster()))
+    }
+    fn send_to_node(&self, node: &str, bytes: &[u8]) {
+        lock(&self.sent).push((node.to_owned(), bytes.to_vec()));
+    }
+    fn is_local_pod(&self, ip: IpAddr) -> bool {
+        self.local.iter().any(|a| a.ips.contains(&ip))
+    }
+}
+
+/// Waits (on the runtime) until `done`.
+async fn eventually(mut done: impl FnMut() -> bool) {
+    for _ in 0..500 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    panic!("not within a second");
+}
+
+#[test]
+fn unread_is_what_went_down_the_veth_less_what_the_guest_read() {
+    let start = TapCounters {
+        sent: 100,
+        read: 90,
+    };
+    assert_eq!(
+        unread_since(
+            start,
+            TapCounters {
+                sent: 130,
+                read: 110
+            }
+        ),
+        10
+    );
+    assert_eq!(
+        unread_since(
+            start,
+            TapCounters {
+                sent: 130,
+                read: 120
+            }
+        ),
+        0
+    );
+    // A counter that went back (a new tap) counts nothing.
+    assert_eq!(unread_since(start, TapCounters { sent: 10, read: 5 }), 0);
+}
+
+#[test]
+fn flows_travel_in_datagrams_of_a_few_flows_each_and_come_back_the_same() {
+    let flows: Vec<Flow> = (40000..40013)
+        .map(|port| {
+            flow(
+                TCP,
+                ends(&format!("10.244.0.5:{port}"), "10.77.0.200:8000"),
+                ends("10.77.0.200:8000", &format!("10.77.0.21:{port}")),
+            )
+        })
+        .collect();
+    let grams = FlowsDatagram::encode(&vm_key(), "node-a", &flows);
+    assert_eq!(grams.len(), 3);
+    assert!(
+        grams.iter().all(|g| g.len() < 1400),
+        "{:?}",
+        grams.iter().map(Vec::len).collect::<Vec<_>>()
+    );
+    let back: Vec<Flow> = grams
+        .iter()
+        .flat_map(|g| FlowsDatagram::decode(g).unwrap().flows)
+        .collect();
+    assert_eq!(back, flows);
+    assert!(FlowsDatagram::decode(b"{\"tether_cutover\":1}").is_none());
+}
+
+#[tokio::test]
+async fn a_moving_vms_flows_land_on_the_target_its_translations_are_pinned_and_its_missed_packets_sent_again(
+) {
+    let (ka, kb) = (
+        Arc::new(FakeHandover::default()),
+        Arc::new(FakeHandover::default()),
+    );
+    let a = Arc::new(Handovers::new("node-a", ka.clone()));
+    let b = Arc::new(Handovers::new("node-b", kb.clone()));
+    let side_a = Arc::new(Side {
+        me: node("node-a", 1, "10.77.0.21"),
+        local: vec![attachment("src")],
+        sent: Mutex::default(),
+    });
+    let side_b = Side {
+        me: node("node-b", 2, "10.77.0.22"),
+        local: vec![attachment("dst")],
+        sent: Mutex::default(),
+    };
+    let src = attachment("src");
+    let masqueraded = flow(
+        UDP,
+        ends("10.244.0.5:40000", "10.77.0.200:8000"),
+        ends("10.77.0.200:8000", "10.77.0.21:40000"),
+    );
+    let service = flow(
+        TCP,
+        ends("10.244.0.5:40001", "10.96.0.10:9100"),
+        ends("10.244.1.9:9100", "10.244.0.5:40001"),
+    );
+    let nodeport = flow(
+        TCP,
+        ends("10.77.0.200:50000", "10.77.0.21:31000"),
+        ends("10.244.0.5:7000", "10.77.0.21:61000"),
+    );
+    let pod_to_vm = flow(
+        TCP,
+        ends("10.244.1.9:41000", "10.244.0.5:7000"),
+        ends("10.244.0.5:7000", "10.244.1.9:41000"),
+    );
+    let unrelated = flow(
+        TCP,
+        ends("10.244.0.6:1", "10.244.1.9:2"),
+        ends("10.244.1.9:2", "10.244.0.6:1"),
+    );
+    let packets: Vec<Vec<u8>> = (0..10u8).map(|i| vec![0x45, i]).collect();
+    ka.with(|s| {
+        s.flows = vec![
+            masqueraded.clone(),
+            service.clone(),
+            nodeport.clone(),
+            pod_to_vm.clone(),
+            unrelated,
+        ];
+        s.taps.insert(
+            (
+                src.netns.clone().into(),
+                "tap0".into(),
+                src.host_ifname.clone(),
+            ),
+            TapCounters {
+                sent: 100,
+                read: 100,
+            },
+        );
+        s.captured.insert(src.host_ifname.clone(), Vec::new());
+    });
+
+    // The target is placed: the source starts holding and sending.
+    a.sync(&side_a, &view(false)).await;
+    eventually(|| !lock(&side_a.sent).is_empty()).await;
+    let sent = std::mem::take(&mut *lock(&side_a.sent));
+    assert!(sent.iter().all(|(to, _)| to == "node-b"));
+    for (_, bytes) in &sent {
+        let d = FlowsDatagram::decode(bytes).expect("a flows datagram");
+        b.on_flows(&side_b, &view(false), d, "10.77.0.21:9655".parse().unwrap())
+            .await;
+    }
+    let on_b = kb.state();
+    let landed: Vec<&Flow> = on_b.flows.iter().collect();
+    assert_eq!(
+        landed.len(),
+        4,
+        "every flow of the VM's, and no other: {landed:#?}"
+    );
+    let masq_here = landed
+        .iter()
+        .find(|f| f.orig == masqueraded.orig)
+        .expect("the masqueraded flow");
+    assert_eq!(
+        (masq_here.reply, masq_here.mark),
+        (masqueraded.orig.inverse(), anchor_mark(1))
+    );
+    assert!(landed
+        .iter()
+        .any(|f| f.orig == service.orig && f.reply == service.reply && f.mark == 0));
+    // Its answers, translated back at node-a, pass node-b untracked.
+    assert!(on_b
+        .translated_back
+        .contains(&(TCP, service.orig.inverse())));
+    assert!(landed
+        .iter()
+        .any(|f| f.orig == nodeport.reply.inverse() && f.reply == nodeport.reply));
+    assert!(landed.iter().any(|f| **f == pod_to_vm));
+    assert_eq!(
+        on_b.anchors.get(&1).map(|h| h[0].via),
+        Some(ip("10.77.0.21")),
+        "routed back to node-a"
+    );
+    // The same datagram again creates nothing twice: it refreshes.
+    let created = b.stats().flows_created;
+    for (_, bytes) in &sent {
+        let d = FlowsDatagram::decode(bytes).unwrap();
+        b.on_flows(&side_b, &view(false), d, "10.77.0.21:9655".parse().unwrap())
+            .await;
+    }
+    assert_eq!(kb.state().flows.len(), 4);
+    assert_eq!(b.stats().flows_created, created);
+    assert!(kb
+        .state()
+        .created
+        .iter()
+        .any(|(_, o)| *o == FlowCreated::Refreshed));
+    // From an address that is not node-a's: refused.
+    let d = FlowsDatagram::decode(&sent[0].1).unwrap();
+    let refused_before = b.stats().flows_refused;
+    b.on_flows(&side_b, &view(false), d, "10.77.0.99:9655".parse().unwrap())
+        .await;
+    assert_eq!(
+        b.stats().flows_refused,
+        refused_before,
+        "not even counted: dropped on its address"
+    );
+
+    // Meanwhile the guest paused: 10 packets went down the veth, 3 read.
+    ka.with(|s| {
+        s.captured.insert(src.host_ifname.clone(), packets.clone());
+        s.taps.insert(
+            (
+                src.netns.clone().into(),
+                "tap0".into(),
+                src.host_ifname.clone(),
+            ),
+            TapCounters {
+                sent: 110,
+                read: 103,
+            },
+        );
+    });
+    // The cutover reaches node-a: it pins before it reroutes, then sends
+    // the seven packets the guest never read again.
+    a.before_reroute(&view(true)).await;
+    assert_eq!(
+        ka.state().pinned,
+        vec![nodeport.clone()],
+        "only the masqueraded flow toward the VM"
+    );
+    // The records lag behind the notice: the move does not start again.
+    a.sync(&side_a, &view(false)).await;
+    assert!(lock(&a.state).leaving.is_empty());
+    eventually(|| ka.state().replayed.len() == 7).await;
+    assert_eq!(ka.state().replayed, packets[3..].to_vec());
+    assert_eq!(a.stats().replayed, 7);
+    // Nothing more is held or sent for it once the records settle.
+    a.sync(&side_a, &view(true)).await;
+    assert!(lock(&a.state).leaving.is_empty());
+
+    // node-b's cutover: the VM's addresses are guarded.
+    b.arrived(side_b.cluster(), &vm_key(), &[ip(VM)]).await;
+    assert!(kb.state().moved.contains(&ip(VM)));
+}
+
+#[tokio::test]
+async fn a_service_flow_to_a_backend_on_the_source_stays_anchored_there() {
+    let ka = Arc::new(FakeHandover::default());
+    let a = Arc::new(Handovers::new("node-a", ka.clone()));
+    let mut backend = attachment("backend");
+    backend.ips = vec![ip("10.244.0.9")];
+    backend.vm = None;
+    let side_a = Arc::new(Side {
+        me: node("node-a", 1, "10.77.0.21"),
+        local: vec![attachment("src"), backend],
+        sent: Mutex::default(),
+    });
+    let local = flow(
+        TCP,
+        ends("10.244.0.5:40001", "10.96.0.10:9100"),
+        ends("10.244.0.9:9100", "10.244.0.5:40001"),
+    );
+    ka.with(|s| s.flows = vec![local.clone()]);
+    a.sync(&side_a, &view(false)).await;
+    eventually(|| !lock(&side_a.sent).is_empty()).await;
+    let d = FlowsDatagram::decode(&lock(&side_a.sent)[0].1).unwrap();
+    assert_eq!(d.flows[0].anchor(), Some(1), "anchored at node-a");
+    let landed = d.flows[0].landed(ip(VM), 1).unwrap();
+    assert_eq!(
+        (landed.reply, landed.anchor()),
+        (local.orig.inverse(), Some(1))
+    );
+}
+
+#[tokio::test]
+async fn a_flow_that_collides_with_one_of_the_targets_waits_for_the_cutover() {
+    let kb = Arc::new(FakeHandover::default());
+    let b = Handovers::new("node-b", kb.clone());
+    let side_b = Side {
+        me: node("node-b", 2, "10.77.0.22"),
+        local: vec![attachment("dst")],
+        sent: Mutex::default(),
+    };
+    // The VM talks to a backend on node-b through a Service: node-b already
+    // tracks the backend's side of that flow.
+    let service = flow(
+        TCP,
+        ends("10.244.0.5:40001", "10.96.0.10:9100"),
+        ends("10.244.2.9:9100", "10.244.0.5:40001"),
+    );
+    let backend_side = flow(
+        TCP,
+        ends("10.244.0.5:40001", "10.244.2.9:9100"),
+        ends("10.244.2.9:9100", "10.244.0.5:40001"),
+    );
+    kb.with(|s| s.flows.push(backend_side.clone()));
+    let d = FlowsDatagram {
+        tether_flows: FLOWS_VERSION,
+        vm: vm_key(),
+        from: "node-a".into(),
+        flows: vec![service.clone()],
+    };
+    b.on_flows(&side_b, &view(false), d, "10.77.0.21:9655".parse().unwrap())
+        .await;
+    assert_eq!(
+        kb.state().flows,
+        vec![backend_side],
+        "left alone before the cutover"
+    );
+    b.arrived(side_b.cluster(), &vm_key(), &[ip(VM)]).await;
+    assert_eq!(
+        kb.state().flows,
+        vec![service],
+        "replaced once the VM runs here"
+    );
+    assert_eq!(b.stats().flows_replaced, 1);
+}
+
+#[tokio::test]
+async fn a_move_undone_before_the_source_rerouted_sends_nothing_again() {
+    let ka = Arc::new(FakeHandover::default());
+    let a = Arc::new(Handovers::new("node-a", ka.clone()));
+    let side_a = Arc::new(Side {
+        me: node("node-a", 1, "10.77.0.21"),
+        local: vec![attachment("src")],
+        sent: Mutex::default(),
+    });
+    let src = attachment("src");
+    let tap = (
+        src.netns.clone().into(),
+        "tap0".to_owned(),
+        src.host_ifname.clone(),
+    );
+    ka.with(|s| {
+        s.taps.insert(
+            tap.clone(),
+            TapCounters {
+                sent: 100,
+                read: 100,
+            },
+        );
+        s.captured.insert(src.host_ifname.clone(), Vec::new());
+        // The VM stays routed to the source pod throughout.
+        s.routed.insert(ip(VM), src.host_ifname.clone());
+    });
+    a.sync(&side_a, &view(false)).await;
+    ka.with(|s| {
+        s.captured.insert(
+            src.host_ifname.clone(),
+            (0..5u8).map(|i| vec![0x45, i]).collect(),
+        );
+        s.taps.insert(
+            tap.clone(),
+            TapCounters {
+                sent: 105,
+                read: 100,
+            },
+        );
+    });
+    // A cutover the source began to follow, then undone (a retraction):
+    // the route never left the source pod, where the guest may run still.
+    a.before_reroute(&view(true)).await;
+    tokio::time::sleep(REROUTE_WAIT + Duration::from_millis(300)).await;
+    assert!(
+        ka.state().replayed.is_empty(),
+        "nothing sent again to a guest that may run here"
+    );
+    assert_eq!(a.stats().replayed, 0);
+}
+
+#[tokio::test]
+async fn a_vm_that_leaves_the_node_it_came_to_arrives_anew_when_it_comes_back() {
+    let kb = Arc::new(FakeHandover::default());
+    let b = Arc::new(Handovers::new("node-b", kb.clone()));
+    let side_b = Arc::new(Side {
+        me: node("node-b", 2, "10.77.0.22"),
+        local: vec![attachment("dst")],
+        sent: Mutex::default(),
+    });
+    b.arrived(side_b.cluster(), &vm_key(), &[ip(VM)]).await;
+    assert!(lock(&b.state).arriving[&vm_key()].arrived);
+    // It moves on, to a new pod on node-a placed after its cutover here.
+    let mut back = view(true);
+    if let Some((rec, _)) = back.records.get_mut(&vm_key()) {
+        rec.alternate = Some(pod("node-a", "again", 3_000));
+        rec.last_cutover = Some(crate::vm::CutoverInfo {
+            trigger: crate::vm::Trigger::Rarp,
+            from_node: Some("node-a".into()),
+            to_node: "node-b".into(),
+            seen_unix_nanos: UnixNanos::from(UnixMillis::from_millis(2_500)),
+        });
+    }
+    b.sync(&side_b, &back).await;
+    let st = lock(&b.state);
+    assert!(st.leaving.contains_key(&vm_key()), "it leaves node-b");
+    assert!(
+        !st.arriving.contains_key(&vm_key()),
+        "what it found on arriving is forgotten"
+    );
+}

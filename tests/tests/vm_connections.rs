@@ -1,0 +1,243 @@
+//! A VM's connections through its live migration, with outbound NAT on
+//! (the default): every path a user has (`tests/src/paths.rs`: pods on the
+//! source, target and a third node to the VM; the VM to a host outside the
+//! cluster through NAT; the VM to a pod; a pod to a ClusterIP whose
+//! endpoint is the VM; an outside client to a NodePort entering at each
+//! node; the VM to a ClusterIP of two pods), TCP and UDP, IPv4 and IPv6
+//! where the path has both, held through a real QEMU live migration on
+//! three nodes running kube-proxy, on each control store. Then the source
+//! pod's DEL, a restart of the source node's tetherd and the source pod's
+//! deletion, which must not disturb what now serves the target (a NodePort
+//! connection entering at the source node among it). And a migration that
+//! fails late (the guest already paused) or is cancelled, which must
+//! leave every stream alive on the source.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tether_e2e::cluster::{Cluster, ClusterNode, ClusterOpts, Store};
+use tether_e2e::migration::Prober;
+use tether_e2e::paths::{table, PathSet, Scene};
+use tether_e2e::qemu::{clear_events, pause, Guest};
+use tether_e2e::streams::StreamReport;
+use tether_e2e::vm::{active_node, add_vm_pod, boot_guest, del_vm_pod, get_vm};
+use tether_e2e::{on_both_stores, require_root, wait_until};
+
+/// One message per stream every 20 ms: 1,500 a second through the guest
+/// for the 30 streams. At 10 ms, with the probes, the TCG guest fell
+/// behind and dropped most of its UDP listener's datagrams.
+const STREAM_INTERVAL: Duration = Duration::from_millis(20);
+/// 500 probes per second from the third node's pod (`bench_vm` probes at
+/// 1,000 a second with fewer streams).
+const PROBE_INTERVAL: Duration = Duration::from_millis(2);
+/// A TCG migration of a 128 MiB guest takes about a second here.
+const MIGRATION_LIMIT: Duration = Duration::from_secs(120);
+/// How long the streams go on after the migration before they are read.
+const AFTER: Duration = Duration::from_secs(3);
+
+fn socket(node: &ClusterNode) -> &std::path::Path {
+    node.daemon().socket()
+}
+
+fn scene(store: Store) -> Scene {
+    Scene::new(ClusterOpts {
+        kube_proxy: true,
+        ..ClusterOpts::on(store)
+    })
+}
+
+/// What each node tracks and routes for the handover, for a failure's
+/// message.
+fn handover_state(cluster: &Cluster) -> String {
+    let mut out = String::new();
+    for node in cluster.nodes() {
+        out.push_str(&format!("--- {}\n", node.name()));
+        for cmd in [
+            &["conntrack", "-L"][..],
+            &["ip", "rule"],
+            &["ip", "route", "show", "table", "all", "proto", "204"],
+            &["nft", "list", "table", "inet", "tether_vm"],
+        ] {
+            let o = node.netns().exec(cmd);
+            out.push_str(&format!(
+                "$ {}\n{}{}",
+                cmd.join(" "),
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            ));
+        }
+    }
+    out
+}
+
+/// Fails naming every stream that did not survive, or whose far end saw
+/// this end's address change (a translation that did not hold).
+fn assert_all_survived(reports: &[StreamReport], what: &str, table: &str) {
+    let bad: Vec<String> = reports
+        .iter()
+        .filter(|r| !r.survived() || !r.one_address())
+        .map(|r| r.line())
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "{what}: {} of {} streams did not survive with their addresses:\n{}\n\nall:\n{table}",
+        bad.len(),
+        reports.len(),
+        bad.join("\n")
+    );
+}
+
+fn every_path_survives_a_live_migration_and_the_sources_cleanup(store: Store) {
+    require_root();
+    let mut s = scene(store);
+    let target = s.incoming("virt-launcher-vm1-1");
+    let set = PathSet::start(&s.guest, &s.ends(), STREAM_INTERVAL);
+    let prober = Prober::start(s.pods[2].netns(), s.vm.0, PROBE_INTERVAL);
+    clear_events(&s.guest);
+    clear_events(&target.guest);
+
+    let t0 = Instant::now();
+    let m = s.guest.migrate_to(&target.guest, MIGRATION_LIMIT);
+    assert_eq!(
+        m.status,
+        "completed",
+        "{m:?}\n{}",
+        target.guest.console_text()
+    );
+    std::thread::sleep(AFTER);
+    let rec = get_vm(socket(s.cluster.node(2)), "tenant", "vm1").expect("record");
+    assert_eq!(active_node(&rec), s.cluster.node(1).name(), "{rec:?}");
+    let gap = pause(&s.guest, &target.guest);
+
+    // The source's cleanup, with every stream still running: its DEL, a
+    // restart of its node's tetherd, and the pod's netns gone. None of it
+    // may touch what now serves the VM on the target, a NodePort
+    // connection entering at the source node among it.
+    let cleanup = Instant::now();
+    let left = s.switch(target);
+    drop(left.guest);
+    assert!(del_vm_pod(s.cluster.node(left.node), &left.spec, &left.pod).success());
+    s.cluster.node_mut(left.node).daemon_mut().restart();
+    drop(left.pod);
+    std::thread::sleep(AFTER);
+
+    let reports = set.stop();
+    let probes = prober.stop();
+    let text = table(&reports, t0, gap);
+    eprintln!(
+        "live migration on {}: QEMU total {:?} ms, downtime {:?} ms; probes: {probes}\n{text}",
+        store.name(),
+        m.total_ms,
+        m.downtime_ms
+    );
+    if reports.iter().any(|r| !r.survived() || !r.one_address()) {
+        eprintln!("{}", handover_state(&s.cluster));
+    }
+    assert_all_survived(
+        &reports,
+        "through the migration and the source's cleanup",
+        &text,
+    );
+    // The cleanup itself cost nothing: no stream stalled after it began
+    // (as long as the migration's own stall, allowing for a busy machine).
+    let after_cleanup: Vec<String> = reports
+        .iter()
+        .filter(|r| {
+            r.stall_within(cleanup, r.stopped)
+                .is_some_and(|(d, _)| d > Duration::from_secs(1))
+        })
+        .map(|r| r.line())
+        .collect();
+    assert!(
+        after_cleanup.is_empty(),
+        "streams stalled by the source's cleanup:\n{}",
+        after_cleanup.join("\n")
+    );
+}
+
+on_both_stores!(every_path_survives_a_live_migration_and_the_sources_cleanup);
+
+/// Sets a migration capability on `guest`'s QEMU.
+fn capability(guest: &Guest, name: &str, on: bool) {
+    guest.qmp(|q| {
+        q.execute(
+            "migrate-set-capabilities",
+            json!({"capabilities": [{"capability": name, "state": on}]}),
+        )
+    });
+}
+
+fn migration_status(guest: &Guest) -> String {
+    guest.qmp(|q| q.execute("query-migrate", json!({})))["status"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// Waits until `guest`'s outgoing migration is in `status`.
+fn wait_status(guest: &Guest, status: &str) {
+    assert!(
+        wait_until(Duration::from_secs(60), || migration_status(guest)
+            == status),
+        "the migration never reached {status}: {}",
+        migration_status(guest)
+    );
+}
+
+#[test]
+fn a_migration_that_fails_late_or_is_cancelled_leaves_every_stream_alive_on_the_source() {
+    require_root();
+    let s = scene(Store::Etcd);
+    let (a, b) = (s.cluster.node(0), s.cluster.node(1));
+    let set = PathSet::start(&s.guest, &s.ends(), STREAM_INTERVAL);
+    let t0 = Instant::now();
+
+    // 1. Late: the source pauses the guest before the switchover (every
+    //    page copied), then the target dies and the migration is
+    //    cancelled: the guest runs on at the source.
+    let late_spec = s.spec.target("virt-launcher-vm1-late");
+    let late = add_vm_pod(b, &late_spec);
+    let mut late_guest = boot_guest(&late, true);
+    capability(&s.guest, "pause-before-switchover", true);
+    s.guest.start_migration(&late_guest);
+    wait_status(&s.guest, "pre-switchover");
+    let status = s.guest.qmp(|q| q.execute("query-status", json!({})));
+    assert_eq!(status["status"], "finish-migrate", "paused: {status}");
+    std::thread::sleep(Duration::from_millis(300));
+    late_guest.kill();
+    s.guest.qmp(|q| q.execute("migrate_cancel", json!({})));
+    wait_status(&s.guest, "cancelled");
+    if s.guest.qmp(|q| q.execute("query-status", json!({})))["status"] != "running" {
+        s.guest.qmp(|q| q.execute("cont", json!({})));
+    }
+    capability(&s.guest, "pause-before-switchover", false);
+    assert!(del_vm_pod(b, &late_spec, &late).success());
+    drop(late);
+
+    // 2. Cancelled while the memory is copied.
+    let cancel_spec = s.spec.target("virt-launcher-vm1-cancelled");
+    let cancelled = add_vm_pod(s.cluster.node(2), &cancel_spec);
+    let cancelled_guest = boot_guest(&cancelled, true);
+    s.guest.qmp(|q| {
+        q.execute(
+            "migrate-set-parameters",
+            json!({"max-bandwidth": 2 * 1024 * 1024}),
+        )
+    });
+    s.guest.start_migration(&cancelled_guest);
+    wait_status(&s.guest, "active");
+    std::thread::sleep(Duration::from_millis(500));
+    s.guest.qmp(|q| q.execute("migrate_cancel", json!({})));
+    wait_status(&s.guest, "cancelled");
+    drop(cancelled_guest);
+    assert!(del_vm_pod(s.cluster.node(2), &cancel_spec, &cancelled).success());
+    drop(cancelled);
+    std::thread::sleep(AFTER);
+
+    let reports = set.stop();
+    let text = table(&reports, t0, None);
+    eprintln!("a late failure, then a cancel:\n{text}");
+    let rec = get_vm(socket(a), "tenant", "vm1").expect("record");
+    assert_eq!(active_node(&rec), a.name(), "{rec:?}");
+    assert_all_survived(&reports, "through a late failure and a cancel", &text);
+}
