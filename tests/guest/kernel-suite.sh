@@ -9,9 +9,10 @@
 # Each NAME=BINARY is a libtest binary (a crate's `cargo test --no-run`
 # output), run in the guest as `BINARY --test-threads=N FILTER...`. The
 # initramfs holds busybox, the binaries (debug info stripped), the tools
-# they call (iproute2's ip, bridge and tc, util-linux's nsenter, nft) with
-# their shared libraries from this host, and the kernel modules of $MODULES
-# with everything they depend on, from the kernel package itself.
+# they call (iproute2's ip, bridge and tc, util-linux's nsenter, nft,
+# conntrack) with their shared libraries from this host, and the kernel
+# modules of $MODULES with everything they depend on, from the kernel
+# package itself.
 #
 # The guest's serial console goes to stderr (and to LOG with -o). On
 # stdout, one line per suite:
@@ -43,8 +44,14 @@ deadline=${TETHER_KSUITE_DEADLINE:-1200}
 #   act_mirred                  pod's eth0 and the tap
 #   nf_tables, nft_chain_nat,   outbound NAT: masquerade in an inet table
 #   nft_masq, nf_nat
+#   nft_ct                      the handover table's ct expressions and
+#                               notrack (a VM's flows through a migration)
+#   nft_nat                     the dnat of the kube-proxy stand-in the
+#                               handover tests write
+#   nf_conntrack_netlink        conntrack entries read and written
+#                               (the flows a VM takes to its target node)
 MODULES="veth vxlan tun dummy bridge sch_ingress cls_u32 act_mirred \
-nf_tables nft_chain_nat nft_masq nf_nat"
+nf_tables nft_chain_nat nft_masq nf_nat nft_ct nft_nat nf_conntrack_netlink"
 
 log=
 if [ "${1:-}" = -o ]; then
@@ -116,7 +123,7 @@ with_libs() {
         cp -L "$lib" "$root$lib"
     done
 }
-for tool in ip bridge tc nft; do
+for tool in ip bridge tc nft conntrack; do
     path=$(command -v "$tool") || { echo "kernel-suite.sh: no $tool (tests/setup.sh installs it)" >&2; exit 1; }
     with_libs "$path" "/usr/sbin/$tool"
 done
