@@ -214,7 +214,11 @@ struct Args {
     /// UDP port of cutover notices between nodes (on the node addresses):
     /// a migration's target tells the other nodes that its VM runs there
     /// while it writes the record, and they repoint at once instead of on
-    /// the record's watch. 0 turns notices off.
+    /// the record's watch. The same port carries a migrating VM's
+    /// connections (its conntrack flows) from its source node to its
+    /// target. 0 turns both off: the other nodes then repoint on the watch
+    /// alone, and the VM's connections through outbound NAT, or to a
+    /// Service backend on the node it left, break at the migration.
     #[arg(long, value_name = "PORT", default_value_t = 9655)]
     cutover_port: u16,
 
