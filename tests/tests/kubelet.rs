@@ -30,8 +30,8 @@
 //!    search list, MTU and lease;
 //! 6. `helm upgrade` to a new image keeps pods reachable, loses no DEL,
 //!    and never removes the conflist or the plugin (inotify says so);
-//! 7. `helm uninstall` takes the conflist, then the plugin, and the NAT
-//!    table off the node; the node goes NotReady, and a new pod waits
+//! 7. `helm uninstall` takes the conflist, then the plugin, and the nft
+//!    tables (outbound NAT's, the migration handover's) off the node; the node goes NotReady, and a new pod waits
 //!    with NetworkNotReady ("cni plugin not initialized") instead of
 //!    failing in tether.
 //!
@@ -582,7 +582,7 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
 
     // 7. Uninstall: the pods go first (as docs/user/upgrade.md says), then
     //    `helm uninstall`; the DaemonSet's removal takes the conflist, the
-    //    plugin and the NAT table off the node, which goes NotReady, and a
+    //    plugin and the nft tables off the node, which goes NotReady, and a
     //    new pod waits for a network instead of failing in tether.
     for name in ["a", "b", &again.pod_name] {
         k.delete_pod(name);
@@ -592,13 +592,18 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
         "attachments left: {:?}",
         attachment_set(&k)
     );
-    assert!(
-        k.netns()
-            .exec(&["nft", "list", "table", "inet", "tether"])
-            .status
-            .success(),
-        "no NAT table before the uninstall"
-    );
+    // tetherd's two tables: outbound NAT, and a migrating VM's
+    // connections (written in every mode with peers, nodeCidrs here).
+    const TABLES: [&str; 2] = ["tether", "tether_vm"];
+    for table in TABLES {
+        assert!(
+            k.netns()
+                .exec(&["nft", "list", "table", "inet", table])
+                .status
+                .success(),
+            "no table inet {table} before the uninstall"
+        );
+    }
     k.uninstall_tether();
     let gone = wait_until(CONVERGE, || k.tether_pods().is_empty());
     assert!(gone, "tether's pods did not go: {:?}", k.tether_pods());
@@ -613,12 +618,14 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
         ["loopback", "portmap"],
         "portmap, which other networks may use, stays"
     );
-    let nat = k.netns().exec(&["nft", "list", "table", "inet", "tether"]);
-    assert!(
-        !nat.status.success(),
-        "the NAT table is still there:\n{}",
-        String::from_utf8_lossy(&nat.stdout)
-    );
+    for table in TABLES {
+        let left = k.netns().exec(&["nft", "list", "table", "inet", table]);
+        assert!(
+            !left.status.success(),
+            "the table inet {table} is still there:\n{}",
+            String::from_utf8_lossy(&left.stdout)
+        );
+    }
     let not_ready = wait_until(CONVERGE, || k.ready_condition().0 == "False");
     let (status, message) = k.ready_condition();
     assert!(not_ready, "the node stayed {status}: {message}");
