@@ -890,6 +890,69 @@ fn the_committed_manifests_are_the_charts_output() {
     }
 }
 
+/// The chart reference's RBAC table (docs/reference/chart.md, "What the
+/// RBAC allows") is the RBAC the chart renders in its default mode:
+/// tetherd's ClusterRole and its Leases Role, one row per resource
+/// (`resource.group`, the core group's and a subresource's without a
+/// group), with exactly the rendered verbs.
+#[test]
+fn the_chart_references_rbac_table_is_the_charts_rbac() {
+    let objects = chart::objects(&chart::template(&[]));
+    let mut rendered: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (kind, name) in [("ClusterRole", "tether"), ("Role", "tether-leases")] {
+        let rules = chart::find(&objects, kind, name)["rules"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        for rule in rules {
+            let strings = |key: &str| -> Vec<String> {
+                rule[key]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|v| v.as_str().map(str::to_owned))
+                    .collect()
+            };
+            let verbs = strings("verbs");
+            for group in strings("apiGroups") {
+                for resource in strings("resources") {
+                    let key = if group.is_empty() || resource.contains('/') {
+                        resource
+                    } else {
+                        format!("{resource}.{group}")
+                    };
+                    rendered.insert(key, verbs.clone());
+                }
+            }
+        }
+    }
+    assert!(rendered.len() >= 12, "{rendered:?}");
+
+    let page = std::fs::read_to_string(workspace_dir().join("docs/reference/chart.md"))
+        .expect("docs/reference/chart.md");
+    let section = page
+        .split_once("## What the RBAC allows")
+        .and_then(|(_, rest)| rest.split("\n## ").next())
+        .expect("chart.md has a section \"What the RBAC allows\"");
+    let ticked = |cell: &str| -> Vec<String> {
+        cell.split('`')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_owned)
+            .collect()
+    };
+    let mut documented: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for line in section.lines().filter(|l| l.starts_with("| `")) {
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        let resource = ticked(cells[1]).remove(0);
+        documented.insert(resource, ticked(cells[2]));
+    }
+    assert_eq!(
+        documented, rendered,
+        "docs/reference/chart.md's RBAC table against the chart's rendered rules"
+    );
+}
+
 /// The README and every Markdown file under docs/, relative to the
 /// workspace.
 fn doc_files() -> Vec<String> {
