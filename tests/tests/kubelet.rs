@@ -660,7 +660,7 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     let f = k.pod("f").expect("pod f");
     assert_eq!(f["status"]["phase"], "Pending", "{}", f["status"]);
     assert!(f["status"]["podIP"].is_null(), "{}", f["status"]);
-    eprintln!("step 7: helm uninstall; conflist, plugin and NAT table gone; node NotReady: {message}; f: {}", why.trim());
+    eprintln!("step 7: helm uninstall; conflist, plugin and nft tables gone; node NotReady: {message}; f: {}", why.trim());
 }
 
 /// Pings `to` from the pod netns `netns` (a pin of containerd's, as
