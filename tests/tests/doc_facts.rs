@@ -54,6 +54,7 @@ const OTHER_FLAGS: &[(&str, &[&str])] = &[
             "restart",
             "from-file",
             "server-side",
+            "force-conflicts",
             "ignore-daemonsets",
             "delete-emptydir-data",
             "cascade",
