@@ -683,9 +683,16 @@ impl Handover for FakeHandover {
         let made = flow.clone();
         let clash = |f: &Flow| holds(f, &made.orig) || holds(f, &made.reply);
         let translated = |f: &Flow| f.source_translated() || f.destination_translated();
-        let outcome = if st.flows.iter().any(|f| {
-            *f == made || (f.orig == made.orig && f.reply == made.reply && f.mark == made.mark)
-        }) {
+        let same = |f: &Flow| f.orig == made.orig && f.reply == made.reply && f.mark == made.mark;
+        let outcome = if let Some(f) = st.flows.iter_mut().find(|f| same(f)) {
+            // As the kernel's: the timeout set anew, and an opening TCP
+            // state brought forward, never back.
+            f.timeout_secs = made.timeout_secs;
+            if let (Some(was), Some(now)) = (f.tcp_state, made.tcp_state) {
+                if was < crate::handover::TCP_ESTABLISHED && now > was {
+                    f.tcp_state = Some(now);
+                }
+            }
             FlowCreated::Refreshed
         } else if st.flows.iter().any(clash) {
             if !replace || st.flows.iter().any(|f| clash(f) && translated(f)) {

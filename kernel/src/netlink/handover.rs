@@ -527,6 +527,31 @@ fn entry_holding(
     }
 }
 
+/// A TCP flow's conntrack state, with both directions' window tracking
+/// liberal (a flow made here has seen none of its sequence numbers).
+fn tcp_info(f: &Flow) -> std::result::Result<ConntrackAttribute, i32> {
+    // The struct is non-exhaustive: built by parsing its two bytes.
+    let liberal =
+        TCPFlags::parse(&[TCP_FLAG_BE_LIBERAL, TCP_FLAG_BE_LIBERAL]).map_err(|_| libc::EINVAL)?;
+    Ok(ConntrackAttribute::CtaProtoInfo(vec![ProtoInfo::TCP(
+        vec![
+            ProtoInfoTCP::State(f.tcp_state.unwrap_or(crate::handover::TCP_ESTABLISHED)),
+            ProtoInfoTCP::OriginalFlags(liberal.clone()),
+            ProtoInfoTCP::ReplyFlags(liberal),
+        ],
+    )]))
+}
+
+/// Whether `f`, sent again, is a TCP connection that has opened since
+/// `held` (the same flow, here) was made: `held` is still opening and `f`
+/// is further on.
+fn opened_since(held: &Flow, f: &Flow) -> bool {
+    match (held.tcp_state, f.tcp_state) {
+        (Some(was), Some(now)) => was < crate::handover::TCP_ESTABLISHED && now > was,
+        _ => false,
+    }
+}
+
 /// Creates `f` (see [`Handover::create_flow`]).
 fn create(s: &mut NfSocket, f: &Flow, replace: Replace) -> std::result::Result<FlowCreated, i32> {
     let family = nfproto(f.orig.src.ip());
@@ -540,16 +565,7 @@ fn create(s: &mut NfSocket, f: &Flow, replace: Replace) -> std::result::Result<F
         ConntrackAttribute::CtaMark(f.mark),
     ];
     if f.proto == TCP {
-        // The struct is non-exhaustive: built by parsing its two bytes.
-        let liberal = TCPFlags::parse(&[TCP_FLAG_BE_LIBERAL, TCP_FLAG_BE_LIBERAL])
-            .map_err(|_| libc::EINVAL)?;
-        attrs.push(ConntrackAttribute::CtaProtoInfo(vec![ProtoInfo::TCP(
-            vec![
-                ProtoInfoTCP::State(f.tcp_state.unwrap_or(crate::handover::TCP_ESTABLISHED)),
-                ProtoInfoTCP::OriginalFlags(liberal.clone()),
-                ProtoInfoTCP::ReplyFlags(liberal),
-            ],
-        )]));
+        attrs.push(tcp_info(f)?);
     }
     // Made anew from the reply the flow had: the kernel computes the reply
     // of a new flow from these.
@@ -573,8 +589,13 @@ fn create(s: &mut NfSocket, f: &Flow, replace: Replace) -> std::result::Result<F
         Err(e) => return Err(e),
     }
     // The same flow, made earlier (a source sends a moving VM's flows
-    // again and again while it moves): only its timeout is set anew, so
-    // that a flow idle here until the cutover does not expire first.
+    // again and again while it moves): its timeout is set anew, so that a
+    // flow idle here until the cutover does not expire first. A TCP state
+    // is brought forward only from an opening one (SYN_SENT, SYN_RECV): a
+    // connection first sent while it was being opened has opened since,
+    // and left at its first state here, every packet of it after the
+    // cutover would be invalid. A state this node's own packets moved on
+    // (a flow of a pod here) is never set back to the source's older view.
     let reply = if f.destination_translated() || f.source_translated() {
         f.reply
     } else {
@@ -583,10 +604,14 @@ fn create(s: &mut NfSocket, f: &Flow, replace: Replace) -> std::result::Result<F
     if replace != Replace::Anything {
         if let Some(h) = entry_holding(s, f.proto, &f.orig)? {
             if h.orig == f.orig && h.reply == reply && h.mark == f.mark {
-                let update = ConntrackMessage::New(vec![
+                let mut update = vec![
                     ConntrackAttribute::CtaTupleOrig(tuple(f.proto, &f.orig)),
                     ConntrackAttribute::CtaTimeout(f.timeout_secs.max(1)),
-                ]);
+                ];
+                if opened_since(&h, f) {
+                    update.push(tcp_info(f)?);
+                }
+                let update = ConntrackMessage::New(update);
                 s.exchange(vec![message(family, 0, update, NLM_F_ACK)])?;
                 return Ok(FlowCreated::Refreshed);
             }

@@ -12,6 +12,9 @@ use crate::handover::{
     anchor_mark, anchor_table, handover_script, Flow, FlowCreated, FlowEnds, Handover,
     ANCHOR_RULE_PRIORITY, TCP, TCP_ESTABLISHED, UDP,
 };
+
+/// `TCP_CONNTRACK_SYN_SENT`: a connection whose first packet went out.
+const TCP_SYN_SENT: u8 = 1;
 use crate::netlink::LinuxHandover;
 use crate::ClusterRoute;
 
@@ -127,21 +130,53 @@ fn flows_go_into_conntrack_with_their_translation_and_come_back_out() {
         assert_eq!(read6.len(), 1);
         assert_eq!(read6[0].orig, v6.orig);
 
-        // Creating the same flow again sets its timeout anew; another one
-        // holding a direction is left alone, or replaced when asked.
-        let mut later = anchored.clone();
-        later.timeout_secs = 400;
+        // Creating the same flow again sets its timeout anew, and brings an
+        // opening TCP state forward: a connection sent while it was being
+        // opened has opened since (left SYN_SENT here, its packets would
+        // be invalid). An established one is never set back.
+        let mut opening = anchored.clone();
+        opening.orig.src.set_port(40002);
+        opening.reply.dst.set_port(40002);
+        opening.mark = anchor_mark(9);
+        opening.tcp_state = Some(TCP_SYN_SENT);
         assert_eq!(
-            h.create_flow(&later, false).await.unwrap(),
+            h.create_flow(&opening, false).await.unwrap(),
+            FlowCreated::Created
+        );
+        let state_of = |flows: &[Flow], orig: FlowEnds| {
+            let f = flows.iter().find(|f| f.orig == orig).expect("the flow");
+            (f.tcp_state, f.timeout_secs)
+        };
+        let read = h.flows_of(vm.parse().unwrap()).await.unwrap();
+        assert_eq!(state_of(&read, opening.orig).0, Some(TCP_SYN_SENT));
+        let mut stale = anchored.clone();
+        stale.tcp_state = Some(TCP_SYN_SENT);
+        assert_eq!(
+            h.create_flow(&stale, false).await.unwrap(),
             FlowCreated::Refreshed
         );
+        let read = h.flows_of(vm.parse().unwrap()).await.unwrap();
+        assert_eq!(
+            state_of(&read, anchored.orig).0,
+            Some(TCP_ESTABLISHED),
+            "an established flow is never set back"
+        );
+        for f in [&opening, &anchored] {
+            let mut later = f.clone();
+            later.tcp_state = Some(TCP_ESTABLISHED);
+            later.timeout_secs = 400;
+            assert_eq!(
+                h.create_flow(&later, false).await.unwrap(),
+                FlowCreated::Refreshed
+            );
+        }
         let refreshed = h.flows_of(vm.parse().unwrap()).await.unwrap();
-        let t = refreshed
-            .iter()
-            .find(|f| f.orig == anchored.orig)
-            .unwrap()
-            .timeout_secs;
-        assert!(t > 300, "timeout set anew: {t}");
+        for orig in [anchored.orig, opening.orig] {
+            let (state, t) = state_of(&refreshed, orig);
+            assert_eq!(state, Some(TCP_ESTABLISHED), "state set anew");
+            assert!(t > 300, "timeout set anew: {t}");
+        }
+        assert_eq!(h.delete_anchored(9).await.unwrap(), 1);
         let mut other_mark = anchored.clone();
         other_mark.mark = anchor_mark(8);
         assert_eq!(
