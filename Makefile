@@ -8,7 +8,7 @@ RELEASE_DIR := target/release
 ROOT_TESTS := tether-kernel/root-tests,tether-node-server/root-tests
 DEBUG_DIR := target/debug
 
-.PHONY: all setup setup-demo k8s helm e2e-bins conformance-images conformance kubevirt bench-kubevirt manifests build release demo check test unit integration lint bench clean shim-size min-kernel
+.PHONY: all setup setup-demo k8s helm e2e-bins conformance-images conformance kubevirt bench-kubevirt manifests docs reference build release demo check test unit integration lint bench clean shim-size min-kernel
 
 all: build
 
@@ -59,6 +59,24 @@ conformance-images: setup e2e-bins
 manifests:
 	sh install/generate.sh
 
+## docs: the book (docs/, mdBook): mdBook itself, pinned, built once with
+## `cargo install --locked` and cached in /var/tmp/tether-tools
+## (docs/mdbook.sh); the book built into target/book; and every link and
+## anchor of the built book checked (tests/book_links.py). `make test`
+## runs it.
+docs:
+	@bin=$$(sh docs/mdbook.sh) && echo "docs: $$($$bin/mdbook --version)" && $$bin/mdbook build docs
+	python3 tests/book_links.py target/book
+
+## reference: the book's reference pages generated from the code:
+## docs/reference/tetherd-flags.md from `tetherd --help`, and
+## docs/reference/chart-values.md from the chart's values.yaml
+## (docs/reference.py); tests/tests/doc_facts.rs fails while a committed
+## page differs from what this writes.
+reference:
+	$(CARGO) build -p tether-node-server --bin tetherd
+	python3 docs/reference.py $$($(CARGO) metadata --format-version 1 --no-deps | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')/debug/tetherd
+
 ## build: debug build of every crate (the integration tests use it), with
 ## the root unit tests compiled in, as `make test` runs them.
 build:
@@ -107,8 +125,10 @@ check:
 ## guests, a real kube-apiserver, the cluster suites on etcd and on the
 ## Kubernetes store (etcd:: and kubernetes:: tests), a one-node Kubernetes
 ## whose kubelet calls tether, two kubelet nodes with kube-proxy and CoreDNS
-## judged by a slice of Kubernetes' network conformance tests). Root only.
-test: setup k8s helm e2e-bins lint build shim-size
+## judged by a slice of Kubernetes' network conformance tests), the book
+## built and its links checked (docs), its runnable blocks run and its
+## facts checked (doc_blocks, doc_facts). Root only.
+test: setup k8s helm e2e-bins lint docs build shim-size
 	@test "$$(id -u)" = 0 || { echo "make test must run as root (it creates network namespaces)"; exit 1; }
 	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test --workspace --features $(ROOT_TESTS) --no-fail-fast -- --test-threads=2
 

@@ -2,10 +2,11 @@
 # tether's uninstaller, run by the DaemonSet pod's "uninstall" container.
 #
 # When tether's DaemonSet is removed, it takes tether's conflist, then its
-# plugin binary, off the node, then tether's nft table (outbound NAT) out of
-# the node's network namespace: the runtime then has no CNI config, and the
-# kubelet reports the node NotReady ("cni plugin not initialized") instead
-# of the node failing every new pod with "failed to find plugin tether".
+# plugin binary, off the node, then tether's nft tables (outbound NAT, and
+# a migrating VM's connections) out of the node's network namespace: the
+# runtime then has no CNI config, and the kubelet reports the node NotReady
+# ("cni plugin not initialized") instead of the node failing every new pod
+# with "failed to find plugin tether".
 # portmap, which the installer also copies, stays: other networks may use it.
 #
 # A pod of the DaemonSet stops for other reasons too: a rolling upgrade, a
@@ -23,7 +24,7 @@
 # Anything else (the DaemonSet there; no answer, 5xx) leaves everything:
 # when in doubt, a node keeps its network. Then, by hand:
 #   rm /etc/cni/net.d/10-tether.conflist /opt/cni/bin/tether
-#   nft delete table inet tether
+#   nft delete table inet tether; nft delete table inet tether_vm
 #
 # Usage: uninstall.sh --on-sigterm   wait for SIGTERM (the pod's end), then act
 #        uninstall.sh                act now
@@ -67,9 +68,13 @@ remove() {
             rm -f "$f" && log "removed $f"
         fi
     done
-    if command -v nft >/dev/null 2>&1 && nft list table inet tether >/dev/null 2>&1; then
-        nft delete table inet tether && log "removed nft table inet tether"
-    fi
+    # inet tether: outbound NAT; inet tether_vm: a migrating VM's
+    # connections (docs/user/vm-connections.md).
+    for table in tether tether_vm; do
+        if command -v nft >/dev/null 2>&1 && nft list table inet "$table" >/dev/null 2>&1; then
+            nft delete table inet "$table" && log "removed nft table inet $table"
+        fi
+    done
 }
 
 run() {

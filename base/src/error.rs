@@ -2,7 +2,7 @@
 //! mapped to CNI error codes.
 //!
 //! Codes 1-99 are the CNI spec's; 100 and up are tether's own and are listed
-//! in the README. Never collapse causes into one code: an operator must be
+//! in the book (docs/user/error-codes.md). Never collapse causes into one code: an operator must be
 //! able to tell "pool exhausted" from "kernel refused" from "bad input".
 //!
 //! The storage back-ends return typed errors that say what happened; each

@@ -40,8 +40,8 @@ struct Args {
 
     /// A fixed pod CIDR for this node (single node, or CIDRs handed out by
     /// hand): give it once per family (one IPv4 and/or one IPv6), e.g.
-    /// --pod-cidr 10.244.1.0/24 --pod-cidr fd00:10:244:1::/64. Give either
-    /// --pod-cidr or --cluster-cidr.
+    /// --pod-cidr 10.244.1.0/24 --pod-cidr fd00:10:244:1::/64. Give one of
+    /// --pod-cidr, --pod-cidr-from-node or --cluster-cidr.
     #[arg(
         long = "pod-cidr",
         value_name = "CIDR",
@@ -63,7 +63,8 @@ struct Args {
     pod_cidr_from_node: bool,
 
     /// A kubeconfig for the Kubernetes API: the migration-target watch on
-    /// this node's pods, IPAMClaims, --pod-cidr-from-node, and events on
+    /// this node's pods, IPAMClaims, KubeVirt's VirtualMachines (a deleted
+    /// one's addresses are freed), --pod-cidr-from-node, and events on
     /// pods. Without it, the in-cluster service account is used when the
     /// daemon runs in a pod; with neither, the daemon runs without the API
     /// (cutovers then follow the VM's RARP and the admin call only).
@@ -213,7 +214,11 @@ struct Args {
     /// UDP port of cutover notices between nodes (on the node addresses):
     /// a migration's target tells the other nodes that its VM runs there
     /// while it writes the record, and they repoint at once instead of on
-    /// the record's watch. 0 turns notices off.
+    /// the record's watch. The same port carries a migrating VM's
+    /// connections (its conntrack flows) from its source node to its
+    /// target. 0 turns both off: the other nodes then repoint on the watch
+    /// alone, and the VM's connections through outbound NAT, or to a
+    /// Service backend on the node it left, break at the migration.
     #[arg(long, value_name = "PORT", default_value_t = 9655)]
     cutover_port: u16,
 

@@ -110,6 +110,9 @@ pub struct OneNode {
     node: Netns,
     fabric: Fabric,
     dir: TempDir,
+    /// The chart's `netconf` values of every install and upgrade (null:
+    /// the chart's defaults).
+    netconf: Value,
 }
 
 impl OneNode {
@@ -138,6 +141,7 @@ impl OneNode {
             node,
             fabric,
             dir,
+            netconf: Value::Null,
         };
         for d in ["cni/bin", "cni/net.d", "ctd", "run", "state", "images"] {
             std::fs::create_dir_all(one.path(d)).expect("creating the node's dirs");
@@ -386,6 +390,12 @@ impl OneNode {
         name
     }
 
+    /// The chart's `netconf` values for the installs and upgrades that
+    /// follow (see the chart's values.yaml).
+    pub fn set_netconf(&mut self, netconf: Value) {
+        self.netconf = netconf;
+    }
+
     /// The chart's values for this node (a JSON values file for helm):
     /// - image `image` (`repository:tag`), `pullPolicy: Never`;
     /// - mode `nodeCidrs` (`--pod-cidr-from-node`: the node CIDR that
@@ -408,7 +418,7 @@ impl OneNode {
             .next()
             .unwrap_or_default()
             .to_string();
-        json!({
+        let mut values = json!({
             "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
             "mode": "nodeCidrs",
             "hostPaths": {
@@ -421,7 +431,12 @@ impl OneNode {
                 {"name": "KUBERNETES_SERVICE_HOST", "value": api_host},
                 {"name": "KUBERNETES_SERVICE_PORT", "value": crate::kube::API_PORT.to_string()},
             ],
-        })
+        });
+        // The suite's own netconf, when it set one (set_netconf).
+        if !self.netconf.is_null() {
+            values["netconf"] = self.netconf.clone();
+        }
+        values
     }
 
     /// `helm install` of the chart (release `tether` in kube-system) with

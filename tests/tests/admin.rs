@@ -1,5 +1,6 @@
 //! The operator API on the daemon's socket: with grpcurl, exactly as the
-//! README shows it (server reflection, no proto files), and from Rust with
+//! book shows it (docs/user/operations.md: server reflection, no proto
+//! files), and from Rust with
 //! the generated `tether_proto` client over the unix socket. Run as root,
 //! after `tests/setup.sh` (which builds grpcurl from its Go module, pinned in
 //! tests/k8s/grpcurl/go.mod, and installs it as /usr/local/bin/grpcurl).

@@ -5,9 +5,10 @@
 //!
 //! The Helm chart (install/helm/tether), with helm built from its Go
 //! module: `helm lint`, `helm template` of every mode (tetherd's flags,
-//! the images, the RBAC, the optional objects behind their values, what it
-//! refuses), and the plain manifests of install/manifests/ compared with
-//! the chart's output.
+//! the images, the RBAC, the optional objects behind their values, the
+//! conflist its `netconf` values make, what it refuses: misspelt keys and
+//! wrong shapes through values.schema.json), its NOTES, and the plain
+//! manifests of install/manifests/ compared with the chart's output.
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
@@ -323,6 +324,8 @@ fn helm_lint_passes_in_every_mode() {
             chart::CHART,
             "--set",
             &format!("mode={mode}"),
+            "--set",
+            "etcd.endpoints={https://10.0.0.1:2379}",
         ]);
         assert!(
             out.contains("1 chart(s) linted, 0 chart(s) failed"),
@@ -370,7 +373,7 @@ fn each_mode_renders_its_flags_and_only_flags_tetherd_knows() {
             "etcd",
             &[
                 "--store=etcd",
-                "--etcd-endpoints=https://10.0.0.1:2379,https://10.0.0.2:2379,https://10.0.0.3:2379",
+                "--etcd-endpoints=https://10.0.0.1:2379,https://10.0.0.2:2379",
                 "--etcd-ca=/etc/tether/etcd/ca.pem",
                 "--etcd-cert=/etc/tether/etcd/cert.pem",
                 "--etcd-key=/etc/tether/etcd/key.pem",
@@ -381,7 +384,10 @@ fn each_mode_renders_its_flags_and_only_flags_tetherd_knows() {
         ),
     ];
     for (mode, own) in modes {
-        let objects = chart::objects(&chart::template(&[&format!("mode={mode}")]));
+        let objects = chart::objects(&chart::template(&[
+            &format!("mode={mode}"),
+            "etcd.endpoints={https://10.0.0.1:2379,https://10.0.0.2:2379}",
+        ]));
         let args = chart::tetherd_args(&objects);
         let notices: &[&str] = if mode == "singleNode" { &[] } else { &cutover };
         let want: Vec<&str> = common
@@ -434,27 +440,161 @@ fn each_mode_renders_its_flags_and_only_flags_tetherd_knows() {
         !args.iter().any(|a| a.starts_with("--no-nat-to")),
         "{args:?}"
     );
-    let ds = chart::find(&objects, "DaemonSet", chart::RELEASE);
-    let init = &ds["spec"]["template"]["spec"]["initContainers"][0];
     assert_eq!(
-        init["env"],
-        json!([{"name": "TETHER_SOCKET", "value": "/var/run/t/tether.sock"}]),
-        "the installer writes the socket into the conflist"
+        conflist_of(&objects)["plugins"][0]["socket"],
+        "/var/run/t/tether.sock",
+        "the installer writes the daemon's socket into the conflist"
     );
 }
 
+/// The conflist the chart has the init container write
+/// (`TETHER_CONFLIST`), parsed.
+fn conflist_of(objects: &[Value]) -> Value {
+    let ds = chart::find(objects, "DaemonSet", chart::RELEASE);
+    let init = &ds["spec"]["template"]["spec"]["initContainers"][0];
+    let env = init["env"].as_array().expect("the init container's env");
+    assert_eq!(env.len(), 1, "{env:?}");
+    assert_eq!(env[0]["name"], "TETHER_CONFLIST");
+    serde_json::from_str(env[0]["value"].as_str().expect("a string"))
+        .unwrap_or_else(|e| panic!("TETHER_CONFLIST is not JSON ({e}): {}", env[0]["value"]))
+}
+
+/// The netconf comes from the chart's values: by default it is the
+/// image's conflist (install/10-tether.conflist) with the chart's socket;
+/// each `netconf` value lands in tether's entry of it; and install.sh,
+/// given it as TETHER_CONFLIST, installs exactly that file.
+#[test]
+fn the_conflist_comes_from_the_netconf_values() {
+    let image: Value = serde_json::from_slice(
+        &std::fs::read(workspace_dir().join("install").join(CONFLIST)).expect("the conflist"),
+    )
+    .expect("JSON");
+    let defaults = conflist_of(&chart::objects(&chart::template(&[])));
+    assert_eq!(
+        defaults, image,
+        "the chart's default conflist is the image's"
+    );
+    assert_conflist(defaults.to_string().as_bytes());
+
+    let objects = chart::objects(&chart::template(&[
+        "netconf.name=vms",
+        "netconf.mtu=1400",
+        "netconf.dns.nameservers={10.96.0.10}",
+        "netconf.dns.search={default.svc.cluster.local,cluster.local}",
+        "netconf.vmAddressPolicy=ephemeral",
+        "netconf.kubevirt.binding=managedTap",
+        "netconf.kubevirt.leaseSeconds=600",
+        "netconf.portmap=false",
+    ]));
+    let conf = conflist_of(&objects);
+    assert_eq!(conf["name"], "vms");
+    let plugins = conf["plugins"].as_array().expect("plugins");
+    assert_eq!(plugins.len(), 1, "no portmap: {conf}");
+    let tether = &plugins[0];
+    assert_eq!(tether["type"], "tether");
+    assert_eq!(tether["mtu"], 1400);
+    assert_eq!(
+        tether["dns"],
+        json!({"nameservers": ["10.96.0.10"], "search": ["default.svc.cluster.local", "cluster.local"]})
+    );
+    assert_eq!(tether["vmAddressPolicy"], "ephemeral");
+    assert_eq!(
+        tether["kubevirt"],
+        json!({"binding": "managedTap", "leaseSeconds": 600})
+    );
+    assert_eq!(tether["socket"], "/run/tether/tether.sock");
+    assert_conflist(conf.to_string().as_bytes());
+}
+
+#[test]
+fn install_sh_writes_tether_conflist_as_given_and_refuses_what_is_no_conflist() {
+    require_root();
+    let conf = conflist_of(&chart::objects(&chart::template(&[
+        "netconf.dns.nameservers={10.96.0.10}",
+        "netconf.kubevirt.binding=tap",
+    ])));
+    let text = conf.to_string();
+    let layout = Layout::new(true);
+    layout.run_ok(&[("TETHER_CONFLIST", &text)]);
+    let installed = listing(&layout.conf());
+    assert_eq!(names(&installed), [CONFLIST], "no temp files, nothing else");
+    assert_eq!(installed[CONFLIST].0, 0o644);
+    assert_eq!(
+        String::from_utf8_lossy(&installed[CONFLIST].1),
+        format!("{text}\n"),
+        "TETHER_CONFLIST installed as given"
+    );
+    assert_eq!(names(&listing(&layout.bin())), ["portmap", "tether"]);
+
+    for (env, says) in [
+        (vec![("TETHER_CONFLIST", "not json")], "not a JSON object"),
+        (
+            vec![(
+                "TETHER_CONFLIST",
+                r#"{"name":"x","plugins":[{"type":"bridge"}]}"#,
+            )],
+            "no plugin of type tether",
+        ),
+        (
+            vec![
+                ("TETHER_CONFLIST", text.as_str()),
+                ("TETHER_SOCKET", "/run/x.sock"),
+            ],
+            "both set",
+        ),
+    ] {
+        let layout = Layout::new(true);
+        let out = layout.run(&env);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{env:?} was taken");
+        assert!(err.contains(says), "{env:?}: {err}");
+        for dir in [layout.bin(), layout.conf()] {
+            assert!(
+                !dir.exists() || listing(&dir).is_empty(),
+                "{env:?}: something was installed in {}",
+                dir.display()
+            );
+        }
+    }
+}
+
 /// Modes and values the chart cannot render fail `helm template` with a
-/// message that says what to do.
+/// message that says what to do: a key it does not know, or a value of
+/// the wrong shape, is refused by values.schema.json naming the key; what
+/// one value needs of another, by the templates.
 #[test]
 fn the_chart_refuses_what_it_cannot_render() {
     let helm = Helm::new();
     for (set, says) in [
+        // A misspelt key: the schema names it, instead of its being ignored.
+        (
+            "clusterCidr=10.42.0.0/16",
+            "additional properties 'clusterCidr' not allowed",
+        ),
+        (
+            "netconf.kubevirt.bindng=tap",
+            "additional properties 'bindng' not allowed",
+        ),
+        // A wrong shape: one CIDR where a list is wanted.
+        (
+            "cluster.cidrs=10.42.0.0/16",
+            "at '/cluster/cidrs': got string, want array",
+        ),
+        ("netconf.mtu=9", "at '/netconf/mtu'"),
         (
             "mode=etcdd",
-            "mode must be kubernetes, singleNode, nodeCidrs or etcd",
+            "at '/mode': value must be one of 'kubernetes', 'singleNode', 'nodeCidrs', 'etcd'",
         ),
+        (
+            "overlay=geneve",
+            "at '/overlay': value must be one of 'none', 'vxlan'",
+        ),
+        (
+            "netconf.kubevirt.binding=bridge",
+            "at '/netconf/kubevirt/binding'",
+        ),
+        // What the templates check.
         ("cluster.cidrs=null", "mode kubernetes needs cluster.cidrs"),
-        ("overlay=geneve", "overlay must be none or vxlan"),
         ("image.tag=latest", "never \"latest\""),
         (
             "migrationNetwork.enabled=true",
@@ -470,17 +610,64 @@ fn the_chart_refuses_what_it_cannot_render() {
         assert!(!out.status.success(), "{set} rendered");
         assert!(err.contains(says), "{set}: {err}");
     }
+    // etcd.endpoints has no default (no example address stands in for
+    // the cluster's own): mode etcd without them is refused.
     let out = helm.run(&[
         "template",
         chart::RELEASE,
         chart::CHART,
         "--set",
         "mode=etcd",
-        "--set",
-        "etcd.endpoints=null",
     ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("mode etcd needs etcd.endpoints"));
+}
+
+/// What `helm install` prints after the install (NOTES.txt): the checks
+/// to run, and the upgrade without a pinned tag, CRDs first.
+#[test]
+fn the_notes_say_how_to_check_the_install_and_how_to_upgrade() {
+    let helm = Helm::new();
+    for mode in ["kubernetes", "nodeCidrs", "singleNode"] {
+        let out = helm.run_ok(&[
+            "install",
+            chart::RELEASE,
+            chart::CHART,
+            "--namespace",
+            chart::NAMESPACE,
+            "--dry-run=client",
+            "--set",
+            &format!("mode={mode}"),
+        ]);
+        let notes = out
+            .split_once("NOTES:")
+            .map(|(_, n)| n)
+            .unwrap_or_else(|| panic!("no NOTES in:\n{out}"));
+        for want in [
+            format!("mode {mode}"),
+            "kubectl -n kube-system rollout status ds/tether".into(),
+            "kubectl get pod tether-check -o wide".into(),
+            "kubectl apply --server-side -f install/helm/tether/crds/".into(),
+            "helm upgrade tether install/helm/tether -n kube-system --reset-then-reuse-values"
+                .into(),
+        ] {
+            assert!(notes.contains(&want), "{mode}: no {want:?} in:\n{notes}");
+        }
+        assert!(
+            !notes.contains("image.tag"),
+            "the upgrade pins no tag:\n{notes}"
+        );
+        assert_eq!(
+            notes.contains("kubectl get tether"),
+            mode == "kubernetes",
+            "{mode}:\n{notes}"
+        );
+        assert_eq!(
+            notes.contains("UDP 9655"),
+            mode != "singleNode",
+            "{mode}: the cutover port between nodes:\n{notes}"
+        );
+    }
 }
 
 /// The chart's defaults: the versioned image used if present, what is
@@ -556,6 +743,8 @@ fn the_defaults_render_a_versioned_image_and_nothing_optional() {
             {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
             {"apiGroups": ["k8s.cni.cncf.io"], "resources": ["ipamclaims"], "verbs": ["get", "list", "watch"]},
             {"apiGroups": ["k8s.cni.cncf.io"], "resources": ["ipamclaims/status"], "verbs": ["patch"]},
+            // Names only: a deleted VirtualMachine frees its VM's addresses.
+            {"apiGroups": ["kubevirt.io"], "resources": ["virtualmachines"], "verbs": ["list", "watch"]},
             {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
             // Mode kubernetes (the default): tether's own records.
             {"apiGroups": ["tether.dev"], "resources": ["tethernodes"], "verbs": ["get", "list", "watch", "create", "update", "delete"]},
@@ -573,7 +762,10 @@ fn the_defaults_render_a_versioned_image_and_nothing_optional() {
                 "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]}])
     );
     // The other modes write none of it.
-    let etcd = chart::objects(&chart::template(&["mode=etcd"]));
+    let etcd = chart::objects(&chart::template(&[
+        "mode=etcd",
+        "etcd.endpoints={https://10.0.0.1:2379}",
+    ]));
     let rules = chart::find(&etcd, "ClusterRole", "tether")["rules"].to_string();
     assert!(!rules.contains("tether.dev"), "{rules}");
     assert!(!etcd
@@ -695,5 +887,211 @@ fn the_committed_manifests_are_the_charts_output() {
             !(name.ends_with(".yaml") || name.ends_with(".yml") || name.ends_with(".json")),
             "install/{name} would be read by `kubectl apply -f install/`"
         );
+    }
+}
+
+/// The chart reference's RBAC table (docs/reference/chart.md, "What the
+/// RBAC allows") is the RBAC the chart renders in its default mode:
+/// tetherd's ClusterRole and its Leases Role, one row per resource
+/// (`resource.group`, the core group's and a subresource's without a
+/// group), with exactly the rendered verbs.
+#[test]
+fn the_chart_references_rbac_table_is_the_charts_rbac() {
+    let objects = chart::objects(&chart::template(&[]));
+    let mut rendered: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (kind, name) in [("ClusterRole", "tether"), ("Role", "tether-leases")] {
+        let rules = chart::find(&objects, kind, name)["rules"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        for rule in rules {
+            let strings = |key: &str| -> Vec<String> {
+                rule[key]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|v| v.as_str().map(str::to_owned))
+                    .collect()
+            };
+            let verbs = strings("verbs");
+            for group in strings("apiGroups") {
+                for resource in strings("resources") {
+                    let key = if group.is_empty() || resource.contains('/') {
+                        resource
+                    } else {
+                        format!("{resource}.{group}")
+                    };
+                    rendered.insert(key, verbs.clone());
+                }
+            }
+        }
+    }
+    assert!(rendered.len() >= 12, "{rendered:?}");
+
+    let page = std::fs::read_to_string(workspace_dir().join("docs/reference/chart.md"))
+        .expect("docs/reference/chart.md");
+    let section = page
+        .split_once("## What the RBAC allows")
+        .and_then(|(_, rest)| rest.split("\n## ").next())
+        .expect("chart.md has a section \"What the RBAC allows\"");
+    let ticked = |cell: &str| -> Vec<String> {
+        cell.split('`')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_owned)
+            .collect()
+    };
+    let mut documented: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for line in section.lines().filter(|l| l.starts_with("| `")) {
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        let resource = ticked(cells[1]).remove(0);
+        documented.insert(resource, ticked(cells[2]));
+    }
+    assert_eq!(
+        documented, rendered,
+        "docs/reference/chart.md's RBAC table against the chart's rendered rules"
+    );
+}
+
+/// The README and every Markdown file under docs/, relative to the
+/// workspace.
+fn doc_files() -> Vec<String> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+            let path = e.expect("an entry").path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|x| x == "md") {
+                out.push(path);
+            }
+        }
+    }
+    let root = workspace_dir();
+    let mut files = vec![root.join("README.md")];
+    walk(&root.join("docs"), &mut files);
+    files
+        .iter()
+        .map(|p| p.strip_prefix(&root).expect("a doc").display().to_string())
+        .collect()
+}
+
+/// A shell command line's words: whitespace splits, '...' and "..." quote.
+fn shell_words(line: &str) -> Vec<String> {
+    let (mut words, mut word, mut quote, mut any) = (Vec::new(), String::new(), None, false);
+    for c in line.chars() {
+        match (quote, c) {
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), c) => word.push(c),
+            (None, '\'' | '"') => {
+                quote = Some(c);
+                any = true;
+            }
+            (None, c) if c.is_whitespace() => {
+                if any || !word.is_empty() {
+                    words.push(std::mem::take(&mut word));
+                }
+                any = false;
+            }
+            (None, c) => word.push(c),
+        }
+    }
+    if any || !word.is_empty() {
+        words.push(word);
+    }
+    words
+}
+
+/// The mode tetherd's args say: its one distinctive flag.
+fn mode_of(args: &[String]) -> Vec<&'static str> {
+    let mut modes = Vec::new();
+    for (mode, flag) in [
+        ("kubernetes", "--store=kubernetes"),
+        ("etcd", "--store=etcd"),
+        ("nodeCidrs", "--pod-cidr-from-node"),
+        ("singleNode", "--pod-cidr="),
+    ] {
+        if args.iter().any(|a| a.starts_with(flag)) {
+            modes.push(mode);
+        }
+    }
+    modes
+}
+
+/// Every `helm install` of the README and the book (the ```sh block after
+/// `<!-- helm-install: MODE -->`) installs the chart in the mode it
+/// claims: rendered with its own `--set` values, tetherd gets that mode's
+/// flags and no other's. The README carries one for each of kubernetes,
+/// nodeCidrs and etcd, the install page one for every mode.
+#[test]
+fn every_helm_install_command_of_the_docs_renders_the_mode_it_claims() {
+    let tag = "<!-- helm-install:";
+    let mut seen: Vec<(String, String)> = Vec::new();
+    for file in doc_files() {
+        let text = std::fs::read_to_string(workspace_dir().join(&file)).expect("a doc");
+        let lines: Vec<&str> = text.lines().collect();
+        for (n, line) in lines.iter().enumerate() {
+            let Some(rest) = line.trim().strip_prefix(tag) else {
+                continue;
+            };
+            let mode = rest.trim_end_matches("-->").trim().to_string();
+            let at = format!("{file}:{}", n + 1);
+            assert_eq!(lines.get(n + 1).map(|l| l.trim()), Some("```sh"), "{at}");
+            let block: Vec<&str> = lines[n + 2..]
+                .iter()
+                .copied()
+                .take_while(|l| l.trim() != "```")
+                .collect();
+            let joined = block.join("\n").replace("\\\n", " ");
+            let commands: Vec<&str> = joined
+                .lines()
+                .map(str::trim)
+                .filter(|l| l.starts_with("helm install "))
+                .collect();
+            assert_eq!(
+                commands.len(),
+                1,
+                "{at}: one `helm install` wanted: {block:?}"
+            );
+            let words = shell_words(commands[0]);
+            assert_eq!(
+                words[..4],
+                ["helm", "install", chart::RELEASE, chart::CHART],
+                "{at}: {words:?}"
+            );
+            let mut sets = Vec::new();
+            let mut namespace = None;
+            let mut rest = words[4..].iter();
+            while let Some(w) = rest.next() {
+                match w.as_str() {
+                    "--set" => sets.push(rest.next().expect("a --set value").clone()),
+                    "--namespace" | "-n" => namespace = rest.next().cloned(),
+                    other => panic!("{at}: a word the test does not know: {other}"),
+                }
+            }
+            assert_eq!(namespace.as_deref(), Some(chart::NAMESPACE), "{at}");
+            let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+            let objects = chart::objects(&chart::template(&sets));
+            let args = chart::tetherd_args(&objects);
+            assert_eq!(
+                mode_of(&args),
+                [mode.as_str()],
+                "{at}: the command claims mode {mode}; tetherd gets {args:?}"
+            );
+            seen.push((file.clone(), mode));
+        }
+    }
+    for (file, modes) in [
+        ("README.md", &["kubernetes", "nodeCidrs", "etcd"][..]),
+        (
+            "docs/user/install.md",
+            &["kubernetes", "nodeCidrs", "etcd", "singleNode"][..],
+        ),
+    ] {
+        for mode in modes {
+            assert!(
+                seen.iter().any(|(f, m)| f == file && m == mode),
+                "{file} has no `helm install` for mode {mode}: {seen:?}"
+            );
+        }
     }
 }

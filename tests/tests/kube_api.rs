@@ -15,6 +15,9 @@
 //! - Events on pods; an API server outage (ADD and DEL go on, the watch
 //!   resumes, nothing is done twice); `--pod-cidr-from-node`; what the
 //!   service account may and may not do.
+//! - KubeVirt's VirtualMachines: deleting one frees its VM's address for
+//!   another pod, once no pod of it is left, and also when the deletion
+//!   happened while the daemon was down (its watch never saw it).
 //! - The plain manifests (install/manifests/): `kubectl apply -f` of each
 //!   mode's file on this API server, which has neither the Prometheus
 //!   Operator's nor Multus's CRDs; and install/uninstall.sh's decision,
@@ -794,6 +797,203 @@ fn outage_pod_cidr_from_node_events_and_least_privilege() {
     let stats = admin::stats(sock);
     assert_eq!(stats.vm_cutovers, 1, "cutovers: {stats:#?}");
     let _ = (&source_ns, &target_ns);
+}
+
+/// KubeVirt's VirtualMachine CRD, as a test double: the same group,
+/// version, kind and plural (`virtualmachines.kubevirt.io/v1`, namespaced)
+/// with no schema and no controller behind it. It proves what tetherd does
+/// with VirtualMachines' names (their watch, the list that confirms a
+/// deletion, the chart's RBAC for both); not what KubeVirt does with a
+/// VirtualMachine (`make kubevirt` runs KubeVirt itself).
+fn install_virtualmachine_crd_double(api: &KubeApi) {
+    api.apply(
+        &json!({
+            "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+            "metadata": {"name": "virtualmachines.kubevirt.io"},
+            "spec": {
+                "group": "kubevirt.io", "scope": "Namespaced",
+                "names": {"kind": "VirtualMachine", "plural": "virtualmachines",
+                          "singular": "virtualmachine", "listKind": "VirtualMachineList"},
+                "versions": [{"name": "v1", "served": true, "storage": true,
+                              "schema": {"openAPIV3Schema": {"type": "object",
+                                         "x-kubernetes-preserve-unknown-fields": true}}}],
+            },
+        })
+        .to_string(),
+    );
+    api.kubectl_ok(&[
+        "wait",
+        "--for=condition=Established",
+        "--timeout=30s",
+        "crd/virtualmachines.kubevirt.io",
+    ]);
+}
+
+/// A VirtualMachine object named `name` in [`NS`] (stopped: no controller
+/// runs here to start it).
+fn create_virtual_machine(api: &KubeApi, name: &str) {
+    api.apply(
+        &json!({
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"runStrategy": "Halted"},
+        })
+        .to_string(),
+    );
+}
+
+/// Whether the daemon at `socket` still has a record of VM `vm` in [`NS`].
+fn has_record(socket: &Path, vm: &str) -> bool {
+    match get_vm(socket, NS, vm) {
+        Ok(_) => true,
+        Err(s) if s.code() == tonic::Code::NotFound => false,
+        Err(s) => panic!("GetVm {vm}: {s}"),
+    }
+}
+
+/// A pod that asks for `ip` (CNI_ARGS IP=): its ADD's outcome.
+fn ask_for(daemon: &Daemon, ip: &str, pod: &str) -> (tether_e2e::CniOutput, Netns, VmPodSpec) {
+    let mut spec = VmPodSpec::new(NS, "none", pod);
+    spec.extra_args = vec![format!("IP={ip}")];
+    let ns = Netns::new("pod");
+    let out = call(daemon, "ADD", &ns, &spec, false);
+    (out, ns, spec)
+}
+
+#[test]
+fn a_deleted_virtualmachine_frees_its_address_once_no_pod_of_it_is_left() {
+    require_root();
+    let fabric = Fabric::new();
+    let api = KubeApi::start(&fabric);
+    api.install_tether();
+    install_virtualmachine_crd_double(&api);
+    let kubeconfig = api.token_kubeconfig(TETHER_SA.0, TETHER_SA.1);
+    api.kubectl_ok(&["create", "namespace", NS]);
+    api.kubectl_ok(&["-n", NS, "create", "serviceaccount", "default"]);
+    // The chart's service account may list and watch VirtualMachines, and
+    // no more.
+    let sa = format!("--as=system:serviceaccount:{}:{}", TETHER_SA.0, TETHER_SA.1);
+    for (verb, yes) in [
+        ("list", true),
+        ("watch", true),
+        ("get", false),
+        ("delete", false),
+        ("update", false),
+    ] {
+        let out = api.kubectl(&[
+            "auth",
+            "can-i",
+            verb,
+            &sa,
+            "-A",
+            "virtualmachines.kubevirt.io",
+        ]);
+        let said = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        assert_eq!(said == "yes", yes, "can-i {verb} virtualmachines: {said}");
+    }
+
+    let node_ns = Netns::new("node");
+    fabric.attach_host(&node_ns, 22);
+    let node_name = node_ns.name().to_owned();
+    api.apply(
+        &json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": node_name},
+            "spec": {"podCIDR": "10.250.4.0/28", "podCIDRs": ["10.250.4.0/28"]},
+        })
+        .to_string(),
+    );
+    let mut daemon = Daemon::start_in(
+        node_ns,
+        DaemonOpts {
+            extra_args: vec![
+                "--pod-cidr-from-node".into(),
+                "--kubeconfig".into(),
+                kubeconfig.display().to_string(),
+            ],
+            ..DaemonOpts::default()
+        },
+    );
+    let served = wait_until(CONVERGE, || {
+        daemon
+            .log()
+            .contains("KubeVirt's VirtualMachines are served")
+    });
+    assert!(
+        served,
+        "tetherd did not find the VirtualMachines:\n{}",
+        daemon.log()
+    );
+
+    // vm1 runs, and stops: its VirtualMachine is there, so its address
+    // stays with it, and a pod that asks for it is refused (code 105).
+    create_virtual_machine(&api, "vm1");
+    let vm1 = VmPodSpec::new(NS, "vm1", "virt-launcher-vm1-aaaaa");
+    let vm1_ns = Netns::new("vm");
+    call(&daemon, "ADD", &vm1_ns, &vm1, true).assert_success();
+    let ip = pod_ipv4(&vm1_ns);
+    call(&daemon, "DEL", &vm1_ns, &vm1, true).assert_success();
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        has_record(daemon.socket(), "vm1"),
+        "a stopped VM lost its record"
+    );
+    let (out, _, _) = ask_for(&daemon, &ip, "greedy-1");
+    assert_eq!(out.error_code(), Some(105), "{out}");
+
+    // It starts again (same address), and its VirtualMachine is deleted
+    // while its pod runs: the address stays until that pod's DEL.
+    let again = VmPodSpec::new(NS, "vm1", "virt-launcher-vm1-bbbbb");
+    let again_ns = Netns::new("vm");
+    call(&daemon, "ADD", &again_ns, &again, true).assert_success();
+    assert_eq!(pod_ipv4(&again_ns), ip, "the restarted VM lost its address");
+    api.kubectl_ok(&["-n", NS, "delete", "virtualmachine.kubevirt.io", "vm1"]);
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        has_record(daemon.socket(), "vm1"),
+        "freed while a pod of the VM still ran"
+    );
+    let t = Instant::now();
+    call(&daemon, "DEL", &again_ns, &again, true).assert_success();
+    assert!(
+        wait_until(CONVERGE, || !has_record(daemon.socket(), "vm1")),
+        "the deleted VM's record is still there:\n{}",
+        daemon.log()
+    );
+    eprintln!("last pod's DEL to the record freed: {:?}", t.elapsed());
+    assert!(
+        daemon
+            .log()
+            .contains("VirtualMachine deleted: its addresses are freed"),
+        "{}",
+        daemon.log()
+    );
+    // The address is free again: a pod that asks for it gets it.
+    let (out, reuse_ns, reuse) = ask_for(&daemon, &ip, "reuse");
+    out.assert_success();
+    assert_eq!(pod_ipv4(&reuse_ns), ip);
+    call(&daemon, "DEL", &reuse_ns, &reuse, false).assert_success();
+
+    // A deletion the watch never saw: vm2 stops, the daemon is down while
+    // its VirtualMachine is deleted; the restarted daemon's listing finds
+    // it gone and frees the address.
+    create_virtual_machine(&api, "vm2");
+    let vm2 = VmPodSpec::new(NS, "vm2", "virt-launcher-vm2-aaaaa");
+    let vm2_ns = Netns::new("vm");
+    call(&daemon, "ADD", &vm2_ns, &vm2, true).assert_success();
+    let ip2 = pod_ipv4(&vm2_ns);
+    call(&daemon, "DEL", &vm2_ns, &vm2, true).assert_success();
+    daemon.stop();
+    api.kubectl_ok(&["-n", NS, "delete", "virtualmachine.kubevirt.io", "vm2"]);
+    daemon.restart();
+    assert!(
+        wait_until(CONVERGE, || !has_record(daemon.socket(), "vm2")),
+        "the VM deleted while the daemon was down kept its record:\n{}",
+        daemon.log()
+    );
+    let (out, ns2, spec2) = ask_for(&daemon, &ip2, "reuse-2");
+    out.assert_success();
+    call(&daemon, "DEL", &ns2, &spec2, false).assert_success();
 }
 
 /// A node's CNI dirs in a temp dir, with tether's files and portmap, and

@@ -6,10 +6,14 @@
 //! pods through containerd's CRI plugin and the plugin binary the init
 //! container put in the node's CNI bin dir.
 //!
+//! tether is installed with a netconf that is not the chart's default
+//! ([`NETCONF`]: an MTU, DNS, the `managedTap` binding and a shorter
+//! lease), so that what a chart user sets is seen to reach the node.
+//!
 //! One test, in steps on one cluster (it takes about 40 s to start):
 //! 1. the node is NotReady until the init container has written tether's
 //!    conflist (the kubelet's NetworkReady; containerd 1.6 does not call
-//!    CNI STATUS), then Ready;
+//!    CNI STATUS), then Ready; the conflist holds the chart's `netconf`;
 //! 2. pods get addresses of the node's CIDR from tether, `eth0` inside
 //!    (seen by `kubectl exec`) is what tether says it built, they ping each
 //!    other, and deleting a pod releases its address;
@@ -21,17 +25,23 @@
 //!    containerd as `io.kubernetes.cri.pod-annotations`) get the VM's
 //!    address and MAC, keep them across pods, and a simulated migration on
 //!    this node (a target pod, then the ready annotation through the API)
-//!    moves the VM's route;
+//!    moves the VM's route; a DHCP client in the VM pod, standing in for
+//!    the `managedTap` guest, is answered with the netconf's DNS servers,
+//!    search list, MTU and lease;
 //! 6. `helm upgrade` to a new image keeps pods reachable, loses no DEL,
 //!    and never removes the conflist or the plugin (inotify says so);
-//! 7. `helm uninstall` takes the conflist, then the plugin, and the NAT
-//!    table off the node; the node goes NotReady, and a new pod waits
+//! 7. `helm uninstall` takes the conflist, then the plugin, and the nft
+//!    tables (outbound NAT's, the migration handover's) off the node; the node goes NotReady, and a new pod waits
 //!    with NetworkNotReady ("cni plugin not initialized") instead of
 //!    failing in tether.
 //!
-//! KubeVirt itself does not run here (it needs its own images and
-//! virt-handler's privileges): the VM pods are busybox pods that carry
-//! what virt-launcher pods carry.
+//! KubeVirt itself does not run here (`make kubevirt` runs it): the VM
+//! pods are busybox pods that carry what virt-launcher pods carry, and
+//! the DHCP client of step 5 is busybox's `udhcpc` on the VM pod's `eth0`
+//! (where KubeVirt's `managedTap` bridge would take the guest's frames),
+//! not a guest in QEMU: it proves the chart's netconf reaches tetherd's
+//! answers on the node, not what a guest's own client makes of them
+//! (tests/tests/vm_guest.rs runs real guests, without the chart).
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -44,6 +54,55 @@ use tether_e2e::vm::VmPodSpec;
 use tether_e2e::{admin, require_root, wait_until};
 
 const CONVERGE: Duration = Duration::from_secs(30);
+
+/// The chart's `netconf` values of this suite: none is the default.
+fn netconf() -> Value {
+    json!({
+        "mtu": 1400,
+        "dns": {"nameservers": ["10.96.0.10"],
+                "search": ["default.svc.cluster.local", "svc.cluster.local"]},
+        "kubevirt": {"binding": "managedTap", "leaseSeconds": 600},
+    })
+}
+
+/// Runs busybox's `udhcpc` once on pod `name`'s `eth0` (in the
+/// foreground, until it has a lease) with a script that prints what the
+/// server gave, and returns those lines: `key=value`.
+fn dhcp_lease(k: &OneNode, name: &str) -> Vec<String> {
+    let script = "#!/bin/sh\n[ \"$1\" = bound ] || exit 0\nfor v in ip mask router dns domain search mtu lease hostname; do eval echo \"lease: $v=\\$$v\"; done\n";
+    k.exec_ok(
+        name,
+        &[
+            "sh",
+            "-c",
+            r#"printf '%s' "$1" > /run/lease.sh && chmod 0755 /run/lease.sh"#,
+            "sh",
+            script,
+        ],
+    );
+    let out = k.exec_ok(
+        name,
+        &[
+            "busybox",
+            "udhcpc",
+            "-i",
+            "eth0",
+            "-f",
+            "-q",
+            "-n",
+            "-t",
+            "5",
+            "-T",
+            "2",
+            "-s",
+            "/run/lease.sh",
+        ],
+    );
+    out.lines()
+        .filter_map(|l| l.strip_prefix("lease: "))
+        .map(str::to_owned)
+        .collect()
+}
 
 /// The tether attachments of pod `default/name`.
 fn attachments_of(k: &OneNode, name: &str) -> Vec<tether_e2e::pb::Attachment> {
@@ -156,6 +215,7 @@ fn assert_in(cidr: &IpNet, ip: &str) {
 fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     require_root();
     let mut k = OneNode::start();
+    k.set_netconf(netconf());
 
     // 1. NotReady without a CNI config; Ready once the init container has
     //    written tether's.
@@ -185,8 +245,15 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     assert_eq!(
         conflist["plugins"][0]["socket"],
         k.tether_socket().display().to_string(),
-        "the installer wrote TETHER_SOCKET into the conflist"
+        "the installer wrote the daemon's socket into the conflist"
     );
+    let want = netconf();
+    for field in ["mtu", "dns", "kubevirt"] {
+        assert_eq!(
+            conflist["plugins"][0][field], want[field],
+            "the chart's netconf.{field} in the node's conflist: {conflist}"
+        );
+    }
     let bins = names_in(&k.cni_bin_dir());
     assert_eq!(bins, ["loopback", "portmap", "tether"], "no temp files");
     let cidr = pod_cidr(&k);
@@ -206,6 +273,11 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
         let (addrs, mac) = eth0(&k, name);
         assert!(addrs.contains(&format!("{ip}/")), "{name}'s eth0: {addrs}");
         assert_eq!(mac, att.mac, "{name}'s eth0 MAC is the one tether gave");
+        let link = k.exec_ok(name, &["ip", "-o", "link", "show", "dev", "eth0"]);
+        assert!(
+            link.contains(" mtu 1400 "),
+            "{name}'s eth0 has not the netconf's MTU: {link}"
+        );
         assert_eq!(att.ifname, "eth0");
     }
     let netns_a = attachment(&k, "a", &ip_a).netns;
@@ -350,6 +422,26 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     assert_eq!(vm_mac, src.mac);
     assert_eq!(route_dev(&k, &vm_ip), src.host_interface);
     ping(&k, "a", &vm_ip);
+    // The guest's DHCP (managedTap, from the chart's netconf), asked from
+    // the VM pod's eth0, which has the VM's MAC.
+    let lease = dhcp_lease(&k, &vm.pod_name);
+    for want in [
+        format!("ip={vm_ip}"),
+        "mask=32".into(),
+        "router=169.254.1.1".into(),
+        "dns=10.96.0.10".into(),
+        "domain=default.svc.cluster.local".into(),
+        "search=default.svc.cluster.local svc.cluster.local".into(),
+        "mtu=1400".into(),
+        "lease=600".into(),
+        "hostname=vm1".into(),
+    ] {
+        assert!(
+            lease.contains(&want),
+            "the VM's DHCP lease lacks {want}: {lease:?}"
+        );
+    }
+    ping(&k, "a", &vm_ip);
     // The migration's target, on this node: same address and MAC; the
     // route stays with the source until the target is ready.
     let target = vm.target("virt-launcher-vm1-bbbbb");
@@ -402,7 +494,7 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
         "the VM's address is kept"
     );
     assert_eq!(eth0(&k, &again.pod_name).1, vm_mac, "the VM's MAC is kept");
-    eprintln!("step 5: VM vm1 at {vm_ip} {vm_mac}: migrated on the node, restarted, kept both");
+    eprintln!("step 5: VM vm1 at {vm_ip} {vm_mac}: DHCP {lease:?}; migrated on the node, restarted, kept both");
 
     // 6. Rolling the DaemonSet to a new image, with pings across it and a
     //    DEL during it.
@@ -488,9 +580,9 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     );
     eprintln!("step 6: helm upgrade to {v2}; pods kept, e's DEL not lost, files kept");
 
-    // 7. Uninstall: the pods go first (as the README says), then
+    // 7. Uninstall: the pods go first (as docs/user/upgrade.md says), then
     //    `helm uninstall`; the DaemonSet's removal takes the conflist, the
-    //    plugin and the NAT table off the node, which goes NotReady, and a
+    //    plugin and the nft tables off the node, which goes NotReady, and a
     //    new pod waits for a network instead of failing in tether.
     for name in ["a", "b", &again.pod_name] {
         k.delete_pod(name);
@@ -500,13 +592,18 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
         "attachments left: {:?}",
         attachment_set(&k)
     );
-    assert!(
-        k.netns()
-            .exec(&["nft", "list", "table", "inet", "tether"])
-            .status
-            .success(),
-        "no NAT table before the uninstall"
-    );
+    // tetherd's two tables: outbound NAT, and a migrating VM's
+    // connections (written in every mode with peers, nodeCidrs here).
+    const TABLES: [&str; 2] = ["tether", "tether_vm"];
+    for table in TABLES {
+        assert!(
+            k.netns()
+                .exec(&["nft", "list", "table", "inet", table])
+                .status
+                .success(),
+            "no table inet {table} before the uninstall"
+        );
+    }
     k.uninstall_tether();
     let gone = wait_until(CONVERGE, || k.tether_pods().is_empty());
     assert!(gone, "tether's pods did not go: {:?}", k.tether_pods());
@@ -521,12 +618,14 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
         ["loopback", "portmap"],
         "portmap, which other networks may use, stays"
     );
-    let nat = k.netns().exec(&["nft", "list", "table", "inet", "tether"]);
-    assert!(
-        !nat.status.success(),
-        "the NAT table is still there:\n{}",
-        String::from_utf8_lossy(&nat.stdout)
-    );
+    for table in TABLES {
+        let left = k.netns().exec(&["nft", "list", "table", "inet", table]);
+        assert!(
+            !left.status.success(),
+            "the table inet {table} is still there:\n{}",
+            String::from_utf8_lossy(&left.stdout)
+        );
+    }
     let not_ready = wait_until(CONVERGE, || k.ready_condition().0 == "False");
     let (status, message) = k.ready_condition();
     assert!(not_ready, "the node stayed {status}: {message}");
@@ -561,7 +660,7 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     let f = k.pod("f").expect("pod f");
     assert_eq!(f["status"]["phase"], "Pending", "{}", f["status"]);
     assert!(f["status"]["podIP"].is_null(), "{}", f["status"]);
-    eprintln!("step 7: helm uninstall; conflist, plugin and NAT table gone; node NotReady: {message}; f: {}", why.trim());
+    eprintln!("step 7: helm uninstall; conflist, plugin and nft tables gone; node NotReady: {message}; f: {}", why.trim());
 }
 
 /// Pings `to` from the pod netns `netns` (a pin of containerd's, as

@@ -268,6 +268,69 @@ fn metrics_pass_promtool_and_add_up_during_a_burst() {
     }
     // And a summed value stays sane: no negative gauges.
     assert!(sum(&done, "tether_ipam_pool_free_addresses", "") >= 0.0);
+
+    // The book's metrics table (docs/user/metrics.md) against the scrape:
+    // every family the scrape has is a row, with its type, and each row's
+    // labels are those of the family's samples (a family with no sample
+    // yet, such as the cutovers here, shows no labels to compare).
+    let page = std::fs::read_to_string(workspace_dir().join("docs/user/metrics.md"))
+        .expect("docs/user/metrics.md");
+    let rows: Vec<(String, String, BTreeSet<String>)> = page
+        .lines()
+        .filter(|l| l.starts_with("| `tether_"))
+        .map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            let ticked = |cell: &str| -> Vec<String> {
+                cell.split('`')
+                    .skip(1)
+                    .step_by(2)
+                    .map(str::to_owned)
+                    .collect()
+            };
+            let name = ticked(cells[1]).remove(0);
+            let labels = ticked(cells[3]).into_iter().collect();
+            (name, cells[2].to_string(), labels)
+        })
+        .collect();
+    let types: Vec<(String, String)> = done
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            Some((w.next()?.to_owned(), w.next()?.to_owned()))
+        })
+        .collect();
+    for (family, kind) in &types {
+        // A counter's samples end in _total, which its row names.
+        let row = rows
+            .iter()
+            .find(|(n, _, _)| n == family || *n == format!("{family}_total"))
+            .unwrap_or_else(|| panic!("docs/user/metrics.md has no row for {family}"));
+        assert_eq!(&row.1, kind, "{family}'s type in docs/user/metrics.md");
+        let mut seen: BTreeSet<String> = BTreeSet::new();
+        for sample in done
+            .lines()
+            .filter(|l| !l.starts_with('#') && l.starts_with(family.as_str()) && l.contains('{'))
+        {
+            let labels = sample
+                .split_once('{')
+                .and_then(|(_, r)| r.split_once('}'))
+                .map(|(ls, _)| ls)
+                .unwrap_or_default();
+            for pair in labels.split(',').filter(|p| !p.is_empty()) {
+                let key = pair.split('=').next().unwrap_or_default();
+                if key != "le" {
+                    seen.insert(key.to_owned());
+                }
+            }
+        }
+        if !seen.is_empty() {
+            assert_eq!(
+                seen, row.2,
+                "{family}: the labels of its samples vs docs/user/metrics.md's row"
+            );
+        }
+    }
 }
 
 #[test]

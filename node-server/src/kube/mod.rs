@@ -1,8 +1,9 @@
 //! The Kubernetes API, when the daemon has one (`--kubeconfig`, or the
 //! in-cluster service account): the migration-target watch on this node's
-//! pods ([`pods`]), IPAMClaims ([`claims`]), the node's pod CIDRs
-//! ([`node_cidrs`]) and the other nodes' ([`node_peers`]), and events on
-//! pods ([`events`]).
+//! pods ([`pods`]), IPAMClaims ([`claims`]), KubeVirt's VirtualMachines,
+//! whose deletion frees their VMs' addresses ([`vms`]), the node's pod
+//! CIDRs ([`node_cidrs`]) and the other nodes' ([`node_peers`]), and
+//! events on pods ([`events`]).
 //!
 //! None of it stands between a CNI call and its answer. ADD and DEL answer
 //! from the node's own state; what they learn from the API comes from
@@ -16,6 +17,7 @@ pub mod events;
 pub mod node_cidrs;
 pub mod node_peers;
 pub mod pods;
+pub mod vms;
 
 use crate::error::{Error, Result};
 use crate::vm::Vms;
@@ -135,16 +137,25 @@ pub struct KubeLink {
     pub events: EventSink,
     /// The IPAMClaims cache and the status writer's queue.
     pub claims: Arc<Claims>,
+    /// The names of KubeVirt's VirtualMachines, whose deletion frees their
+    /// VMs' addresses.
+    pub virtual_machines: Arc<vms::VirtualMachines>,
 }
 
-/// Starts the event writer, and the IPAMClaims watch and status writer
-/// for the records of `vms`. Returns at once. The watch on this node's
-/// pods ([`pods::start`]) is started by the caller once the node holds
-/// the link, so that what it triggers can be told to the API.
+/// Starts the event writer, the IPAMClaims watch and status writer, and
+/// the VirtualMachines watch for the records of `vms`. Returns at once.
+/// The watch on this node's pods ([`pods::start`]) is started by the
+/// caller once the node holds the link, so that what it triggers can be
+/// told to the API.
 pub fn start(vms: &Arc<Vms>, client: ::kube::Client) -> Arc<KubeLink> {
     let events = events::start(client.clone(), vms.node_name().to_owned());
-    let claims = claims::start(client, vms.clone());
-    Arc::new(KubeLink { events, claims })
+    let claims = claims::start(client.clone(), vms.clone());
+    let virtual_machines = vms::start(client, vms.clone());
+    Arc::new(KubeLink {
+        events,
+        claims,
+        virtual_machines,
+    })
 }
 
 /// Says so when a watch's resource version has expired (410 Gone: the API

@@ -1,8 +1,9 @@
 //! What the Kubernetes API tells about VM pods, acted on: a target pod
 //! marked ready (cut over), a promoted target that went away while its
-//! source runs (give the VM back), and a deleted IPAMClaim (release its
-//! record). The API side ([`crate::kube`]) decides nothing: it reports
-//! what it saw, and the record, changed by compare-and-swap, decides here.
+//! source runs (give the VM back), a deleted IPAMClaim and a deleted
+//! VirtualMachine (release its record). The API side ([`crate::kube`])
+//! decides nothing: it reports what it saw, and the record, changed by
+//! compare-and-swap, decides here.
 
 use super::cutover::promote;
 use super::*;
@@ -166,6 +167,26 @@ impl Vms {
         }
         Ok(self.records.delete(rec, rev).await?.is_some())
     }
+
+    /// Deletes the record of a VM whose VirtualMachine the API server says
+    /// is gone, if it is still the record seen (`rev`) and
+    /// [`freed_with_its_vm`] holds. True if this call deleted it.
+    pub async fn release_deleted_vm(&self, rec: &VmRecord, rev: i64) -> Result<bool> {
+        if !freed_with_its_vm(rec) {
+            return Ok(false);
+        }
+        Ok(self.records.delete(rec, rev).await?.is_some())
+    }
+}
+
+/// Whether a record goes when its VM's VirtualMachine is gone: keyed by
+/// the VM (a record keyed by an IPAMClaim goes with its claim), no pod in
+/// it (a VM deleted while a pod still runs keeps its addresses until its
+/// last pod's DEL), and not a reservation that no pod has used yet
+/// (`ReserveVmAddress` for a VM that may not exist yet: generation 1).
+pub fn freed_with_its_vm(rec: &VmRecord) -> bool {
+    let unused_reservation = rec.origin == Origin::Reserved && rec.generation <= 1;
+    rec.key.claim_name().is_none() && rec.attachments().next().is_none() && !unused_reservation
 }
 
 /// Queues an event on the pod of `a` (in `namespace`), when the pod's name

@@ -69,3 +69,27 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The conflist the init container writes (install/install.sh), from
+`netconf`: install/10-tether.conflist with the chart's socket when the
+values are the defaults (the install suite compares them). One line of
+JSON. */}}
+{{- define "tether.conflist" -}}
+{{- $n := .Values.netconf -}}
+{{- $tether := dict "type" "tether" "socket" (include "tether.socket" .) "vmAddressPolicy" $n.vmAddressPolicy -}}
+{{- if not (kindIs "invalid" $n.mtu) -}}
+{{- $_ := set $tether "mtu" $n.mtu -}}
+{{- end -}}
+{{- with $n.dns -}}
+{{- $_ := set $tether "dns" . -}}
+{{- end -}}
+{{- with $n.kubevirt -}}
+{{- $_ := set $tether "kubevirt" . -}}
+{{- end -}}
+{{- $_ := set $tether "capabilities" (dict "io.kubernetes.cri.pod-annotations" true "ips" true "mac" true) -}}
+{{- $plugins := list $tether -}}
+{{- if $n.portmap -}}
+{{- $plugins = append $plugins (dict "type" "portmap" "snat" true "capabilities" (dict "portMappings" true)) -}}
+{{- end -}}
+{{- dict "cniVersion" "1.0.0" "cniVersions" (list "1.0.0" "1.1.0") "name" $n.name "plugins" $plugins | toJson -}}
+{{- end -}}

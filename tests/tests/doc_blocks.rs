@@ -1,25 +1,28 @@
-//! The README's Quick start "By hand, on one machine", run as it is written.
+//! The docs' command blocks marked runnable, run as they are written.
 //!
-//! Its second block (marked `<!-- quickstart-run ... -->`) runs in bash,
-//! traced, and what each command prints is checked against what the README
-//! says it prints: the CNI results, the pod's address, MAC and route, the
-//! node's host routes, the ping, the admin API's answers, the silent DELs;
-//! then that the block's own last step removed its netns and its directory.
-//! Its first block (`<!-- quickstart-build ... -->`) is not run, since it
-//! installs packages and builds: its packages must be among those `make
-//! demo`'s set-up installs (`tests/setup.sh demo`, which the fresh-machine
-//! run proves), its cargo commands must be `make release`'s, and its grpcurl
-//! version the one tests/setup.sh builds.
+//! A block is runnable when the line before its ` ```sh ` fence is
+//! `<!-- runnable: NAME ... -->`, in the README or any page of the book
+//! (docs/). Each runs in bash, traced, with `set -e`: it must succeed, and
+//! its last steps must have removed the network namespaces and the
+//! directory it made. What it prints is checked too where this file knows
+//! the block: the quick start (`quickstart`: the CNI results, the pod's
+//! address, MAC and route, the node's host routes, the ping, the admin
+//! API's answers, the silent DELs). The quick start's build block
+//! (`<!-- quickstart-build ... -->`) is not run, since it installs packages
+//! and builds: its packages must be among those `make demo`'s set-up
+//! installs (`tests/setup.sh demo`, which the fresh-machine run proves),
+//! its cargo commands must be `make release`'s, and its grpcurl version
+//! the one tests/setup.sh builds.
 //!
 //! What is changed, and only that, so that runs never meet each other or a
-//! user's own Quick start: the netns names `tether-node`, `pod1` and `pod2`
-//! get this run's prefix, and `/tmp/tether` becomes a directory of this
-//! run's. The block runs in a directory where `target/release` is a link to
-//! the binaries under test ([`bin_dir`]: the debug build under `make test`),
-//! with the grpcurl tests/setup.sh installs first on `PATH`, and with `set
-//! -e`, so that any command that fails fails the test. Whatever happens, the
-//! block's processes (its tetherd) are killed by their process group and its
-//! netns and directory removed.
+//! user's own: every network namespace a block adds (`ip netns add NAME`,
+//! or a `for` loop's names) gets this run's prefix, and `/tmp/tether`
+//! becomes a directory of this run's; a block that uses another path under
+//! /tmp is refused. The block runs in a directory where `target/release`
+//! is a link to the binaries under test ([`bin_dir`]: the debug build under
+//! `make test`), with the grpcurl tests/setup.sh installs first on `PATH`.
+//! Whatever happens, the block's processes (its tetherd) are killed by
+//! their process group and its netns and directory removed.
 //!
 //! Run as root, after `tests/setup.sh`.
 
@@ -35,81 +38,194 @@ use tether_e2e::{
     bin_dir, require_root, tether_bin, tetherd_bin, unique_name, wait_until, workspace_dir, TempDir,
 };
 
-/// The heading the two blocks live under.
-const HEADING: &str = "### By hand, on one machine";
 /// What starts each traced command line in the block's output (bash's PS4).
 const TRACE: &str = "+readme+ ";
 /// A guard against a block that hangs (a daemon that never opens its
-/// socket, say): every step of the block takes well under a second but the
+/// socket, say): every step of a block takes well under a second but a
 /// 3-packet ping, so reaching this means something is stuck. Not a
 /// measure of speed.
 const HANG_GUARD: Duration = Duration::from_secs(300);
+/// The blocks this file checks the output of, besides running them.
+const KNOWN: [&str; 2] = ["quickstart", "vm-keeps-its-address"];
+
+/// A marked block of a Markdown file.
+#[derive(Debug)]
+struct Block {
+    /// The file, relative to the workspace.
+    file: String,
+    /// Its marker's name.
+    name: String,
+    /// Its text.
+    body: String,
+}
+
+/// The README and every Markdown file under docs/, relative to the
+/// workspace, sorted.
+fn doc_files() -> Vec<String> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+            let path = e.expect("an entry").path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|x| x == "md") {
+                out.push(path);
+            }
+        }
+    }
+    let root = workspace_dir();
+    let mut files = vec![root.join("README.md")];
+    walk(&root.join("docs"), &mut files);
+    let mut names: Vec<String> = files
+        .iter()
+        .map(|p| {
+            p.strip_prefix(&root)
+                .expect("under the workspace")
+                .display()
+                .to_string()
+        })
+        .collect();
+    names.sort();
+    names
+}
+
+/// Every block marked `<!-- MARKER: NAME ... -->` in the docs.
+fn marked_blocks(marker: &str) -> Vec<Block> {
+    let tag = format!("<!-- {marker}");
+    let mut blocks = Vec::new();
+    for file in doc_files() {
+        let text = std::fs::read_to_string(workspace_dir().join(&file)).expect("a doc file");
+        let lines: Vec<&str> = text.lines().collect();
+        for (n, line) in lines.iter().enumerate() {
+            let Some(rest) = line.trim().strip_prefix(&tag) else {
+                continue;
+            };
+            let name = rest
+                .trim_start_matches(':')
+                .split_whitespace()
+                .next()
+                .unwrap_or_default()
+                .to_string();
+            assert_eq!(
+                lines.get(n + 1).map(|l| l.trim()),
+                Some("```sh"),
+                "{file}:{}: {tag} must be followed by a ```sh block",
+                n + 1
+            );
+            let body: Vec<&str> = lines[n + 2..]
+                .iter()
+                .copied()
+                .take_while(|l| l.trim() != "```")
+                .collect();
+            assert!(!body.is_empty(), "{file}:{}: the block is empty", n + 1);
+            blocks.push(Block {
+                file: file.clone(),
+                name,
+                body: body.join("\n") + "\n",
+            });
+        }
+    }
+    blocks
+}
 
 #[test]
-fn the_readme_quick_start_by_hand_builds_a_pinging_pod_and_removes_everything() {
+fn every_runnable_block_of_the_docs_runs_as_written_and_removes_what_it_made() {
     require_root();
-    let readme = std::fs::read_to_string(workspace_dir().join("README.md")).expect("README.md");
-    let block = marked_block(&readme, "quickstart-run");
-
-    let work = TempDir::new("readme");
-    let names = Names {
-        node: unique_name("qs-node"),
-        pods: [unique_name("qs-pod1"), unique_name("qs-pod2")],
-        dir: work.path().join("tether"),
-    };
-    let script = names.substitute(&block);
-    let script_path = work.path().join("quickstart.sh");
-    std::fs::write(&script_path, &script).expect("writing quickstart.sh");
+    let blocks = marked_blocks("runnable");
+    let names: Vec<&str> = blocks.iter().map(|b| b.name.as_str()).collect();
+    let unique: BTreeSet<&str> = names.iter().copied().collect();
+    assert_eq!(
+        unique.len(),
+        names.len(),
+        "two runnable blocks share a name: {names:?}"
+    );
+    for known in KNOWN {
+        assert!(
+            unique.contains(known),
+            "no runnable block `{known}` in the docs: {names:?}"
+        );
+    }
     for bin in [tether_bin(), tetherd_bin()] {
         assert!(bin.exists(), "{} is missing: build first", bin.display());
     }
-    std::fs::create_dir(work.path().join("target")).expect("mkdir target");
-    std::os::unix::fs::symlink(bin_dir(), work.path().join("target/release"))
-        .expect("linking target/release to the binaries under test");
     assert!(
         Path::new(GRPCURL).exists(),
         "{GRPCURL} is missing: run tests/setup.sh (as root) first"
     );
+    for block in &blocks {
+        eprintln!("running {} ({})", block.name, block.file);
+        run_block(block);
+    }
+}
 
-    let log = work.path().join("quickstart.out");
+/// Runs `block` (see the module's doc) and checks what it did.
+fn run_block(block: &Block) {
+    let work = TempDir::new("doc");
+    let names = Names::of(&block.body, work.path().join("tether"));
+    let script = names.substitute(&block.body);
+    let script_path = work.path().join("block.sh");
+    std::fs::write(&script_path, &script).expect("writing block.sh");
+    std::fs::create_dir(work.path().join("target")).expect("mkdir target");
+    std::os::unix::fs::symlink(bin_dir(), work.path().join("target/release"))
+        .expect("linking target/release to the binaries under test");
+
+    let log = work.path().join("block.out");
     let mut run = Run::start(&script_path, &log, &names);
     let finished = wait_until(HANG_GUARD, || run.has_exited());
     let status = run.finish();
     let output = std::fs::read_to_string(&log).unwrap_or_default();
-    let context =
-        || format!("--- the block, as run ---\n{script}\n--- its trace and output ---\n{output}");
+    let context = || {
+        format!(
+            "{} ({}):\n--- the block, as run ---\n{script}\n--- its trace and output ---\n{output}",
+            block.name, block.file
+        )
+    };
     assert!(
         finished,
-        "the Quick start did not finish in {HANG_GUARD:?}\n{}",
+        "the block did not finish in {HANG_GUARD:?}: {}",
         context()
     );
     assert!(
         status.success(),
-        "the Quick start failed ({status})\n{}",
+        "the block failed ({status}): {}",
         context()
     );
 
-    check_output(&parse_trace(&output), &script, &names)
-        .unwrap_or_else(|e| panic!("{e}\n{}", context()));
-    for ns in names.netns() {
+    match block.name.as_str() {
+        "quickstart" => check_quickstart(&parse_trace(&output), &script, &names)
+            .unwrap_or_else(|e| panic!("{e}\n{}", context())),
+        "vm-keeps-its-address" => {
+            assert!(
+                output.lines().any(|l| l.starts_with("vm1 kept 10.244.0.")),
+                "the VM's address was not kept: {}",
+                context()
+            );
+        }
+        _ => {}
+    }
+    for (_, ns) in &names.netns {
         assert!(
             !Path::new("/run/netns").join(ns).exists(),
-            "the block's last step left netns {ns}\n{}",
+            "the block's last steps left netns {ns}: {}",
             context()
         );
     }
     assert!(
         !names.dir.exists(),
-        "the block's last step left {}\n{}",
+        "the block's last steps left {}: {}",
         names.dir.display(),
         context()
     );
 }
 
 #[test]
-fn the_readme_quick_start_build_is_what_make_demo_installs_and_builds() {
-    let readme = std::fs::read_to_string(workspace_dir().join("README.md")).expect("README.md");
-    let block = marked_block(&readme, "quickstart-build");
+fn the_quick_start_build_is_what_make_demo_installs_and_builds() {
+    let blocks = marked_blocks("quickstart-build");
+    assert_eq!(
+        blocks.len(),
+        1,
+        "one quickstart-build block wanted: {blocks:?}"
+    );
+    let block = &blocks[0].body;
     let lines: Vec<&str> = block
         .lines()
         .map(str::trim)
@@ -125,14 +241,14 @@ fn the_readme_quick_start_build_is_what_make_demo_installs_and_builds() {
     let setup = std::fs::read_to_string(workspace_dir().join("tests/setup.sh")).expect("setup.sh");
     let demo_packages = setup_packages(&setup, "demo");
     // The C toolchain is the one thing the set-up leaves to the machine
-    // (README, "Requirements").
+    // (the book's Requirements).
     let unknown: Vec<&&str> = apt
         .iter()
         .filter(|p| **p != "build-essential" && !demo_packages.contains(**p))
         .collect();
     assert!(
         unknown.is_empty(),
-        "the README installs {unknown:?}, which tests/setup.sh does not mark \"demo\" \
+        "the quick start installs {unknown:?}, which tests/setup.sh does not mark \"demo\" \
          (the demo's set-up: {demo_packages:?})"
     );
 
@@ -145,7 +261,7 @@ fn the_readme_quick_start_build_is_what_make_demo_installs_and_builds() {
     assert_eq!(
         cargo,
         make_recipe(&makefile, "release"),
-        "the README's build vs `make release`"
+        "the quick start's build vs `make release`"
     );
 
     let go_mod = std::fs::read_to_string(workspace_dir().join("tests/k8s/grpcurl/go.mod"))
@@ -160,46 +276,26 @@ fn the_readme_quick_start_build_is_what_make_demo_installs_and_builds() {
     let install = format!("go install github.com/fullstorydev/grpcurl/cmd/grpcurl@{pinned}");
     assert!(
         block.contains(&install),
-        "the README's grpcurl is not the one tests/setup.sh builds ({install})"
+        "the quick start's grpcurl is not the one tests/setup.sh builds ({install})"
     );
 }
 
-/// The netns names and the directory the block uses, this run's own.
+/// The netns names and the directory a block uses, this run's own.
 struct Names {
-    node: String,
-    pods: [String; 2],
+    /// (the block's name, this run's), in the order the block adds them.
+    netns: Vec<(String, String)>,
     dir: PathBuf,
 }
 
 impl Names {
-    fn netns(&self) -> Vec<&str> {
-        let mut all = vec![self.node.as_str()];
-        all.extend(self.pods.iter().map(String::as_str));
-        all
-    }
-
-    /// The block with the README's fixed names replaced by this run's
-    /// (whole words only), and nothing else changed. Panics unless each
-    /// name was there, and unless every netns the block creates is one of
-    /// ours.
-    fn substitute(&self, block: &str) -> String {
-        let dir = self.dir.to_str().expect("a UTF-8 temp dir");
-        let mut script = block.to_string();
-        for (fixed, ours) in [
-            ("tether-node", self.node.as_str()),
-            ("pod1", self.pods[0].as_str()),
-            ("pod2", self.pods[1].as_str()),
-            ("/tmp/tether", dir),
-        ] {
-            let (replaced, n) = replace_word(&script, fixed, ours);
-            assert!(n > 0, "the Quick start no longer names {fixed}:\n{block}");
-            script = replaced;
-        }
-        // A netns the block adds under a name not substituted above would
-        // be shared with every other run: refuse to run it. `ip netns add
-        // $VAR` takes its names from a `for VAR in ...; do` before it.
+    /// Every netns `block` adds, each with a name of this run's, and
+    /// `dir` for /tmp/tether.
+    fn of(block: &str, dir: PathBuf) -> Names {
+        let mut netns: Vec<(String, String)> = Vec::new();
+        // `ip netns add $VAR` takes its names from a `for VAR in ...; do`
+        // before it.
         let mut lists: Vec<(String, Vec<String>)> = Vec::new();
-        for line in script.lines() {
+        for line in block.lines() {
             let words: Vec<&str> = line.split_whitespace().collect();
             if let ["for", var, "in", items @ ..] = &words[..] {
                 let items = items.iter().take_while(|w| **w != "do");
@@ -210,21 +306,53 @@ impl Names {
                 .windows(4)
                 .filter(|w| w[..3] == ["ip", "netns", "add"])
             {
-                let names = match lists.iter().rev().find(|(var, _)| var == added[3]) {
+                let added = match lists.iter().rev().find(|(var, _)| var == added[3]) {
                     Some((_, items)) => items.clone(),
                     None => vec![added[3].to_string()],
                 };
-                for name in names {
+                for name in added {
                     assert!(
-                        self.netns().contains(&name.as_str()),
-                        "the Quick start adds netns {name}, a fixed name: {line}"
+                        !name.starts_with('$'),
+                        "a block adds netns {name}, whose names this test cannot see: {line}"
                     );
+                    if !netns.iter().any(|(fixed, _)| *fixed == name) {
+                        let ours = unique_name(&format!("d{}", netns.len()));
+                        netns.push((name, ours));
+                    }
                 }
             }
         }
+        Names { netns, dir }
+    }
+
+    /// This run's name for the block's netns `fixed`.
+    fn ours(&self, fixed: &str) -> &str {
+        self.netns
+            .iter()
+            .find(|(f, _)| f == fixed)
+            .map(|(_, o)| o.as_str())
+            .unwrap_or_else(|| panic!("the block adds no netns {fixed}"))
+    }
+
+    /// The block with its fixed names replaced by this run's (whole words
+    /// only), and nothing else changed. Panics unless each was there, and
+    /// if the block uses a path under /tmp other than /tmp/tether.
+    fn substitute(&self, block: &str) -> String {
+        let dir = self.dir.to_str().expect("a UTF-8 temp dir");
+        let mut script = block.to_string();
+        let pairs = self
+            .netns
+            .iter()
+            .map(|(f, o)| (f.as_str(), o.as_str()))
+            .chain([("/tmp/tether", dir)]);
+        for (fixed, ours) in pairs {
+            let (replaced, n) = replace_word(&script, fixed, ours);
+            assert!(n > 0, "the block no longer names {fixed}:\n{block}");
+            script = replaced;
+        }
         assert!(
             !script.replace(dir, "").contains("/tmp/"),
-            "the Quick start uses a path under /tmp other than /tmp/tether:\n{block}"
+            "the block uses a path under /tmp other than /tmp/tether:\n{block}"
         );
         script
     }
@@ -246,52 +374,6 @@ fn replace_word(text: &str, word: &str, with: &str) -> (String, usize) {
     }
     out.push_str(rest);
     (out, n)
-}
-
-/// The fenced block that follows the README's `<!-- MARKER ... -->` line,
-/// which must sit under [`HEADING`], once.
-fn marked_block(readme: &str, marker: &str) -> String {
-    let under = section(readme, HEADING);
-    let tag = format!("<!-- {marker}");
-    let starts: Vec<_> = under.match_indices(&tag).collect();
-    assert_eq!(
-        starts.len(),
-        1,
-        "README.md, {HEADING}: one {tag} line wanted"
-    );
-    let mut lines = under[starts[0].0..].lines().skip(1);
-    assert_eq!(
-        lines.next().map(str::trim),
-        Some("```sh"),
-        "README.md: {tag} must be followed by a ```sh block"
-    );
-    let body: Vec<&str> = lines.by_ref().take_while(|l| l.trim() != "```").collect();
-    assert!(
-        !body.is_empty(),
-        "README.md: the block after {tag} is empty"
-    );
-    body.join("\n") + "\n"
-}
-
-/// The lines under `heading` up to the next heading (a `#` line outside a
-/// fenced block).
-fn section(readme: &str, heading: &str) -> String {
-    let mut lines = readme.lines().skip_while(|l| *l != heading);
-    assert!(
-        lines.next().is_some(),
-        "README.md has no heading {heading:?}"
-    );
-    let mut fenced = false;
-    let mut body = Vec::new();
-    for line in lines {
-        if line.trim_start().starts_with("```") {
-            fenced = !fenced;
-        } else if !fenced && line.starts_with('#') {
-            break;
-        }
-        body.push(line);
-    }
-    body.join("\n")
 }
 
 /// tests/setup.sh's packages marked `who` ("demo" or "test").
@@ -351,7 +433,7 @@ impl<'a> Run<'a> {
             .args([
                 "-c",
                 &format!("PS4='{TRACE}'; set -e -x; . \"$0\""),
-                "./quickstart.sh",
+                "./block.sh",
             ])
             .current_dir(script.parent().expect("the script's dir"))
             .env("PATH", path)
@@ -411,7 +493,7 @@ impl Drop for Run<'_> {
             self.kill_group();
             let _ = self.child.wait();
         }
-        for ns in self.names.netns() {
+        for (_, ns) in &self.names.netns {
             if Path::new("/run/netns").join(ns).exists() {
                 let _ = Command::new("ip").args(["netns", "del", ns]).status();
             }
@@ -477,8 +559,12 @@ fn parse_trace(output: &str) -> Vec<Traced> {
     traced
 }
 
-/// Checks what the block printed against what the README says it prints.
-fn check_output(traced: &[Traced], script: &str, names: &Names) -> Result<(), String> {
+/// Checks what the quick start printed against what it says it prints.
+fn check_quickstart(traced: &[Traced], script: &str, names: &Names) -> Result<(), String> {
+    let pods = [
+        names.ours("pod1").to_string(),
+        names.ours("pod2").to_string(),
+    ];
     let find = |what: &str, pick: &dyn Fn(&Traced) -> bool| -> Result<Vec<&Traced>, String> {
         let found: Vec<&Traced> = traced.iter().filter(|t| pick(t)).collect();
         if found.is_empty() {
@@ -494,11 +580,11 @@ fn check_output(traced: &[Traced], script: &str, names: &Names) -> Result<(), St
     // Step 4: each ADD's result, at the netconf's cniVersion.
     let adds = find("ADD", &plugin("ADD"))?;
     let ids: Vec<_> = adds.iter().map(|t| t.env("CNI_CONTAINERID")).collect();
-    if ids != [Some(names.pods[0].as_str()), Some(names.pods[1].as_str())] {
+    if ids != [Some(pods[0].as_str()), Some(pods[1].as_str())] {
         return Err(format!("ADDs for {ids:?}, not the two pods"));
     }
     let mut host_veths = Vec::new();
-    for (n, (add, pod)) in adds.iter().zip(&names.pods).enumerate() {
+    for (n, (add, pod)) in adds.iter().zip(&pods).enumerate() {
         let r: Value = serde_json::from_str(add.output.trim())
             .map_err(|e| format!("ADD {pod}: not a CNI result ({e}): {:?}", add.output))?;
         let ip = format!("10.244.0.{}", n + 1);
@@ -541,7 +627,7 @@ fn check_output(traced: &[Traced], script: &str, names: &Names) -> Result<(), St
     }
 
     // Step 5: what the comments say, and that they say it.
-    let pod1 = &names.pods[0];
+    let pod1 = &pods[0];
     let said = |command: String, want: &str| match comment_of(script, &command) {
         Some(comment) if comment == want => Ok(()),
         other => Err(format!(
@@ -569,7 +655,7 @@ fn check_output(traced: &[Traced], script: &str, names: &Names) -> Result<(), St
     if route.trim() != "default via 169.254.1.1 dev eth0 proto 201 onlink" {
         return Err(format!("{pod1}'s routes:\n{route}"));
     }
-    let node = &names.node;
+    let node = names.ours("tether-node");
     let host = &find("host routes", &|t| {
         t.command == format!("ip -n {node} route show proto 201")
     })?[0]
@@ -653,8 +739,7 @@ fn check_output(traced: &[Traced], script: &str, names: &Names) -> Result<(), St
             )
         })
         .collect();
-    let want: Vec<(String, String, String)> = names
-        .pods
+    let want: Vec<(String, String, String)> = pods
         .iter()
         .zip(&host_veths)
         .enumerate()
@@ -675,7 +760,7 @@ fn check_output(traced: &[Traced], script: &str, names: &Names) -> Result<(), St
     if dels.len() != 2 || dels.iter().any(|t| !t.output.is_empty()) {
         return Err(format!("DELs: {dels:?}"));
     }
-    for pod in &names.pods {
+    for pod in &pods {
         let said = format!("DEL {pod}: ok");
         find(&said, &|t| t.output.trim() == said)?;
     }
