@@ -8,7 +8,10 @@
 //! three nodes running kube-proxy, on each control store. Then the source
 //! pod's DEL, a restart of the source node's tetherd and the source pod's
 //! deletion, which must not disturb what now serves the target (a NodePort
-//! connection entering at the source node among it). And a migration that
+//! connection entering at the source node among it); and, ignored while
+//! a known fault stands, the migration back to the first node, whose
+//! conntrack table still holds the VM's flows as they were when it left.
+//! And a migration that
 //! fails late (the guest already paused) or is cancelled, which must
 //! leave every stream alive on the source.
 
@@ -23,13 +26,18 @@ use tether_e2e::streams::StreamReport;
 use tether_e2e::vm::{active_node, add_vm_pod, boot_guest, del_vm_pod, get_vm};
 use tether_e2e::{on_both_stores, require_root, wait_until};
 
-/// One message per stream every 20 ms: 1,500 a second through the guest
-/// for the 30 streams. At 10 ms, with the probes, the TCG guest fell
-/// behind and dropped most of its UDP listener's datagrams.
-const STREAM_INTERVAL: Duration = Duration::from_millis(20);
-/// 500 probes per second from the third node's pod (`bench_vm` probes at
-/// 1,000 a second with fewer streams).
-const PROBE_INTERVAL: Duration = Duration::from_millis(2);
+/// One message per stream every 40 ms: 750 a second through the guest
+/// for the 30 streams. The guest answers all inbound UDP streams from one
+/// socket and one thread, a datagram at a time: at 10 ms, and at 20 ms on
+/// a machine busy with builds (load average 8 on 2 CPUs), the TCG guest
+/// fell behind and its UDP listener dropped most datagrams, so that a
+/// stream could look dead with nothing wrong on the network. This suite
+/// asserts survival; `bench_vm` measures stalls at a finer grain.
+const STREAM_INTERVAL: Duration = Duration::from_millis(40);
+/// 200 probes per second from the third node's pod, for the loss window
+/// printed beside the streams (`bench_vm` probes at 1,000 a second with
+/// fewer streams).
+const PROBE_INTERVAL: Duration = Duration::from_millis(5);
 /// A TCG migration of a 128 MiB guest takes about a second here.
 const MIGRATION_LIMIT: Duration = Duration::from_secs(120);
 /// How long the streams go on after the migration before they are read.
@@ -154,6 +162,21 @@ fn assert_all_survived(reports: &[StreamReport], what: &str, table: &str) {
 }
 
 fn every_path_survives_a_live_migration_and_the_sources_cleanup(store: Store) {
+    every_path_through(store, false);
+}
+
+/// The same, then the migration back to the first node. Not in `make
+/// test` while its known fault stands (issue 36's note): on the way back,
+/// the VM's UDP stream to a ClusterIP whose backend is on the third node
+/// died on the Kubernetes store (its flow on the first node was deleted
+/// to make room for a reversed copy of it, and its next datagram was
+/// translated afresh, to the backend on the first node). Run with
+/// `-- --ignored`.
+fn every_path_survives_a_migration_the_sources_cleanup_and_the_way_back(store: Store) {
+    every_path_through(store, true);
+}
+
+fn every_path_through(store: Store, way_back: bool) {
     require_root();
     let mut s = scene(store);
     let target = s.incoming("virt-launcher-vm1-1");
@@ -188,14 +211,43 @@ fn every_path_survives_a_live_migration_and_the_sources_cleanup(store: Store) {
     drop(left.pod);
     std::thread::sleep(AFTER);
 
+    // And back to the node it came from, whose conntrack table still holds
+    // the VM's flows as they were before it left: strict window tracking
+    // that knows only sequence numbers long past, and the translations
+    // the flows anchored there kept.
+    let way_back_at = Instant::now();
+    let mut m2 = None;
+    if way_back {
+        let back = s.incoming("virt-launcher-vm1-2");
+        clear_events(&s.guest);
+        clear_events(&back.guest);
+        let m = s.guest.migrate_to(&back.guest, MIGRATION_LIMIT);
+        assert_eq!(
+            m.status,
+            "completed",
+            "{m:?}\n{}",
+            back.guest.console_text()
+        );
+        std::thread::sleep(AFTER);
+        let rec = get_vm(socket(s.cluster.node(2)), "tenant", "vm1").expect("record");
+        assert_eq!(active_node(&rec), s.cluster.node(0).name(), "{rec:?}");
+        let returned = s.switch(back);
+        drop(returned.guest);
+        assert!(del_vm_pod(s.cluster.node(returned.node), &returned.spec, &returned.pod).success());
+        drop(returned.pod);
+        std::thread::sleep(AFTER);
+        m2 = Some(m);
+    }
+
     let reports = set.stop();
     let probes = prober.stop();
     let text = table(&reports, t0, gap);
     eprintln!(
-        "live migration on {}: QEMU total {:?} ms, downtime {:?} ms; probes: {probes}\n{text}",
+        "live migration on {}: QEMU total {:?} ms, downtime {:?} ms; back: {:?}; probes: {probes}\n{text}",
         store.name(),
         m.total_ms,
-        m.downtime_ms
+        m.downtime_ms,
+        m2.map(|m| (m.total_ms, m.downtime_ms))
     );
     if reports.iter().any(|r| !r.survived() || !r.one_address()) {
         eprintln!("{}", handover_state(&s.cluster));
@@ -213,27 +265,56 @@ fn every_path_survives_a_live_migration_and_the_sources_cleanup(store: Store) {
     }
     assert_all_survived(
         &reports,
-        "through the migration and the source's cleanup",
+        if way_back {
+            "through the migration, the source's cleanup and the way back"
+        } else {
+            "through the migration and the source's cleanup"
+        },
         &text,
     );
     // The cleanup broke nothing: every stream lived through it to the end
     // with one address (asserted above, on reports taken after it). How
-    // long each one waited while it ran is printed, not asserted: it is a
-    // time on a shared machine (bench_vm measures).
-    let during_cleanup: Vec<String> = reports
+    // long each one waited during the cleanup and the way back is printed,
+    // not asserted: it is a time on a shared machine (bench_vm measures).
+    let stalls: Vec<String> = reports
         .iter()
-        .filter_map(|r| {
-            r.stall_within(cleanup, r.stopped)
-                .map(|(d, _)| format!("{:<34} {:>8.1} ms", r.name, d.as_secs_f64() * 1e3))
+        .map(|r| {
+            let ms = |w: Option<(Duration, Instant)>| w.map_or(0.0, |(d, _)| d.as_secs_f64() * 1e3);
+            format!(
+                "{:<34} cleanup {:>8.1} ms  way back {:>8.1} ms",
+                r.name,
+                ms(r.stall_within(cleanup, way_back_at)),
+                ms(r.stall_within(way_back_at, r.stopped))
+            )
         })
         .collect();
     eprintln!(
-        "longest stall of each stream from the source's cleanup on:\n{}",
-        during_cleanup.join("\n")
+        "longest stall of each stream during the source's cleanup, and from the way back on:\n{}",
+        stalls.join("\n")
     );
 }
 
 on_both_stores!(every_path_survives_a_live_migration_and_the_sources_cleanup);
+
+/// [`every_path_survives_a_migration_the_sources_cleanup_and_the_way_back`]
+/// on each store, ignored while its fault stands.
+mod the_way_back {
+    use tether_e2e::cluster::Store;
+
+    #[test]
+    #[ignore = "known fault (issue 36): the VM's UDP stream to a ClusterIP dies on the way back"]
+    fn etcd() {
+        super::every_path_survives_a_migration_the_sources_cleanup_and_the_way_back(Store::Etcd)
+    }
+
+    #[test]
+    #[ignore = "known fault (issue 36): the VM's UDP stream to a ClusterIP dies on the way back"]
+    fn kubernetes() {
+        super::every_path_survives_a_migration_the_sources_cleanup_and_the_way_back(
+            Store::Kubernetes,
+        )
+    }
+}
 
 /// Sets a migration capability on `guest`'s QEMU.
 fn capability(guest: &Guest, name: &str, on: bool) {
