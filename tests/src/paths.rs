@@ -151,6 +151,11 @@ impl Services {
 
 /// Routes follow the store through a watch: allow for it.
 const CONVERGE: Duration = Duration::from_secs(15);
+/// How long [`PathSet::stop`] waits, for all its streams together, for
+/// each to echo once more: a guard against a stream that never will, not
+/// a measure (a TCG guest on a machine at a load average of 20 answered
+/// 2 s late; a dead connection never answers).
+const ALIVE_LIMIT: Duration = Duration::from_secs(15);
 
 /// Everything the paths need but the migration: a three-node cluster
 /// running kube-proxy, a host outside it, a VM (namespace `tenant`, VM
@@ -473,7 +478,14 @@ impl PathSet {
 
     /// Stops every stream; their reports, in the order they started.
     pub fn stop(self) -> Vec<StreamReport> {
-        self.streams.into_iter().map(Stream::stop).collect()
+        // Each stream is asked to show it is alive (an echo of a message
+        // sent from now on) before it stops, within ALIVE_LIMIT for all.
+        let asked = Instant::now();
+        let until = asked + ALIVE_LIMIT;
+        self.streams
+            .into_iter()
+            .map(|s| s.stop_once_alive(asked, until))
+            .collect()
     }
 }
 

@@ -339,6 +339,21 @@ impl Stream {
         self.shared.record().error.as_ref().map(|(_, e)| e.clone())
     }
 
+    /// Stops as [`Stream::stop`] does, once an echo came back for a
+    /// message sent at or after `asked` (or `until` passed, or the stream
+    /// failed): whether it is alive at the end is then a fact, not a time
+    /// (a TCG guest on a busy machine may answer late, a dead connection
+    /// never does).
+    pub fn stop_once_alive(self, asked: Instant, until: Instant) -> StreamReport {
+        while Instant::now() < until && self.echoed_since(asked) == 0 && self.error().is_none() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let alive = self.echoed_since(asked) > 0;
+        let mut report = self.stop();
+        report.confirmed_alive = alive;
+        report
+    }
+
     /// Stops sending, waits briefly for the echoes still on their way, and
     /// returns what the stream saw.
     pub fn stop(mut self) -> StreamReport {
@@ -696,6 +711,9 @@ pub struct StreamReport {
     pub stall_from: Option<Instant>,
     /// The last echo.
     pub last_echo: Option<Instant>,
+    /// Whether, asked at the end, it echoed again before it stopped (see
+    /// [`Stream::stop_once_alive`]).
+    pub confirmed_alive: bool,
     /// When the stream stopped.
     pub stopped: Instant,
     /// The first thing that went wrong (a reset, a close, a write error),
@@ -795,6 +813,7 @@ impl StreamReport {
             longest_stall: longest,
             stall_from: from,
             last_echo,
+            confirmed_alive: false,
             stopped,
             error: r.error,
             far_addresses,
@@ -816,13 +835,16 @@ impl StreamReport {
     }
 
     /// Whether the connection lived through to the stop: no reset, close
-    /// or write error, and echoes still coming within [`ALIVE_WITHIN`] of
-    /// the stop (nothing stalled to the end).
+    /// or write error, and echoes still coming at the end: within
+    /// [`ALIVE_WITHIN`] of the stop, or, for a stream stopped by
+    /// [`Stream::stop_once_alive`], for a message sent after it was asked
+    /// (nothing stalled to the end).
     pub fn survived(&self) -> bool {
         self.error.is_none()
-            && self
-                .last_echo
-                .is_some_and(|l| self.stopped.saturating_duration_since(l) <= ALIVE_WITHIN)
+            && (self.confirmed_alive
+                || self
+                    .last_echo
+                    .is_some_and(|l| self.stopped.saturating_duration_since(l) <= ALIVE_WITHIN))
     }
 
     /// Whether the far end always saw one and the same address (a
