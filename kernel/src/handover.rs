@@ -1,5 +1,5 @@
 //! What a VM's live migration asks of the kernel beyond its routes, so that
-//! the VM's connections survive the move (docs/LIVE-MIGRATION.md has the
+//! the VM's connections survive the move (docs/user/vm-connections.md has the
 //! design and its limits):
 //!
 //! - **Flows.** Every connection of the VM lives in the conntrack table of

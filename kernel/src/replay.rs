@@ -1,5 +1,5 @@
 //! The packets a paused guest missed: held on the node the VM leaves, and
-//! sent again once it runs on the node it went to (docs/LIVE-MIGRATION.md).
+//! sent again once it runs on the node it went to (docs/user/vm-connections.md).
 //!
 //! While a migration runs, the source node keeps the last packets it sent
 //! down the source pod's veth ([`Capture`]: an `AF_PACKET` socket that sees
@@ -71,8 +71,14 @@ struct Ring {
 /// The packets the node sends down one interface, the newest kept (see
 /// the module doc). The capture stops when dropped.
 pub struct Capture {
+    fd: Arc<OwnedFd>,
     ring: Arc<Mutex<Ring>>,
     seen: Arc<AtomicU64>,
+    /// The count of [`Capture::seen`] from which every packet sent was
+    /// captured, in order: [`NOTHING_WHOLE`] from when the socket was
+    /// found to have dropped some (its queue full) until its queue was
+    /// read empty, then the count at that moment.
+    whole_from: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -81,6 +87,12 @@ impl Capture {
     /// Starts capturing what the node sends down interface `ifindex` of the
     /// calling thread's netns.
     pub fn start(ifindex: u32) -> Result<Capture> {
+        Capture::start_with_buffer(ifindex, CAPTURE_RCVBUF)
+    }
+
+    /// [`Capture::start`] with a socket receive buffer of `rcvbuf` bytes
+    /// (the tests make one small enough to drop).
+    pub(crate) fn start_with_buffer(ifindex: u32, rcvbuf: libc::c_int) -> Result<Capture> {
         let doing = || format!("capturing the packets sent to interface {ifindex}");
         let fd = packet_socket().map_err(|e| KernelError::refused(doing(), e))?;
         attach_filter(&fd, &OUTGOING_ONLY).map_err(|e| KernelError::refused(doing(), e))?;
@@ -103,19 +115,32 @@ impl Capture {
         if rc != 0 {
             return Err(KernelError::refused(doing(), io::Error::last_os_error()));
         }
+        let fd = Arc::new(fd);
         let ring = Arc::new(Mutex::new(Ring::default()));
         let seen = Arc::new(AtomicU64::new(0));
+        let whole_from = Arc::new(AtomicU64::new(0));
+        // Room for a burst while the reader is descheduled: a drop costs
+        // the replay what came before it.
+        let _ = set_rcvbuf(&fd, rcvbuf);
         let stop = Arc::new(AtomicBool::new(false));
         let thread = std::thread::Builder::new()
             .name("tether-capture".into())
             .spawn({
-                let (ring, seen, stop) = (ring.clone(), seen.clone(), stop.clone());
-                move || capture_loop(&fd, &ring, &seen, &stop)
+                let (fd, ring, seen, whole_from, stop) = (
+                    fd.clone(),
+                    ring.clone(),
+                    seen.clone(),
+                    whole_from.clone(),
+                    stop.clone(),
+                );
+                move || capture_loop(&fd, &ring, &seen, &whole_from, &stop)
             })
             .map_err(|e| KernelError::refused(doing(), e))?;
         Ok(Capture {
+            fd,
             ring,
             seen,
+            whole_from,
             stop,
             thread: Some(thread),
         })
@@ -126,9 +151,18 @@ impl Capture {
         self.seen.load(Ordering::Relaxed)
     }
 
-    /// The last `n` packets held (fewer if it holds fewer), oldest first.
+    /// The last `n` packets held, oldest first: fewer if it holds fewer,
+    /// or if the socket dropped some of the last `n` (its queue full): a
+    /// packet missing from the run would make an older one, which the
+    /// guest did read, take its place.
     pub fn last(&self, n: usize) -> Vec<Vec<u8>> {
         let ring = lock(&self.ring);
+        note_drops(&self.fd, &self.whole_from);
+        let whole = match self.whole_from.load(Ordering::Relaxed) {
+            NOTHING_WHOLE => 0,
+            from => self.seen.load(Ordering::Relaxed).saturating_sub(from),
+        };
+        let n = n.min(usize::try_from(whole).unwrap_or(usize::MAX));
         let skip = ring.packets.len().saturating_sub(n);
         ring.packets.iter().skip(skip).cloned().collect()
     }
@@ -143,7 +177,74 @@ impl Drop for Capture {
     }
 }
 
-fn capture_loop(fd: &OwnedFd, ring: &Mutex<Ring>, seen: &AtomicU64, stop: &AtomicBool) {
+/// How many packets a capture reads between two looks at its socket's
+/// drops.
+const DROPS_EVERY: u64 = 64;
+/// The capture socket's receive buffer asked for.
+const CAPTURE_RCVBUF: libc::c_int = 4 << 20;
+
+fn set_rcvbuf(fd: &OwnedFd, bytes: libc::c_int) -> io::Result<()> {
+    // SAFETY: a valid descriptor and an int of the size given.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUFFORCE,
+            std::ptr::addr_of!(bytes).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// [`Capture`]'s `whole_from` while no run of packets is known whole.
+const NOTHING_WHOLE: u64 = u64::MAX;
+
+/// Whether the socket dropped packets since the last look (the kernel
+/// resets its counters on each read); if so, nothing held is known whole
+/// until the socket's queue has been read empty: the packets still queued
+/// came before the gap.
+fn note_drops(fd: &OwnedFd, whole_from: &AtomicU64) {
+    let mut stats = libc::tpacket_stats {
+        tp_packets: 0,
+        tp_drops: 0,
+    };
+    let mut len = std::mem::size_of::<libc::tpacket_stats>() as libc::socklen_t;
+    // SAFETY: a valid descriptor, and a tpacket_stats of the length given.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_PACKET,
+            libc::PACKET_STATISTICS,
+            std::ptr::addr_of_mut!(stats).cast(),
+            &mut len,
+        )
+    };
+    // Unreadable counters count as drops: nothing before is vouched for.
+    if rc != 0 || stats.tp_drops > 0 {
+        whole_from.store(NOTHING_WHOLE, Ordering::Relaxed);
+    }
+}
+
+/// Whether the socket has nothing queued (`SIOCINQ`: the length of the
+/// next packet, 0 when there is none).
+fn queue_empty(fd: &OwnedFd) -> bool {
+    let mut next: libc::c_int = 0;
+    // SAFETY: a valid descriptor and an int for the answer.
+    let rc = unsafe { libc::ioctl(fd.as_raw_fd(), libc::FIONREAD, &mut next) };
+    rc == 0 && next == 0
+}
+
+fn capture_loop(
+    fd: &OwnedFd,
+    ring: &Mutex<Ring>,
+    seen: &AtomicU64,
+    whole_from: &AtomicU64,
+    stop: &AtomicBool,
+) {
     let mut buf = vec![0u8; 1 << 16];
     while !stop.load(Ordering::Relaxed) {
         // SAFETY: sockaddr_ll is plain data; zeroed is a valid value.
@@ -163,9 +264,16 @@ fn capture_loop(fd: &OwnedFd, ring: &Mutex<Ring>, seen: &AtomicU64, stop: &Atomi
         if n < 0 {
             let e = io::Error::last_os_error();
             match e.kind() {
-                io::ErrorKind::WouldBlock
-                | io::ErrorKind::TimedOut
-                | io::ErrorKind::Interrupted => continue,
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                    // Idle, the queue read empty: the drops so far are
+                    // behind what comes next.
+                    note_drops(fd, whole_from);
+                    if whole_from.load(Ordering::Relaxed) == NOTHING_WHOLE {
+                        whole_from.store(seen.load(Ordering::Relaxed), Ordering::Relaxed);
+                    }
+                    continue;
+                }
+                io::ErrorKind::Interrupted => continue,
                 // The interface went (its pod's DEL): nothing more to hold.
                 _ => return,
             }
@@ -173,7 +281,14 @@ fn capture_loop(fd: &OwnedFd, ring: &Mutex<Ring>, seen: &AtomicU64, stop: &Atomi
         if from.sll_pkttype != PACKET_OUTGOING {
             continue;
         }
-        seen.fetch_add(1, Ordering::Relaxed);
+        let count = seen.fetch_add(1, Ordering::Relaxed) + 1;
+        if count.is_multiple_of(DROPS_EVERY) {
+            note_drops(fd, whole_from);
+        }
+        if whole_from.load(Ordering::Relaxed) == NOTHING_WHOLE && queue_empty(fd) {
+            // Read up to the present: what comes next follows the gap.
+            whole_from.store(count, Ordering::Relaxed);
+        }
         let protocol = u16::from_be(from.sll_protocol);
         // Only IP packets are held; the rest (ARP, ...) counts as sent.
         if protocol != ETH_P_IP && protocol != ETH_P_IPV6 {

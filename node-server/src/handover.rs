@@ -1,7 +1,7 @@
 //! A VM's connections across its live migration: what the node the VM
 //! leaves (the source) and the node it goes to (the target) do beyond the
 //! routes, so that every connection of the VM survives the move
-//! (docs/LIVE-MIGRATION.md has the design, the measurements and the
+//! (docs/user/vm-connections.md has the design, the measurements and the
 //! limits; [`crate::kernel::handover`] and [`crate::kernel::replay`] the
 //! kernel side).
 //!
@@ -56,8 +56,8 @@ pub const GUARD_TTL: Duration = Duration::from_secs(60);
 /// source sends the VM's flows again (every [`RESEND`]).
 pub const WAITING_TTL: Duration = Duration::from_secs(10);
 /// How long a source waits for its own route to the VM to leave the
-/// source pod before it sends the held packets anyway (they then reach no
-/// one, and are counted).
+/// source pod before it sends the held packets; after that, it sends
+/// none (the move was undone, and the guest may run here still).
 pub const REROUTE_WAIT: Duration = Duration::from_secs(2);
 /// The version of the flows datagram.
 pub const FLOWS_VERSION: u32 = 1;
@@ -344,7 +344,11 @@ impl Handovers {
             _ => None,
         };
         let (tx, rx) = mpsc::unbounded_channel();
-        lock(&self.state).leaving.insert(
+        let mut st = lock(&self.state);
+        // Whatever it found when it came here last is over: should it
+        // come back, it arrives anew.
+        st.arriving.remove(&key);
+        st.leaving.insert(
             key.clone(),
             Leaving {
                 to: to.clone(),
@@ -354,6 +358,7 @@ impl Handovers {
                 events: tx,
             },
         );
+        drop(st);
         tracing::info!(vm = %key, %to, holding = held.is_some(), "the VM is moving: its flows go to the target");
         let this = self.clone();
         let side = side.clone();
@@ -416,8 +421,15 @@ impl Handovers {
                     .await
                     .unwrap_or(false);
             }
-            if !local || since.elapsed() >= REROUTE_WAIT {
+            if !local {
                 break;
+            }
+            if since.elapsed() >= REROUTE_WAIT {
+                // Still routed to the pod it left: the move did not happen
+                // after all (a retracted cutover), and the guest may run
+                // here still; what it missed must not reach it twice.
+                tracing::warn!(%vm, "the VM is still routed to the pod it left: its missed packets are not sent again");
+                return;
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }

@@ -453,3 +453,86 @@ async fn a_flow_that_collides_with_one_of_the_targets_waits_for_the_cutover() {
     );
     assert_eq!(b.stats().flows_replaced, 1);
 }
+
+#[tokio::test]
+async fn a_move_undone_before_the_source_rerouted_sends_nothing_again() {
+    let ka = Arc::new(FakeHandover::default());
+    let a = Arc::new(Handovers::new("node-a", ka.clone()));
+    let side_a = Arc::new(Side {
+        me: node("node-a", 1, "10.77.0.21"),
+        local: vec![attachment("src")],
+        sent: Mutex::default(),
+    });
+    let src = attachment("src");
+    let tap = (
+        src.netns.clone().into(),
+        "tap0".to_owned(),
+        src.host_ifname.clone(),
+    );
+    ka.with(|s| {
+        s.taps.insert(
+            tap.clone(),
+            TapCounters {
+                sent: 100,
+                read: 100,
+            },
+        );
+        s.captured.insert(src.host_ifname.clone(), Vec::new());
+        // The VM stays routed to the source pod throughout.
+        s.routed.insert(ip(VM), src.host_ifname.clone());
+    });
+    a.sync(&side_a, &view(false)).await;
+    ka.with(|s| {
+        s.captured.insert(
+            src.host_ifname.clone(),
+            (0..5u8).map(|i| vec![0x45, i]).collect(),
+        );
+        s.taps.insert(
+            tap.clone(),
+            TapCounters {
+                sent: 105,
+                read: 100,
+            },
+        );
+    });
+    // A cutover the source began to follow, then undone (a retraction):
+    // the route never left the source pod, where the guest may run still.
+    a.before_reroute(&view(true)).await;
+    tokio::time::sleep(REROUTE_WAIT + Duration::from_millis(300)).await;
+    assert!(
+        ka.state().replayed.is_empty(),
+        "nothing sent again to a guest that may run here"
+    );
+    assert_eq!(a.stats().replayed, 0);
+}
+
+#[tokio::test]
+async fn a_vm_that_leaves_the_node_it_came_to_arrives_anew_when_it_comes_back() {
+    let kb = Arc::new(FakeHandover::default());
+    let b = Arc::new(Handovers::new("node-b", kb.clone()));
+    let side_b = Arc::new(Side {
+        me: node("node-b", 2, "10.77.0.22"),
+        local: vec![attachment("dst")],
+        sent: Mutex::default(),
+    });
+    b.arrived(side_b.cluster(), &vm_key(), &[ip(VM)]).await;
+    assert!(lock(&b.state).arriving[&vm_key()].arrived);
+    // It moves on, to a new pod on node-a placed after its cutover here.
+    let mut back = view(true);
+    if let Some((rec, _)) = back.records.get_mut(&vm_key()) {
+        rec.alternate = Some(pod("node-a", "again", 3_000));
+        rec.last_cutover = Some(crate::vm::CutoverInfo {
+            trigger: crate::vm::Trigger::Rarp,
+            from_node: Some("node-a".into()),
+            to_node: "node-b".into(),
+            seen_unix_nanos: UnixNanos::from(UnixMillis::from_millis(2_500)),
+        });
+    }
+    b.sync(&side_b, &back).await;
+    let st = lock(&b.state);
+    assert!(st.leaving.contains_key(&vm_key()), "it leaves node-b");
+    assert!(
+        !st.arriving.contains_key(&vm_key()),
+        "what it found on arriving is forgotten"
+    );
+}
