@@ -59,10 +59,10 @@ use serde_json::{json, Value};
 use crate::chart::{self, Helm};
 use crate::cluster::{Fabric, Underlay, GATEWAY_V4};
 use crate::kube::{k8s_bin_dir, KubeApi};
-use crate::paths::{self, Ends, Outside, Place, Services};
 use crate::kubelet::{
     containerd_config, kubelet_config, terminate, tether_image, ContainerdPaths, SavedSysctls,
 };
+use crate::paths::{self, Ends, Outside, Place, Services};
 use crate::{bin_dir, wait_until, Netns, TempDir};
 
 /// The pod network (tether's cluster CIDR).
@@ -999,7 +999,9 @@ impl KubeCluster {
                 .get(&["-n", "default", "pod", name])
                 .unwrap_or(Value::Null);
             pod["status"]["phase"] == "Running"
-                && pod["status"]["podIP"].as_str().is_some_and(|ip| !ip.is_empty())
+                && pod["status"]["podIP"]
+                    .as_str()
+                    .is_some_and(|ip| !ip.is_empty())
         });
         assert!(
             ok,

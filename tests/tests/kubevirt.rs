@@ -34,8 +34,8 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tether_e2e::kubevirt::agent::AgentShell;
 use tether_e2e::kubevirt::scenario::{
-    assert_vmi_shows_tethers_ip, launcher_pod, migrate_observed, migrate_with_paths,
-    tether_record, vmi_mac, wait_lease, wait_vmi_running, Medians, Setup,
+    assert_vmi_shows_tethers_ip, launcher_pod, migrate_observed, migrate_with_paths, tether_record,
+    vmi_mac, wait_lease, wait_vmi_running, Medians, Setup,
 };
 use tether_e2e::kubevirt::{describe, kernel_has_dummy_links, vm_manifest};
 use tether_e2e::migration::Prober;
@@ -71,17 +71,7 @@ fn kubevirt_boots_a_vm_on_tethers_tap_binding_and_live_migrates_it_between_two_k
     let paths = KubePaths::start(c, ip.parse().expect("vm1's IP"));
     let mut runs = Vec::new();
     for (n, to) in [(1, &other), (2, &node)] {
-        let m = migrate_with_paths(
-            c,
-            &paths,
-            &guest,
-            "vm1",
-            &ip,
-            to,
-            n,
-            STREAM_INTERVAL,
-            AFTER,
-        );
+        let m = migrate_with_paths(c, &paths, &guest, "vm1", &ip, to, n, STREAM_INTERVAL, AFTER);
         eprintln!("kubevirt: {}", m.table);
         let failed = m.failed();
         assert!(

@@ -113,7 +113,9 @@ impl<'a> AgentShell<'a> {
                 return Ok((code, format!("{}{}", text("out-data"), text("err-data"))));
             }
             if Instant::now() >= deadline {
-                return Err(format!("{command:?} still running in the guest after {limit:?}"));
+                return Err(format!(
+                    "{command:?} still running in the guest after {limit:?}"
+                ));
             }
             std::thread::sleep(POLL);
         }

@@ -268,9 +268,7 @@ pub fn migrate_observed(c: &KubeCluster, vmi: &str, ip: &str, to: &str, n: usize
         prober.received_since(after) > 100
     });
     let report = prober.stop();
-    let lost_ms = report.lost_in(begun, after) as f64
-        * report.interval.as_secs_f64()
-        * 1e3;
+    let lost_ms = report.lost_in(begun, after) as f64 * report.interval.as_secs_f64() * 1e3;
     let windows = report.loss_windows();
     let worst_window = windows.iter().max_by_key(|w| w.duration);
     let worst = worst_window.map(|w| w.duration);
