@@ -1112,9 +1112,16 @@ impl KubeCluster {
 
 /// The ends of the connection paths of [`crate::paths`] on a
 /// [`KubeCluster`] of two nodes, around a VM: a host outside the cluster
-/// on the fabric, an observer pod on each node, two backend pods (one per
-/// node) behind a ClusterIP Service, and a NodePort Service whose endpoint
-/// is the VM. kube-proxy on the nodes does the Services.
+/// on the fabric, an observer pod on each node, a backend pod on the
+/// second node behind a ClusterIP Service, and a NodePort Service whose
+/// endpoint is the VM. kube-proxy on the nodes does the Services.
+///
+/// One backend, not one per node: kube-proxy would pick either at random,
+/// and which node the VM's Service flow is translated toward decides what
+/// tether does with it (anchored at a source that holds the backend;
+/// recreated on a target that does, replacing its forwarding of the
+/// flow). With the backend on the second node, a move to it always has
+/// the backend on the target, and a move back on the source.
 #[derive(Debug)]
 pub struct KubePaths {
     /// The host outside the cluster.
@@ -1136,15 +1143,13 @@ impl KubePaths {
         for (i, node) in names.iter().enumerate() {
             c.api
                 .apply(&sleeping_pod(&format!("paths-obs{i}"), node).to_string());
-            c.api
-                .apply(&sleeping_pod(&format!("paths-back{i}"), node).to_string());
         }
+        c.api
+            .apply(&sleeping_pod("paths-back1", &names[1]).to_string());
         let pods: Vec<KubePod> = (0..names.len())
             .map(|i| c.adopt_pod(&format!("paths-obs{i}")))
             .collect();
-        let backends: Vec<KubePod> = (0..names.len())
-            .map(|i| c.adopt_pod(&format!("paths-back{i}")))
-            .collect();
+        let backends = vec![c.adopt_pod("paths-back1")];
         let vm_svc = c.expose(
             "paths-vm",
             "NodePort",

@@ -13,7 +13,7 @@
 //! that two nodes have (pods on both nodes to the VM, an outside client
 //! to a NodePort entering at each node, a pod to a ClusterIP whose
 //! endpoint is the VM, the VM to a host outside through outbound NAT, to
-//! a pod and to a ClusterIP of two pods) holds a TCP and a UDP stream
+//! a pod and to a ClusterIP whose backend is a pod on node B) holds a TCP and a UDP stream
 //! through a QMP live migration A → B and the source pod's deletion
 //! (its CNI DEL) after it; every stream must survive with the far end
 //! seeing one address throughout.

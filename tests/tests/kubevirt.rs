@@ -63,8 +63,9 @@ fn kubevirt_boots_a_vm_on_tethers_tap_binding_and_live_migrates_it_between_two_k
     // Migrations there and back, an observer pinging the guest and a
     // stream on every path (pods on both nodes to the VM, NodePorts
     // entering at both, a ClusterIP whose endpoint is the VM, the VM to a
-    // host outside through outbound NAT, to a pod and to a ClusterIP of
-    // two pods) held through each; the VMI shows tether's address after
+    // host outside through outbound NAT, to a pod and to a ClusterIP whose
+    // backend is on the second node, so on the target of one migration
+    // and the source of the other) held through each; the VMI shows tether's address after
     // each. Then TETHER_KV_MIGRATIONS more (default none), with their
     // medians.
     let guest = AgentShell::new(c, "vm1");
