@@ -149,16 +149,21 @@ conformance: setup k8s helm e2e-bins build
 ## cached in /var/tmp/tether-k8s), its images assembled from Debian
 ## packages (tests/k8s/kubevirt/images.sh, tests/src/kubevirt.rs), deployed
 ## with its operator on two kubelet nodes wired by tether, and VMs booted
-## and live-migrated through KubeVirt's API. Not part of `make test` (the
+## and live-migrated through KubeVirt's API: the guest runs
+## qemu-guest-agent (the VMI shows tether's IP from it, before and after
+## each migration), and a stream on every path to or from the VM, through
+## kube-proxy, is held through each migration. Not part of `make test` (the
 ## KubeVirt build alone takes tens of minutes the first time). Root only.
 kubevirt: setup k8s helm build
 	@test "$$(id -u)" = 0 || { echo "make kubevirt must run as root (it creates namespaces)"; exit 1; }
 	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test -p tether-e2e --test kubevirt -- --ignored --nocapture --test-threads=1
 
 ## bench-kubevirt: migrations of a VirtualMachine through KubeVirt's API
-## (the `make kubevirt` cluster; 10 timed after 1 untimed), beside
-## bench_vm's QMP-driven QEMU migrations on the Kubernetes store run first
-## in the same sitting; writes its section of BENCHMARKS.md. Apart from
+## (the `make kubevirt` cluster; 10 timed after 1 untimed), each with a
+## stream on every path to or from the VM (per path: survived, stall
+## against the guest's pause; probes lost against it), beside bench_vm's
+## QMP-driven QEMU migrations on the Kubernetes store run first in the
+## same sitting; writes its section of BENCHMARKS.md. Apart from
 ## `make bench`: it needs the KubeVirt build. Root only.
 bench-kubevirt: setup k8s helm release
 	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) build --release -p tether-e2e --bin bench_vm --bin bench_kubevirt --bin node_init

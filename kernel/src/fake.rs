@@ -639,6 +639,8 @@ pub struct FakeHandoverState {
     pub pinned: Vec<Flow>,
     /// Directions passed untracked.
     pub translated_back: Vec<(u8, FlowEnds)>,
+    /// Directions held back (dropped before conntrack), now.
+    pub held_back: Vec<(u8, FlowEnds)>,
     /// Tap counters by (netns, tap, veth).
     pub taps: BTreeMap<(PathBuf, String, String), TapCounters>,
     /// What a capture on a veth holds, oldest first.
@@ -770,6 +772,21 @@ impl Handover for FakeHandover {
         for d in directions {
             if !st.translated_back.contains(d) {
                 st.translated_back.push(*d);
+            }
+        }
+        Ok(())
+    }
+
+    async fn hold_back(
+        &self,
+        directions: &[(u8, FlowEnds)],
+        ttl: Option<std::time::Duration>,
+    ) -> Result<()> {
+        let mut st = lock(&self.state);
+        for d in directions {
+            st.held_back.retain(|h| h != d);
+            if ttl.is_some() {
+                st.held_back.push(*d);
             }
         }
         Ok(())

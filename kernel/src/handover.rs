@@ -225,12 +225,16 @@ pub fn handover_script() -> String {
   set frozen_v6 {{ type ipv6_addr . ipv6_addr . inet_proto . inet_service; flags timeout; }}
   set translated_back_v4 {{ type ipv4_addr . ipv4_addr . inet_proto . inet_service . inet_service; flags timeout; }}
   set translated_back_v6 {{ type ipv6_addr . ipv6_addr . inet_proto . inet_service . inet_service; flags timeout; }}
+  set held_back_v4 {{ type ipv4_addr . ipv4_addr . inet_proto . inet_service . inet_service; flags timeout; }}
+  set held_back_v6 {{ type ipv6_addr . ipv6_addr . inet_proto . inet_service . inet_service; flags timeout; }}
   chain raw_in {{
     type filter hook prerouting priority raw; policy accept;
     ip saddr . ip daddr . meta l4proto . th dport @frozen_v4 drop
     ip6 saddr . ip6 daddr . meta l4proto . th dport @frozen_v6 drop
     ip saddr . ip daddr . meta l4proto . th sport . th dport @translated_back_v4 notrack
     ip6 saddr . ip6 daddr . meta l4proto . th sport . th dport @translated_back_v6 notrack
+    ip saddr . ip daddr . meta l4proto . th sport . th dport @held_back_v4 drop
+    ip6 saddr . ip6 daddr . meta l4proto . th sport . th dport @held_back_v6 drop
   }}
   chain raw_out {{
     type filter hook output priority raw; policy accept;
@@ -315,6 +319,14 @@ pub trait Handover: Send + Sync {
         directions: &[(u8, FlowEnds)],
         ttl: Duration,
     ) -> Result<()>;
+
+    /// For `ttl` from now (from now again when they are there already),
+    /// drops packets of these directions (protocol, ends) before conntrack
+    /// sees them; with `None`, no longer. For a flow the VM opened whose
+    /// recreation here waits for the cutover (this node forwards it
+    /// meanwhile, to a backend pod of its own): a packet of the VM's that
+    /// came first would start a flow and a translation of its own.
+    async fn hold_back(&self, directions: &[(u8, FlowEnds)], ttl: Option<Duration>) -> Result<()>;
 
     /// Starts holding what the node sends down node-side veth
     /// `host_ifname` ([`crate::replay::Capture`]).
@@ -482,5 +494,6 @@ mod tests {
         );
         assert!(s.contains("ct status dnat ip saddr @moved_v4"), "{s}");
         assert!(s.contains("meta mark set meta mark | 0x80000000"), "{s}");
+        assert!(s.contains("th sport . th dport @held_back_v4 drop"), "{s}");
     }
 }

@@ -166,6 +166,9 @@ struct Arriving {
     translated_back: HashSet<(u8, FlowEnds)>,
     /// Flows that collided with one of this node's, for the cutover.
     deferred: Vec<Flow>,
+    /// The VM's own directions of its deferred Service flows, held back
+    /// until they replace this node's (see [`Handover::hold_back`]).
+    held_back: HashSet<(u8, FlowEnds)>,
     /// The cutover to this node happened.
     arrived: bool,
 }
@@ -595,13 +598,18 @@ impl Handovers {
             .collect();
         lock(&self.stats).flows_refused += n - landed.len() as u64;
         for f in landed {
-            self.install(&me_rec, &overlay, &cview, &d.vm, f).await;
+            let from_local_pod =
+                !rec.ips.contains(&f.orig.src.ip()) && side.is_local_pod(f.orig.src.ip());
+            self.install(&me_rec, &overlay, &cview, &d.vm, f, from_local_pod)
+                .await;
         }
     }
 
     /// Creates a flow here, or sets its timeout anew when it is here (the
     /// source sends them every [`RESEND`]: a flow idle here until the
     /// cutover must not expire first; see the module doc).
+    /// `from_local_pod`: a flow toward the VM that a pod of this node
+    /// opened.
     async fn install(
         &self,
         me: &NodeRecord,
@@ -609,6 +617,7 @@ impl Handovers {
         cview: &ClusterView,
         vm: &VmKey,
         f: Flow,
+        from_local_pod: bool,
     ) {
         let arrived = lock(&self.state)
             .arriving
@@ -638,18 +647,66 @@ impl Handovers {
                 a.translated_back.insert(back);
             }
         }
-        match self.kernel.create_flow(&f, arrived).await {
+        let created = self.kernel.create_flow(&f, arrived).await;
+        let own = (f.proto, f.orig);
+        match &created {
             Ok(FlowCreated::Refreshed) => {}
             Ok(FlowCreated::Created) => lock(&self.stats).flows_created += 1,
             Ok(FlowCreated::Replaced) => lock(&self.stats).flows_replaced += 1,
             Ok(FlowCreated::Exists) => {
                 if let Some(a) = lock(&self.state).arriving.get_mut(vm) {
                     if !a.deferred.contains(&f) {
-                        a.deferred.push(f);
+                        a.deferred.push(f.clone());
+                    }
+                }
+                if !arrived && f.destination_translated() && f.anchor().is_none() {
+                    // The VM's Service flow to a backend pod of this node,
+                    // which forwards it until the cutover: once the VM runs
+                    // here, a packet of its that came before the flow
+                    // replaced that forwarding would start a flow of its own,
+                    // to any backend, its port changed to clear the
+                    // forwarding's answers. Held back until then.
+                    if let Err(e) = self.kernel.hold_back(&[own], Some(WAITING_TTL)).await {
+                        tracing::warn!(%vm, error = %e, "cannot hold back a migrated VM's Service flow");
+                    }
+                    if let Some(a) = lock(&self.state).arriving.get_mut(vm) {
+                        a.held_back.insert(own);
+                    }
+                }
+                if from_local_pod && !f.destination_translated() && !f.source_translated() {
+                    // A pod of this node reaches the VM through this node's
+                    // own translation (a ClusterIP's DNAT), which stays; the
+                    // source saw the flow translated already, and the packets
+                    // of the guest's pause it sends again come back so: they
+                    // pass untracked rather than start a flow whose ports
+                    // clash with this node's.
+                    let ttl = if arrived { GUARD_TTL } else { WAITING_TTL };
+                    if let Err(e) = self.kernel.pass_translated_back(&[own], ttl).await {
+                        tracing::warn!(%vm, error = %e, "cannot let a pod's translated packets to a VM pass");
+                    }
+                    if let Some(a) = lock(&self.state).arriving.get_mut(vm) {
+                        a.translated_back.insert(own);
                     }
                 }
             }
             Err(e) => tracing::warn!(%vm, error = %e, "cannot create a migrated VM's flow"),
+        }
+        if arrived && !matches!(created, Ok(FlowCreated::Exists)) {
+            self.release(vm, own).await;
+        }
+    }
+
+    /// The VM's packets of direction `own` are no longer held back here:
+    /// its flow is in place (or was never held).
+    async fn release(&self, vm: &VmKey, own: (u8, FlowEnds)) {
+        let held = lock(&self.state)
+            .arriving
+            .get_mut(vm)
+            .is_some_and(|a| a.held_back.remove(&own));
+        if held {
+            if let Err(e) = self.kernel.hold_back(&[own], None).await {
+                tracing::warn!(%vm, error = %e, "cannot stop holding back a migrated VM's Service flow");
+            }
         }
     }
 
@@ -691,19 +748,17 @@ impl Handovers {
 
     /// The VM `vm` (addresses `ips`) has just cut over to this node: its
     /// addresses are guarded, and the flows that waited for it replace
-    /// this node's.
+    /// this node's (if [`Handovers::settle_flows`] has not yet).
     pub async fn arrived(
         &self,
         cluster: Option<(NodeRecord, Overlay, ClusterView)>,
         vm: &VmKey,
         ips: &[IpAddr],
     ) {
-        let (deferred, back) = {
+        let back: Vec<(u8, FlowEnds)> = {
             let mut st = lock(&self.state);
             let a = st.arriving.entry(vm.clone()).or_default();
-            a.arrived = true;
-            let back: Vec<(u8, FlowEnds)> = a.translated_back.iter().copied().collect();
-            (std::mem::take(&mut a.deferred), back)
+            a.translated_back.iter().copied().collect()
         };
         if let Err(e) = self.kernel.guard_moved(ips, GUARD_TTL).await {
             tracing::warn!(%vm, error = %e, "cannot guard a moved VM's connections");
@@ -711,11 +766,45 @@ impl Handovers {
         if let Err(e) = self.kernel.pass_translated_back(&back, GUARD_TTL).await {
             tracing::warn!(%vm, error = %e, "cannot let a Service flow's translated answers pass");
         }
+        self.settle_flows(cluster, vm).await;
+    }
+
+    /// This node is about to route VM `vm` to its pod here (its cutover):
+    /// from now on the VM's flows are its own here, so those that collided
+    /// with this node's wait no more. They replace what this node tracked
+    /// of them before the route changes: a backend pod of this node answers
+    /// the VM through the forwarding entry it had, which, once the VM is
+    /// routed here, would hand the answers to the guest untranslated (and
+    /// the guest would reset the connection). Then nothing of the VM's is
+    /// held back any more.
+    pub async fn settle_flows(
+        &self,
+        cluster: Option<(NodeRecord, Overlay, ClusterView)>,
+        vm: &VmKey,
+    ) {
+        let deferred = {
+            let mut st = lock(&self.state);
+            let a = st.arriving.entry(vm.clone()).or_default();
+            a.arrived = true;
+            std::mem::take(&mut a.deferred)
+        };
         let Some((me, overlay, cview)) = cluster else {
             return;
         };
         for f in deferred {
-            self.install(&me, &overlay, &cview, vm, f).await;
+            self.install(&me, &overlay, &cview, vm, f, false).await;
+        }
+        // What is still held back waits for nothing any more: a flow
+        // another translation of this node's kept out.
+        let held: Vec<(u8, FlowEnds)> = lock(&self.state)
+            .arriving
+            .get_mut(vm)
+            .map(|a| a.held_back.drain().collect())
+            .unwrap_or_default();
+        if !held.is_empty() {
+            if let Err(e) = self.kernel.hold_back(&held, None).await {
+                tracing::warn!(%vm, error = %e, "cannot stop holding back a migrated VM's Service flow");
+            }
         }
     }
 

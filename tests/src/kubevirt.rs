@@ -34,6 +34,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+pub mod agent;
 pub mod scenario;
 
 use crate::nodes::{KubeCluster, KubeNode};
@@ -577,7 +578,8 @@ pub fn guest_image(dir: &Path) -> (String, PathBuf) {
     (name, archive)
 }
 
-/// The guest's boot disk of [`guest_image`] as a file in `dir`
+/// The guest's boot disk of [`guest_image`] (with the guest agent) as a
+/// file in `dir`
 /// (`boot.img`, mode 0666 so that QEMU's uid opens it): for a `hostDisk`
 /// with `shared: true`, which a migration does not copy. A VM with a
 /// container disk migrates with a copy of its disk, and KubeVirt 1.7 then
@@ -608,9 +610,17 @@ pub fn guest_disk(dir: &Path) -> PathBuf {
     };
     run(&["mkfs.vfat", "-C", &img_s, "32768"]);
     run(&["syslinux", "--install", &img_s]);
+    // The initramfs with the guest agent's overlay after it (one initrd
+    // of two cpio archives, tests/guest/build.sh): KubeVirt shows the
+    // guest's addresses from the agent, and [`agent::AgentShell`] runs
+    // the suite's commands through it.
+    let initrd = dir.join("initrd.gz");
+    let mut both = std::fs::read(guest.join("initramfs.gz")).expect("reading the initramfs");
+    both.extend(std::fs::read(guest.join("agent.cpio.gz")).expect("reading the agent's overlay"));
+    std::fs::write(&initrd, both).expect("writing the guest's initrd");
     for (src, dest) in [
         (guest.join("vmlinuz"), "::vmlinuz"),
-        (guest.join("initramfs.gz"), "::initrd.gz"),
+        (initrd, "::initrd.gz"),
         (cfg.clone(), "::syslinux.cfg"),
     ] {
         run(&["mcopy", "-i", &img_s, &src.display().to_string(), dest]);

@@ -47,6 +47,21 @@ impl Netns {
         ns
     }
 
+    /// Names the netns process `pid` is in `<run_prefix><tag><n>`
+    /// (`ip netns attach`): a netns someone else made (a pod's, made by
+    /// containerd in a node's own mount namespace) becomes one that
+    /// [`Netns::exec`], [`Netns::run`] and the harness's QEMU guests can
+    /// enter. Dropping it (`ip netns del`) only takes the name away: the
+    /// netns lives on as long as its processes do.
+    pub fn attach(tag: &str, pid: i32) -> Netns {
+        let name = unique_name(tag);
+        run_ok(Command::new("ip").args(["netns", "attach", &name, &pid.to_string()]));
+        Netns {
+            path: Path::new("/run/netns").join(&name),
+            name,
+        }
+    }
+
     /// The name, as `ip netns list` shows it.
     pub fn name(&self) -> &str {
         &self.name

@@ -48,6 +48,7 @@
 //! any process to go (see `MountPoints`).
 
 use std::io::{Read, Seek, SeekFrom, Write};
+use std::net::IpAddr;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -61,6 +62,7 @@ use crate::kube::{k8s_bin_dir, KubeApi};
 use crate::kubelet::{
     containerd_config, kubelet_config, terminate, tether_image, ContainerdPaths, SavedSysctls,
 };
+use crate::paths::{self, Ends, Outside, Place, Services};
 use crate::{bin_dir, wait_until, Netns, TempDir};
 
 /// The pod network (tether's cluster CIDR).
@@ -401,6 +403,45 @@ impl KubeNode {
             .collect();
         pids.sort_unstable();
         pids
+    }
+
+    /// The netns of the container `container_id` (a pod's, as the API's
+    /// `containerStatuses[].containerID` names it without its
+    /// `containerd://`), named on this machine ([`Netns::attach`]): the
+    /// node's containerd made it inside the node's mount namespace, where
+    /// this machine's `ip netns` cannot see it. Found by the task's PID in
+    /// the node (`ctr task ls`), that PID's netns as the node's `/proc`
+    /// shows it, and a process of this machine's `/proc` in that netns.
+    pub fn container_netns(&self, container_id: &str) -> Netns {
+        let out = self.ctr(&["task", "ls"]);
+        let tasks = String::from_utf8_lossy(&out.stdout).into_owned();
+        let inner: i32 = tasks
+            .lines()
+            .find_map(|l| {
+                let mut f = l.split_whitespace();
+                (f.next() == Some(container_id)).then(|| f.next()?.parse().ok())?
+            })
+            .unwrap_or_else(|| {
+                panic!(
+                    "no task {container_id} in {}'s containerd:\n{tasks}",
+                    self.name
+                )
+            });
+        let link = format!("/proc/{}/root/proc/{inner}/ns/net", self.init_pid);
+        let ino = std::fs::metadata(&link)
+            .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+            .unwrap_or_else(|e| panic!("{link} (task {container_id} on {}): {e}", self.name));
+        let pid = std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+            .find(|pid| {
+                std::fs::metadata(format!("/proc/{pid}/ns/net"))
+                    .is_ok_and(|m| std::os::unix::fs::MetadataExt::ino(&m) == ino)
+            })
+            .unwrap_or_else(|| panic!("no process in the netns of task {container_id}"));
+        Netns::attach("pod", pid)
     }
 
     /// The last lines of `<name>.log` (containerd, kubelet, kube-proxy).
@@ -873,5 +914,310 @@ impl Drop for KubeCluster {
             }
         }
         self.teardown();
+    }
+}
+
+/// A pod that only sleeps, on node `node`, in namespace `default`, with
+/// the harness's busybox image: an end for the connection streams (which
+/// run in its netns, see [`KubeCluster::adopt_pod`]), or, with
+/// virt-launcher's labels and annotations added, a VM's pod.
+pub fn sleeping_pod(name: &str, node: &str) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "nodeName": node,
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{
+                "name": "c", "image": crate::kubelet::BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+                "command": ["/bin/sh", "-c", "sleep 100000"],
+            }],
+        },
+    })
+}
+
+/// A running pod of a [`KubeCluster`] whose netns this machine can enter
+/// (the streams of [`crate::paths`] run there; a QEMU guest can run on
+/// its tap).
+#[derive(Debug)]
+pub struct KubePod {
+    /// Its name, in namespace `default`.
+    pub name: String,
+    /// The node it runs on.
+    pub node: String,
+    /// Its IPv4 address (the pod's `status.podIP`).
+    pub ip: IpAddr,
+    netns: Netns,
+}
+
+impl KubePod {
+    /// Its netns, named on this machine (the name goes on drop, the
+    /// netns with the pod).
+    pub fn netns(&self) -> &Netns {
+        &self.netns
+    }
+
+    /// The pod as a place streams run from (IPv4: the clusters of this
+    /// module have an IPv4 pod network).
+    pub fn place(&self) -> Place<'_> {
+        Place {
+            netns: &self.netns,
+            v4: self.ip,
+            v6: None,
+        }
+    }
+
+    /// The MAC of the pod's `eth0` (what KubeVirt gives a `tap` binding's
+    /// domain).
+    pub fn eth0_mac(&self) -> String {
+        self.netns
+            .exec_ok(&["cat", "/sys/class/net/eth0/address"])
+            .trim()
+            .to_string()
+    }
+}
+
+/// How long a pod may take to run.
+const POD_RUNNING: Duration = Duration::from_secs(120);
+
+impl KubeCluster {
+    /// The node named `name`.
+    pub fn node_named(&self, name: &str) -> &KubeNode {
+        self.nodes
+            .iter()
+            .find(|n| n.name() == name)
+            .unwrap_or_else(|| panic!("no node {name}"))
+    }
+
+    /// Waits until pod `default/name` runs with an IP; the pod.
+    pub fn wait_running(&self, name: &str) -> Value {
+        let mut pod = Value::Null;
+        let ok = wait_until(POD_RUNNING, || {
+            pod = self
+                .api
+                .get(&["-n", "default", "pod", name])
+                .unwrap_or(Value::Null);
+            pod["status"]["phase"] == "Running"
+                && pod["status"]["podIP"]
+                    .as_str()
+                    .is_some_and(|ip| !ip.is_empty())
+        });
+        assert!(
+            ok,
+            "pod {name} not running in {POD_RUNNING:?}: {}",
+            String::from_utf8_lossy(
+                &self
+                    .api
+                    .kubectl(&["-n", "default", "describe", "pod", name])
+                    .stdout
+            )
+        );
+        pod
+    }
+
+    /// Pod `default/name` once it runs, its netns adopted
+    /// ([`KubeNode::container_netns`] of its first container).
+    pub fn adopt_pod(&self, name: &str) -> KubePod {
+        let pod = self.wait_running(name);
+        let node = pod["spec"]["nodeName"].as_str().unwrap_or_default();
+        let ip = pod["status"]["podIP"]
+            .as_str()
+            .and_then(|ip| ip.parse().ok())
+            .unwrap_or_else(|| panic!("pod {name} has no IP: {}", pod["status"]));
+        let id = pod["status"]["containerStatuses"][0]["containerID"]
+            .as_str()
+            .and_then(|id| id.split_once("://"))
+            .map(|(_, id)| id.to_string())
+            .unwrap_or_else(|| panic!("pod {name} has no container: {}", pod["status"]));
+        KubePod {
+            name: name.to_string(),
+            node: node.to_string(),
+            ip,
+            netns: self.node_named(node).container_netns(&id),
+        }
+    }
+
+    /// Runs a [`sleeping_pod`] `name` on `node` and adopts it.
+    pub fn run_pod(&self, name: &str, node: &str) -> KubePod {
+        self.api.apply(&sleeping_pod(name, node).to_string());
+        self.adopt_pod(name)
+    }
+
+    /// A Service `name` in `default` of type `kind` with `ports` (name,
+    /// protocol, port, target port) and no selector, its endpoints
+    /// `endpoints` written as an EndpointSlice; waits until every node's
+    /// kube-proxy has programmed it and its endpoints. The Service.
+    pub fn expose(
+        &self,
+        name: &str,
+        kind: &str,
+        ports: &[(&str, &str, u16, u16)],
+        endpoints: &[IpAddr],
+    ) -> Value {
+        let service_ports: Vec<Value> = ports
+            .iter()
+            .map(|(n, proto, port, target)| {
+                json!({"name": n, "protocol": proto, "port": port, "targetPort": target})
+            })
+            .collect();
+        let slice_ports: Vec<Value> = ports
+            .iter()
+            .map(|(n, proto, _, target)| json!({"name": n, "protocol": proto, "port": target}))
+            .collect();
+        let addresses: Vec<Value> = endpoints
+            .iter()
+            .map(|ip| json!({"addresses": [ip.to_string()], "conditions": {"ready": true}}))
+            .collect();
+        self.api.apply(
+            &json!({
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": name, "namespace": "default"},
+                "spec": {"type": kind, "ports": service_ports},
+            })
+            .to_string(),
+        );
+        self.api.apply(
+            &json!({
+                "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"name": format!("{name}-1"), "namespace": "default",
+                             "labels": {"kubernetes.io/service-name": name}},
+                "addressType": "IPv4", "ports": slice_ports, "endpoints": addresses,
+            })
+            .to_string(),
+        );
+        let svc = self
+            .api
+            .get(&["-n", "default", "service", name])
+            .unwrap_or_else(|| panic!("Service {name} is not there"));
+        let ip = svc["spec"]["clusterIP"].as_str().unwrap_or_default();
+        for node in &self.nodes {
+            let programmed = wait_until(Duration::from_secs(60), || {
+                let out = node.netns().exec(&["iptables-save", "-t", "nat"]);
+                let rules = String::from_utf8_lossy(&out.stdout);
+                !ip.is_empty()
+                    && rules.contains(ip)
+                    && endpoints.iter().all(|e| rules.contains(&format!("{e}:")))
+            });
+            assert!(
+                programmed,
+                "kube-proxy on {} never programmed {name} ({ip} → {endpoints:?})\n{}",
+                node.name(),
+                node.log_tail("kube-proxy")
+            );
+        }
+        svc
+    }
+}
+
+/// The ends of the connection paths of [`crate::paths`] on a
+/// [`KubeCluster`] of two nodes, around a VM: a host outside the cluster
+/// on the fabric, an observer pod on each node, a backend pod on the
+/// second node behind a ClusterIP Service, and a NodePort Service whose
+/// endpoint is the VM. kube-proxy on the nodes does the Services.
+///
+/// One backend, not one per node: kube-proxy would pick either at random,
+/// and which node the VM's Service flow is translated toward decides what
+/// tether does with it (anchored at a source that holds the backend;
+/// recreated on a target that does, replacing its forwarding of the
+/// flow). With the backend on the second node, a move to it always has
+/// the backend on the target, and a move back on the source.
+#[derive(Debug)]
+pub struct KubePaths {
+    /// The host outside the cluster.
+    pub outside: Outside,
+    /// An observer pod on each node, in the nodes' order.
+    pub pods: Vec<KubePod>,
+    /// The backends of the ClusterIP the VM streams to.
+    pub backends: Vec<KubePod>,
+    /// The Services.
+    pub services: Services,
+}
+
+impl KubePaths {
+    /// Starts the pods and the host and makes the Services for the VM at
+    /// `vm` (its IPv4 address).
+    pub fn start(c: &KubeCluster, vm: IpAddr) -> KubePaths {
+        let outside = Outside::on(c.fabric());
+        let names: Vec<String> = c.nodes().iter().map(|n| n.name().to_string()).collect();
+        for (i, node) in names.iter().enumerate() {
+            c.api
+                .apply(&sleeping_pod(&format!("paths-obs{i}"), node).to_string());
+        }
+        c.api
+            .apply(&sleeping_pod("paths-back1", &names[1]).to_string());
+        let pods: Vec<KubePod> = (0..names.len())
+            .map(|i| c.adopt_pod(&format!("paths-obs{i}")))
+            .collect();
+        let backends = vec![c.adopt_pod("paths-back1")];
+        let vm_svc = c.expose(
+            "paths-vm",
+            "NodePort",
+            &[
+                ("tcp", "TCP", paths::VM_TCP, paths::VM_TCP),
+                ("udp", "UDP", paths::VM_UDP, paths::VM_UDP),
+            ],
+            &[vm],
+        );
+        let backend_ips: Vec<IpAddr> = backends.iter().map(|b| b.ip).collect();
+        let backend_svc = c.expose(
+            "paths-backends",
+            "ClusterIP",
+            &[
+                ("tcp", "TCP", paths::BACKEND_PORT, paths::BACKEND_PORT),
+                ("udp", "UDP", paths::BACKEND_PORT, paths::BACKEND_PORT),
+            ],
+            &backend_ips,
+        );
+        let node_port = |name: &str| -> u16 {
+            vm_svc["spec"]["ports"]
+                .as_array()
+                .and_then(|ports| ports.iter().find(|p| p["name"] == name))
+                .and_then(|p| p["nodePort"].as_u64())
+                .and_then(|p| u16::try_from(p).ok())
+                .unwrap_or_else(|| panic!("no {name} NodePort: {vm_svc}"))
+        };
+        let cluster_ip = |svc: &Value| -> IpAddr {
+            svc["spec"]["clusterIP"]
+                .as_str()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or_else(|| panic!("no ClusterIP: {svc}"))
+        };
+        let services = Services {
+            vm_cluster_ip: cluster_ip(&vm_svc),
+            vm_node_ports: (node_port("tcp"), node_port("udp")),
+            backend_cluster_ip: cluster_ip(&backend_svc),
+        };
+        KubePaths {
+            outside,
+            pods,
+            backends,
+            services,
+        }
+    }
+
+    /// The ends of every path for the VM at `vm` running on node
+    /// `source` (an index of the two): the pods on the source and the
+    /// other node, NodePorts entering at both, the VM's own connections
+    /// to the outside host, to the other node's pod and to the ClusterIP.
+    pub fn ends<'a>(&'a self, c: &KubeCluster, vm: IpAddr, source: usize) -> Ends<'a> {
+        assert_eq!(c.nodes().len(), 2, "the paths here are for two nodes");
+        let target = 1 - source;
+        let node = |i: usize| Some(IpAddr::V4(c.nodes()[i].underlay().v4));
+        Ends {
+            vm: (vm, None),
+            pods: [
+                Some(self.pods[source].place()),
+                Some(self.pods[target].place()),
+                None,
+            ],
+            nodes: [node(source), node(target), None],
+            outside: self.outside.place(),
+            peer: self.pods[target].place(),
+            services: Some((
+                &self.services,
+                self.backends.iter().map(|b| b.netns()).collect(),
+            )),
+        }
     }
 }

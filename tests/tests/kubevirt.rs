@@ -9,11 +9,20 @@
 //!
 //! - a VirtualMachine boots the test guest (SYSLINUX from a shared host
 //!   disk, see `kubevirt::guest_disk`) on tether's `tap` binding; the guest leases its address from
-//!   tether by DHCP, and the VMI's status shows tether's IP;
+//!   tether by DHCP, its qemu-guest-agent reports it, and the VMI's status
+//!   shows tether's IP from the agent;
 //! - a VirtualMachineInstanceMigration moves it to the other node and
 //!   back, an observer (the API server's host, a third place) pinging it
 //!   every millisecond: its loss window per migration beside the
-//!   migration's own timing, and the VMI's IP unchanged;
+//!   migration's own timing, and the VMI's IP unchanged; through each, a
+//!   TCP and a UDP stream on every path a user has to or from the VM
+//!   (tests/src/paths.rs: pods on both nodes, an outside client through a
+//!   NodePort at each node, a ClusterIP whose endpoint is the VM, the VM
+//!   to a host outside through outbound NAT, to a pod and to a ClusterIP),
+//!   through kube-proxy where a Service is on the path, every one of them
+//!   surviving with one address; the guest's end of the streams runs
+//!   through its agent (`kubevirt::agent`); and after each migration the
+//!   VMI shows tether's IP again;
 //! - a migration whose target launcher is killed: the VM stays where it
 //!   was, reachable, with its IP;
 //! - the VM stopped and started again on the other node: same IP and MAC;
@@ -23,14 +32,20 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use tether_e2e::kubevirt::agent::AgentShell;
 use tether_e2e::kubevirt::scenario::{
-    launcher_pod, migrate_observed, tether_record, vmi_mac, wait_lease, wait_vmi_running, Medians,
-    Setup,
+    assert_vmi_shows_tethers_ip, launcher_pod, migrate_observed, migrate_with_paths, tether_record,
+    vmi_mac, wait_lease, wait_vmi_running, Medians, Setup,
 };
 use tether_e2e::kubevirt::{describe, kernel_has_dummy_links, vm_manifest};
 use tether_e2e::migration::Prober;
-use tether_e2e::nodes::KubeCluster;
+use tether_e2e::nodes::{KubeCluster, KubePaths};
 use tether_e2e::{require_root, wait_until};
+
+/// One message per stream every 20 ms (as the QEMU suites send them).
+const STREAM_INTERVAL: Duration = Duration::from_millis(20);
+/// How long the streams go on after a migration ends.
+const AFTER: Duration = Duration::from_secs(3);
 
 #[test]
 #[ignore = "make kubevirt: builds KubeVirt from source the first time (tens of minutes)"]
@@ -38,16 +53,41 @@ fn kubevirt_boots_a_vm_on_tethers_tap_binding_and_live_migrates_it_between_two_k
     require_root();
     let kv = Setup::start();
     let c = &kv.cluster;
-    // The VM boots on the tap binding and leases tether's address.
+    // The VM boots on the tap binding and leases tether's address; its
+    // guest agent reports it, and the VMI shows it.
     let (node, ip, mac) = kv.boot_vm("vm1", "tether", "tap");
     let other = kv.other_than(&node);
+    let iface = assert_vmi_shows_tethers_ip(c, "vm1", &node, "after vm1's boot");
+    eprintln!("kubevirt: vm1's VMI shows, from its guest agent: {iface}");
 
-    // Migrations there and back, an observer pinging the guest; then
-    // TETHER_KV_MIGRATIONS more (default none), with their medians.
-    let mut runs = vec![
-        migrate_observed(c, "vm1", &ip, &other, 1),
-        migrate_observed(c, "vm1", &ip, &node, 2),
-    ];
+    // Migrations there and back, an observer pinging the guest and a
+    // stream on every path (pods on both nodes to the VM, NodePorts
+    // entering at both, a ClusterIP whose endpoint is the VM, the VM to a
+    // host outside through outbound NAT, to a pod and to a ClusterIP whose
+    // backend is on the second node, so on the target of one migration
+    // and the source of the other) held through each; the VMI shows tether's address after
+    // each. Then TETHER_KV_MIGRATIONS more (default none), with their
+    // medians.
+    let guest = AgentShell::new(c, "vm1");
+    let paths = KubePaths::start(c, ip.parse().expect("vm1's IP"));
+    let mut runs = Vec::new();
+    for (n, to) in [(1, &other), (2, &node)] {
+        let m = migrate_with_paths(c, &paths, &guest, "vm1", &ip, to, n, STREAM_INTERVAL, AFTER);
+        eprintln!("kubevirt: {}", m.table);
+        let failed = m.failed();
+        assert!(
+            failed.is_empty(),
+            "{} of {} streams did not survive vm1's migration {n} with their addresses:\n{}\n\nall:\n{}",
+            failed.len(),
+            m.reports.len(),
+            failed.join("\n"),
+            m.table
+        );
+        let iface =
+            assert_vmi_shows_tethers_ip(c, "vm1", to, &format!("after vm1's migration {n}"));
+        eprintln!("kubevirt: after migration {n}, vm1's VMI shows {iface}");
+        runs.push(m.measured);
+    }
     // Rounded up to an even number: the scenarios below expect vm1 back
     // on `node`.
     let more: usize = std::env::var("TETHER_KV_MIGRATIONS")
@@ -57,6 +97,7 @@ fn kubevirt_boots_a_vm_on_tethers_tap_binding_and_live_migrates_it_between_two_k
     for i in 0..more {
         let to = if i % 2 == 0 { &other } else { &node };
         runs.push(migrate_observed(c, "vm1", &ip, to, 3 + i));
+        assert_vmi_shows_tethers_ip(c, "vm1", to, &format!("after vm1's migration {}", 3 + i));
     }
     if more > 0 {
         // The first migration is the untimed one (a cold target node).
@@ -183,6 +224,7 @@ fn kubevirt_boots_a_vm_on_tethers_tap_binding_and_live_migrates_it_between_two_k
         back,
         "the observer does not reach vm1 after the killed migration"
     );
+    assert_vmi_shows_tethers_ip(c, "vm1", &node, "after vm1's killed migration");
 
     // Stopped, then started again on the other node: same IP and MAC.
     let t = Instant::now();
@@ -256,6 +298,7 @@ fn kubevirt_boots_a_vm_on_tethers_tap_binding_and_live_migrates_it_between_two_k
     );
     let other3 = kv.other_than(&node3);
     migrate_observed(c, "vm3", &ip3, &other3, 1);
+    assert_vmi_shows_tethers_ip(c, "vm3", &other3, "after vm3's migration");
     let owner = launcher_pod(c, "vm3", &other3).expect("vm3's launcher pod on the target");
     wait_claim(c, claim, &ip3, &owner);
     eprintln!(

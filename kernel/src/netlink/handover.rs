@@ -412,6 +412,35 @@ fn flow_element(
     set_element(set, key, timeout, add)
 }
 
+/// The changes that put `directions` (protocol, ends) into the 5-tuple
+/// sets `sets` (IPv4, IPv6) for `ttl`, or with `None` take them out. An
+/// element's timeout is not set anew by adding it again: it goes first
+/// (which fails harmlessly when it is not there).
+fn direction_elements(
+    directions: &[(u8, FlowEnds)],
+    sets: (&'static str, &'static str),
+    ttl: Option<Duration>,
+) -> Vec<NetlinkMessage<NetfilterMessage>> {
+    directions
+        .iter()
+        .flat_map(|(proto, ends)| {
+            let mut key = ip_bytes(ends.src.ip());
+            key.extend(ip_bytes(ends.dst.ip()));
+            key.extend([*proto, 0, 0, 0]);
+            key.extend(ends.src.port().to_be_bytes());
+            key.extend([0, 0]);
+            key.extend(ends.dst.port().to_be_bytes());
+            key.extend([0, 0]);
+            let set = set_of(ends.src.ip(), sets.0, sets.1);
+            let mut changes = vec![set_element(set, key.clone(), None, false)];
+            if ttl.is_some() {
+                changes.push(set_element(set, key, ttl, true));
+            }
+            changes
+        })
+        .collect()
+}
+
 /// The set of the handover table for `ip`'s family.
 fn set_of(ip: IpAddr, v4: &'static str, v6: &'static str) -> &'static str {
     if ip.is_ipv4() {
@@ -622,10 +651,21 @@ fn create(s: &mut NfSocket, f: &Flow, replace: Replace) -> std::result::Result<F
             NLM_F_CREATE | NLM_F_EXCL | NLM_F_ACK,
         )
     };
-    match s.exchange(vec![new()]) {
-        Ok(_) => return Ok(FlowCreated::Created),
-        Err(libc::EEXIST) => {}
-        Err(e) => return Err(e),
+    // The kernel makes a translated flow's tuples unique by itself: one
+    // whose answers an entry takes already (this node forwarding the same
+    // connection untranslated, to a backend pod of its own) would be made
+    // with another port for its answers, silently, and carry the
+    // connection nowhere. That is a collision, as EEXIST is for the others.
+    let translated = f.destination_translated() || f.source_translated();
+    let answers_taken = translated
+        && replace != Replace::Anything
+        && entry_holding(s, f.proto, &f.reply)?.is_some_and(|h| h.orig != f.orig);
+    if !answers_taken {
+        match s.exchange(vec![new()]) {
+            Ok(_) => return Ok(FlowCreated::Created),
+            Err(libc::EEXIST) => {}
+            Err(e) => return Err(e),
+        }
     }
     // The same flow, made earlier (a source sends a moving VM's flows
     // again and again while it moves): its timeout is set anew, so that a
@@ -1091,26 +1131,20 @@ impl Handover for LinuxHandover {
         directions: &[(u8, FlowEnds)],
         ttl: Duration,
     ) -> Result<()> {
-        // An element's timeout is not set anew by adding it again: it goes
-        // first (which fails harmlessly when it is not there).
-        let changes: Vec<_> = directions
-            .iter()
-            .flat_map(|(proto, ends)| {
-                let mut key = ip_bytes(ends.src.ip());
-                key.extend(ip_bytes(ends.dst.ip()));
-                key.extend([*proto, 0, 0, 0]);
-                key.extend(ends.src.port().to_be_bytes());
-                key.extend([0, 0]);
-                key.extend(ends.dst.port().to_be_bytes());
-                key.extend([0, 0]);
-                let set = set_of(ends.src.ip(), "translated_back_v4", "translated_back_v6");
-                [
-                    set_element(set, key.clone(), None, false),
-                    set_element(set, key, Some(ttl), true),
-                ]
-            })
-            .collect();
+        let changes = direction_elements(
+            directions,
+            ("translated_back_v4", "translated_back_v6"),
+            Some(ttl),
+        );
         self.nf("letting translated-back packets pass".into(), move |s| {
+            apply_elements(s, changes)
+        })
+        .await
+    }
+
+    async fn hold_back(&self, directions: &[(u8, FlowEnds)], ttl: Option<Duration>) -> Result<()> {
+        let changes = direction_elements(directions, ("held_back_v4", "held_back_v6"), ttl);
+        self.nf("holding back a VM's packets".into(), move |s| {
             apply_elements(s, changes)
         })
         .await

@@ -85,7 +85,11 @@ impl NodeSide for Node {
 
     fn before_local_route(&self, vm: &VmKey, a: &Attachment) -> impl Future<Output = ()> + Send {
         let (handovers, vm, ips) = (self.handovers.clone(), vm.clone(), a.ips.clone());
-        async move { handovers.pin(&vm, &ips).await }
+        let cluster = HandoverSide::cluster(self);
+        async move {
+            handovers.pin(&vm, &ips).await;
+            handovers.settle_flows(cluster, &vm).await;
+        }
     }
 
     fn arrived(&self, vm: &VmKey, a: &Attachment) {

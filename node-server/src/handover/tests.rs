@@ -445,13 +445,131 @@ async fn a_flow_that_collides_with_one_of_the_targets_waits_for_the_cutover() {
         vec![backend_side],
         "left alone before the cutover"
     );
-    b.arrived(side_b.cluster(), &vm_key(), &[ip(VM)]).await;
+    // Meanwhile the VM's own packets of the flow are held back: arriving
+    // before the flow replaced the backend's side, one would start a flow
+    // of its own (to any backend, with another port).
+    assert_eq!(kb.state().held_back, vec![(TCP, service.orig)]);
+    // Before the cutover routes the VM here: from then on, the backend's
+    // answers through the forwarding entry would reach the guest
+    // untranslated.
+    b.settle_flows(side_b.cluster(), &vm_key()).await;
     assert_eq!(
         kb.state().flows,
-        vec![service],
+        vec![service.clone()],
         "replaced once the VM runs here"
     );
     assert_eq!(b.stats().flows_replaced, 1);
+    assert!(
+        kb.state().held_back.is_empty(),
+        "let go once it is in place"
+    );
+    b.arrived(side_b.cluster(), &vm_key(), &[ip(VM)]).await;
+    assert_eq!(kb.state().flows, vec![service.clone()]);
+    assert_eq!(b.stats().flows_replaced, 1, "once");
+}
+
+#[tokio::test]
+async fn a_held_back_flow_that_lands_only_after_the_cutover_is_let_go() {
+    let kb = Arc::new(FakeHandover::default());
+    let b = Handovers::new("node-b", kb.clone());
+    let side_b = Side {
+        me: node("node-b", 2, "10.77.0.22"),
+        local: vec![attachment("dst")],
+        sent: Mutex::default(),
+    };
+    let service = flow(
+        UDP,
+        ends("10.244.0.5:40001", "10.96.0.10:9100"),
+        ends("10.244.2.9:9100", "10.244.0.5:40001"),
+    );
+    let backend_side = flow(
+        UDP,
+        ends("10.244.0.5:40001", "10.244.2.9:9100"),
+        ends("10.244.2.9:9100", "10.244.0.5:40001"),
+    );
+    kb.with(|s| s.flows.push(backend_side.clone()));
+    let d = || FlowsDatagram {
+        tether_flows: FLOWS_VERSION,
+        vm: vm_key(),
+        from: "node-a".into(),
+        flows: vec![service.clone()],
+    };
+    b.on_flows(
+        &side_b,
+        &view(false),
+        d(),
+        "10.77.0.21:9655".parse().unwrap(),
+    )
+    .await;
+    assert_eq!(kb.state().held_back, vec![(UDP, service.orig)]);
+    // The cutover ran between this install's look at it and its hold (a
+    // race with the datagram): the hold outlived it. The source's send
+    // after the cutover puts the flow in place, and the hold goes.
+    {
+        let mut st = lock(&b.state);
+        let a = st.arriving.get_mut(&vm_key()).unwrap();
+        a.arrived = true;
+        a.deferred.clear();
+    }
+    b.on_flows(
+        &side_b,
+        &view(false),
+        d(),
+        "10.77.0.21:9655".parse().unwrap(),
+    )
+    .await;
+    assert_eq!(kb.state().flows, vec![service.clone()]);
+    assert!(kb.state().held_back.is_empty());
+}
+
+#[tokio::test]
+async fn a_pods_flow_to_the_vm_through_the_targets_own_service_translation_stays_and_its_sent_again_packets_pass(
+) {
+    let kb = Arc::new(FakeHandover::default());
+    let b = Handovers::new("node-b", kb.clone());
+    let mut client = attachment("client");
+    client.ips = vec![ip("10.244.2.7")];
+    client.vm = None;
+    let side_b = Side {
+        me: node("node-b", 2, "10.77.0.22"),
+        local: vec![attachment("dst"), client],
+        sent: Mutex::default(),
+    };
+    // A pod of node-b reaches the VM (on node-a) through a ClusterIP:
+    // node-b made the translation; node-a forwards the flow untranslated.
+    let own = flow(
+        UDP,
+        ends("10.244.2.7:50170", "10.96.0.20:7001"),
+        ends("10.244.0.5:7001", "10.244.2.7:50170"),
+    );
+    let as_node_a_sees_it = flow(
+        UDP,
+        ends("10.244.2.7:50170", "10.244.0.5:7001"),
+        ends("10.244.0.5:7001", "10.244.2.7:50170"),
+    );
+    kb.with(|s| s.flows.push(own.clone()));
+    let d = FlowsDatagram {
+        tether_flows: FLOWS_VERSION,
+        vm: vm_key(),
+        from: "node-a".into(),
+        flows: vec![as_node_a_sees_it.clone()],
+    };
+    b.on_flows(&side_b, &view(false), d, "10.77.0.21:9655".parse().unwrap())
+        .await;
+    // The packets node-a sends again after the cutover are the flow as
+    // node-a saw it, translated already: they pass node-b untracked
+    // instead of starting a flow whose ports clash with node-b's own.
+    assert!(kb
+        .state()
+        .translated_back
+        .contains(&(UDP, as_node_a_sees_it.orig)));
+    assert!(kb.state().held_back.is_empty(), "the pod's, not the VM's");
+    b.arrived(side_b.cluster(), &vm_key(), &[ip(VM)]).await;
+    assert_eq!(
+        kb.state().flows,
+        vec![own],
+        "node-b's own translation stays"
+    );
 }
 
 #[tokio::test]

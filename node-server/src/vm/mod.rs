@@ -135,7 +135,8 @@ pub trait NodeSide: Send + Sync {
     fn send_notice(&self, notice: &notices::CutoverNotice);
 
     /// `vm`'s guest is about to be routed to its pod `a` on this node by
-    /// a cutover: the translations toward it are pinned first.
+    /// a cutover: the translations toward it are pinned first, and its
+    /// flows that waited for it take the place of this node's.
     fn before_local_route(&self, vm: &VmKey, a: &Attachment) -> impl Future<Output = ()> + Send;
 
     /// `vm`'s guest has just been routed to its pod `a` on this node by a

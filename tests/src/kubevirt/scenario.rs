@@ -11,7 +11,9 @@ use serde_json::{json, Value};
 
 use crate::kubelet::{busybox_images, PAUSE_IMAGE};
 use crate::migration::Prober;
-use crate::nodes::{ClusterOpts, KubeCluster};
+use crate::nodes::{ClusterOpts, KubeCluster, KubePaths};
+use crate::paths::{GuestShell, PathSet};
+use crate::streams::StreamReport;
 use crate::{wait_until, TempDir};
 
 use super::{kubevirt_cr, kubevirt_images, vm_manifest, LogFollower};
@@ -209,6 +211,7 @@ pub fn wait_lease(c: &KubeCluster, vmi: &str, node: &str, ip: &str) {
 /// One migration's figures: the time from the migration object's
 /// creation to its `Succeeded`, the observer's longest loss window, and
 /// the downtime libvirt reports (ms).
+#[derive(Debug, Clone)]
 pub struct Measured {
     /// From the migration object's creation to its `Succeeded`.
     pub took: Duration,
@@ -227,6 +230,10 @@ pub struct Measured {
     pub rarp_to_all_ms: Option<f64>,
     /// The observer's longest loss window.
     pub loss: Option<Duration>,
+    /// The observer's probes never answered (within 1 s), sent from the
+    /// migration object's creation to its end (`Succeeded`), in ms of
+    /// probing (one probe a millisecond).
+    pub lost_ms: Option<f64>,
     /// The downtime libvirt reports, in ms.
     pub downtime_ms: Option<f64>,
 }
@@ -249,6 +256,7 @@ pub fn migrate_observed(c: &KubeCluster, vmi: &str, ip: &str, to: &str, n: usize
         warm,
         "the observer does not reach {vmi} at {ip} before migration {n}"
     );
+    let begun = Instant::now();
     let Migration {
         took,
         running,
@@ -260,6 +268,7 @@ pub fn migrate_observed(c: &KubeCluster, vmi: &str, ip: &str, to: &str, n: usize
         prober.received_since(after) > 100
     });
     let report = prober.stop();
+    let lost_ms = report.lost_in(begun, after) as f64 * report.interval.as_secs_f64() * 1e3;
     let windows = report.loss_windows();
     let worst_window = windows.iter().max_by_key(|w| w.duration);
     let worst = worst_window.map(|w| w.duration);
@@ -314,6 +323,7 @@ pub fn migrate_observed(c: &KubeCluster, vmi: &str, ip: &str, to: &str, n: usize
         rarp_to_answer_ms: rarp_to_answer,
         rarp_to_all_ms: path.map(|p| p.to_all_ms),
         loss: worst,
+        lost_ms: Some(lost_ms),
         downtime_ms: field("Total downtime")
             .strip_suffix(" ms")
             .and_then(|v| v.parse().ok()),
@@ -697,5 +707,137 @@ impl Measured {
     /// How much longer the loss window was than libvirt's downtime (ms).
     pub fn excess_ms(&self) -> Option<f64> {
         Some(self.loss_ms()? - self.downtime_ms?)
+    }
+}
+
+/// How long KubeVirt may take to show the guest agent's addresses (its
+/// agent poller asks for the interfaces every few seconds).
+const AGENT_REPORT: Duration = Duration::from_secs(120);
+
+/// Waits until VMI `vmi`'s status shows, for its primary interface, the
+/// address tether gave its launcher pod on `node` (the pod's IP, which is
+/// also in tether's `VMAddress` record of the VM), reported by the guest
+/// agent (`infoSource` has `guest-agent`, condition `AgentConnected`
+/// True): `ipAddress` is that address and `ipAddresses` has it. The
+/// interface's status. `when` names the moment in a failure.
+pub fn assert_vmi_shows_tethers_ip(c: &KubeCluster, vmi: &str, node: &str, when: &str) -> Value {
+    let pod = launcher_pod(c, vmi, node)
+        .unwrap_or_else(|| panic!("{when}: no running launcher pod of {vmi} on {node}"));
+    let pod_ip = c
+        .api
+        .get(&["-n", "default", "pod", &pod])
+        .unwrap_or(Value::Null)["status"]["podIP"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let record = tether_record(c, &pod_ip);
+    assert!(
+        !pod_ip.is_empty() && !record.is_null(),
+        "{when}: launcher {pod} has IP {pod_ip:?}, which no VMAddress of tether holds"
+    );
+    let mut last = Value::Null;
+    let shown = wait_until(AGENT_REPORT, || {
+        last = c
+            .api
+            .get(&["-n", "default", "vmi", vmi])
+            .unwrap_or(Value::Null);
+        let iface = &last["status"]["interfaces"][0];
+        let agent_connected = last["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|c| c["type"] == "AgentConnected" && c["status"] == "True");
+        agent_connected
+            && iface["infoSource"]
+                .as_str()
+                .is_some_and(|s| s.split(',').any(|s| s.trim() == "guest-agent"))
+            && iface["ipAddress"] == pod_ip.as_str()
+            && iface["ipAddresses"]
+                .as_array()
+                .is_some_and(|ips| ips.iter().any(|a| a == pod_ip.as_str()))
+    });
+    assert!(
+        shown,
+        "{when}: VMI {vmi} does not show tether's address {pod_ip} from its guest agent in {AGENT_REPORT:?}: interfaces {}, conditions {}",
+        last["status"]["interfaces"], last["status"]["conditions"]
+    );
+    last["status"]["interfaces"][0].clone()
+}
+
+/// One migration with every path's streams held through it
+/// ([`migrate_with_paths`]).
+pub struct PathsMigration {
+    /// The migration as [`migrate_observed`] measured it.
+    pub measured: Measured,
+    /// What each stream saw.
+    pub reports: Vec<StreamReport>,
+    /// When the migration object was made.
+    pub started: Instant,
+    /// [`crate::paths::table`] of the streams, under a line with the
+    /// migration's downtime and loss window.
+    pub table: String,
+}
+
+impl PathsMigration {
+    /// The streams that did not survive, or whose far end saw this end's
+    /// address change, one line each.
+    pub fn failed(&self) -> Vec<String> {
+        self.reports
+            .iter()
+            .filter(|r| !r.survived() || !r.one_address())
+            .map(|r| r.line())
+            .collect()
+    }
+}
+
+/// Migrates `vmi` (at `ip`, its guest `guest`) to `to` as
+/// [`migrate_observed`] does, with a stream on every path of `paths` (each
+/// sending every `interval`) started before and read `after` the
+/// migration ended.
+#[allow(clippy::too_many_arguments)]
+pub fn migrate_with_paths(
+    c: &KubeCluster,
+    paths: &KubePaths,
+    guest: &dyn GuestShell,
+    vmi: &str,
+    ip: &str,
+    to: &str,
+    n: usize,
+    interval: Duration,
+    after: Duration,
+) -> PathsMigration {
+    let vm: std::net::IpAddr = ip.parse().expect("the VMI's IP");
+    let from = c
+        .api
+        .get(&["-n", "default", "vmi", vmi])
+        .unwrap_or(Value::Null)["status"]["nodeName"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let source = c
+        .nodes()
+        .iter()
+        .position(|node| node.name() == from)
+        .unwrap_or_else(|| panic!("{vmi} runs on {from:?}, no node of the cluster"));
+    let set = PathSet::start(guest, &paths.ends(c, vm, source), interval);
+    let started = Instant::now();
+    let measured = migrate_observed(c, vmi, ip, to, n);
+    std::thread::sleep(after);
+    let reports = set.stop();
+    let table = format!(
+        "{vmi} migration {n} {from} → {to}: libvirt's downtime {} ms, the observer's longest loss window {} ms (stalls counted from the migration's start)\n{}",
+        measured
+            .downtime_ms
+            .map_or("?".to_string(), |d| format!("{d:.0}")),
+        measured
+            .loss_ms()
+            .map_or("?".to_string(), |d| format!("{d:.1}")),
+        crate::paths::table(&reports, started, None)
+    );
+    PathsMigration {
+        measured,
+        reports,
+        started,
+        table,
     }
 }

@@ -254,6 +254,47 @@ fn flows_go_into_conntrack_with_their_translation_and_come_back_out() {
         assert_eq!(h.count_anchored(7).await.unwrap(), 0);
         let left = h.flows_of(vm.parse().unwrap()).await.unwrap();
         assert_eq!(left.len(), 1, "only the service flow: {left:#?}");
+
+        // The other order: this node forwards the VM's connection to a
+        // backend pod of its own, untranslated, when the VM's Service flow
+        // arrives. It collides (the kernel would have made it with another
+        // port for the answers), and replaces the forwarding when asked.
+        let forwarded = flow(
+            UDP,
+            ends("10.244.0.5:40003", "10.244.1.9:9100"),
+            ends("10.244.1.9:9100", "10.244.0.5:40003"),
+            0,
+        );
+        let to_service = flow(
+            UDP,
+            ends("10.244.0.5:40003", "10.96.0.10:9100"),
+            ends("10.244.1.9:9100", "10.244.0.5:40003"),
+            0,
+        );
+        assert_eq!(
+            h.create_flow(&forwarded, false).await.unwrap(),
+            FlowCreated::Created
+        );
+        assert_eq!(
+            h.create_flow(&to_service, false).await.unwrap(),
+            FlowCreated::Exists
+        );
+        let held = h.flows_of(vm.parse().unwrap()).await.unwrap();
+        assert!(
+            held.iter().all(|f| f.orig != to_service.orig),
+            "nothing made with another port: {held:#?}"
+        );
+        assert_eq!(
+            h.create_flow(&to_service, true).await.unwrap(),
+            FlowCreated::Replaced
+        );
+        let now = h.flows_of(vm.parse().unwrap()).await.unwrap();
+        let made: Vec<&Flow> = now.iter().filter(|f| f.orig.src.port() == 40003).collect();
+        assert_eq!(made.len(), 1, "{now:#?}");
+        assert_eq!(
+            (made[0].orig, made[0].reply),
+            (to_service.orig, to_service.reply)
+        );
     });
 }
 
@@ -409,6 +450,33 @@ fn anchors_are_rules_and_tables_and_the_guard_a_set_with_timeouts() {
             moved.contains("10.244.0.9 timeout 1m") || moved.contains("10.244.0.9 timeout 60s"),
             "{moved}"
         );
+
+        // A VM's own direction of a deferred Service flow, held back and
+        // let go, in both families.
+        let held = [
+            (UDP, ends("10.244.0.9:33765", "10.96.0.20:9100")),
+            (TCP, ends("[fd00:10:244::9]:47962", "[fd00:96::20]:9100")),
+        ];
+        let list = |set: &str| run_in(&node, &["nft", "list", "set", "inet", "tether_vm", set]);
+        for _ in 0..2 {
+            h.hold_back(&held, Some(Duration::from_secs(10)))
+                .await
+                .expect("hold back");
+        }
+        let v4 = list("held_back_v4");
+        assert!(
+            v4.contains("10.244.0.9 . 10.96.0.20 . udp . 33765 . 9100 timeout 10s"),
+            "{v4}"
+        );
+        let v6 = list("held_back_v6");
+        assert!(
+            v6.contains("fd00:10:244::9 . fd00:96::20 . tcp . 47962 . 9100 timeout 10s"),
+            "{v6}"
+        );
+        h.hold_back(&held, None).await.expect("let go");
+        h.hold_back(&held, None).await.expect("let go of nothing");
+        assert!(!list("held_back_v4").contains("10.244.0.9"));
+        assert!(!list("held_back_v6").contains("fd00:10:244::9"));
     });
 }
 
