@@ -691,7 +691,7 @@ impl Handover for FakeHandover {
             // state brought forward, never back.
             f.timeout_secs = made.timeout_secs;
             if let (Some(was), Some(now)) = (f.tcp_state, made.tcp_state) {
-                if was < crate::handover::TCP_ESTABLISHED && now > was {
+                if was < super::handover::TCP_ESTABLISHED && now > was {
                     f.tcp_state = Some(now);
                 }
             }
