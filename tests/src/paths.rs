@@ -563,3 +563,28 @@ pub fn table(reports: &[StreamReport], t0: Instant, pause: Option<Pause>) -> Str
     }
     out
 }
+
+/// What each node (its name and netns) tracks and routes for a VM's
+/// handover: its conntrack table, policy rules, the handover's routes and
+/// tether's `inet tether_vm` table; for a failure's message.
+pub fn handover_state<'a>(nodes: impl IntoIterator<Item = (&'a str, &'a Netns)>) -> String {
+    let mut out = String::new();
+    for (name, netns) in nodes {
+        out.push_str(&format!("--- {name}\n"));
+        for cmd in [
+            &["conntrack", "-L"][..],
+            &["ip", "rule"],
+            &["ip", "route", "show", "table", "all", "proto", "204"],
+            &["nft", "list", "table", "inet", "tether_vm"],
+        ] {
+            let o = netns.exec(cmd);
+            out.push_str(&format!(
+                "$ {}\n{}{}",
+                cmd.join(" "),
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            ));
+        }
+    }
+    out
+}

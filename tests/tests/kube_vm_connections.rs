@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tether_e2e::nodes::{sleeping_pod, ClusterOpts, KubeCluster, KubePaths, KubePod};
-use tether_e2e::paths::{table, PathSet};
+use tether_e2e::paths::{handover_state, table, PathSet};
 use tether_e2e::qemu::{clear_events, pause, Client, Guest, GuestOptions, BOOT_TIMEOUT};
 use tether_e2e::streams::StreamReport;
 use tether_e2e::vm::VmPodSpec;
@@ -82,30 +82,6 @@ fn active_node(c: &KubeCluster, vm: IpAddr) -> String {
         .and_then(|r| r["spec"]["active"]["node"].as_str())
         .unwrap_or_default()
         .to_string()
-}
-
-/// Every node's conntrack table, its routes of the handover and tether's
-/// VM table, for a failure's message.
-fn handover_state(c: &KubeCluster) -> String {
-    let mut out = String::new();
-    for node in c.nodes() {
-        out.push_str(&format!("--- {}\n", node.name()));
-        for cmd in [
-            &["conntrack", "-L"][..],
-            &["ip", "rule"],
-            &["ip", "route", "show", "table", "all", "proto", "204"],
-            &["nft", "list", "table", "inet", "tether_vm"],
-        ] {
-            let o = node.netns().exec(cmd);
-            out.push_str(&format!(
-                "$ {}\n{}{}",
-                cmd.join(" "),
-                String::from_utf8_lossy(&o.stdout),
-                String::from_utf8_lossy(&o.stderr)
-            ));
-        }
-    }
-    out
 }
 
 fn dead_or_moved(reports: &[StreamReport]) -> Vec<String> {
@@ -186,7 +162,11 @@ fn every_path_survives_a_vms_live_migration_between_two_kubelet_nodes() {
     );
     let bad = dead_or_moved(&reports);
     if !bad.is_empty() {
-        eprintln!("{}\n{}", handover_state(&c), c.network_view());
+        eprintln!(
+            "{}\n{}",
+            handover_state(c.nodes().iter().map(|n| (n.name(), n.netns()))),
+            c.network_view()
+        );
     }
     assert!(
         moved,

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tether_e2e::cluster::{Cluster, ClusterNode, ClusterOpts, Store};
 use tether_e2e::migration::Prober;
-use tether_e2e::paths::{table, PathSet, Scene};
+use tether_e2e::paths::{handover_state, table, PathSet, Scene};
 use tether_e2e::qemu::{clear_events, pause, Guest};
 use tether_e2e::streams::StreamReport;
 use tether_e2e::vm::{active_node, add_vm_pod, boot_guest, del_vm_pod, get_vm};
@@ -52,30 +52,6 @@ fn scene(store: Store) -> Scene {
         kube_proxy: true,
         ..ClusterOpts::on(store)
     })
-}
-
-/// What each node tracks and routes for the handover, for a failure's
-/// message.
-fn handover_state(cluster: &Cluster) -> String {
-    let mut out = String::new();
-    for node in cluster.nodes() {
-        out.push_str(&format!("--- {}\n", node.name()));
-        for cmd in [
-            &["conntrack", "-L"][..],
-            &["ip", "rule"],
-            &["ip", "route", "show", "table", "all", "proto", "204"],
-            &["nft", "list", "table", "inet", "tether_vm"],
-        ] {
-            let o = node.netns().exec(cmd);
-            out.push_str(&format!(
-                "$ {}\n{}{}",
-                cmd.join(" "),
-                String::from_utf8_lossy(&o.stdout),
-                String::from_utf8_lossy(&o.stderr)
-            ));
-        }
-    }
-    out
 }
 
 /// Every node's conntrack events (`conntrack -E`, timestamped, a line
@@ -250,7 +226,10 @@ fn every_path_through(store: Store, way_back: bool) {
         m2.map(|m| (m.total_ms, m.downtime_ms))
     );
     if reports.iter().any(|r| !r.survived() || !r.one_address()) {
-        eprintln!("{}", handover_state(&s.cluster));
+        eprintln!(
+            "{}",
+            handover_state(s.cluster.nodes().iter().map(|n| (n.name(), n.netns())))
+        );
         for r in reports.iter().filter(|r| !r.survived() || !r.one_address()) {
             for far in &r.far_addresses {
                 if let Some((_, port)) = far.rsplit_once(':') {
