@@ -133,6 +133,30 @@ pub fn workspace_dir() -> PathBuf {
         .to_path_buf()
 }
 
+/// The README and every Markdown file under docs/, relative to the
+/// workspace, sorted: the pages the doc suites read.
+pub fn doc_files() -> Vec<String> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+            let path = e.expect("an entry").path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|x| x == "md") {
+                out.push(path);
+            }
+        }
+    }
+    let root = workspace_dir();
+    let mut files = vec![root.join("README.md")];
+    walk(&root.join("docs"), &mut files);
+    let mut names: Vec<String> = files
+        .iter()
+        .map(|p| p.strip_prefix(&root).expect("a doc").display().to_string())
+        .collect();
+    names.sort();
+    names
+}
+
 /// Cargo's target directory: `CARGO_TARGET_DIR` if set, else
 /// `<workspace>/target`.
 pub fn target_dir() -> PathBuf {

@@ -35,7 +35,8 @@ use std::time::Duration;
 use serde_json::Value;
 use tether_e2e::runtime::GRPCURL;
 use tether_e2e::{
-    bin_dir, require_root, tether_bin, tetherd_bin, unique_name, wait_until, workspace_dir, TempDir,
+    bin_dir, doc_files, require_root, tether_bin, tetherd_bin, unique_name, wait_until,
+    workspace_dir, TempDir,
 };
 
 /// What starts each traced command line in the block's output (bash's PS4).
@@ -57,35 +58,6 @@ struct Block {
     name: String,
     /// Its text.
     body: String,
-}
-
-/// The README and every Markdown file under docs/, relative to the
-/// workspace, sorted.
-fn doc_files() -> Vec<String> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
-        for e in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
-            let path = e.expect("an entry").path();
-            if path.is_dir() {
-                walk(&path, out);
-            } else if path.extension().is_some_and(|x| x == "md") {
-                out.push(path);
-            }
-        }
-    }
-    let root = workspace_dir();
-    let mut files = vec![root.join("README.md")];
-    walk(&root.join("docs"), &mut files);
-    let mut names: Vec<String> = files
-        .iter()
-        .map(|p| {
-            p.strip_prefix(&root)
-                .expect("under the workspace")
-                .display()
-                .to_string()
-        })
-        .collect();
-    names.sort();
-    names
 }
 
 /// Every block marked `<!-- MARKER: NAME ... -->` in the docs.

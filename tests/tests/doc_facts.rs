@@ -20,11 +20,10 @@
 //! book includes, are records written by their tools, and are not read.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
-use tether_e2e::{tetherd_bin, workspace_dir, TempDir};
+use tether_e2e::{doc_files, tetherd_bin, workspace_dir, TempDir};
 
 /// Flags of other programs the docs name, with the program: a flag not in
 /// `tetherd --help` must be one of these.
@@ -109,30 +108,6 @@ const OTHER_FLAGS: &[(&str, &[&str])] = &[
     ),
     ("mdbook", &["dest-dir"]),
 ];
-
-/// The README and every Markdown file under docs/, relative to the
-/// workspace, sorted.
-fn doc_files() -> Vec<String> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
-        for e in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
-            let path = e.expect("an entry").path();
-            if path.is_dir() {
-                walk(&path, out);
-            } else if path.extension().is_some_and(|x| x == "md") {
-                out.push(path);
-            }
-        }
-    }
-    let root = workspace_dir();
-    let mut files = vec![root.join("README.md")];
-    walk(&root.join("docs"), &mut files);
-    let mut names: Vec<String> = files
-        .iter()
-        .map(|p| p.strip_prefix(&root).expect("a doc").display().to_string())
-        .collect();
-    names.sort();
-    names
-}
 
 fn read(file: &str) -> String {
     std::fs::read_to_string(workspace_dir().join(file)).unwrap_or_else(|e| panic!("{file}: {e}"))

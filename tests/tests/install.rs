@@ -17,7 +17,7 @@ use std::process::{Command, Output};
 
 use serde_json::{json, Value};
 use tether_e2e::chart::{self, Helm};
-use tether_e2e::{ref_plugin, require_root, tether_bin, workspace_dir, TempDir};
+use tether_e2e::{doc_files, ref_plugin, require_root, tether_bin, workspace_dir, TempDir};
 
 const CONFLIST: &str = "10-tether.conflist";
 
@@ -951,28 +951,6 @@ fn the_chart_references_rbac_table_is_the_charts_rbac() {
         documented, rendered,
         "docs/reference/chart.md's RBAC table against the chart's rendered rules"
     );
-}
-
-/// The README and every Markdown file under docs/, relative to the
-/// workspace.
-fn doc_files() -> Vec<String> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
-        for e in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
-            let path = e.expect("an entry").path();
-            if path.is_dir() {
-                walk(&path, out);
-            } else if path.extension().is_some_and(|x| x == "md") {
-                out.push(path);
-            }
-        }
-    }
-    let root = workspace_dir();
-    let mut files = vec![root.join("README.md")];
-    walk(&root.join("docs"), &mut files);
-    files
-        .iter()
-        .map(|p| p.strip_prefix(&root).expect("a doc").display().to_string())
-        .collect()
 }
 
 /// A shell command line's words: whitespace splits, '...' and "..." quote.
