@@ -746,7 +746,7 @@ fn report(m: &Machine, args: &Args, run: &Run, failures: &Failures, runtime: Dur
         let _ = writeln!(
             r,
             "\nEvery path, {}: {} migrations between A and B with the defaults, on a cluster \
-             running kube-proxy (nft mode), a host outside it on the nodes' network (reached \
+             running kube-proxy (iptables mode), a host outside it on the nodes' network (reached \
              only through outbound NAT), a NodePort Service whose endpoint is the VM and a \
              ClusterIP Service of two pods; 30 streams at once through the guest, a message \
              every {} ms each (so stalls are to 20 ms); the guest's pause p50 {} ms. Stall: \
