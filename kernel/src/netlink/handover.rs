@@ -527,6 +527,21 @@ fn dump_by_source(
         .collect())
 }
 
+/// Whether `toward`, a flow toward a VM, mirrors one of the flows the VM
+/// opened (`opened`): its first direction is that flow's own, reversed.
+/// One connection is one entry, so such a second one is no connection: it
+/// is an answer of the VM's translated flow that reached a node already
+/// translated back (by the node that translated it) and that conntrack
+/// tracked afresh, changing a port to clear the VM's entry. It is never
+/// sent to a target, nor pinned: making it again would delete the VM's
+/// own flow, whose direction it holds reversed, and the VM's next packet
+/// would be translated afresh.
+fn mirrors_one_of(toward: &Flow, opened: &[Flow]) -> bool {
+    opened
+        .iter()
+        .any(|o| o.proto == toward.proto && o.orig == toward.orig.inverse())
+}
+
 /// Which entries holding a direction of a new flow it replaces.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Replace {
@@ -919,11 +934,11 @@ impl Handover for LinuxHandover {
     async fn flows_of(&self, ip: IpAddr) -> Result<Vec<Flow>> {
         self.nf(format!("reading the flows of {ip}"), move |s| {
             let mut flows = dump_by_source(s, ip, false)?;
-            flows.extend(
-                dump_by_source(s, ip, true)?
-                    .into_iter()
-                    .filter(|f| f.orig.src.ip() != ip),
-            );
+            let toward: Vec<Flow> = dump_by_source(s, ip, true)?
+                .into_iter()
+                .filter(|f| f.orig.src.ip() != ip && !mirrors_one_of(f, &flows))
+                .collect();
+            flows.extend(toward);
             Ok(flows)
         })
         .await
@@ -949,11 +964,12 @@ impl Handover for LinuxHandover {
             move |s| {
                 let mut masqueraded = Vec::new();
                 for ip in &vm {
-                    masqueraded.extend(
-                        dump_by_source(s, *ip, true)?
-                            .into_iter()
-                            .filter(|f| f.orig.src.ip() != *ip && f.source_translated()),
-                    );
+                    let opened = dump_by_source(s, *ip, false)?;
+                    masqueraded.extend(dump_by_source(s, *ip, true)?.into_iter().filter(|f| {
+                        f.orig.src.ip() != *ip
+                            && f.source_translated()
+                            && !mirrors_one_of(f, &opened)
+                    }));
                 }
                 if masqueraded.is_empty() {
                     return Ok(0);

@@ -801,3 +801,122 @@ fn a_capture_hands_back_only_an_unbroken_run_of_the_newest_packets() {
         }
     });
 }
+
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
+#[test]
+fn a_mirror_of_the_vms_service_flow_is_neither_sent_nor_pinned() {
+    require_root!();
+    in_node_netns(|| async {
+        let dp = connect();
+        enable_forwarding().expect("forwarding");
+        let node = node_ns_path();
+        nft(&handover_script());
+        // kube-proxy's NAT hooks, with nothing of this flow in them: the
+        // kernel gives every new flow through them a null binding.
+        nft("table ip kp {
+ chain pre { type nat hook prerouting priority dstnat; }
+ chain post { type nat hook postrouting priority srcnat; }
+}
+");
+        // Another node, holding the backend and, like the node a VM left,
+        // sending the backend's answers on translated back (from the
+        // ClusterIP).
+        let other = new_netns();
+        let other_path = other.path.to_str().expect("path").to_owned();
+        run_in(
+            &node,
+            &[
+                "ip",
+                "link",
+                "add",
+                "uplink",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth9",
+                "netns",
+                &other_path,
+            ],
+        );
+        run_in(
+            &node,
+            &["ip", "addr", "add", "10.77.0.21/24", "dev", "uplink"],
+        );
+        run_in(&node, &["ip", "link", "set", "uplink", "up"]);
+        for a in ["10.77.0.200/24", "10.96.0.20/32"] {
+            run_in(&other_path, &["ip", "addr", "add", a, "dev", "eth9"]);
+        }
+        run_in(&other_path, &["ip", "link", "set", "eth9", "up"]);
+        run_in(
+            &other_path,
+            &["ip", "route", "add", "10.244.0.0/16", "via", "10.77.0.21"],
+        );
+        let vm = TestPod::new("mirror", &["10.244.0.9"]);
+        dp.wire(&vm.wiring()).await.expect("wire");
+        let bind_in = |ns: &File, addr: &'static str| {
+            let f = ns.try_clone().expect("dup");
+            std::thread::spawn(move || {
+                nix::sched::setns(&f, CloneFlags::CLONE_NEWNET).expect("setns");
+                let s = UdpSocket::bind(addr).expect("bind");
+                s.set_read_timeout(Some(Duration::from_secs(2)))
+                    .expect("timeout");
+                s
+            })
+            .join()
+            .expect("bind thread")
+        };
+        let guest = bind_in(&vm.ns.file, "10.244.0.9:40000");
+        let backend = bind_in(&other.file, "10.77.0.200:9100");
+        let answers_back = bind_in(&other.file, "10.96.0.20:9100");
+
+        // The VM's Service flow, as a target makes it.
+        let h = handover();
+        let own = flow(
+            UDP,
+            ends("10.244.0.9:40000", "10.96.0.20:9100"),
+            ends("10.77.0.200:9100", "10.244.0.9:40000"),
+            0,
+        );
+        assert_eq!(
+            h.create_flow(&own, false).await.expect("create"),
+            FlowCreated::Created
+        );
+        // An answer that comes translated back and passes tracked: the
+        // kernel tracks it as a flow of its own, a port changed to clear
+        // the VM's entry.
+        answers_back
+            .send_to(b"answer", "10.244.0.9:40000")
+            .expect("send");
+        let mut buf = [0u8; 16];
+        let seen = guest.recv_from(&mut buf).map(|(_, from)| from);
+        let mirror = run_in(
+            &node,
+            &["conntrack", "-L", "-p", "udp", "--orig-src", "10.96.0.20"],
+        );
+        assert!(
+            mirror.contains("sport=9100 dport=40000"),
+            "the kernel tracked no mirror (the guest saw {seen:?}):\n{mirror}"
+        );
+
+        // Pinning leaves it, and with it the VM's own flow (made again,
+        // the mirror would take the place of the VM's flow), and it is not
+        // sent to a target.
+        let vm_ip: IpAddr = "10.244.0.9".parse().unwrap();
+        assert_eq!(
+            h.pin_translations(&[vm_ip]).await.expect("pin"),
+            0,
+            "conntrack:\n{mirror}"
+        );
+        let read = h.flows_of(vm_ip).await.expect("flows");
+        assert_eq!(read.len(), 1, "{read:#?}");
+        assert_eq!((read[0].orig, read[0].reply), (own.orig, own.reply));
+        // And the VM's next datagram still goes to its backend.
+        guest.send_to(b"next", "10.96.0.20:9100").expect("send");
+        let (_, from) = backend.recv_from(&mut buf).expect("the backend hears");
+        assert_eq!(from, own.orig.src);
+    });
+}
