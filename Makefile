@@ -25,14 +25,15 @@ setup-demo:
 ## k8s: kube-apiserver, kubectl, kube-controller-manager, kube-scheduler,
 ## kubelet and kube-proxy for the Kubernetes suites, built from the k8s.io/kubernetes
 ## Go module in one `go build` and cached in /var/tmp/tether-k8s
-## (tests/k8s/build.sh).
-k8s: setup
+## (tests/k8s/build.sh). Like helm and e2e-bins, it needs only the
+## machine's Go, no Debian package (`make test` builds them beside setup).
+k8s:
 	@dir=$$(sh tests/k8s/build.sh) && echo "k8s: $$($$dir/kube-apiserver --version) in $$dir"
 
 ## helm: helm, built from its Go module (helm.sh/helm/v4, pinned in
 ## tests/k8s/helm/go.mod) and cached in /var/tmp/tether-k8s
 ## (tests/k8s/helm/build.sh): the chart's tests, and `make manifests`.
-helm: setup
+helm:
 	@dir=$$(sh tests/k8s/helm/build.sh) && echo "helm: $$($$dir/helm version --short) in $$dir"
 
 ## e2e-bins: what Kubernetes' sig-network Conformance tests run beside the
@@ -40,7 +41,7 @@ helm: setup
 ## k8s.io/kubernetes module of `make k8s`), agnhost, and CoreDNS with the
 ## plugins of kubeadm's Corefile, built from their Go modules and cached in
 ## /var/tmp/tether-k8s (tests/k8s/build.sh e2e and coredns).
-e2e-bins: setup
+e2e-bins:
 	@dir=$$(sh tests/k8s/build.sh e2e) && echo "e2e: e2e.test $$($$dir/e2e.test --version), agnhost $$($$dir/agnhost --version | awk '{ print $$NF }') in $$dir"
 	@dir=$$(sh tests/k8s/build.sh coredns) && echo "coredns: $$($$dir/coredns -version | head -n 1) in $$dir"
 
@@ -128,8 +129,25 @@ check:
 ## judged by a slice of Kubernetes' network conformance tests), the book
 ## built and its links checked (docs), its runnable blocks run and its
 ## facts checked (doc_blocks, doc_facts). Root only.
-test: setup k8s helm e2e-bins lint docs build shim-size
+##
+## Before the suites, two lines run side by side: the Go parts (k8s, helm,
+## e2e-bins: 20 minutes of a fresh machine's two cores), and setup then
+## the Rust (lint, docs, build, shim-size; the build needs setup's protoc).
+## Each leaves a core idle at times (downloads, links, a last crate); side
+## by side they fill it. The Go line's output is kept in
+## target/go-parts.log and printed after it; either line failing fails
+## `make test` before any suite runs.
+test:
 	@test "$$(id -u)" = 0 || { echo "make test must run as root (it creates network namespaces)"; exit 1; }
+	@mkdir -p target; \
+	$(MAKE) --no-print-directory k8s helm e2e-bins >target/go-parts.log 2>&1 & go=$$!; \
+	$(MAKE) --no-print-directory setup lint docs build shim-size; rust=$$?; \
+	wait $$go; gorc=$$?; \
+	echo "== the Go parts, built beside setup and the Rust (target/go-parts.log):"; \
+	cat target/go-parts.log; \
+	[ $$gorc = 0 ] || echo "make test: building the Go parts failed (exit $$gorc)"; \
+	[ $$rust = 0 ] || echo "make test: setup or the Rust build failed (exit $$rust)"; \
+	[ $$gorc = 0 ] && [ $$rust = 0 ]
 	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test --workspace --features $(ROOT_TESTS) --no-fail-fast -- --test-threads=2
 
 ## conformance: Kubernetes' own network conformance tests, the 47

@@ -108,6 +108,11 @@ kube_ldflags() {
 
 # -mod=mod: go.sum is committed, but the module cache starts empty on a new
 # machine; downloads are checked against go.sum.
+# Every build here is static (CGO_ENABLED=0), as Kubernetes' own release
+# build makes its binaries, agnhost's image and CoreDNS's: one setting for
+# all, so that the packages kube, e2e.test and agnhost share are compiled
+# once, into Go's build cache, not once per setting.
+export CGO_ENABLED=0
 cd "$mod"
 case "$what" in
 kube)
@@ -145,14 +150,14 @@ e2e)
     # Stamped like the kube binaries: e2e.test --version prints it, and
     # the e2e framework reports it beside the server's.
     kube_ldflags
-    "$GO" test -c -mod=mod -trimpath -ldflags="$ldflags" -o "$tmp/e2e.test" ./e2e >&2
+    "$GO" test -c -vet=off -mod=mod -trimpath -ldflags="$ldflags" -o "$tmp/e2e.test" ./e2e >&2
     "$tmp/e2e.test" --version >&2
-    # agnhost as upstream's image has it: static (CGO_ENABLED=0, its image
-    # build's setting) and stamped with the version of its VERSION file,
+    # agnhost as upstream's image has it: static (its image build's
+    # setting) and stamped with the version of its VERSION file,
     # which the image's tag is (test/utils/image/manifest.go).
     src=$("$GO" list -mod=mod -m -f '{{.Dir}}' k8s.io/kubernetes)
     av=$(cat "$src/test/images/agnhost/VERSION")
-    CGO_ENABLED=0 "$GO" build -mod=mod -trimpath -ldflags="-s -w -X main.Version=$av" -o "$tmp/agnhost" \
+    "$GO" build -mod=mod -trimpath -ldflags="-s -w -X main.Version=$av" -o "$tmp/agnhost" \
         k8s.io/kubernetes/test/images/agnhost >&2
     "$tmp/agnhost" --version >&2
     # The porter's TLS files, which the image carries at its root, and the
@@ -162,10 +167,10 @@ e2e)
     chmod 0644 "$tmp/localhost.crt" "$tmp/localhost.key" "$tmp/conformance.yaml"
     ;;
 coredns)
-    # Static, as CoreDNS's release build (CGO_ENABLED=0): its image has
+    # Static, as CoreDNS's release build: its image has
     # nothing beside it, and agnhost's /coredns runs it too. Its version
     # is a constant of the module (coremain.CoreVersion).
-    CGO_ENABLED=0 "$GO" build -mod=mod -trimpath -ldflags="-s -w" -o "$tmp/coredns" . >&2
+    "$GO" build -mod=mod -trimpath -ldflags="-s -w" -o "$tmp/coredns" . >&2
     "$tmp/coredns" -version >&2
     ;;
 esac
