@@ -207,6 +207,14 @@ fn every_path_through(store: Store, way_back: bool) {
         );
         std::thread::sleep(AFTER);
         let rec = get_vm(socket(s.cluster.node(2)), "tenant", "vm1").expect("record");
+        if active_node(&rec) != s.cluster.node(0).name() {
+            // What the returning node held toward the VM (the known fault
+            // above: the flows it pinned before its local route).
+            eprintln!(
+                "{}",
+                handover_state(s.cluster.nodes().iter().map(|n| (n.name(), n.netns())))
+            );
+        }
         assert_eq!(active_node(&rec), s.cluster.node(0).name(), "{rec:?}");
         let returned = s.switch(back);
         drop(returned.guest);
