@@ -56,6 +56,30 @@ fn nft(script: &str) {
     );
 }
 
+/// A host outside the node (a netns of its own) on a veth of the node's:
+/// `uplink` (10.77.0.21/24) in the node, `eth9` (10.77.0.200/24 and
+/// `more` addresses) outside, both up.
+fn host_outside(node: &str, more: &[&str]) -> Netns {
+    let outside = new_netns();
+    let path = outside.path.to_str().expect("path").to_owned();
+    run_in(
+        node,
+        &[
+            "ip", "link", "add", "uplink", "type", "veth", "peer", "name", "eth9", "netns", &path,
+        ],
+    );
+    run_in(
+        node,
+        &["ip", "addr", "add", "10.77.0.21/24", "dev", "uplink"],
+    );
+    run_in(node, &["ip", "link", "set", "uplink", "up"]);
+    for a in std::iter::once(&"10.77.0.200/24").chain(more) {
+        run_in(&path, &["ip", "addr", "add", a, "dev", "eth9"]);
+    }
+    run_in(&path, &["ip", "link", "set", "eth9", "up"]);
+    outside
+}
+
 fn handover() -> LinuxHandover {
     let dp = connect();
     LinuxHandover::new(dp.handle.clone(), dp.dumps.clone())
@@ -312,25 +336,7 @@ fn a_flow_the_kernel_masqueraded_reads_as_source_translated() {
         let pod = TestPod::new("masq", &["10.244.0.5"]);
         dp.wire(&pod.wiring()).await.expect("wire");
         // A host outside, on a veth of the node's.
-        let outside = new_netns();
-        let out_path = outside.path.to_str().expect("path").to_owned();
-        run_in(
-            &node,
-            &[
-                "ip", "link", "add", "uplink", "type", "veth", "peer", "name", "eth9", "netns",
-                &out_path,
-            ],
-        );
-        run_in(
-            &node,
-            &["ip", "addr", "add", "10.77.0.21/24", "dev", "uplink"],
-        );
-        run_in(&node, &["ip", "link", "set", "uplink", "up"]);
-        run_in(
-            &out_path,
-            &["ip", "addr", "add", "10.77.0.200/24", "dev", "eth9"],
-        );
-        run_in(&out_path, &["ip", "link", "set", "eth9", "up"]);
+        let _outside = host_outside(&node, &[]);
         nft("table inet t {\n chain p {\n  type nat hook postrouting priority srcnat;\n  ip saddr 10.244.0.0/16 oifname \"uplink\" masquerade\n }\n}\n");
         // One datagram from the pod: conntrack holds its masqueraded flow.
         let pod_file = pod.ns.file.try_clone().expect("dup");
@@ -638,25 +644,7 @@ fn nodeport_source_after_a_move(pin: bool) -> (SocketAddr, SocketAddr, Option<So
  }
 }
 ");
-        let outside = new_netns();
-        let out_path = outside.path.to_str().expect("path").to_owned();
-        run_in(
-            &node,
-            &[
-                "ip", "link", "add", "uplink", "type", "veth", "peer", "name", "eth9", "netns",
-                &out_path,
-            ],
-        );
-        run_in(
-            &node,
-            &["ip", "addr", "add", "10.77.0.21/24", "dev", "uplink"],
-        );
-        run_in(&node, &["ip", "link", "set", "uplink", "up"]);
-        run_in(
-            &out_path,
-            &["ip", "addr", "add", "10.77.0.200/24", "dev", "eth9"],
-        );
-        run_in(&out_path, &["ip", "link", "set", "eth9", "up"]);
+        let outside = host_outside(&node, &[]);
         let source = TestPod::new("src", &["10.244.0.5"]);
         dp.wire(&source.wiring()).await.expect("wire");
         // The same address in another pod, wired as a migration's target.
@@ -824,33 +812,8 @@ fn a_mirror_of_the_vms_service_flow_is_neither_sent_nor_pinned() {
         // Another node, holding the backend and, like the node a VM left,
         // sending the backend's answers on translated back (from the
         // ClusterIP).
-        let other = new_netns();
+        let other = host_outside(&node, &["10.96.0.20/32"]);
         let other_path = other.path.to_str().expect("path").to_owned();
-        run_in(
-            &node,
-            &[
-                "ip",
-                "link",
-                "add",
-                "uplink",
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "eth9",
-                "netns",
-                &other_path,
-            ],
-        );
-        run_in(
-            &node,
-            &["ip", "addr", "add", "10.77.0.21/24", "dev", "uplink"],
-        );
-        run_in(&node, &["ip", "link", "set", "uplink", "up"]);
-        for a in ["10.77.0.200/24", "10.96.0.20/32"] {
-            run_in(&other_path, &["ip", "addr", "add", a, "dev", "eth9"]);
-        }
-        run_in(&other_path, &["ip", "link", "set", "eth9", "up"]);
         run_in(
             &other_path,
             &["ip", "route", "add", "10.244.0.0/16", "via", "10.77.0.21"],
