@@ -82,6 +82,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Panics with a clear message unless the process runs as root: these
 /// suites need real namespaces and must fail, not skip, when they cannot.
+/// Then gives the process the default actions of SIGINT and SIGQUIT (see
+/// [`default_signal_actions`]).
 pub fn require_root() {
     // SAFETY: geteuid has no preconditions and cannot fail.
     let euid = unsafe { libc::geteuid() };
@@ -90,6 +92,23 @@ pub fn require_root() {
         "tether's end-to-end tests must run as root (euid is {euid}): they create network \
          namespaces, veths and routes. Run them with sudo or in CI; they never skip."
     );
+    default_signal_actions();
+}
+
+/// Gives this process, and so every daemon, runtime and container it
+/// starts, the default actions of SIGINT and SIGQUIT, as a service
+/// manager gives its services. A shell that runs a command in the
+/// background without job control starts it with both ignored, every
+/// process below inherits that, and a shell script cannot trap a signal
+/// it was started with ignored: the test images' `/pause` (a script) then
+/// outlived a SIGINT (a fresh-machine `make test` run from a background
+/// job, 2026-11-28).
+pub fn default_signal_actions() {
+    for signal in [libc::SIGINT, libc::SIGQUIT] {
+        // SAFETY: setting a signal's action to the default touches no
+        // memory of this process's.
+        unsafe { libc::signal(signal, libc::SIG_DFL) };
+    }
 }
 
 /// A short prefix unique to this process, `tt` and five hex digits, that
