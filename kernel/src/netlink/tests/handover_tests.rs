@@ -883,3 +883,86 @@ fn a_mirror_of_the_vms_service_flow_is_neither_sent_nor_pinned() {
         assert_eq!(from, own.orig.src);
     });
 }
+
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
+#[test]
+fn many_translated_flows_are_pinned_each_and_none_left_frozen() {
+    require_root!();
+    in_node_netns(|| async {
+        let node = node_ns_path();
+        nft(&handover_script());
+        let h = handover();
+        // NodePort-like flows toward a VM (the address translated to the
+        // VM's, the source to the node's, as kube-proxy masquerades): many
+        // clients' ports to one NodePort, so that their first directions
+        // share one element of the freeze sets, in both families.
+        let mut made = Vec::new();
+        for i in 0..200u16 {
+            made.push(flow(
+                UDP,
+                ends(&format!("10.77.0.200:{}", 20000 + i), "10.77.0.21:31000"),
+                ends("10.244.0.7:7000", &format!("10.77.0.21:{}", 40000 + i)),
+                0,
+            ));
+        }
+        for i in 0..50u16 {
+            made.push(flow(
+                TCP,
+                ends(
+                    &format!("[fd00:77:ff::200]:{}", 20000 + i),
+                    "[fd00:77:ff::21]:31000",
+                ),
+                ends(
+                    "[fd00:10:244::7]:7000",
+                    &format!("[fd00:77:ff::21]:{}", 40000 + i),
+                ),
+                0,
+            ));
+        }
+        for f in &made {
+            assert_eq!(
+                h.create_flow(f, false).await.expect("create"),
+                FlowCreated::Created
+            );
+        }
+        let vm: [IpAddr; 2] = [
+            "10.244.0.7".parse().unwrap(),
+            "fd00:10:244::7".parse().unwrap(),
+        ];
+        let took = Instant::now();
+        let pinned = h.pin_translations(&vm).await.expect("pin");
+        // Printed for the record (benchmarks measure; tests do not time).
+        eprintln!("pinned {pinned} flows in {:?}", took.elapsed());
+        assert_eq!(pinned as usize, made.len());
+        // Each is there again with its translation, and nothing is held
+        // off any more.
+        let mut read = Vec::new();
+        for ip in vm {
+            read.extend(h.flows_of(ip).await.expect("flows"));
+        }
+        assert_eq!(read.len(), made.len(), "{read:#?}");
+        for f in &made {
+            assert!(
+                read.iter().any(|r| r.orig == f.orig && r.reply == f.reply),
+                "{f:?} not in conntrack as it was"
+            );
+        }
+        for set in ["frozen_v4", "frozen_v6"] {
+            let listed = run_in(
+                &node,
+                &[
+                    "nft",
+                    "list",
+                    "set",
+                    "inet",
+                    crate::handover::HANDOVER_TABLE,
+                    set,
+                ],
+            );
+            assert!(!listed.contains("elements"), "{set} still holds:\n{listed}");
+        }
+    });
+}
