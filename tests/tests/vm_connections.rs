@@ -8,12 +8,11 @@
 //! three nodes running kube-proxy, on each control store. Then the source
 //! pod's DEL, a restart of the source node's tetherd and the source pod's
 //! deletion, which must not disturb what now serves the target (a NodePort
-//! connection entering at the source node among it); and, ignored while
-//! a known fault stands, the migration back to the first node, whose
-//! conntrack table still holds the VM's flows as they were when it left.
-//! And a migration that
-//! fails late (the guest already paused) or is cancelled, which must
-//! leave every stream alive on the source.
+//! connection entering at the source node among it); and the migration
+//! back to the first node, whose conntrack table still holds the VM's
+//! flows as they were when it left. And a migration that fails late (the
+//! guest already paused) or is cancelled, which must leave every stream
+//! alive on the source.
 
 use std::time::{Duration, Instant};
 
@@ -137,23 +136,10 @@ fn assert_all_survived(reports: &[StreamReport], what: &str, table: &str) {
     );
 }
 
-fn every_path_survives_a_live_migration_and_the_sources_cleanup(store: Store) {
-    every_path_through(store, false);
-}
-
-/// The same, then the migration back to the first node. Not in `make
-/// test` while its known fault stands (issue 36's note): in a fresh-machine
-/// run on etcd (2026-11-28), the first node, its tetherd restarted by the
-/// cleanup, pinned 182 flows toward the returning VM before routing it
-/// to its pod, which took 3.8 s; the record still named the second node
-/// when the suite looked. (The fault seen before, a mirror of the VM's
-/// Service flow pinned in its place, is fixed: 64dad66.) Run with
-/// `-- --ignored`.
+/// Every path through a live migration, the source's cleanup, and the
+/// migration back to the first node, whose conntrack table still holds the
+/// VM's flows as they were before it left.
 fn every_path_survives_a_migration_the_sources_cleanup_and_the_way_back(store: Store) {
-    every_path_through(store, true);
-}
-
-fn every_path_through(store: Store, way_back: bool) {
     require_root();
     let mut s = scene(store);
     let target = s.incoming("virt-launcher-vm1-1");
@@ -193,36 +179,32 @@ fn every_path_through(store: Store, way_back: bool) {
     // that knows only sequence numbers long past, and the translations
     // the flows anchored there kept.
     let way_back_at = Instant::now();
-    let mut m2 = None;
-    if way_back {
-        let back = s.incoming("virt-launcher-vm1-2");
-        clear_events(&s.guest);
-        clear_events(&back.guest);
-        let m = s.guest.migrate_to(&back.guest, MIGRATION_LIMIT);
-        assert_eq!(
-            m.status,
-            "completed",
-            "{m:?}\n{}",
-            back.guest.console_text()
+    let back = s.incoming("virt-launcher-vm1-2");
+    clear_events(&s.guest);
+    clear_events(&back.guest);
+    let m2 = s.guest.migrate_to(&back.guest, MIGRATION_LIMIT);
+    assert_eq!(
+        m2.status,
+        "completed",
+        "{m2:?}\n{}",
+        back.guest.console_text()
+    );
+    std::thread::sleep(AFTER);
+    let rec = get_vm(socket(s.cluster.node(2)), "tenant", "vm1").expect("record");
+    if active_node(&rec) != s.cluster.node(0).name() {
+        // What each node held toward the VM (a returning node once took
+        // seconds pinning flows before its local route).
+        eprintln!(
+            "{}",
+            handover_state(s.cluster.nodes().iter().map(|n| (n.name(), n.netns())))
         );
-        std::thread::sleep(AFTER);
-        let rec = get_vm(socket(s.cluster.node(2)), "tenant", "vm1").expect("record");
-        if active_node(&rec) != s.cluster.node(0).name() {
-            // What the returning node held toward the VM (the known fault
-            // above: the flows it pinned before its local route).
-            eprintln!(
-                "{}",
-                handover_state(s.cluster.nodes().iter().map(|n| (n.name(), n.netns())))
-            );
-        }
-        assert_eq!(active_node(&rec), s.cluster.node(0).name(), "{rec:?}");
-        let returned = s.switch(back);
-        drop(returned.guest);
-        assert!(del_vm_pod(s.cluster.node(returned.node), &returned.spec, &returned.pod).success());
-        drop(returned.pod);
-        std::thread::sleep(AFTER);
-        m2 = Some(m);
     }
+    assert_eq!(active_node(&rec), s.cluster.node(0).name(), "{rec:?}");
+    let returned = s.switch(back);
+    drop(returned.guest);
+    assert!(del_vm_pod(s.cluster.node(returned.node), &returned.spec, &returned.pod).success());
+    drop(returned.pod);
+    std::thread::sleep(AFTER);
 
     let reports = set.stop();
     let probes = prober.stop();
@@ -232,7 +214,7 @@ fn every_path_through(store: Store, way_back: bool) {
         store.name(),
         m.total_ms,
         m.downtime_ms,
-        m2.map(|m| (m.total_ms, m.downtime_ms))
+        (m2.total_ms, m2.downtime_ms)
     );
     if reports.iter().any(|r| !r.survived() || !r.one_address()) {
         eprintln!(
@@ -253,11 +235,7 @@ fn every_path_through(store: Store, way_back: bool) {
     }
     assert_all_survived(
         &reports,
-        if way_back {
-            "through the migration, the source's cleanup and the way back"
-        } else {
-            "through the migration and the source's cleanup"
-        },
+        "through the migration, the source's cleanup and the way back",
         &text,
     );
     // The cleanup broke nothing: every stream lived through it to the end
@@ -282,27 +260,7 @@ fn every_path_through(store: Store, way_back: bool) {
     );
 }
 
-on_both_stores!(every_path_survives_a_live_migration_and_the_sources_cleanup);
-
-/// [`every_path_survives_a_migration_the_sources_cleanup_and_the_way_back`]
-/// on each store, ignored while its fault stands.
-mod the_way_back {
-    use tether_e2e::cluster::Store;
-
-    #[test]
-    #[ignore = "known fault (issue 36): the returning node's pin can hold its cutover for seconds"]
-    fn etcd() {
-        super::every_path_survives_a_migration_the_sources_cleanup_and_the_way_back(Store::Etcd)
-    }
-
-    #[test]
-    #[ignore = "known fault (issue 36): the returning node's pin can hold its cutover for seconds"]
-    fn kubernetes() {
-        super::every_path_survives_a_migration_the_sources_cleanup_and_the_way_back(
-            Store::Kubernetes,
-        )
-    }
-}
+on_both_stores!(every_path_survives_a_migration_the_sources_cleanup_and_the_way_back);
 
 /// Sets a migration capability on `guest`'s QEMU.
 fn capability(guest: &Guest, name: &str, on: bool) {

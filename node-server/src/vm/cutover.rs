@@ -160,6 +160,9 @@ impl Vms {
         let me = self.node.clone();
         let want = only.map(|a| (&a.key, me.as_str()));
         let mut local_route = None;
+        // How long the handover's steps before the local route took (part
+        // of `local_route`).
+        let mut handover = None;
         let mut announced = None;
         if let Some(a) = only {
             let mut known = None;
@@ -182,7 +185,9 @@ impl Vms {
             if let Some(rec) = seen_rec {
                 announced = self.announce(side, &rec, a, trigger, seen.1);
             }
+            let started = Instant::now();
             side.before_local_route(vm, a).await;
+            handover = Some(started.elapsed());
             if let Err(e) = self.kernel.ensure_host_routes(&a.host_ifname, &a.ips).await {
                 retract(side, announced);
                 return Err(e.into());
@@ -314,6 +319,7 @@ impl Vms {
             trigger = trigger.name(),
             generation = rec.generation,
             local_route_ms = local_route.map(|d| d.as_secs_f64() * 1e3),
+            handover_ms = handover.map(|d| d.as_secs_f64() * 1e3),
             committed_ms = committed_after.as_secs_f64() * 1e3,
             "VM cut over"
         );
