@@ -1,13 +1,15 @@
 //! A test double of a control store for the unit tests: the embedded
 //! store in a temporary directory, whose next commits fail on command in
-//! one of the ways a real store's can. It cannot show how long a real
-//! store takes, nor a watch that stalls with it.
+//! one of the ways a real store's can, or are held back (a slow answer).
+//! It cannot show how long a real store takes, nor a watch that stalls
+//! with it.
 
-use crate::control::embedded::EmbeddedStore;
-use crate::control::{BoxFut, Cmp, ControlError, ControlStore, Kv, Op, WatchMessage};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tether_base::sync::lock;
+use tether_store::control::embedded::EmbeddedStore;
+use tether_store::control::{BoxFut, Cmp, ControlError, ControlStore, Kv, Op, WatchMessage};
 use tokio::sync::mpsc;
 
 /// How a failing commit fails.
@@ -33,6 +35,9 @@ pub(crate) struct FaultyControl {
     commits: AtomicUsize,
     /// Commits that failed.
     failed: AtomicUsize,
+    /// Commits still to hold back, and for how long.
+    holding: AtomicUsize,
+    hold: Mutex<Duration>,
     _dir: tempfile::TempDir,
 }
 
@@ -46,6 +51,8 @@ impl FaultyControl {
             failure: Mutex::new(Failure::LocalIo),
             commits: AtomicUsize::new(0),
             failed: AtomicUsize::new(0),
+            holding: AtomicUsize::new(0),
+            hold: Mutex::new(Duration::ZERO),
             _dir: dir,
         })
     }
@@ -55,6 +62,13 @@ impl FaultyControl {
     pub(crate) fn fail_next(&self, n: usize, how: Failure) {
         *lock(&self.failure) = how;
         self.failing.store(n, Ordering::SeqCst);
+    }
+
+    /// The next `n` commits wait `hold` before they are applied (read
+    /// against the store as it is then); the ones after them do not.
+    pub(crate) fn hold_next(&self, n: usize, hold: Duration) {
+        *lock(&self.hold) = hold;
+        self.holding.store(n, Ordering::SeqCst);
     }
 
     /// Commits tried so far.
@@ -81,6 +95,14 @@ impl ControlStore for FaultyControl {
     fn commit(&self, when: Vec<Cmp>, ops: Vec<Op>) -> BoxFut<'_, Option<i64>> {
         Box::pin(async move {
             self.commits.fetch_add(1, Ordering::SeqCst);
+            if self
+                .holding
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+            {
+                let hold = *lock(&self.hold);
+                tokio::time::sleep(hold).await;
+            }
             let fail = self
                 .failing
                 .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))

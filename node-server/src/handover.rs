@@ -2,7 +2,7 @@
 //! leaves (the source) and the node it goes to (the target) do beyond the
 //! routes, so that every connection of the VM survives the move
 //! (docs/user/vm-connections.md has the design, the measurements and the
-//! limits; [`crate::kernel::handover`] and [`crate::kernel::replay`] the
+//! limits; [`tether_kernel::handover`] and [`tether_kernel::replay`] the
 //! kernel side).
 //!
 //! **The source**, while its VM has a migration target on another node:
@@ -38,14 +38,14 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use crate::cluster::{ClusterView, NodeRecord, Overlay};
-use crate::ipam::Family;
-use crate::kernel::handover::{Flow, FlowCreated, FlowEnds, Handover, Held, TapCounters};
-use crate::kernel::ClusterRoute;
 use crate::routing::plan::{next_hop, ClusterSide};
-use crate::store::{Attachment, AttachmentKey};
-use crate::vm::cutover::placed_before_last_cutover;
+use crate::vm::promotion::placed_before_last_cutover;
 use crate::vm::{VmAttachment, VmKey, VmRecord, VmView};
 use tether_base::sync::lock;
+use tether_ipam::Family;
+use tether_kernel::handover::{Flow, FlowCreated, FlowEnds, Handover, Held, TapCounters};
+use tether_kernel::ClusterRoute;
+use tether_store::store::{Attachment, AttachmentKey};
 
 /// How often a source sends its VM's flows to the target while the
 /// migration runs (besides at the cutover).
@@ -479,7 +479,7 @@ impl Handovers {
                         && !f.source_translated()
                         && side.is_local_pod(f.reply.src.ip());
                     if let (true, Some(me), None) = (to_local_backend, me, f.anchor()) {
-                        f.mark = crate::kernel::handover::anchor_mark(me);
+                        f.mark = tether_kernel::handover::anchor_mark(me);
                     }
                     f
                 })),

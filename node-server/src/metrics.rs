@@ -26,8 +26,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::control::{BoxFut, Cmp, ControlStore, Op, WatchMessage};
-use crate::error::{Error, Result};
+use tether_base::error::{Error, Result};
+use tether_store::control::{BoxFut, Cmp, ControlStore, Op, WatchMessage};
 
 /// The port the install manifests serve metrics on.
 pub const DEFAULT_PORT: u16 = 9654;
@@ -309,7 +309,7 @@ impl ControlStore for TimedControl {
     fn location(&self) -> String {
         self.inner.location()
     }
-    fn list(&self, prefix: &str) -> BoxFut<'_, (Vec<crate::control::Kv>, i64)> {
+    fn list(&self, prefix: &str) -> BoxFut<'_, (Vec<tether_store::control::Kv>, i64)> {
         timed(self.inner.backend(), "list", self.inner.list(prefix))
     }
     fn commit(&self, when: Vec<Cmp>, ops: Vec<Op>) -> BoxFut<'_, Option<i64>> {

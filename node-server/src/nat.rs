@@ -19,9 +19,9 @@ use ipnet::IpNet;
 use tether_base::sync::lock;
 
 use crate::cluster::Peers;
-use crate::error::Result;
-use crate::kernel::{Host, NatPlan};
 use crate::pools::PoolDef;
+use tether_base::error::Result;
+use tether_kernel::{Host, NatPlan};
 
 /// The node's outbound NAT: what was asked on the command line, and the
 /// host it is programmed on. Applied at start (which also puts back a
@@ -174,7 +174,7 @@ impl OutboundNat {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernel::fake::FakeHost;
+    use tether_kernel::fake::FakeHost;
 
     fn nets(list: &[&str]) -> Vec<IpNet> {
         list.iter().map(|n| n.parse().unwrap()).collect()

@@ -107,6 +107,10 @@ const OTHER_FLAGS: &[(&str, &[&str])] = &[
         &["cni"],
     ),
     ("mdbook", &["dest-dir"]),
+    (
+        "the suites' tetherd_with_delays (tests/src/bin)",
+        &["hold-deletions-ms", "hold-writes-while", "hold-writes-ms"],
+    ),
 ];
 
 fn read(file: &str) -> String {
@@ -114,7 +118,7 @@ fn read(file: &str) -> String {
 }
 
 /// The flags of `tetherd --help`, without their dashes, and those it
-/// hides from its help (test hooks, aliases), from its source.
+/// hides from its help (aliases, hidden flags), from its source.
 fn tetherd_flags() -> BTreeSet<String> {
     let out = Command::new(tetherd_bin())
         .arg("--help")
@@ -129,7 +133,7 @@ fn tetherd_flags() -> BTreeSet<String> {
             Some(name.split([' ', '=']).next()?.to_string())
         })
         .collect();
-    let main = read("node-server/src/main.rs");
+    let main = read("node-server/src/daemon/options.rs");
     let lines: Vec<&str> = main.lines().collect();
     for (n, line) in lines.iter().enumerate() {
         let line = line.trim();
@@ -141,6 +145,7 @@ fn tetherd_flags() -> BTreeSet<String> {
         }
         if line.starts_with("#[arg(long,") && line.contains("hide = true") {
             let field = lines.get(n + 1).map(|l| l.trim()).unwrap_or_default();
+            let field = field.strip_prefix("pub ").unwrap_or(field);
             let name = field.split(':').next().unwrap_or_default();
             flags.insert(name.replace('_', "-"));
         }

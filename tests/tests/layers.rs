@@ -7,9 +7,8 @@
 //! placed in it before it can be used.
 //!
 //! Inside a crate, the top-level modules must not import each other in a
-//! cycle either. The one cycle that is left (tetherd's features and its
-//! attachment lifecycle, where the VM logic and route management are still
-//! methods of `Node`) is named here and may only shrink.
+//! cycle either, nor the modules of one folder (through their `super::`
+//! paths).
 
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -285,5 +284,68 @@ fn a_cycle_between_modules_is_found() {
     assert_eq!(
         cycles(&edges),
         vec![vec!["attach".to_owned(), "vm".to_owned()]]
+    );
+}
+
+/// The imports between the modules of one folder (`dir/*.rs`, each file a
+/// module, `mod.rs` left out: it is their parent), read from their
+/// `super::<sibling>` paths (comments left out).
+fn sibling_edges(dir: &std::path::Path) -> BTreeMap<String, std::collections::BTreeSet<String>> {
+    let mut edges: BTreeMap<String, std::collections::BTreeSet<String>> = BTreeMap::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return edges;
+    };
+    let files: Vec<(String, std::path::PathBuf)> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter_map(|p| {
+            let name = p.file_stem()?.to_str()?.to_owned();
+            (p.extension()? == "rs" && name != "mod" && name != "tests").then_some((name, p))
+        })
+        .collect();
+    let names: std::collections::BTreeSet<&String> = files.iter().map(|(n, _)| n).collect();
+    for (from, path) in &files {
+        let text = std::fs::read_to_string(path).expect("a source file");
+        for line in text.lines().filter(|l| !l.trim_start().starts_with("//")) {
+            for (i, _) in line.match_indices("super::") {
+                let name: String = line[i + "super::".len()..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                if name != *from && names.contains(&name) {
+                    edges.entry(from.clone()).or_default().insert(name);
+                }
+            }
+        }
+    }
+    edges
+}
+
+#[test]
+fn no_cycle_between_the_modules_of_a_folder() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the workspace")
+        .to_path_buf();
+    let mut report = Vec::new();
+    for dir in CRATE_DIRS {
+        let mut folders = vec![root.join(dir).join("src")];
+        while let Some(folder) = folders.pop() {
+            for e in std::fs::read_dir(&folder)
+                .expect("a source folder")
+                .flatten()
+            {
+                if e.path().is_dir() {
+                    folders.push(e.path());
+                }
+            }
+            for cycle in cycles(&sibling_edges(&folder)) {
+                report.push(format!("{}: {}", folder.display(), cycle.join(" -> ")));
+            }
+        }
+    }
+    assert!(
+        report.is_empty(),
+        "cycles between the modules of a folder:\n{}",
+        report.join("\n")
     );
 }

@@ -4,7 +4,7 @@
 //! release of a previous boot's attachments at startup.
 
 use serde_json::Value;
-use tether_e2e::{add, check, del, require_root, tether_bin, with_prev, Daemon, Netns};
+use tether_e2e::{add, check, del, require_root, tether_bin, with_prev, Daemon, DaemonOpts, Netns};
 
 fn pod_ipv4(result: &Value) -> String {
     result["ips"]
@@ -22,9 +22,14 @@ fn pod_ipv4(result: &Value) -> String {
 #[test]
 fn del_then_immediate_add_keeps_the_new_veth() {
     require_root();
-    // tetherd's hidden test hook holds each background deletion back
-    // 300 ms, so the ADD below always arrives while it is pending.
-    let d = Daemon::with_cidrs(&["10.77.0.0/24"], &["--test-delete-delay-ms", "300"]);
+    // tetherd_with_delays holds each background deletion back 300 ms, so
+    // the ADD below always arrives while it is pending.
+    let d = Daemon::start(DaemonOpts {
+        pod_cidrs: vec!["10.77.0.0/24".into()],
+        bin: Some(env!("CARGO_BIN_EXE_tetherd_with_delays").into()),
+        extra_args: vec!["--hold-deletions-ms".into(), "300".into()],
+        ..DaemonOpts::default()
+    });
     let conf = d.netconf("1.1.0", "lifecycle");
     let pod = Netns::new("lcpod");
     let peer = Netns::new("lcpeer");

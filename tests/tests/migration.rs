@@ -568,17 +568,26 @@ fn a_single_node_keeps_vm_addresses_in_the_embedded_store() {
 
 /// The target's cutover notice (UDP to the other nodes, sent the moment the
 /// VM announces itself) repoints them before the record's write lands; the
-/// write is held back here (hidden test hook) while the target's pod is
-/// deleted, so the record refuses the promotion, and the nodes that
-/// followed the notice must route back to the source at once, long before
-/// the notice would lapse.
+/// write is held back here (the nodes run `tetherd_with_delays`, which
+/// holds the control store's writes while a file exists) while the
+/// target's pod is deleted, so the record refuses the promotion, and the
+/// nodes that followed the notice must route back to the source at once,
+/// long before the notice would lapse.
 fn the_targets_notice_repoints_the_others_before_the_commit_and_a_refusal_brings_them_back(
     store: Store,
 ) {
     require_root();
     const HOLD_MS: u64 = 3000;
+    let hold_dir = tether_e2e::TempDir::new("hold");
+    let holding = hold_dir.path().join("hold-writes");
     let mut opts = ClusterOpts::on(store);
-    opts.node.extra_args = vec!["--test-cutover-commit-delay-ms".into(), HOLD_MS.to_string()];
+    opts.node.bin = Some(env!("CARGO_BIN_EXE_tetherd_with_delays").into());
+    opts.node.extra_args = vec![
+        "--hold-writes-while".into(),
+        holding.display().to_string(),
+        "--hold-writes-ms".into(),
+        HOLD_MS.to_string(),
+    ];
     let cluster = Cluster::new(opts);
     let (a, b, c) = (cluster.node(0), cluster.node(1), cluster.node(2));
     let spec = VmPodSpec::new("tenant", "vm1", "virt-launcher-vm1-aaaaa");
@@ -591,8 +600,9 @@ fn the_targets_notice_repoints_the_others_before_the_commit_and_a_refusal_brings
     let generation = get_vm(socket(a), "tenant", "vm1").unwrap().generation;
     assert_eq!(hop(c, ip), toward(c, a));
 
-    // The VM announces itself on B: C and A follow B's notice while B
-    // holds its write.
+    // The VM announces itself on B: C and A follow B's notice while B's
+    // write is held.
+    std::fs::write(&holding, b"").expect("the hold's file");
     let t0 = Instant::now();
     send_rarp(target.netns(), "eth0", mac_bytes(&mac));
     assert!(
@@ -613,7 +623,9 @@ fn the_targets_notice_repoints_the_others_before_the_commit_and_a_refusal_brings
     eprintln!("RARP → C and A repointed by B's notice: {repointed:?} (record unchanged)");
 
     // The target's pod goes away before B's write: the record refuses it,
-    // and C and A come back to A at once.
+    // and C and A come back to A at once. (The writes begun from now on
+    // go through at once: the DEL's among them.)
+    std::fs::remove_file(&holding).expect("the hold's file");
     assert!(del_vm_pod(b, &spec, &target).success());
     drop(target);
     let t1 = Instant::now();

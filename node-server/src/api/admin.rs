@@ -5,17 +5,17 @@
 use crate::api::cni::{verb_name, Stats, VERBS};
 use crate::api::pending_del;
 use crate::attach::Node;
-use crate::error::Error;
 use crate::pools::PoolUsage;
-use crate::store::Attachment;
-use crate::time::UnixNanos;
 use crate::vm::{Trigger, VmAttachment, VmKey, VmRecord};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
+use tether_base::error::Error;
+use tether_base::time::UnixNanos;
 use tether_proto::admin::v1 as pb;
 use tether_proto::admin::v1::admin_server;
+use tether_store::store::Attachment;
 use tonic::{Request, Response, Status};
 
 /// The admin service.
@@ -43,8 +43,8 @@ fn join(ips: &[std::net::IpAddr]) -> String {
         .join(",")
 }
 
-fn tetherd_error(e: tokio::task::JoinError) -> crate::error::Error {
-    crate::error::Error::Internal(format!("store probe task failed: {e}"))
+fn tetherd_error(e: tokio::task::JoinError) -> tether_base::error::Error {
+    tether_base::error::Error::Internal(format!("store probe task failed: {e}"))
 }
 
 fn to_pb(a: &Attachment) -> pb::Attachment {
@@ -391,7 +391,6 @@ impl admin_server::Admin for AdminService {
             recent_vm_route_updates: vm.recent_route_updates.iter().map(route_stats).collect(),
             recent_block_routes: self
                 .node
-                .routes
                 .recent_block_routes()
                 .into_iter()
                 .map(|b| pb::BlockRouteStats {

@@ -1,20 +1,20 @@
 //! The `tether.cni.v1.Cni` gRPC service: the daemon's edge for CNI calls.
 //!
 //! Each RPC parses the forwarded invocation into a typed [`Invocation`]
-//! (all validation lives in [`crate::cni`]), runs it on the [`Node`], and
+//! (all validation lives in [`tether_cni`]), runs it on the [`Node`], and
 //! answers with the result bytes or the CNI error object. gRPC-level errors
 //! are never used for CNI failures, so the shim can tell "the daemon said no"
 //! from "the daemon is unreachable".
 
 use crate::api::pending_del;
 use crate::attach::Node;
-use crate::cni::{self, Command, Invocation, NetConf, UnknownKey};
-use crate::error::{Error, Result};
-use crate::time::UnixNanos;
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
+use tether_base::error::{Error, Result};
+use tether_base::time::UnixNanos;
+use tether_cni::{Command, Invocation, NetConf, UnknownKey};
 use tether_proto::cni::v1::{cni_response::Outcome, cni_server, CniRequest, CniResponse};
 use tonic::{Request, Response, Status};
 
@@ -145,7 +145,7 @@ impl CniService {
     }
 
     async fn run(&self, rpc: Command, req: CniRequest) -> CniResponse {
-        let parsed = cni::parse_request(&req).and_then(|inv| {
+        let parsed = tether_cni::parse_request(&req).and_then(|inv| {
             if inv.command == rpc {
                 Ok(inv)
             } else {
@@ -160,7 +160,7 @@ impl CniService {
         }
         let version = match &parsed {
             Ok(inv) => inv.conf.cni_version.as_str().to_string(),
-            Err(_) => cni::error_version(&req.stdin),
+            Err(_) => tether_cni::error_version(&req.stdin),
         };
         let in_flight = crate::metrics::get().cni_started(verb_name(rpc));
         let outcome = match parsed {
@@ -180,7 +180,7 @@ impl CniService {
                     error = %e,
                     "request failed"
                 );
-                Outcome::Error(cni::error_to_proto(&version, &e))
+                Outcome::Error(tether_cni::error_to_proto(&version, &e))
             }
         };
         CniResponse {
@@ -238,7 +238,7 @@ pub async fn drain_pending_dels(node: &Node, stats: &Stats) -> u64 {
     }
     let mut processed = 0;
     for (path, queued) in entries {
-        let outcome = match cni::parse_request(&queued.to_request()) {
+        let outcome = match tether_cni::parse_request(&queued.to_request()) {
             Ok(inv) => {
                 let queued_at = UnixNanos::from_nanos_u128(queued.queued_at_unix_nanos);
                 dispatch(node, &inv, Some(queued_at)).await
@@ -279,7 +279,7 @@ pub async fn drain_pending_dels(node: &Node, stats: &Stats) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cni::CniVersion;
+    use tether_cni::CniVersion;
 
     fn conf(json: serde_json::Value) -> NetConf {
         let serde_json::Value::Object(obj) = json else {

@@ -13,9 +13,9 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
 use crate::attach::Node;
-use crate::error::{Error, Result};
-use crate::ipam::Family as IpFamily;
 use crate::metrics::{get, render};
+use tether_base::error::{Error, Result};
+use tether_ipam::Family as IpFamily;
 
 /// The state metrics, read from the node at every scrape.
 pub struct NodeCollector {

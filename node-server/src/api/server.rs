@@ -5,13 +5,13 @@
 use crate::api::admin::AdminService;
 use crate::api::cni::{CniService, Stats};
 use crate::attach::Node;
-use crate::error::{Error, Result};
 use futures::Stream;
 use std::collections::HashSet;
 use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use tether_base::error::{Error, Result};
 use tether_proto::admin::v1::admin_server::AdminServer;
 use tether_proto::cni::v1::cni_server::CniServer;
 use tokio::net::{UnixListener, UnixStream};

@@ -2,10 +2,18 @@
 //! side, rolled back together), and a repeated ADD.
 
 use super::del::{Made, Teardown};
-use super::*;
-use crate::cni::VmPod;
+use super::{blocking, key_of, wired, wiring, Node};
 use crate::kube::{PodEvent, PodRef};
+use crate::vm;
+use std::path::Path;
+use tether_base::error::{Error, Result};
 use tether_base::keys::ClaimRef;
+use tether_base::sync::lock;
+use tether_base::time::UnixNanos;
+use tether_cni::Invocation;
+use tether_cni::VmPod;
+use tether_kernel::{KernelError, PodNetns};
+use tether_store::store::Attachment;
 
 impl Node {
     /// ADD: wires the attachment, or returns the recorded result when the
@@ -17,7 +25,7 @@ impl Node {
         // The pod's annotations are parsed once for the whole call; a
         // malformed one fails the ADD where it always did, after the
         // checks that come first.
-        let vm_pod = cni::vm_pod(inv);
+        let vm_pod = tether_cni::vm_pod(inv);
         let claim = match &vm_pod {
             Ok(Some(pod)) => pod.claim.clone(),
             _ => None,
@@ -76,8 +84,8 @@ impl Node {
             reason: "required for ADD".into(),
         })?;
         let vm_pod = vm_pod?;
-        let requested = cni::requested(inv)?;
-        let pools = cni::pools(inv)?;
+        let requested = tether_cni::requested(inv)?;
+        let pools = tether_cni::pools(inv)?;
         if vm_pod.is_some() && !pools.is_empty() {
             return Err(Error::InvalidConfig(format!(
                 "named pools ({}) do not serve KubeVirt VM pods yet: a VM's addresses come from the pod CIDRs",
@@ -93,7 +101,7 @@ impl Node {
             return self.add_again(inv, a, vm_pod.as_ref(), &netns).await;
         }
 
-        let host_ifname = kernel::host_ifname(&key.network, &key.container_id, &key.ifname);
+        let host_ifname = tether_kernel::host_ifname(&key.network, &key.container_id, &key.ifname);
         if let Some(other) = lock(&self.attachments)
             .values()
             .find(|a| a.host_ifname == host_ifname)
@@ -184,7 +192,7 @@ impl Node {
                 });
             }
         }
-        let result = cni::render_add_result(&inv.conf, &wired(&attachment));
+        let result = tether_cni::render_add_result(&inv.conf, &wired(&attachment));
         match (&vm_pod, &placement) {
             (Some(pod), Some(p)) => {
                 // In the table before the listener can see the VM announce.
@@ -211,7 +219,7 @@ impl Node {
         &self,
         inv: &Invocation,
         a: Attachment,
-        vm_pod: Option<&cni::VmPod>,
+        vm_pod: Option<&tether_cni::VmPod>,
         netns: &PodNetns,
     ) -> Result<Vec<u8>> {
         let netns_path = netns.path();
@@ -240,6 +248,6 @@ impl Node {
         if let Some(pod) = vm_pod {
             self.vms.ready_annotation(self, pod, &a).await;
         }
-        cni::render_add_result(&inv.conf, &wired(&a))
+        tether_cni::render_add_result(&inv.conf, &wired(&a))
     }
 }

@@ -1,10 +1,17 @@
 //! Addresses of new pods: from the pools (claiming a block in cluster mode
 //! when a family runs out), or the ones the runtime requested.
 
-use super::*;
-use crate::cni::Requested;
-use crate::ipam::Take;
+use super::Node;
+use crate::cluster::Cluster;
 use crate::vm::VmKey;
+use ipnet::IpNet;
+use std::net::IpAddr;
+use tether_base::error::{Error, Result};
+use tether_base::mac::Mac;
+use tether_base::sync::lock;
+use tether_cni::Requested;
+use tether_ipam::Family;
+use tether_ipam::Take;
 
 impl Node {
     /// Claims a block of `family` (or finds one that a concurrent claim
@@ -205,7 +212,7 @@ impl Node {
                 self.check_mac_free(m, None)?;
                 Ok(m)
             }
-            None => Ok(kernel::pod_mac(ips)),
+            None => Ok(tether_kernel::pod_mac(ips)),
         }
     }
 }

@@ -1,8 +1,16 @@
 //! DEL: the route and the record go before the address is freed; the
 //! veth goes after the reply (see `link_reaper`).
 
-use super::*;
+use super::{blocking, key_of, Node};
 use crate::vm::Placement;
+use std::net::IpAddr;
+use std::path::Path;
+use tether_base::error::{Error, Result};
+use tether_base::sync::lock;
+use tether_base::time::UnixNanos;
+use tether_cni::{Invocation, VmAddressPolicy};
+use tether_kernel::KernelError;
+use tether_store::store::{Attachment, AttachmentKey};
 
 impl Node {
     /// DEL: idempotent. `queued_at` is set for DELs replayed from the shim's
@@ -16,14 +24,14 @@ impl Node {
         let Some(a) = existing else {
             if inv.conf.ipam.is_some() {
                 // Addresses only: nothing of it was ever in the kernel.
-                return Ok(cni::empty_result());
+                return Ok(tether_cni::empty_result());
             }
             // Nothing recorded. A link of that name can only be a leftover of
             // a failed rollback: remove it in the background.
-            let host = kernel::host_ifname(&key.network, &key.container_id, &key.ifname);
+            let host = tether_kernel::host_ifname(&key.network, &key.container_id, &key.ifname);
             // So can a tap of an ADD that failed before its record: it is
             // removed only if its alias names this attachment.
-            let tap = cni::vm_pod(inv)
+            let tap = tether_cni::vm_pod(inv)
                 .ok()
                 .flatten()
                 .and_then(|p| p.guest)
@@ -32,14 +40,14 @@ impl Node {
                 self.remove_tap(netns, &tap.name, &host).await?;
             }
             self.delete_link_later(host);
-            return Ok(cni::empty_result());
+            return Ok(tether_cni::empty_result());
         };
         if queued_at.is_some_and(|q| a.created_unix_nanos > q) {
             tracing::info!(key = %a.key, "queued DEL is older than the attachment; skipped");
-            return Ok(cni::empty_result());
+            return Ok(tether_cni::empty_result());
         }
         self.release(&[a], inv.conf.vm_address_policy).await?;
-        Ok(cni::empty_result())
+        Ok(tether_cni::empty_result())
     }
 
     /// DEL and GC: [`Node::teardown`] of whole attachments.

@@ -1,8 +1,12 @@
 //! GC: releasing attachments the runtime no longer lists, then sweeping
 //! orphans.
 
-use super::*;
-
+use super::Node;
+use std::collections::HashSet;
+use tether_base::error::{Error, Result};
+use tether_base::sync::lock;
+use tether_cni::Invocation;
+use tether_store::store::Attachment;
 impl Node {
     /// GC: releases every attachment of the network not listed as valid, then
     /// sweeps our links and routes that no attachment owns.
@@ -46,6 +50,6 @@ impl Node {
         if swept.links_removed + swept.routes_removed > 0 {
             tracing::info!(?swept, "GC swept orphans");
         }
-        Ok(cni::empty_result())
+        Ok(tether_cni::empty_result())
     }
 }

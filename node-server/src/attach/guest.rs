@@ -3,8 +3,9 @@
 //! as long as the attachment lives, from the attachment's record (the VM's
 //! addresses and MAC) alone.
 
-use super::*;
-use crate::kernel::GuestLease;
+use super::Node;
+use tether_kernel::GuestLease;
+use tether_store::store::Attachment;
 
 impl Node {
     /// What the guest of `a` is told, if `a` has a guest.
@@ -46,7 +47,7 @@ impl Node {
     }
 
     /// The guest DHCP service's counters, and the veths it serves now.
-    pub fn guest_dhcp_stats(&self) -> (crate::kernel::DhcpStats, usize) {
+    pub fn guest_dhcp_stats(&self) -> (tether_kernel::DhcpStats, usize) {
         self.dhcp.stats()
     }
 

@@ -4,8 +4,17 @@
 //! GC, a restart and a reboot treat it as they treat a pod, and nothing of
 //! it is in the kernel for tether to wire, route, check or remove.
 
-use super::*;
-use crate::cni::config::ResultRoute;
+use super::{blocking, key_of, Node};
+use ipnet::IpNet;
+use std::net::IpAddr;
+use std::path::Path;
+use tether_base::error::{Error, Result};
+use tether_base::sync::lock;
+use tether_base::time::UnixNanos;
+use tether_cni::config::ResultRoute;
+use tether_cni::Invocation;
+use tether_ipam::Family;
+use tether_store::store::Attachment;
 
 impl Node {
     /// The addresses of an attachment that selects named pools: per pool,
@@ -71,15 +80,15 @@ impl Node {
             var: "CNI_NETNS",
             reason: "required for ADD".into(),
         })?;
-        let pools = cni::pools(inv)?;
+        let pools = tether_cni::pools(inv)?;
         if pools.is_empty() {
             return Err(Error::InvalidConfig(format!(
                 "tether as IPAM needs ipam.pool, or the pod annotation {}.{}, naming a pool of the daemon's --pools",
-                cni::POOL_ANNOTATION,
+                tether_cni::POOL_ANNOTATION,
                 inv.conf.name
             )));
         }
-        let requested = cni::requested(inv)?;
+        let requested = tether_cni::requested(inv)?;
         let _sweep = self.sweep.read().await;
         let _key = self.lock_key(&key).await;
         let existing = lock(&self.attachments).get(&key).cloned();
@@ -98,7 +107,7 @@ impl Node {
         let attachment = Attachment {
             key: key.clone(),
             netns: netns.display().to_string(),
-            mac: kernel::pod_mac(&ips),
+            mac: tether_kernel::pod_mac(&ips),
             ips: ips.clone(),
             host_ifname: String::new(),
             mtu: 0,
@@ -132,7 +141,7 @@ impl Node {
     /// prefix and gateway, the pools' routes and the `ipam` section's,
     /// and DNS.
     fn ipam_result(&self, inv: &Invocation, a: &Attachment) -> Result<Vec<u8>> {
-        let mut leased = cni::Leased {
+        let mut leased = tether_cni::Leased {
             ips: Vec::with_capacity(a.ips.len()),
             routes: Vec::new(),
             dns: None,
@@ -162,6 +171,6 @@ impl Node {
                 leased.dns = conf.dns.clone();
             }
         }
-        cni::render_ipam_result(&inv.conf, &leased)
+        tether_cni::render_ipam_result(&inv.conf, &leased)
     }
 }

@@ -2,8 +2,13 @@
 //! reply, in kernel batches, by a worker with a socket of its own; an ADD
 //! that needs the same name waits for it.
 
-use super::*;
-
+use super::Node;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tether_base::error::Result;
+use tether_base::sync::lock;
+use tokio::sync::Notify;
 /// The link reaper's state.
 #[derive(Default)]
 pub(crate) struct LinkReaper {
@@ -69,13 +74,9 @@ impl Node {
         let deleting = self.reaper.deleting.clone();
         let doomed = self.reaper.doomed.clone();
         let queued = self.reaper.queued.clone();
-        let delay = self.config.test_delete_delay;
         tokio::spawn(async move {
             loop {
                 queued.notified().await;
-                if !delay.is_zero() {
-                    tokio::time::sleep(delay).await;
-                }
                 let batch = std::mem::take(&mut *lock(&doomed));
                 if batch.is_empty() {
                     continue;

@@ -30,31 +30,28 @@ pub(crate) mod tests;
 mod vm_side;
 
 use crate::routing::{self, manager::Routes};
-use crate::vm;
 use link_reaper::LinkReaper;
 use reconcile::rebooted_since_last_run;
 
 pub use crate::vm::{CutoverTiming, RouteUpdateTiming, VmStats};
 
 use crate::cluster::{Cluster, Peers};
-use crate::cni::{self, Invocation, VmAddressPolicy};
-use crate::error::{Error, Mismatch, Result};
-use crate::ipam::{Family, Pools};
-use crate::kernel::{self, Host, Kernel, KernelError, PodNetns, PodWiring};
-use crate::mac::Mac;
 use crate::pools::NamedPools;
-use crate::store::{Attachment, AttachmentKey, Store};
-use crate::time::UnixNanos;
 use crate::vm::{VmRegistry, Vms};
 use ipnet::IpNet;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::IpAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use tether_base::error::{Error, Result};
+use tether_base::mac::Mac;
 pub(crate) use tether_base::sync::lock;
-use tokio::sync::{Notify, OwnedMutexGuard, RwLock};
+use tether_cni::Invocation;
+use tether_ipam::Pools;
+use tether_kernel::{Host, Kernel, PodNetns, PodWiring};
+use tether_store::store::{Attachment, AttachmentKey, Store};
+use tokio::sync::{OwnedMutexGuard, RwLock};
 
 /// The node's static settings.
 #[derive(Debug, Clone)]
@@ -72,9 +69,6 @@ pub struct NodeConfig {
     /// Non-root uids allowed to use the daemon (on the socket, and as
     /// authors of queued DELs).
     pub allowed_uids: Vec<u32>,
-    /// Test hook: holds background link deletions back this long, so tests
-    /// can prove that nothing depends on their timing. Zero in production.
-    pub test_delete_delay: Duration,
     /// The named pools (`--pools`).
     pub pools: Vec<crate::pools::PoolDef>,
 }
@@ -98,47 +92,47 @@ pub struct Reconciled {
 
 /// This node's pod networking.
 pub struct Node {
-    pub(crate) config: NodeConfig,
-    pub(crate) store: Arc<dyn Store>,
+    config: NodeConfig,
+    store: Arc<dyn Store>,
     /// Cluster mode: membership and blocks.
-    pub(crate) cluster: Option<Arc<Cluster>>,
+    cluster: Option<Arc<Cluster>>,
     /// The other nodes this node routes to: the cluster (cluster mode) or
     /// the Node objects (`--pod-cidr-from-node`); none on a lone node.
-    pub(crate) peers: Option<Arc<dyn Peers>>,
-    pub(crate) kernel: Arc<dyn Kernel>,
-    pub(crate) host: Arc<dyn Host>,
-    pub(crate) pools: Mutex<Pools>,
-    pub(crate) attachments: Mutex<HashMap<AttachmentKey, Attachment>>,
+    peers: Option<Arc<dyn Peers>>,
+    kernel: Arc<dyn Kernel>,
+    host: Arc<dyn Host>,
+    pools: Mutex<Pools>,
+    attachments: Mutex<HashMap<AttachmentKey, Attachment>>,
     /// One async lock per attachment key, present while someone holds or
     /// waits for it, so that different pods proceed in parallel.
-    pub(crate) key_locks: Mutex<HashMap<AttachmentKey, Arc<tokio::sync::Mutex<()>>>>,
+    key_locks: Mutex<HashMap<AttachmentKey, Arc<tokio::sync::Mutex<()>>>>,
     /// Held shared by per-attachment verbs and exclusively by GC, whose
     /// orphan sweep must not see an ADD half done.
-    pub(crate) sweep: RwLock<()>,
+    sweep: RwLock<()>,
     /// Veths of released attachments, deleted after the reply.
-    pub(crate) reaper: LinkReaper,
+    reaper: LinkReaper,
     /// KubeVirt VMs: the component that owns the records and this node's
     /// VM state; it reaches the node through [`crate::vm::NodeSide`].
-    pub(crate) vms: Arc<Vms>,
+    vms: Arc<Vms>,
     /// The route manager's state.
-    pub(crate) routes: Routes,
+    routes: Routes,
     /// DHCP and router advertisements for the guests of tap bindings.
-    pub(crate) dhcp: Arc<dyn kernel::GuestDhcp>,
+    dhcp: Arc<dyn tether_kernel::GuestDhcp>,
     /// The named pools, for attachments that select one and for IPAM-only
     /// attachments.
-    pub(crate) named: NamedPools,
+    named: NamedPools,
     /// The Kubernetes API (events, IPAMClaims), once its client is up;
     /// unset when the daemon runs without one.
-    pub(crate) kube: std::sync::OnceLock<Arc<crate::kube::KubeLink>>,
+    kube: std::sync::OnceLock<Arc<crate::kube::KubeLink>>,
     /// The cutover-notice sockets, once opened (cluster peers and a port).
-    pub(crate) notice_bus: std::sync::OnceLock<Arc<notices::NoticeBus>>,
+    notice_bus: std::sync::OnceLock<Arc<notices::NoticeBus>>,
     /// The MTU of pod interfaces a netconf does not set: `--mtu`, else
     /// [`DEFAULT_POD_MTU`], or in VXLAN mode the VXLAN device's (known once
     /// the device is made, before the node serves).
-    pub(crate) pod_mtu: AtomicU32,
+    pod_mtu: AtomicU32,
     /// Migrating VMs' connections: what this node does as a migration's
     /// source or target beyond the routes.
-    pub(crate) handovers: Arc<crate::handover::Handovers>,
+    handovers: Arc<crate::handover::Handovers>,
 }
 
 /// The pod MTU without `--mtu`, outside VXLAN mode.
@@ -201,10 +195,10 @@ fn wiring<'a>(a: &'a Attachment, pod_mac: Mac, netns: &'a PodNetns, routed: bool
     }
 }
 
-fn wired(a: &Attachment) -> cni::Wired {
-    cni::Wired {
+fn wired(a: &Attachment) -> tether_cni::Wired {
+    tether_cni::Wired {
         host_ifname: a.host_ifname.clone(),
-        host_mac: kernel::GATEWAY_MAC.to_string(),
+        host_mac: tether_kernel::GATEWAY_MAC.to_string(),
         pod_ifname: a.key.ifname.clone(),
         pod_mac: a.mac.to_string(),
         sandbox: a.netns.clone(),
@@ -454,6 +448,12 @@ impl Node {
     /// The node's settings.
     pub fn config(&self) -> &NodeConfig {
         &self.config
+    }
+
+    /// When the routes to other nodes' blocks last went in (the admin
+    /// API's stats).
+    pub fn recent_block_routes(&self) -> Vec<crate::routing::manager::BlockRouteTiming> {
+        self.routes.recent_block_routes()
     }
 
     /// The store in use.

@@ -11,9 +11,12 @@
 //! holds at most `NOTICE_TTL` unless the record confirms it. A datagram
 //! lost costs only the time the watch takes, as without notices.
 
-use super::*;
+use super::Node;
 use crate::vm::notices::{CutoverNotice, NOTICE_TTL};
+use std::net::IpAddr;
 use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
 use tokio::net::UdpSocket;
 
 /// The node's notice sockets: IPv4 on every address, IPv6 on the node's
@@ -56,12 +59,6 @@ impl NoticeBus {
 }
 
 impl Node {
-    /// Test hook: holds every cutover's write back by `delay` after its
-    /// notice went out.
-    pub fn set_test_cutover_commit_delay(&self, delay: Duration) {
-        self.vms.set_test_commit_delay(delay);
-    }
-
     /// Opens the notice sockets on `port` and starts reading them; a port
     /// of 0, no cluster peers, or a port already taken leaves notices off
     /// (the watch alone repoints, as before), which is logged.

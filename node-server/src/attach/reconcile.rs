@@ -1,8 +1,12 @@
 //! Reconciliation: the kernel is made to agree with the store at start-up
 //! and after GC; a reboot releases the previous boot's attachments.
 
-use super::*;
-
+use super::{Node, Reconciled};
+use std::collections::{HashMap, HashSet};
+use std::net::IpAddr;
+use std::path::Path;
+use tether_base::error::{Error, Result};
+use tether_store::store::Attachment;
 /// Compares the kernel's boot id, `current`, with the one recorded in the state dir at
 /// the last start, and records the current one. True when they differ.
 pub(super) fn rebooted_since_last_run(state_dir: &Path, current: &str) -> Result<bool> {

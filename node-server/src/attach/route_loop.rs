@@ -4,10 +4,16 @@
 //! and route management (`routing::manager::Routes`), which owns what was
 //! programmed.
 
-use super::*;
+use super::Node;
 use crate::routing::manager::{note, program_cluster};
 use crate::routing::plan::{self, ClusterSide, VmPlan};
 use crate::vm::VmView;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tether_base::error::Result;
+use tether_base::sync::lock;
+use tether_store::store::{Attachment, AttachmentKey};
 
 /// How often unused anchors are removed.
 const ANCHOR_PRUNE: Duration = Duration::from_secs(30);

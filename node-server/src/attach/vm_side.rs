@@ -2,12 +2,19 @@
 //! its pools, addresses for a VM's first record, the guest's welcome, a
 //! route resync and events on pods.
 
-use super::*;
-use crate::cni::{Requested, VmPod};
+use super::Node;
 use crate::handover::HandoverSide;
 use crate::vm::{NodeSide, VmKey};
+use std::collections::HashMap;
 use std::future::Future;
+use std::net::IpAddr;
+use tether_base::error::{Error, Result};
+use tether_base::mac::Mac;
 use tether_base::pod_event::{PodEvent, PodRef};
+use tether_base::sync::lock;
+use tether_cni::{Requested, VmPod};
+use tether_ipam::Pools;
+use tether_store::store::{Attachment, AttachmentKey};
 
 impl NodeSide for Node {
     fn attachment(&self, key: &AttachmentKey) -> Option<Attachment> {

@@ -2,9 +2,16 @@
 //! the node ID, then the first free index), adopting a claim whose answer
 //! was lost, and taking a block back after the node's record was reaped.
 
-use super::*;
-
-use crate::ipam::{max_len, nth_block, to_u128};
+use super::{lock, to_json, BlockRecord, Cluster};
+use ipnet::IpNet;
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+use tether_base::error::{Error, Result};
+use tether_base::time::UnixMillis;
+use tether_ipam::Family;
+use tether_ipam::{max_len, nth_block, to_u128};
+use tether_store::control::{Cmp, ControlError, Op};
 
 /// The index of `block` inside `cidr` for blocks of `len`.
 fn block_index(cidr: &IpNet, block: &IpNet, len: u8) -> u128 {

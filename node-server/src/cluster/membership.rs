@@ -1,8 +1,16 @@
 //! Membership: registration and the node ID, and the lease that keeps this
 //! node's alive key.
 
-use super::*;
-
+use super::view::Keys;
+use super::{lock, to_json, vtep_mac, Cluster, ClusterConfig, NodeRecord, Overlay, MAX_NODE_ID};
+use ipnet::IpNet;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tether_base::error::{Error, Result};
+use tether_base::mac::Mac;
+use tether_base::time::UnixMillis;
+use tether_store::control::{Cmp, ControlStore, Op};
 /// Finds or creates this node's record and ID.
 ///
 /// Two keys, written one at a time: first the ID (`nodeids/<id>` holding

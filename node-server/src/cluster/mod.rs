@@ -31,17 +31,17 @@ pub use peers::Peers;
 pub use view::ClusterView;
 use view::{apply, put_kv, Keys};
 
-use crate::control::{self, BoxFut, Cmp, ControlError, ControlStore, Event, Follower, Kv, Op};
-use crate::error::{Error, Result};
-use crate::ipam::Family;
-use crate::mac::Mac;
-use crate::time::UnixMillis;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tether_base::error::{Error, Result};
+use tether_base::mac::Mac;
+use tether_base::time::UnixMillis;
+use tether_ipam::Family;
+use tether_store::control::{self, BoxFut, ControlStore, Event, Follower};
 use tokio::sync::watch;
 
 /// The highest node ID: IDs number the VXLAN gateway addresses, which live
@@ -460,7 +460,8 @@ pub(crate) fn vtep_underlay<'a>(theirs: &'a [IpAddr], ours: &[IpAddr]) -> Option
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::control::embedded::EmbeddedStore;
+    use tether_store::control::embedded::EmbeddedStore;
+    use tether_store::control::Op;
 
     pub(crate) fn config(name: &str) -> ClusterConfig {
         ClusterConfig {

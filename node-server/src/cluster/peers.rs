@@ -3,8 +3,9 @@
 //! Kubernetes Node objects with `--pod-cidr-from-node`
 //! (`crate::kube::node_peers`). The route manager plans from either alike.
 
-use super::*;
-
+use super::view::ClusterView;
+use super::{Cluster, NodeRecord, Overlay};
+use tokio::sync::watch;
 /// The other nodes as one source of them sees them: this node's record,
 /// how they are reached, and a view of every node and its address ranges
 /// (the blocks of cluster mode, the pod CIDRs of Node objects), with a

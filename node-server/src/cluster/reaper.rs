@@ -13,8 +13,12 @@
 //!    step 1 sees its record go and registers again, claiming back the
 //!    blocks it still uses (`lease_loop`).
 
-use super::*;
-
+use super::view::ClusterView;
+use super::{lock, Cluster, NodeRecord};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tether_base::error::Result;
+use tether_store::control::{Cmp, Op};
 impl Cluster {
     /// Reaps nodes whose lease has been gone longer than the grace period.
     pub(super) async fn reaper_loop(self: Arc<Self>) {
@@ -101,7 +105,12 @@ impl Cluster {
 #[cfg(test)]
 mod tests {
     use super::super::tests::{config, embedded, join};
+    use super::super::view::Keys;
+    use super::super::{to_json, BlockRecord};
     use super::*;
+    use ipnet::IpNet;
+    use tether_base::time::UnixMillis;
+    use tether_store::control::ControlStore;
 
     /// Writes `key` = `value` without a condition.
     async fn put(store: &Arc<dyn ControlStore>, key: String, value: Vec<u8>, lease: Option<i64>) {

@@ -1,8 +1,11 @@
 //! The cluster view: every node and block, kept by applying the control
 //! store's events, and the keys they live under.
 
-use super::*;
-
+use super::{BlockRecord, NodeRecord};
+use ipnet::IpNet;
+use std::collections::{BTreeMap, BTreeSet};
+use tether_ipam::Family;
+use tether_store::control::{self, Event, Kv};
 /// The cluster as the watch last saw it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ClusterView {

@@ -24,18 +24,18 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use crate::kernel::error::Result;
-use crate::kernel::KernelError;
-use crate::kernel::{GuestDhcp, GuestLease};
 use responder::{Dropped, Kind, Outcome};
 use socket::GuestSocket;
 use tether_base::sync::lock;
+use tether_kernel::error::Result;
+use tether_kernel::KernelError;
+use tether_kernel::{GuestDhcp, GuestLease};
 
 /// How often an unsolicited router advertisement refreshes the guest's
 /// default router: three times per router lifetime.
 const ADVERTISE_EVERY: Duration = Duration::from_secs(responder::ROUTER_LIFETIME_SECS as u64 / 3);
 
-pub use crate::kernel::DhcpStats;
+pub use tether_kernel::DhcpStats;
 
 #[derive(Debug, Default)]
 struct Counters {
@@ -263,7 +263,7 @@ async fn answer_loop(
                     if warned.insert(src) {
                         tracing::warn!(
                             veth = ifname,
-                            guest_mac = %crate::mac::Mac::from(src),
+                            guest_mac = %tether_base::mac::Mac::from(src),
                             vm_mac = %current.mac,
                             "a guest asks for an address with a MAC that is not its VM's: it gets no \
                              answer. Remove the VMI's macAddress, or set it to the VM's MAC"

@@ -19,7 +19,7 @@ use etherparse::{
 };
 use ipnet::Ipv4Net;
 
-use crate::kernel::{GuestLease, GATEWAY_MAC, GATEWAY_V4, GATEWAY_V6};
+use tether_kernel::{GuestLease, GATEWAY_MAC, GATEWAY_V4, GATEWAY_V6};
 
 /// The DHCPv4 server and client ports.
 const DHCP4_SERVER: u16 = 67;

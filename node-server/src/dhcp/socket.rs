@@ -10,9 +10,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use tokio::io::unix::AsyncFd;
 
-use crate::kernel::error::Result;
-use crate::kernel::packet::recv_frame;
-use crate::kernel::KernelError;
+use tether_kernel::error::Result;
+use tether_kernel::packet::recv_frame;
+use tether_kernel::KernelError;
 
 /// `ETH_P_ALL`, in the byte order the socket calls want.
 const ETH_P_ALL_BE: u16 = 0x0003u16.to_be();

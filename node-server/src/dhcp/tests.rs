@@ -10,9 +10,9 @@ use etherparse::{Icmpv6Type, LinkSlice, NetSlice, PacketBuilder, SlicedPacket, T
 use proptest::prelude::*;
 
 use super::responder::{respond, server_duid, unsolicited_advertisement, Dropped, Kind, Outcome};
-use crate::kernel::{GuestLease, GATEWAY_MAC, GATEWAY_V4, GATEWAY_V6};
-use crate::mac::Mac;
 use tether_base::guest::DhcpOptions;
+use tether_base::mac::Mac;
+use tether_kernel::{GuestLease, GATEWAY_MAC, GATEWAY_V4, GATEWAY_V6};
 
 const GUEST: [u8; 6] = [0x0a, 0x58, 0x0a, 0x01, 0x00, 0x07];
 const OTHER: [u8; 6] = [0x52, 0x54, 0x00, 0xaa, 0xbb, 0xcc];
@@ -602,7 +602,7 @@ mod real_client {
 
     use super::*;
     use crate::dhcp::DhcpServer;
-    use crate::kernel::GuestDhcp;
+    use tether_kernel::GuestDhcp;
 
     /// Two named network namespaces, deleted on drop even when the test
     /// fails: "node" (the server's) and "guest", joined by a veth.

@@ -5,10 +5,10 @@
 //! decisions and their order.
 
 use super::*;
-use crate::kernel::fake::FakeHandover;
-use crate::kernel::handover::{anchor_mark, TCP, TCP_ESTABLISHED, UDP};
-use crate::time::{UnixMillis, UnixNanos};
 use crate::vm::Origin;
+use tether_base::time::{UnixMillis, UnixNanos};
+use tether_kernel::fake::FakeHandover;
+use tether_kernel::handover::{anchor_mark, TCP, TCP_ESTABLISHED, UDP};
 
 fn ip(s: &str) -> IpAddr {
     s.parse().unwrap()

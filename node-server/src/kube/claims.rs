@@ -27,7 +27,6 @@
 //! that has the VM's traffic (after a migration, the target), where
 //! OVN-Kubernetes leaves the first pod.
 
-use crate::error::Error;
 use crate::vm::VmRecord;
 use crate::vm::Vms;
 use futures::StreamExt;
@@ -41,6 +40,7 @@ use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tether_base::error::Error;
 use tether_base::sync::lock;
 use tokio::sync::Notify;
 
@@ -528,9 +528,9 @@ async fn release_if_gone(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mac::Mac;
-    use crate::time::UnixMillis;
     use crate::vm::{Origin, VmKey};
+    use tether_base::mac::Mac;
+    use tether_base::time::UnixMillis;
 
     fn rec(ips: &[&str]) -> VmRecord {
         VmRecord {

@@ -9,7 +9,6 @@
 //! per [`PER_POD_INTERVAL`], and at most [`BURST`] events per second in
 //! all. What a limit or a full queue drops is counted and logged.
 
-use crate::time::UnixMillis;
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use std::collections::HashMap;
@@ -17,6 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 pub use tether_base::pod_event::{PodEvent, PodRef};
+use tether_base::time::UnixMillis;
 use tokio::sync::mpsc;
 
 /// One event per pod and reason at most this often.

@@ -19,11 +19,11 @@ pub mod node_peers;
 pub mod pods;
 pub mod vms;
 
-use crate::error::{Error, Result};
 use crate::vm::Vms;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
+use tether_base::error::{Error, Result};
 
 pub use claims::{ClaimRef, Claims};
 pub use events::{EventSink, PodEvent, PodRef};

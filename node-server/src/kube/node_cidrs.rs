@@ -4,12 +4,12 @@
 //! without a per-node flag. The other nodes' pod CIDRs, which this node
 //! routes to, come from their Node objects too ([`super::node_peers`]).
 
-use crate::error::{Error, Result};
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node as KubeNode;
 use kube::Api;
 use std::net::IpAddr;
 use std::time::Duration;
+use tether_base::error::{Error, Result};
 
 /// How often the Node is read again while it has no pod CIDR yet.
 const RETRY: Duration = Duration::from_secs(2);

@@ -22,8 +22,6 @@
 
 use super::node_cidrs::{from_spec, internal_ips};
 use crate::cluster::{vtep_mac, BlockRecord, ClusterView, NodeRecord, Overlay, Peers, MAX_NODE_ID};
-use crate::mac::Mac;
-use crate::time::UnixMillis;
 use futures::StreamExt;
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node as KubeNode;
@@ -34,6 +32,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use tether_base::mac::Mac;
+use tether_base::time::UnixMillis;
 use tokio::sync::watch;
 
 /// A node's ID where no control plane hands IDs out: the network number of

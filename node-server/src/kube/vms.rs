@@ -299,9 +299,9 @@ fn spread(node: &str) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mac::Mac;
-    use crate::time::UnixMillis;
     use crate::vm::{Origin, VmAttachment};
+    use tether_base::mac::Mac;
+    use tether_base::time::UnixMillis;
 
     fn rec(vm: &str, origin: Origin, generation: u64, with_pod: bool) -> (VmRecord, i64) {
         let active = with_pod.then(|| VmAttachment {

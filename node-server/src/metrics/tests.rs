@@ -1,5 +1,5 @@
 use super::*;
-use crate::control::embedded::EmbeddedStore;
+use tether_store::control::embedded::EmbeddedStore;
 
 /// A metrics set of its own (the process-wide one is fed by every test).
 fn fresh() -> &'static Metrics {

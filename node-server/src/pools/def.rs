@@ -19,9 +19,9 @@ use ipnet::IpNet;
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::cni::config::is_cni_name;
-use crate::error::{Error, Result};
-use crate::ipam::{from_u128, max_len, to_u128, Family};
+use tether_base::error::{Error, Result};
+use tether_cni::config::is_cni_name;
+use tether_ipam::{from_u128, max_len, to_u128, Family};
 
 /// The default block of an IPv4 pool: 16 addresses per claim.
 pub const DEFAULT_BLOCK_V4: u8 = 28;
@@ -166,7 +166,7 @@ impl PoolDef {
 
     /// How many addresses the pool may ever hand out.
     pub fn size(&self) -> u128 {
-        crate::ipam::Pool::block(self.cidr, &self.holes()).size()
+        tether_ipam::Pool::block(self.cidr, &self.holes()).size()
     }
 }
 
@@ -190,7 +190,7 @@ pub fn parse(text: &str) -> Result<Vec<PoolDef>> {
         if !top.is_object() {
             return Err(Error::InvalidConfig(format!(
                 "pools file: expected an object {{\"pools\": [...]}}, found {}{}",
-                crate::cni::config::json_type(&top),
+                tether_cni::config::json_type(&top),
                 if top.is_array() {
                     "; put the list under \"pools\""
                 } else {

@@ -29,11 +29,11 @@ use std::time::{Duration, Instant};
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
-use crate::control::{Cmp, ControlStore, Op};
-use crate::error::{Error, Result};
-use crate::ipam::{nth_block, Family, Pool, Pools, Take};
-use crate::time::UnixMillis;
 pub use def::{PoolDef, PoolRoute};
+use tether_base::error::{Error, Result};
+use tether_base::time::UnixMillis;
+use tether_ipam::{nth_block, Family, Pool, Pools, Take};
+use tether_store::control::{Cmp, ControlStore, Op};
 
 /// A block of a named pool, as the control plane records it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,6 +1,6 @@
 use super::*;
-use crate::control::embedded::EmbeddedStore;
 use std::collections::BTreeSet;
+use tether_store::control::embedded::EmbeddedStore;
 
 const ROOT: &str = "/tether/v1/";
 

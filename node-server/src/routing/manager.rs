@@ -2,17 +2,17 @@
 
 use super::plan::{self, ClusterSide, Want};
 use crate::cluster::{vtep_mac, vtep_underlay, ClusterView, Overlay, Peers};
-use crate::error::{Error, Result};
-use crate::kernel::{ClusterRoute, Kernel, NodeRoutes, VxlanConfig};
-use crate::store::{Attachment, AttachmentKey};
-use crate::time::UnixNanos;
 use crate::vm::{RouteUpdateTiming, VmKey, VmView};
 use ipnet::IpNet;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use tether_base::error::{Error, Result};
 use tether_base::sync::lock;
+use tether_base::time::UnixNanos;
+use tether_kernel::{ClusterRoute, Kernel, NodeRoutes, VxlanConfig};
+use tether_store::store::{Attachment, AttachmentKey};
 use tokio::sync::Notify;
 
 /// Route management: the VM routes it programmed last, whether the next
@@ -306,7 +306,7 @@ mod tests {
 
     #[test]
     fn a_block_route_is_timed_once_when_it_first_is_in_place() {
-        let routes = Routes::new(Arc::new(crate::kernel::fake::FakeKernel::new()));
+        let routes = Routes::new(Arc::new(tether_kernel::fake::FakeKernel::new()));
         let net = |s: &str| s.parse::<IpNet>().expect("a CIDR");
         routes.note_cluster_routes(&[net("10.244.0.4/30")]);
         routes.note_cluster_routes(&[net("10.244.0.4/30"), net("10.244.0.8/30")]);

@@ -15,11 +15,11 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 
 use crate::cluster::{vtep_underlay, vxlan_gateways, ClusterView, NodeRecord, Overlay};
-use crate::ipam::Family;
-use crate::kernel::{ClusterRoute, VxlanPeer, VXLAN_IFNAME};
-use crate::mac::Mac;
-use crate::store::{Attachment, AttachmentKey};
 use crate::vm::{VmAttachment, VmKey, VmView};
+use tether_base::mac::Mac;
+use tether_ipam::Family;
+use tether_kernel::{ClusterRoute, VxlanPeer, VXLAN_IFNAME};
+use tether_store::store::{Attachment, AttachmentKey};
 
 /// What the cluster looks like from this node.
 #[derive(Debug, Clone, Copy)]
@@ -187,8 +187,8 @@ pub fn vm_routes(
 mod tests {
     use super::*;
     use crate::cluster::BlockRecord;
-    use crate::time::{UnixMillis, UnixNanos};
     use crate::vm::{Origin, VmRecord};
+    use tether_base::time::{UnixMillis, UnixNanos};
 
     fn ip(s: &str) -> IpAddr {
         s.parse().unwrap()

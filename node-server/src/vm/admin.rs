@@ -2,7 +2,14 @@
 //! pod, and releasing a VM's addresses.
 
 use super::placement::join;
-use super::*;
+use super::records::{CreateRefused, Origin, VmAttachment, VmRecord};
+use super::{NodeSide, Vms};
+use std::net::IpAddr;
+use tether_base::error::{Error, Result};
+use tether_base::keys::VmKey;
+use tether_base::mac::Mac;
+use tether_base::time::UnixMillis;
+use tether_ipam::Family;
 
 impl Vms {
     /// Admin: reserves addresses (and a MAC) for a VM before its first pod,
@@ -29,7 +36,7 @@ impl Vms {
         }
         let mac = match mac.as_deref().filter(|m| !m.is_empty()) {
             Some(m) => Mac::parse_pod(m, "mac")?,
-            None => kernel::pod_mac(&ips),
+            None => tether_kernel::pod_mac(&ips),
         };
         if let Some((rec, _)) = self.records.read(&key).await? {
             let (mut want, mut have) = (ips.clone(), rec.ips.clone());

@@ -4,61 +4,22 @@
 
 use super::notices::{CutoverNotice, NOTICE_TTL};
 use super::placement::join;
+use super::promotion::promote;
+use super::records::{Trigger, VmRecord, VmView};
 use super::signals::pod_event;
-use super::*;
-
-/// True when `alt` was placed before the record's last cutover, i.e. it
-/// is the pod the VM left, not a new migration's target.
-pub(crate) fn placed_before_last_cutover(alt: &VmAttachment, r: &VmRecord) -> bool {
-    r.last_cutover
-        .as_ref()
-        .is_some_and(|c| UnixNanos::from(alt.since_unix_ms) < c.seen_unix_nanos)
-}
-
-/// The one decision of a cutover, applied to `r` as it is in the control
-/// store: promotes the alternate to active and records the cutover, or
-/// returns false when the record refuses. `want` is the local attachment
-/// (and this node's name) a local trigger requires to be the alternate.
-/// The pre-check before the kernel is touched and the compare-and-swap
-/// both call it, so the two cannot disagree.
-pub(crate) fn promote(
-    r: &mut VmRecord,
-    want: Option<(&AttachmentKey, &str)>,
-    trigger: Trigger,
-    seen: UnixNanos,
-) -> Result<bool> {
-    let Some(alt) = &r.alternate else {
-        return match want {
-            Some(_) => Ok(false),
-            None => Err(Error::VmState(format!(
-                "VM {} has no alternate pod to cut over to",
-                r.key
-            ))),
-        };
-    };
-    if let Some((k, node)) = want {
-        if !alt.is(node, &k.network, &k.container_id, &k.ifname) {
-            return Ok(false);
-        }
-    }
-    if trigger == Trigger::Annotation && placed_before_last_cutover(alt, r) {
-        // The alternate was placed before the last cutover: it is the
-        // demoted source, whose ready marker is left from the migration
-        // that made it active once. A stale marker never steals the VM
-        // back.
-        return Ok(false);
-    }
-    let to_node = alt.node.clone();
-    let from_node = r.active.as_ref().map(|a| a.node.clone());
-    std::mem::swap(&mut r.active, &mut r.alternate);
-    r.last_cutover = Some(CutoverInfo {
-        trigger,
-        from_node,
-        to_node,
-        seen_unix_nanos: seen,
-    });
-    Ok(true)
-}
+use super::{CutoverTiming, FoundTarget, NodeSide, PendingTarget, Placement, Role, Vms};
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tether_base::error::{Error, Result};
+use tether_base::keys::VmKey;
+use tether_base::mac::Mac;
+use tether_base::pod_event::PodEvent;
+use tether_base::sync::lock;
+use tether_base::time::UnixNanos;
+use tether_cni::VmPod;
+use tether_kernel::{AnnounceKind, Announcements};
+use tether_store::store::{Attachment, AttachmentKey};
 
 /// The first wait before a cutover's unanswered write is tried again; it
 /// doubles on each try, up to [`COMMIT_RETRY_MAX`].
@@ -196,10 +157,6 @@ impl Vms {
             if trigger.proves_the_vm_runs_here() {
                 side.arrived(vm, a);
             }
-        }
-        let hold = self.test_commit_delay();
-        if !hold.is_zero() {
-            tokio::time::sleep(hold).await;
         }
         // A write the store did not answer is tried again for as long as
         // the VM provably runs here (its announcement was seen on this
@@ -471,7 +428,7 @@ impl Vms {
     /// no cutover can follow it. Said loudly, once per interface and MAC.
     fn foreign_announcement(
         &self,
-        ann: &kernel::Announcement,
+        ann: &tether_kernel::Announcement,
         warned: &mut HashSet<(u32, [u8; 6])>,
     ) {
         let expected = lock(&self.pending).iter().find_map(|(mac, list)| {

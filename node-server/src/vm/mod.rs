@@ -27,9 +27,9 @@
 
 pub mod admin;
 pub mod cutover;
-pub use tether_base::guest;
 pub mod notices;
 pub mod placement;
+pub mod promotion;
 pub mod records;
 pub mod reservations;
 pub mod signals;
@@ -38,20 +38,20 @@ mod tests;
 
 pub use records::*;
 
-use crate::cni::{Invocation, Requested, VmAddressPolicy, VmPod};
-use crate::error::{Error, Result};
-use crate::ipam::{Family, Pools, Take};
-use crate::kernel::{self, AnnounceKind, Announcements, Kernel};
-use crate::mac::Mac;
-use crate::store::{Attachment, AttachmentKey};
-use crate::time::{UnixMillis, UnixNanos};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::future::Future;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tether_base::error::Result;
+use tether_base::mac::Mac;
 use tether_base::pod_event::{PodEvent, PodRef};
 use tether_base::sync::lock;
+use tether_base::time::UnixNanos;
+use tether_cni::{Requested, VmPod};
+use tether_ipam::Pools;
+use tether_kernel::Kernel;
+use tether_store::store::{Attachment, AttachmentKey};
 
 /// The part a pod plays in its VM's record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -164,9 +164,6 @@ pub struct Vms {
     stats: Mutex<VmStats>,
     /// Promotions other nodes announced whose records have not settled.
     notices: Mutex<notices::NoticeTable>,
-    /// Test hook: holds a cutover's write back this long after its notice
-    /// went out. Zero in production.
-    test_commit_delay: Mutex<Duration>,
 }
 
 impl Vms {
@@ -180,18 +177,7 @@ impl Vms {
             pending: Mutex::default(),
             stats: Mutex::default(),
             notices: Mutex::default(),
-            test_commit_delay: Mutex::default(),
         }
-    }
-
-    /// Test hook: holds every cutover's write back by `delay` after its
-    /// notice went out, so that a test can change the record under it.
-    pub fn set_test_commit_delay(&self, delay: Duration) {
-        *lock(&self.test_commit_delay) = delay;
-    }
-
-    fn test_commit_delay(&self) -> Duration {
-        *lock(&self.test_commit_delay)
     }
 
     /// This node's name.

@@ -19,9 +19,16 @@
 //! the record's route on the first of: the retraction, the refusing
 //! change in its view, the notice's lapse.
 
-use super::cutover::promote;
-use super::*;
+use super::promotion::promote;
+use super::records::{Trigger, VmRecord, VmView};
+use super::{NodeSide, Vms};
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+use tether_base::keys::VmKey;
+use tether_base::sync::lock;
+use tether_base::time::UnixNanos;
+use tether_store::store::{Attachment, AttachmentKey};
 
 /// How long a notice holds without the record confirming it.
 pub const NOTICE_TTL: Duration = Duration::from_secs(5);

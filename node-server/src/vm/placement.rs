@@ -2,8 +2,14 @@
 //! restart, migration target), undoing that when its wiring fails, and
 //! taking it out again on DEL. Control-store writes only: no kernel calls.
 
-use super::*;
-
+use super::records::{CreateRefused, Origin, VmAttachment, VmRecord};
+use super::{same, NodeSide, Placement, Role, Vms};
+use std::net::IpAddr;
+use tether_base::error::{Error, Result};
+use tether_base::keys::VmKey;
+use tether_base::time::UnixMillis;
+use tether_cni::{Invocation, Requested, VmAddressPolicy, VmPod};
+use tether_store::store::Attachment;
 /// Removes `this` from the record's attachments; true if it was there.
 pub(super) fn remove_attachment(r: &mut VmRecord, this: &VmAttachment) -> bool {
     let mut changed = false;
@@ -164,7 +170,7 @@ impl Vms {
             None => req,
         };
         let ips = side.addresses_for(req).await?;
-        let mac = req.mac.unwrap_or_else(|| kernel::pod_mac(&ips));
+        let mac = req.mac.unwrap_or_else(|| tether_kernel::pod_mac(&ips));
         if let Err(e) = side.check_mac_free(mac, Some(&pod.key)) {
             self.free_ips(side, &ips);
             return Err(e);

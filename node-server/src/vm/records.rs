@@ -36,15 +36,15 @@
 //! A record's addresses never change after it is created; its attachments
 //! (the active pod and, during a migration, the alternate) do.
 
-use crate::control::{self, BoxFut, Cmp, ControlStore, Event, Follower, Kv, Op};
-use crate::error::{Error, Result};
-use crate::mac::Mac;
-use crate::time::{UnixMillis, UnixNanos};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tether_base::error::{Error, Result};
+use tether_base::mac::Mac;
+use tether_base::time::{UnixMillis, UnixNanos};
+use tether_store::control::{self, BoxFut, Cmp, ControlStore, Event, Follower, Kv, Op};
 use tokio::sync::watch;
 
 pub use tether_base::keys::{VmKey, CLAIM_INTERFACE};
@@ -729,8 +729,8 @@ impl Follower for VmRegistry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::control::embedded::EmbeddedStore;
     use std::time::Duration;
+    use tether_store::control::embedded::EmbeddedStore;
 
     fn record(name: &str, ip: &str, mac: &str) -> VmRecord {
         VmRecord {

@@ -3,8 +3,12 @@
 //! are the component's; the pools are the node's, reached through
 //! [`NodeSide::with_pools`].
 
-use super::*;
-
+use super::records::VmView;
+use super::{NodeSide, Vms};
+use std::collections::HashSet;
+use std::net::IpAddr;
+use tether_base::sync::lock;
+use tether_ipam::Take;
 impl Vms {
     /// Returns VM addresses (or addresses taken for a VM or a request) to
     /// the pools unless a VM record or another local pod of a VM still

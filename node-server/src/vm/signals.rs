@@ -5,9 +5,15 @@
 //! decides nothing: it reports what it saw, and the record, changed by
 //! compare-and-swap, decides here.
 
-use super::cutover::promote;
-use super::*;
+use super::promotion::promote;
+use super::records::{CutoverInfo, Origin, Trigger, VmAttachment, VmRecord};
+use super::{NodeSide, Vms};
+use std::time::Instant;
+use tether_base::error::Result;
+use tether_base::keys::VmKey;
 use tether_base::pod_event::{PodEvent, PodRef};
+use tether_base::time::UnixNanos;
+use tether_store::store::{Attachment, AttachmentKey};
 
 /// What the watch needs of a VM pod.
 #[derive(Debug, Clone, PartialEq, Eq)]

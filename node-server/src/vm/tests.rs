@@ -6,12 +6,15 @@
 
 use super::signals::VmPodSeen;
 use super::*;
-use crate::control::embedded::EmbeddedStore;
-use crate::control::ControlStore;
 use crate::faulty_control::{Failure, FaultyControl};
-use crate::kernel::fake::{Call, FakeKernel, FakeLink};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use tether_base::time::UnixNanos;
+use std::time::Instant;
+use tether_base::error::Error;
+use tether_base::time::{UnixMillis, UnixNanos};
+use tether_ipam::Take;
+use tether_kernel::fake::{Call, FakeKernel, FakeLink};
+use tether_store::control::embedded::EmbeddedStore;
+use tether_store::control::ControlStore;
 
 /// The node as the component sees it: pools and local attachments, and a
 /// record of what the component asked of it.
@@ -550,11 +553,11 @@ async fn the_targets_notice_moves_the_other_nodes_until_the_record_settles() {
 
 #[tokio::test]
 async fn a_notice_the_record_refuses_is_retracted_and_the_others_return() {
-    let (a, b, _c1, c2, _dir) = migrating().await;
+    let (a, b, c2, store) = migrating_on_faults().await;
     let before = both_see_the_target(&a, &b).await;
-    // B announces, then holds its write while the target's pod goes away
-    // (its DEL clears the alternate): the write is refused.
-    b.vms.set_test_commit_delay(Duration::from_millis(300));
+    // B announces, then its write is held back while the target's pod
+    // goes away (its DEL clears the alternate): the write is refused.
+    store.hold_next(1, Duration::from_millis(300));
     let cut = {
         let vms = b.vms.clone();
         let c2 = c2.clone();

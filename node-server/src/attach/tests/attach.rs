@@ -1,10 +1,10 @@
 //! ADD, DEL, CHECK, GC and reconciliation of plain pods.
 
 use super::*;
-use crate::cni::config::VALID_ATTACHMENTS_KEY;
-use crate::kernel::fake::{Call as K, FakeLink};
-use crate::kernel::host_ifname;
 use std::path::Path;
+use tether_cni::config::VALID_ATTACHMENTS_KEY;
+use tether_kernel::fake::{Call as K, FakeLink};
+use tether_kernel::host_ifname;
 
 /// Addresses in use, over every pool.
 /// The fake kernel's veths and routes and the store's records, to show
@@ -104,7 +104,7 @@ fn stray_link(t: &TestNode, pod: &str, addr: &str) -> FakeLink {
         index: 999,
         netns: t.netns(pod),
         pod_ifname: "eth0".into(),
-        pod_mac: crate::kernel::pod_mac(&[ip(addr)]),
+        pod_mac: tether_kernel::pod_mac(&[ip(addr)]),
         ips: vec![ip(addr)],
         mtu: 1500,
     }
@@ -162,11 +162,11 @@ async fn a_restart_after_a_crash_repairs_the_kernel_from_the_store() {
             // pod's route gone.
             t.kernel.plant_link(
                 "tth0000000000ff",
-                crate::kernel::fake::FakeLink {
+                tether_kernel::fake::FakeLink {
                     index: 999,
                     netns: t.netns("orphan"),
                     pod_ifname: "eth0".into(),
-                    pod_mac: crate::kernel::pod_mac(&[ip("10.1.0.200")]),
+                    pod_mac: tether_kernel::pod_mac(&[ip("10.1.0.200")]),
                     ips: vec![ip("10.1.0.200")],
                     mtu: 1500,
                 },

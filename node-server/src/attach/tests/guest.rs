@@ -4,9 +4,9 @@
 //! ADD that left no record.
 
 use super::*;
-use crate::kernel::fake::Call as K;
-use crate::kernel::host_ifname;
 use tether_base::guest::{BindingKind, BINDING_ANNOTATION, QUEUES_ANNOTATION};
+use tether_kernel::fake::Call as K;
+use tether_kernel::host_ifname;
 
 /// A VM pod ADD of container `cid` on a network whose netconf selects
 /// `binding`.
@@ -143,7 +143,7 @@ async fn the_teardown_of_a_failed_add_goes_on_past_failures_and_reports_them_all
         .teardown(std::slice::from_ref(&a), Teardown::FailedAdd(made))
         .await
         .expect_err("the tap and the veth cannot be removed");
-    let crate::error::Error::Several(all) = &err else {
+    let tether_base::error::Error::Several(all) = &err else {
         panic!("one failure reported of two: {err:?}")
     };
     assert_eq!(all.len(), 2, "{err}");
@@ -275,7 +275,7 @@ async fn a_plain_vm_pod_gets_no_dhcp_and_managed_tap_does() {
 
 #[tokio::test]
 async fn a_migrated_guest_is_told_its_router_on_the_new_node() {
-    use crate::kernel::{AnnounceKind, Announcement};
+    use tether_kernel::{AnnounceKind, Announcement};
     let a = TestNode::new().await;
     let b = TestNode::with(Options {
         name: "node-b".into(),

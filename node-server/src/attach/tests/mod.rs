@@ -1,4 +1,4 @@
-//! Unit tests of the node on the fake kernel ([`crate::kernel::fake`]), a
+//! Unit tests of the node on the fake kernel ([`tether_kernel::fake`]), a
 //! real local store and a real embedded control store in a temporary
 //! directory. No root, no netlink: what these prove is the order and the
 //! bookkeeping of the lifecycle; the root suites prove the kernel side.
@@ -23,13 +23,13 @@ use serde_json::{json, Value};
 use tether_proto::cni::v1::CniRequest;
 
 use super::{Node, NodeConfig, Reconciled};
-use crate::cni::{parse_request, Invocation};
-use crate::control::embedded::EmbeddedStore;
-use crate::control::ControlStore;
-use crate::error::Result;
-use crate::kernel::fake::{FakeHost, FakeKernel};
-use crate::store::{Attachment, AttachmentKey, Fsync, LocalStore, Store, StoreError};
 use crate::vm::{VmRegistry, DOMAIN_ANNOTATION, MIGRATION_JOB_ANNOTATION};
+use tether_base::error::Result;
+use tether_cni::{parse_request, Invocation};
+use tether_kernel::fake::{FakeHost, FakeKernel};
+use tether_store::control::embedded::EmbeddedStore;
+use tether_store::control::ControlStore;
+use tether_store::store::{Attachment, AttachmentKey, Fsync, LocalStore, Store, StoreError};
 
 // Every CNI_* variable, as set by a well-behaved runtime.
 use tether_proto::cni::FORWARDED_VARIABLES as VARS;
@@ -218,7 +218,6 @@ impl Parts {
             mtu: opts.mtu,
             state_dir: self.dir.path().join("state"),
             allowed_uids: Vec::new(),
-            test_delete_delay: Duration::ZERO,
             pools: opts.pools.clone(),
         };
         let vms = VmRegistry::open(self.control.clone(), "/tether").await?;
@@ -312,7 +311,7 @@ impl Call {
 
     /// Sets a pod annotation (runtimeConfig).
     pub fn annotation(mut self, key: &str, value: &str) -> Call {
-        self.conf["runtimeConfig"][crate::cni::config::POD_ANNOTATIONS_KEY][key] = json!(value);
+        self.conf["runtimeConfig"][tether_cni::config::POD_ANNOTATIONS_KEY][key] = json!(value);
         self
     }
 

@@ -2,7 +2,7 @@
 //! IPAM (IPAM-only attachments): ADD, DEL, CHECK, GC and a restart.
 
 use super::*;
-use crate::cni::config::VALID_ATTACHMENTS_KEY;
+use tether_cni::config::VALID_ATTACHMENTS_KEY;
 
 const POOLS: &str = r#"{"pools":[
     {"name":"mig","cidr":"10.200.0.0/24","rangeStart":"10.200.0.10","rangeEnd":"10.200.0.200",
@@ -195,7 +195,7 @@ async fn pools_are_selected_by_the_netconf_or_the_pod_annotation() {
         Call::new("ADD", "c2")
             .netns(&t.netns("p2"))
             .conf("pool", json!("blue"))
-            .annotation(crate::cni::POOL_ANNOTATION, "mig"),
+            .annotation(tether_cni::POOL_ANNOTATION, "mig"),
     );
     let r = parse_json(&t.node.add(&inv).await.expect("ADD"));
     assert!(net("10.200.0.0/24").contains(&first_ip(&r)), "{r}");

@@ -4,7 +4,7 @@ use tokio::sync::watch;
 
 use super::*;
 use crate::cluster::{BlockRecord, ClusterView, NodeRecord, Overlay, Peers};
-use crate::time::UnixMillis;
+use tether_base::time::UnixMillis;
 
 /// The other nodes as the test says they are: a test double of the control
 /// plane's view (the cluster suites prove the store's watch behind it).

@@ -7,12 +7,12 @@
 
 use super::*;
 use crate::faulty_control::{Failure, FaultyControl};
-use crate::kernel::fake::Call as K;
-use crate::kernel::{self, AnnounceKind, Announcement, ROUTE_PROTOCOL};
-use crate::mac::Mac;
-use crate::time::UnixNanos;
 use crate::vm::{Trigger, VmAttachment, VmKey, VmRecord, TARGET_READY_ANNOTATION};
 use std::time::Instant;
+use tether_base::mac::Mac;
+use tether_base::time::UnixNanos;
+use tether_kernel::fake::Call as K;
+use tether_kernel::{AnnounceKind, Announcement, ROUTE_PROTOCOL};
 
 /// Node A, with the default options and a fresh control store.
 async fn node_a() -> TestNode {
@@ -37,7 +37,7 @@ fn key(vm: &str) -> VmKey {
 
 /// The node-side veth of container `cid`'s eth0 on network "tether".
 fn host(cid: &str) -> String {
-    kernel::host_ifname("tether", cid, "eth0")
+    tether_kernel::host_ifname("tether", cid, "eth0")
 }
 
 /// ADD of container `cid` (netns named after it) as a pod of VM `vm`.
