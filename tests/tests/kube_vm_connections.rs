@@ -24,7 +24,10 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tether_e2e::nodes::{sleeping_pod, ClusterOpts, KubeCluster, KubePaths, KubePod};
 use tether_e2e::paths::{handover_state, table, PathSet};
-use tether_e2e::qemu::{clear_events, pause, Client, Guest, GuestOptions, BOOT_TIMEOUT};
+use tether_e2e::qemu::{
+    clear_events, once_more_if_a_guest_kernel_panicked, pause, Client, Guest, GuestOptions,
+    BOOT_TIMEOUT,
+};
 use tether_e2e::streams::StreamReport;
 use tether_e2e::vm::VmPodSpec;
 use tether_e2e::{require_root, wait_until, TempDir};
@@ -95,6 +98,13 @@ fn dead_or_moved(reports: &[StreamReport]) -> Vec<String> {
 #[test]
 fn every_path_survives_a_vms_live_migration_between_two_kubelet_nodes() {
     require_root();
+    once_more_if_a_guest_kernel_panicked(
+        "every_path_survives_a_vms_live_migration_between_two_kubelet_nodes",
+        every_path_survives_a_vms_live_migration_between_two_kubelet_nodes_attempt,
+    );
+}
+
+fn every_path_survives_a_vms_live_migration_between_two_kubelet_nodes_attempt() {
     let started = Instant::now();
     let images = TempDir::new("kimg");
     let c = KubeCluster::start(&ClusterOpts::busybox(2, images.path()));

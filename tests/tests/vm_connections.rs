@@ -20,7 +20,7 @@ use serde_json::json;
 use tether_e2e::cluster::{Cluster, ClusterNode, ClusterOpts, Store};
 use tether_e2e::migration::Prober;
 use tether_e2e::paths::{handover_state, table, PathSet, Scene};
-use tether_e2e::qemu::{clear_events, pause, Guest};
+use tether_e2e::qemu::{clear_events, once_more_if_a_guest_kernel_panicked, pause, Guest};
 use tether_e2e::streams::StreamReport;
 use tether_e2e::vm::{active_node, add_vm_pod, boot_guest, del_vm_pod, get_vm};
 use tether_e2e::{on_both_stores, require_root, wait_until};
@@ -141,6 +141,13 @@ fn assert_all_survived(reports: &[StreamReport], what: &str, table: &str) {
 /// VM's flows as they were before it left.
 fn every_path_survives_a_migration_the_sources_cleanup_and_the_way_back(store: Store) {
     require_root();
+    once_more_if_a_guest_kernel_panicked(
+        "every_path_survives_a_migration_the_sources_cleanup_and_the_way_back",
+        || every_path_survives_a_migration_the_sources_cleanup_and_the_way_back_attempt(store),
+    );
+}
+
+fn every_path_survives_a_migration_the_sources_cleanup_and_the_way_back_attempt(store: Store) {
     let mut s = scene(store);
     let target = s.incoming("virt-launcher-vm1-1");
     let set = PathSet::start(&s.guest, &s.ends(), STREAM_INTERVAL);
@@ -292,6 +299,13 @@ fn wait_status(guest: &Guest, status: &str) {
 #[test]
 fn a_migration_that_fails_late_or_is_cancelled_leaves_every_stream_alive_on_the_source() {
     require_root();
+    once_more_if_a_guest_kernel_panicked(
+        "a_migration_that_fails_late_or_is_cancelled_leaves_every_stream_alive_on_the_source",
+        a_migration_that_fails_late_or_is_cancelled_leaves_every_stream_alive_on_the_source_attempt,
+    );
+}
+
+fn a_migration_that_fails_late_or_is_cancelled_leaves_every_stream_alive_on_the_source_attempt() {
     let s = scene(Store::Etcd);
     let (a, b) = (s.cluster.node(0), s.cluster.node(1));
     let set = PathSet::start(&s.guest, &s.ends(), STREAM_INTERVAL);

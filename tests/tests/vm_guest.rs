@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tether_e2e::cluster::{assert_ping_within, Cluster, ClusterNode, ClusterOpts, Pod};
 use tether_e2e::migration::Prober;
-use tether_e2e::qemu::{parse_lease, Client, Guest, GuestOptions, BOOT_TIMEOUT};
+use tether_e2e::qemu::{
+    once_more_if_a_guest_kernel_panicked, parse_lease, Client, Guest, GuestOptions, BOOT_TIMEOUT,
+};
 use tether_e2e::vm::{
     active_node, add_vm_pod, alternate_node, del_vm_pod, get_vm, release_vm, result_mac, VmPodSpec,
 };
@@ -185,6 +187,13 @@ fn renew(guest: &Guest, node: &ClusterNode, ip: IpAddr) {
 #[test]
 fn a_real_guest_leases_migrates_by_its_own_rarp_restarts_and_leaves_nothing() {
     require_root();
+    once_more_if_a_guest_kernel_panicked(
+        "a_real_guest_leases_migrates_by_its_own_rarp_restarts_and_leaves_nothing",
+        a_real_guest_leases_migrates_by_its_own_rarp_restarts_and_leaves_nothing_attempt,
+    );
+}
+
+fn a_real_guest_leases_migrates_by_its_own_rarp_restarts_and_leaves_nothing_attempt() {
     let cluster = Cluster::new(ClusterOpts::default());
     let (a, b, c) = (cluster.node(0), cluster.node(1), cluster.node(2));
     let first = spec("vm1", "virt-launcher-vm1-aaaaa");
@@ -366,6 +375,13 @@ fn migration_status(guest: &Guest) -> Value {
 #[test]
 fn a_failed_migration_leaves_the_vm_on_its_source_and_the_target_del_frees_nothing() {
     require_root();
+    once_more_if_a_guest_kernel_panicked(
+        "a_failed_migration_leaves_the_vm_on_its_source_and_the_target_del_frees_nothing",
+        a_failed_migration_leaves_the_vm_on_its_source_and_the_target_del_frees_nothing_attempt,
+    );
+}
+
+fn a_failed_migration_leaves_the_vm_on_its_source_and_the_target_del_frees_nothing_attempt() {
     let cluster = Cluster::new(ClusterOpts::default());
     let (a, b, c) = (cluster.node(0), cluster.node(1), cluster.node(2));
     let first = spec("vm1", "virt-launcher-vm1-aaaaa");
@@ -418,6 +434,13 @@ fn a_failed_migration_leaves_the_vm_on_its_source_and_the_target_del_frees_nothi
 #[test]
 fn a_migration_cuts_over_though_the_target_daemon_restarted_in_the_middle() {
     require_root();
+    once_more_if_a_guest_kernel_panicked(
+        "a_migration_cuts_over_though_the_target_daemon_restarted_in_the_middle",
+        a_migration_cuts_over_though_the_target_daemon_restarted_in_the_middle_attempt,
+    );
+}
+
+fn a_migration_cuts_over_though_the_target_daemon_restarted_in_the_middle_attempt() {
     let mut cluster = Cluster::new(ClusterOpts::default());
     let first = spec("vm1", "virt-launcher-vm1-aaaaa");
     let source = add_vm_pod(cluster.node(0), &first);
@@ -479,6 +502,13 @@ fn check_pod(node: &ClusterNode, spec: &VmPodSpec, pod: &Pod) -> tether_e2e::Cni
 #[test]
 fn a_multi_queue_tap_and_a_managed_tap_pod_both_serve_a_real_guest() {
     require_root();
+    once_more_if_a_guest_kernel_panicked(
+        "a_multi_queue_tap_and_a_managed_tap_pod_both_serve_a_real_guest",
+        a_multi_queue_tap_and_a_managed_tap_pod_both_serve_a_real_guest_attempt,
+    );
+}
+
+fn a_multi_queue_tap_and_a_managed_tap_pod_both_serve_a_real_guest_attempt() {
     let cluster = Cluster::new(ClusterOpts {
         nodes: 1,
         etcd_members: 1,
