@@ -59,7 +59,7 @@ pub fn guest_dir() -> &'static Path {
 static GUEST_KERNEL_PANICS: AtomicUsize = AtomicUsize::new(0);
 
 /// What the guest's kernel prints when it dies.
-const KERNEL_PANIC: &str = "Kernel panic - not syncing";
+pub const KERNEL_PANIC: &str = "Kernel panic - not syncing";
 
 /// Runs a test that boots real guests, and runs it once more if it failed
 /// while a guest's own kernel panicked.

@@ -40,6 +40,8 @@ use tether_e2e::kubevirt::agent::AgentShell;
 use tether_e2e::kubevirt::scenario::{migrate_with_paths, Measured, Medians, Setup};
 use tether_e2e::kubevirt::VERSION as KUBEVIRT_VERSION;
 use tether_e2e::nodes::KubePaths;
+use tether_e2e::paths::GuestShell;
+use tether_e2e::qemu::KERNEL_PANIC;
 use tether_e2e::streams::{Proto, StreamReport};
 
 const USAGE: &str =
@@ -305,6 +307,23 @@ fn run_kubevirt(args: &Args, failures: &mut Failures) -> Runs {
                 n + 1,
                 m.loss,
                 m.downtime_ms
+            ));
+        }
+        // A guest that dies on the target resets every stream: say that it
+        // died rather than only that they did.
+        let console = guest.console_text();
+        if let Some(at) = console.find(KERNEL_PANIC) {
+            let oops = console[..at]
+                .rfind("PANIC:")
+                .or_else(|| console[..at].rfind("BUG:"));
+            failures.fail(format!(
+                "migration {}: the guest's kernel panicked on {to} (QEMU, TCG): {}",
+                n + 1,
+                console[oops.unwrap_or(at)..]
+                    .lines()
+                    .take(3)
+                    .collect::<Vec<_>>()
+                    .join(" / ")
             ));
         }
         let mut alive = 0;
