@@ -5,7 +5,7 @@ CARGO ?= cargo
 RELEASE_DIR := target/release
 # The unit tests that need root are compiled in only with these features
 # (`make test`); `make check` leaves them out and runs as any user.
-ROOT_TESTS := tether-kernel/root-tests,tether-node-server/root-tests
+ROOT_TESTS := tether-kernel/root-tests,tether-node-server/root-tests,tether-e2e/root-tests,tether-e2e/tools-tests,tether-e2e/cluster-tests,tether-e2e/kubelet-tests
 DEBUG_DIR := target/debug
 
 .PHONY: all setup setup-demo k8s helm e2e-bins conformance-images conformance kubevirt bench-kubevirt manifests docs reference build release demo check test unit integration lint bench clean shim-size min-kernel
@@ -114,12 +114,15 @@ lint:
 	python3 tests/doc_links.py
 
 ## check: what a contributor runs before a commit, as any user, in minutes:
-## formatting, clippy, and the unit tests of every crate (on the fake
-## kernel; no root, no network namespaces, no packages beyond Rust's).
+## formatting, clippy, and every test of the fast tier (the unit tests on
+## the fake kernel, the suites' checks of docs, layers and harness; no
+## root, no network namespaces, no packages beyond Rust's). The other
+## tiers show as ignored, each with what it needs: plain `cargo test` is
+## this too.
 check:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	$(CARGO) test --workspace --lib --bins
+	$(CARGO) test --workspace
 
 ## test: the whole suite (unit, integration against real netns, real
 ## runtimes, chaining, concurrency, crash, bad input, security, real QEMU
@@ -192,7 +195,7 @@ bench-kubevirt: setup k8s helm release
 ## 6.1 cloud kernel, in a QEMU guest (tests/guest/kernel-suite.sh); about a
 ## minute. `make test` runs it too (tests/tests/min_kernel.rs). Root only.
 min-kernel: setup
-	$(CARGO) test -p tether-e2e --test min_kernel -- --nocapture
+	$(CARGO) test -p tether-e2e --features tether-e2e/root-tests --test min_kernel -- --nocapture
 
 ## bench: tether vs the reference ptp/bridge + host-local, side by side; then
 ## cluster mode (3 nodes on etcd) vs one node, block claims, claim to route;

@@ -80,8 +80,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Barrier, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-/// Panics with a clear message unless the process runs as root: these
-/// suites need real namespaces and must fail, not skip, when they cannot.
+/// Panics with a clear message unless the process runs as root: a test
+/// that calls it is of a tier above fast (its feature is on), needs real
+/// namespaces and must fail, not skip, when it cannot.
 /// Then gives the process the default actions of SIGINT and SIGQUIT (see
 /// [`default_signal_actions`]).
 pub fn require_root() {
@@ -90,7 +91,8 @@ pub fn require_root() {
     assert!(
         euid == 0,
         "tether's end-to-end tests must run as root (euid is {euid}): they create network \
-         namespaces, veths and routes. Run them with sudo or in CI; they never skip."
+         namespaces, veths and routes. Run them with sudo or in CI, or leave their tier's \
+         feature off to see them ignored."
     );
     default_signal_actions();
 }

@@ -634,7 +634,7 @@ mod tests {
     #[test]
     fn only_a_failure_with_a_guest_kernel_panic_runs_once_more() {
         let runs = Cell::new(0);
-        once_more_if_a_guest_kernel_panicked("t", || {
+        once_more_if_a_guest_kernel_panicked("(this unit test's stand-in)", || {
             runs.set(runs.get() + 1);
             if runs.get() == 1 {
                 GUEST_KERNEL_PANICS.fetch_add(1, Ordering::SeqCst);
@@ -645,7 +645,7 @@ mod tests {
 
         let runs = Cell::new(0);
         let second = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            once_more_if_a_guest_kernel_panicked("t", || {
+            once_more_if_a_guest_kernel_panicked("(this unit test's stand-in)", || {
                 runs.set(runs.get() + 1);
                 GUEST_KERNEL_PANICS.fetch_add(1, Ordering::SeqCst);
                 panic!("every attempt");
@@ -657,7 +657,7 @@ mod tests {
         // One test, not two: the count is the process's.
         let runs = Cell::new(0);
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            once_more_if_a_guest_kernel_panicked("t", || {
+            once_more_if_a_guest_kernel_panicked("(this unit test's stand-in)", || {
                 runs.set(runs.get() + 1);
                 panic!("a tether fault");
             })

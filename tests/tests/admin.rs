@@ -129,6 +129,10 @@ fn verbs_json(stats: &Value) -> BTreeMap<String, (u64, u64)> {
 
 /// `grpcurl list` shows tether's two services, health and reflection;
 /// health says SERVING; `describe` works without proto files.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn grpcurl_lists_services_through_reflection() {
     require_root();
@@ -175,6 +179,10 @@ fn grpcurl_lists_services_through_reflection() {
 /// PROTOCOL_ERROR". Later grpcurl sends "localhost", which the daemon serves
 /// as it comes, with no rewriting of the headers. Fails if the grpcurl that
 /// tests/setup.sh installs or the server stop agreeing on that.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn grpcurl_with_no_authority_flag_is_served() {
     require_root();
@@ -225,6 +233,10 @@ fn grpcurl_with_no_authority_flag_is_served() {
 
 /// GetNode, ListAttachments, GetAttachment and Stats through grpcurl,
 /// before and after real CNI calls.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn grpcurl_shows_node_attachments_and_stats() {
     require_root();
@@ -359,6 +371,10 @@ fn grpcurl_shows_node_attachments_and_stats() {
 
 /// The same API from Rust: the generated client over the unix socket (the
 /// harness's, several calls on one connection).
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn rust_client_reads_the_admin_api() {
     require_root();

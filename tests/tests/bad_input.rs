@@ -453,6 +453,10 @@ fn describe(out: &CniOutput) -> String {
     format!("exit {}, stdout {}", out.status, out.stdout.trim())
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn bad_input_is_refused_with_the_exact_code_and_changes_nothing() {
     require_root();
@@ -540,6 +544,10 @@ fn bad_input_is_refused_with_the_exact_code_and_changes_nothing() {
 /// person (`tether`, `tether --help`): it prints the reference plugins'
 /// about text on stderr, exits 0, reads no stdin, and never reaches the
 /// daemon, so nothing changes.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn without_cni_command_tether_says_what_it_is_and_changes_nothing() {
     require_root();
@@ -574,6 +582,10 @@ fn without_cni_command_tether_says_what_it_is_and_changes_nothing() {
 /// ignore what it does not know), but it is not silent either: the daemon
 /// warns once per network, naming the key and the one probably meant, and
 /// the pod gets what the netconf says without the misspelt key.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn unknown_netconf_keys_are_accepted_and_warned_once_per_network() {
     require_root();

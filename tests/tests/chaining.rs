@@ -184,6 +184,10 @@ impl Drop for PodListener {
 /// asks); CHECK reaches portmap, so
 /// tether's CHECK passed; DEL walks the list backwards and leaves neither
 /// DNAT rules nor any tether state behind.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn tether_then_portmap_through_libcni() {
     require_root();

@@ -712,6 +712,10 @@ fn three_nodes_times_a_hundred_concurrent_adds(store: Store) {
 /// under a name that is not its CIDR's, a VM record under another VM's
 /// name) is left out by every daemon, with a warning, while the rest is
 /// served and routed as before.
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
 #[test]
 fn kubernetes_store_objects_edited_by_hand_are_refused_or_left_out() {
     require_root();
@@ -921,6 +925,10 @@ fn make_certs(dir: &std::path::Path, ip: &str) {
 
 /// The TLS flags work: tetherd joins an etcd that serves HTTPS only and
 /// requires client certificates (mutual TLS), with a CA of the test's own.
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
 #[test]
 fn etcd_with_mutual_tls() {
     require_root();
@@ -1010,6 +1018,10 @@ fn etcd_with_mutual_tls() {
 
 /// A daemon waiting for an etcd that does not answer has not served yet;
 /// SIGTERM still stops it cleanly (exit 0), and it says where it was.
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
 #[test]
 fn sigterm_while_waiting_for_etcd_exits_cleanly() {
     require_root();
@@ -1123,6 +1135,10 @@ fn answered_tetherd(cluster: &Cluster, pick: impl Fn(u64) -> bool) -> usize {
 ///
 /// The test fails if the server answered no 429 (or no 5xx): then it
 /// proved nothing.
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
 #[test]
 fn kubernetes_store_answers_429_and_5xx_lose_nothing_and_hold_no_block_twice() {
     require_root();

@@ -64,6 +64,10 @@ fn key(tag: &str) -> String {
 
 /// etcd: start healthy; put/get; a killed member (the leader) does not stop
 /// writes; the member comes back; a full stop and start keeps the data.
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
 #[test]
 fn etcd_cluster_survives_a_member_loss_and_a_full_restart() {
     require_root();
@@ -185,6 +189,10 @@ fn etcd_cluster_survives_a_member_loss_and_a_full_restart() {
 
 /// Node netns on the fabric: addresses, default routes, ping in both
 /// families to each other and to the gateway, and etcd reachable from them.
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
 #[test]
 fn node_netns_reach_each_other_and_etcd_over_the_fabric() {
     require_root();
@@ -266,6 +274,10 @@ fn node_netns_reach_each_other_and_etcd_over_the_fabric() {
 /// which works with any tetherd: pods added through the real plugin on two
 /// nodes ping each other across the fabric once each node routes the
 /// other's pod CIDR via its underlay address.
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
 #[test]
 fn pods_on_two_nodes_ping_across_the_fabric() {
     require_root();
@@ -365,6 +377,10 @@ fn pods_on_two_nodes_ping_across_the_fabric() {
 }
 
 /// A panic with a fabric and etcd alive leaves no netns, process or dir.
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
 #[test]
 fn everything_is_cleaned_up_when_a_test_panics() {
     require_root();

@@ -95,6 +95,10 @@ fn assert_node_holds_exactly(daemon: &Daemon, live: &BTreeMap<String, AddResult>
 
 const PODS: usize = 100;
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn hundred_concurrent_adds_then_hundred_concurrent_dels() {
     require_root();
@@ -137,6 +141,10 @@ fn hundred_concurrent_adds_then_hundred_concurrent_dels() {
     assert!(eth0_gone, "some pod still has eth0 after DEL");
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn interleaved_adds_and_dels_and_repeated_adds_of_one_attachment() {
     require_root();

@@ -62,6 +62,10 @@ fn run_ok(cmd: &mut Command) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn e2e_dry_run_lists_every_sig_network_conformance_test() {
     require_root();
@@ -130,6 +134,10 @@ fn e2e_dry_run_lists_every_sig_network_conformance_test() {
     assert_eq!(selected.len(), 47, "Kubernetes v1.37.2 has 47 of them");
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn coredns_links_kubeadms_plugins() {
     require_root();
@@ -318,6 +326,10 @@ fn images() -> BTreeMap<String, PathBuf> {
     images
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn agnhost_serves_dns_with_its_coredns_and_has_the_tests_tools() {
     require_root();
@@ -382,6 +394,10 @@ fn agnhost_serves_dns_with_its_coredns_and_has_the_tests_tools() {
     assert_eq!(ptr, "my.test.", "the PTR of a hosts entry");
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn glibc_dns_testing_has_dig() {
     require_root();
@@ -394,6 +410,10 @@ fn glibc_dns_testing_has_dig() {
     assert!(getent.status.success(), "getent is missing");
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn nginx_serves_on_port_80() {
     require_root();
@@ -425,6 +445,10 @@ fn nginx_serves_on_port_80() {
     assert!(page.contains("nginx"), "{page}");
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn pause_stops_at_once_on_sigterm_and_sigint() {
     require_root();
@@ -462,6 +486,10 @@ fn pause_stops_at_once_on_sigterm_and_sigint() {
     }
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn busybox_has_every_applet() {
     require_root();
@@ -479,6 +507,10 @@ fn busybox_has_every_applet() {
     assert!(out.starts_with("6\n"), "{out}");
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn coredns_image_runs_coredns() {
     require_root();

@@ -28,6 +28,10 @@ const FOCUS: &str = r"\[sig-network\] (Networking Granular Checks: Pods should f
 /// How many tests the focus selects.
 const SLICE: usize = 8;
 
+#[cfg_attr(
+    not(feature = "kubelet-tests"),
+    ignore = "kubelet tier: root and kubelet nodes built from Kubernetes' source; `make test` runs it"
+)]
 #[test]
 fn the_data_path_conformance_slice_passes_on_two_kubelet_nodes() {
     require_root();

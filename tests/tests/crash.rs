@@ -286,16 +286,28 @@ fn crash_mid_burst(test: &str, kill_window: (f64, f64)) {
     assert!(cleaned, "a pod without a valid attachment still has eth0");
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn kill9_early_in_a_burst_then_restart_and_gc_leave_exactly_the_acked_attachments() {
     crash_mid_burst("kill9_early", (0.05, 0.25));
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn kill9_midway_through_a_burst_then_restart_and_gc_leave_exactly_the_acked_attachments() {
     crash_mid_burst("kill9_midway", (0.35, 0.65));
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn kill9_late_in_a_burst_then_restart_and_gc_leave_exactly_the_acked_attachments() {
     crash_mid_burst("kill9_late", (0.75, 0.95));
@@ -305,6 +317,10 @@ fn kill9_late_in_a_burst_then_restart_and_gc_leave_exactly_the_acked_attachments
 // Durability and startup reconciliation
 // ---------------------------------------------------------------------------
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn acknowledged_adds_survive_kill9() {
     require_root();
@@ -331,6 +347,10 @@ fn acknowledged_adds_survive_kill9() {
     assert_node_holds_exactly(&daemon, &live);
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn startup_reconciliation_removes_planted_orphans_and_keeps_real_attachments() {
     require_root();

@@ -99,6 +99,10 @@ fn marked_blocks(marker: &str) -> Vec<Block> {
     blocks
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn every_runnable_block_of_the_docs_runs_as_written_and_removes_what_it_made() {
     require_root();

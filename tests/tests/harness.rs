@@ -34,6 +34,10 @@ fn run_prefix_is_short_and_stable() {
     assert_eq!(prefix, run_prefix());
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn netns_is_listed_while_alive_and_gone_after_drop() {
     require_root();
@@ -51,6 +55,10 @@ fn netns_is_listed_while_alive_and_gone_after_drop() {
     assert!(!listed(&name), "{name} still in:\n{}", netns_list());
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn netns_is_deleted_when_the_test_panics() {
     require_root();
@@ -66,6 +74,10 @@ fn netns_is_deleted_when_the_test_panics() {
     assert!(!listed(&name), "{name} survived a panic:\n{}", netns_list());
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn exec_runs_inside_the_netns() {
     require_root();
@@ -89,6 +101,10 @@ fn exec_runs_inside_the_netns() {
     assert!(!out.status.success());
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn run_moves_only_the_helper_thread() {
     require_root();
@@ -124,6 +140,10 @@ fn temp_dir_is_removed_on_drop() {
     assert!(!path.exists());
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn cni_leaves_unset_variables_unset() {
     require_root();
@@ -156,6 +176,10 @@ fn cni_kills_a_plugin_that_hangs() {
     assert!(out.stderr.contains("killed after"), "{out}");
 }
 
+#[cfg_attr(
+    not(feature = "tools-tests"),
+    ignore = "tools tier: helm and the reference plugins of `tests/setup.sh`; `make test` runs it"
+)]
 #[test]
 fn cni_version_of_a_reference_plugin() {
     let env = CniEnv {
@@ -169,6 +193,10 @@ fn cni_version_of_a_reference_plugin() {
 
 /// The reference path the benchmark compares tether with, driven through
 /// the harness: ptp + host-local run from a node netns.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn ptp_add_check_del_in_a_node_netns() {
     require_root();
@@ -227,6 +255,10 @@ fn ptp_add_check_del_in_a_node_netns() {
     node.run(|| del(&ptp, &conf, &id, &pod)).assert_success();
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn many_reference_adds_at_once() {
     require_root();
@@ -258,6 +290,10 @@ fn many_reference_adds_at_once() {
 
 /// The daemon guard: serves, survives kill -9 and restart with the same
 /// socket and state dir, stops on SIGTERM, and leaves nothing behind.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn daemon_starts_restarts_and_cleans_up() {
     require_root();
@@ -304,10 +340,11 @@ fn daemon_starts_restarts_and_cleans_up() {
     assert!(!dir.exists());
 }
 
-/// The unit tests that need root are compiled in only with the crates'
-/// `root-tests` feature; without it they are ignored. CI runs `make test`
-/// as root, so `make test` must turn the feature on for every crate that
-/// has one, or those tests would be skipped there unseen.
+/// The tests that need root (or tools, etcd, kubelets) are compiled in
+/// only with their crate's `*-tests` features; without them they are
+/// ignored. CI runs `make test` as root, so `make test` must turn on every
+/// such feature of every crate, or those tests would be skipped there
+/// unseen.
 #[test]
 fn make_test_compiles_in_every_crates_root_unit_tests() {
     let dir = tether_e2e::workspace_dir();
@@ -330,29 +367,41 @@ fn make_test_compiles_in_every_crates_root_unit_tests() {
             .any(|l| l.contains(" test ") && l.contains("--features $(ROOT_TESTS)")),
         "make test does not pass --features $(ROOT_TESTS): {test_recipe:?}"
     );
-    // Every crate that has the feature is in the list.
+    // Every test feature of every crate is in the list.
     let mut with_feature = Vec::new();
     for entry in std::fs::read_dir(&dir).expect("the workspace") {
         let manifest = entry.expect("an entry").path().join("Cargo.toml");
         let Ok(text) = std::fs::read_to_string(&manifest) else {
             continue;
         };
-        if !text.contains("root-tests = []") {
-            continue;
-        }
         let name = text
             .lines()
             .find_map(|l| l.strip_prefix("name = \""))
             .and_then(|n| n.strip_suffix('"'))
             .expect("a package name");
-        assert!(
-            root_tests
-                .split(',')
-                .any(|f| f == format!("{name}/root-tests")),
-            "{name} has a root-tests feature that ROOT_TESTS leaves out"
-        );
-        with_feature.push(name.to_owned());
+        for feature in text
+            .lines()
+            .filter_map(|l| l.strip_suffix(" = []"))
+            .filter(|f| f.ends_with("-tests"))
+        {
+            let wanted = format!("{name}/{feature}");
+            assert!(
+                root_tests.split(',').any(|f| f == wanted),
+                "{wanted} is a test feature that ROOT_TESTS leaves out"
+            );
+            with_feature.push(wanted);
+        }
     }
     with_feature.sort();
-    assert_eq!(with_feature, ["tether-kernel", "tether-node-server"]);
+    assert_eq!(
+        with_feature,
+        [
+            "tether-e2e/cluster-tests",
+            "tether-e2e/kubelet-tests",
+            "tether-e2e/root-tests",
+            "tether-e2e/tools-tests",
+            "tether-kernel/root-tests",
+            "tether-node-server/root-tests",
+        ]
+    );
 }

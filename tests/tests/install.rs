@@ -159,6 +159,10 @@ fn assert_conflist(bytes: &[u8]) {
     );
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn installs_files_with_their_modes_and_nothing_else() {
     require_root();
@@ -188,6 +192,10 @@ fn installs_files_with_their_modes_and_nothing_else() {
     assert!(version["supportedVersions"].is_array(), "{version}");
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn rerunning_is_idempotent_and_repairs() {
     require_root();
@@ -216,6 +224,10 @@ fn rerunning_is_idempotent_and_repairs() {
     );
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn installs_without_portmap_and_under_another_name() {
     require_root();
@@ -235,6 +247,10 @@ fn installs_without_portmap_and_under_another_name() {
     assert_conflist(&conf["05-custom.conflist"].1);
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn tether_socket_is_written_into_the_conflist_and_a_bad_one_installs_nothing() {
     require_root();
@@ -277,6 +293,10 @@ fn tether_socket_is_written_into_the_conflist_and_a_bad_one_installs_nothing() {
 /// containerd 1.6 and 1.7 (libcni 1.1) read only `cniVersion` and cannot
 /// parse a 1.1.0 result; libcni 1.2 (containerd 2, CRI-O 1.31) picks the
 /// highest of `cniVersions` it knows, and only then calls GC and STATUS.
+#[cfg_attr(
+    not(feature = "tools-tests"),
+    ignore = "tools tier: helm and the reference plugins of `tests/setup.sh`; `make test` runs it"
+)]
 #[test]
 fn the_conflist_serves_old_and_new_runtimes() {
     let conf: Value = serde_json::from_slice(
@@ -292,6 +312,10 @@ fn the_conflist_serves_old_and_new_runtimes() {
     );
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn a_missing_conflist_fails_without_leaving_temp_files() {
     require_root();
@@ -314,6 +338,10 @@ fn a_missing_conflist_fails_without_leaving_temp_files() {
 
 /// `helm lint` of the chart passes, with no warning (`--strict`), in
 /// every mode.
+#[cfg_attr(
+    not(feature = "tools-tests"),
+    ignore = "tools tier: helm and the reference plugins of `tests/setup.sh`; `make test` runs it"
+)]
 #[test]
 fn helm_lint_passes_in_every_mode() {
     let helm = Helm::new();
@@ -337,6 +365,10 @@ fn helm_lint_passes_in_every_mode() {
 /// What each mode passes to tetherd: its flags, exactly, and only flags
 /// tetherd knows (a renamed flag would otherwise only show in a
 /// crash-looping pod).
+#[cfg_attr(
+    not(feature = "tools-tests"),
+    ignore = "tools tier: helm and the reference plugins of `tests/setup.sh`; `make test` runs it"
+)]
 #[test]
 fn each_mode_renders_its_flags_and_only_flags_tetherd_knows() {
     let help = std::process::Command::new(tether_e2e::tetherd_bin())
@@ -463,6 +495,10 @@ fn conflist_of(objects: &[Value]) -> Value {
 /// image's conflist (install/10-tether.conflist) with the chart's socket;
 /// each `netconf` value lands in tether's entry of it; and install.sh,
 /// given it as TETHER_CONFLIST, installs exactly that file.
+#[cfg_attr(
+    not(feature = "tools-tests"),
+    ignore = "tools tier: helm and the reference plugins of `tests/setup.sh`; `make test` runs it"
+)]
 #[test]
 fn the_conflist_comes_from_the_netconf_values() {
     let image: Value = serde_json::from_slice(
@@ -506,6 +542,10 @@ fn the_conflist_comes_from_the_netconf_values() {
     assert_conflist(conf.to_string().as_bytes());
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn install_sh_writes_tether_conflist_as_given_and_refuses_what_is_no_conflist() {
     require_root();
@@ -562,6 +602,10 @@ fn install_sh_writes_tether_conflist_as_given_and_refuses_what_is_no_conflist() 
 /// message that says what to do: a key it does not know, or a value of
 /// the wrong shape, is refused by values.schema.json naming the key; what
 /// one value needs of another, by the templates.
+#[cfg_attr(
+    not(feature = "tools-tests"),
+    ignore = "tools tier: helm and the reference plugins of `tests/setup.sh`; `make test` runs it"
+)]
 #[test]
 fn the_chart_refuses_what_it_cannot_render() {
     let helm = Helm::new();
@@ -625,6 +669,10 @@ fn the_chart_refuses_what_it_cannot_render() {
 
 /// What `helm install` prints after the install (NOTES.txt): the checks
 /// to run, and the upgrade without a pinned tag, CRDs first.
+#[cfg_attr(
+    not(feature = "tools-tests"),
+    ignore = "tools tier: helm and the reference plugins of `tests/setup.sh`; `make test` runs it"
+)]
 #[test]
 fn the_notes_say_how_to_check_the_install_and_how_to_upgrade() {
     let helm = Helm::new();
@@ -674,6 +722,10 @@ fn the_notes_say_how_to_check_the_install_and_how_to_upgrade() {
 /// rendered and what is not (the ServiceMonitor, the dashboard and the
 /// Multus network only behind their values), the least-privilege RBAC;
 /// and the build context leaves `target/` out.
+#[cfg_attr(
+    not(feature = "tools-tests"),
+    ignore = "tools tier: helm and the reference plugins of `tests/setup.sh`; `make test` runs it"
+)]
 #[test]
 fn the_defaults_render_a_versioned_image_and_nothing_optional() {
     let objects = chart::objects(&chart::template(&[]));
@@ -832,6 +884,10 @@ fn the_defaults_render_a_versioned_image_and_nothing_optional() {
 /// install/manifests/, byte for byte; none of them needs the Prometheus
 /// Operator or Multus, and `kubectl apply -f install/` finds nothing to
 /// choke on (no JSON or YAML lies directly in install/).
+#[cfg_attr(
+    not(feature = "tools-tests"),
+    ignore = "tools tier: helm and the reference plugins of `tests/setup.sh`; `make test` runs it"
+)]
 #[test]
 fn the_committed_manifests_are_the_charts_output() {
     let dir = TempDir::new("manifests");
@@ -895,6 +951,10 @@ fn the_committed_manifests_are_the_charts_output() {
 /// tetherd's ClusterRole and its Leases Role, one row per resource
 /// (`resource.group`, the core group's and a subresource's without a
 /// group), with exactly the rendered verbs.
+#[cfg_attr(
+    not(feature = "tools-tests"),
+    ignore = "tools tier: helm and the reference plugins of `tests/setup.sh`; `make test` runs it"
+)]
 #[test]
 fn the_chart_references_rbac_table_is_the_charts_rbac() {
     let objects = chart::objects(&chart::template(&[]));
@@ -1000,6 +1060,10 @@ fn mode_of(args: &[String]) -> Vec<&'static str> {
 /// claims: rendered with its own `--set` values, tetherd gets that mode's
 /// flags and no other's. The README carries one for each of kubernetes,
 /// nodeCidrs and etcd, the install page one for every mode.
+#[cfg_attr(
+    not(feature = "tools-tests"),
+    ignore = "tools tier: helm and the reference plugins of `tests/setup.sh`; `make test` runs it"
+)]
 #[test]
 fn every_helm_install_command_of_the_docs_renders_the_mode_it_claims() {
     let tag = "<!-- helm-install:";

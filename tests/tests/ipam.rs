@@ -154,6 +154,10 @@ fn master(node: &Netns, name: &str) {
     node.exec_ok(&["ip", "link", "set", &peer, "up"]);
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn macvlan_and_bridge_take_their_addresses_from_tether() {
     require_root();

@@ -556,6 +556,10 @@ fn call(
     )
 }
 
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
 #[test]
 fn outage_pod_cidr_from_node_events_and_least_privilege() {
     require_root();
@@ -860,6 +864,10 @@ fn ask_for(daemon: &Daemon, ip: &str, pod: &str) -> (tether_e2e::CniOutput, Netn
     (out, ns, spec)
 }
 
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
 #[test]
 fn a_deleted_virtualmachine_frees_its_address_once_no_pod_of_it_is_left() {
     require_root();
@@ -1074,6 +1082,10 @@ fn daemonset_args(api: &KubeApi) -> Vec<String> {
         .collect()
 }
 
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
 #[test]
 fn plain_manifests_apply_and_the_uninstaller_removes_only_on_removal() {
     require_root();

@@ -70,6 +70,10 @@ fn claimed_vm(vm: &str) -> VmPodSpec {
     spec
 }
 
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
 #[test]
 fn the_client_names_itself_catches_up_after_an_outage_and_relists_on_410_gone() {
     require_root();

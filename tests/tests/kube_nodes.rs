@@ -74,6 +74,10 @@ fn exec(c: &KubeCluster, name: &str, argv: &[&str]) -> std::process::Output {
     c.api.kubectl(&args)
 }
 
+#[cfg_attr(
+    not(feature = "kubelet-tests"),
+    ignore = "kubelet tier: root and kubelet nodes built from Kubernetes' source; `make test` runs it"
+)]
 #[test]
 fn two_kubelet_nodes_with_their_own_namespaces_wire_pods_through_the_installed_chart() {
     require_root();
@@ -262,6 +266,10 @@ fn wait_routes(a: &KubeNode, a_dev: &str, b: &KubeNode, b_dev: &str, ip: &str, w
     );
 }
 
+#[cfg_attr(
+    not(feature = "kubelet-tests"),
+    ignore = "kubelet tier: root and kubelet nodes built from Kubernetes' source; `make test` runs it"
+)]
 #[test]
 fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping_ip_and_mac() {
     require_root();

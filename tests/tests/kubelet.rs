@@ -211,6 +211,10 @@ fn assert_in(cidr: &IpNet, ip: &str) {
     assert!(cidr.contains(&addr), "{ip} is not in the node's {cidr}");
 }
 
+#[cfg_attr(
+    not(feature = "kubelet-tests"),
+    ignore = "kubelet tier: root and kubelet nodes built from Kubernetes' source; `make test` runs it"
+)]
 #[test]
 fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     require_root();

@@ -19,6 +19,10 @@ fn pod_ipv4(result: &Value) -> String {
         .unwrap_or_else(|| panic!("no IPv4 address in {result}"))
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn del_then_immediate_add_keeps_the_new_veth() {
     require_root();
@@ -68,6 +72,10 @@ fn del_then_immediate_add_keeps_the_new_veth() {
     }
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn attachments_of_a_previous_boot_are_released_at_startup() {
     require_root();

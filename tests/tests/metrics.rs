@@ -115,6 +115,10 @@ fn promtool_check(text: &str) {
     );
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn metrics_pass_promtool_and_add_up_during_a_burst() {
     require_root();
@@ -333,6 +337,10 @@ fn metrics_pass_promtool_and_add_up_during_a_burst() {
     }
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn metrics_are_off_by_default_and_a_taken_port_fails_the_start() {
     require_root();
@@ -381,6 +389,10 @@ fn metrics_are_off_by_default_and_a_taken_port_fails_the_start() {
 /// `/readyz`, the DaemonSet's readiness probe, answers 200 while the daemon
 /// serves, and stays 200 when the node's pool is full (STATUS says so to
 /// the runtime; a full node must not hold up a rolling update).
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn readyz_is_ok_while_serving_even_with_a_full_pool() {
     require_root();

@@ -522,6 +522,10 @@ fn an_ephemeral_vm_address_is_freed_with_its_last_pod(store: Store) {
 /// One node with the embedded store (`--pod-cidr`): VM records live in the
 /// state dir's control-plane file, and a VM stopped and started again keeps
 /// its address, across a daemon restart too.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn a_single_node_keeps_vm_addresses_in_the_embedded_store() {
     require_root();

@@ -191,11 +191,19 @@ fn signed(a: Instant, b: Instant) -> String {
     }
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn prober_measures_a_100ms_pause_v4() {
     prober_measures_a_pause(B_V4);
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn prober_measures_a_100ms_pause_v6() {
     prober_measures_a_pause(B_V6);
@@ -280,6 +288,10 @@ fn if_index(ifname: &str) -> io::Result<libc::c_int> {
     }
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn send_rarp_sends_qemus_announcement() {
     require_root();
@@ -303,6 +315,10 @@ fn send_rarp_sends_qemus_announcement() {
     assert_eq!(frame[..], rarp_frame(GUEST_MAC)[..], "padding is zero");
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn send_garp_sends_a_gratuitous_arp_request() {
     require_root();
@@ -339,6 +355,10 @@ fn netns_listed(name: &str) -> bool {
 
 /// A panic with a prober running still removes both netns (and the veth
 /// with them) and stops the prober.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn a_panic_leaves_nothing_behind() {
     require_root();

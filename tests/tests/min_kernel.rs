@@ -132,6 +132,10 @@ fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
         .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn the_netlink_suites_pass_on_debian_12s_stock_kernel() {
     require_root();

@@ -194,6 +194,10 @@ fn assert_outside_unreachable(pod: &Netns, outside: &Netns) {
     }
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn pods_reach_the_outside_with_the_nodes_address_and_each_other_with_their_own() {
     require_root();
@@ -219,6 +223,10 @@ fn pods_reach_the_outside_with_the_nodes_address_and_each_other_with_their_own()
     assert_eq!(table.matches("masquerade").count(), 2, "{table}");
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn a_no_nat_to_range_is_reached_with_the_pods_own_address() {
     require_root();
@@ -243,6 +251,10 @@ fn a_no_nat_to_range_is_reached_with_the_pods_own_address() {
     );
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn restarts_leave_one_identical_table_and_outbound_nat_off_removes_it() {
     require_root();

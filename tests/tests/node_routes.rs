@@ -299,11 +299,19 @@ fn pods_reach_each_other_across_three_nodes(overlay: Overlay) {
     }
 }
 
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
 #[test]
 fn host_gw_pods_on_three_nodes_reach_each_other_through_node_objects() {
     pods_reach_each_other_across_three_nodes(Overlay::HostGw);
 }
 
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
 #[test]
 fn vxlan_pods_on_three_routed_subnets_reach_each_other_through_node_objects() {
     pods_reach_each_other_across_three_nodes(Overlay::Vxlan);

@@ -237,6 +237,10 @@ fn attempts_change_nothing(
     outputs
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn a_second_daemon_on_the_same_state_dir_exits_and_changes_nothing() {
     require_root();
@@ -287,6 +291,10 @@ fn a_second_daemon_on_the_same_state_dir_exits_and_changes_nothing() {
     );
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn a_second_daemon_on_the_same_socket_with_another_state_dir_exits_and_changes_nothing() {
     require_root();
@@ -319,6 +327,10 @@ fn a_second_daemon_on_the_same_socket_with_another_state_dir_exits_and_changes_n
     assert_eq!(files, ["tetherd.lock"]);
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn a_second_daemon_with_its_own_paths_in_the_same_netns_exits_and_changes_nothing() {
     require_root();

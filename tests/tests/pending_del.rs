@@ -145,6 +145,10 @@ fn assert_eth0_goes(pod: &Netns) {
 // Tests
 // ---------------------------------------------------------------------------
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn del_while_the_daemon_is_down_is_queued_and_replayed_before_it_serves() {
     require_root();
@@ -194,6 +198,10 @@ fn del_while_the_daemon_is_down_is_queued_and_replayed_before_it_serves() {
     kept.assert_check_passes(&daemon, NETWORK, &kept_id, &kept_pod);
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn queued_del_never_removes_an_attachment_created_after_it_was_queued() {
     require_root();
@@ -230,6 +238,10 @@ fn queued_del_never_removes_an_attachment_created_after_it_was_queued() {
     assert_eth0_goes(&other_pod);
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn unreadable_queue_entries_are_set_aside_without_blocking_the_others() {
     require_root();
@@ -265,6 +277,10 @@ fn unreadable_queue_entries_are_set_aside_without_blocking_the_others() {
     assert_eth0_goes(&pod);
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn del_queued_while_the_daemon_runs_is_drained_periodically() {
     require_root();
@@ -311,6 +327,10 @@ fn del_queued_while_the_daemon_runs_is_drained_periodically() {
 /// with a new state dir takes in what the former one's queue holds, and what
 /// a shim queued before any daemon ran since boot (the link lives in the
 /// socket's directory, a tmpfs on a real node).
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn a_new_state_dir_takes_in_dels_queued_under_the_former_one() {
     require_root();
@@ -393,6 +413,10 @@ fn a_new_state_dir_takes_in_dels_queued_under_the_former_one() {
 
 /// The state dir moved as a whole (`mv`) while the daemon was down: its
 /// queue moved with it, the old link dangles, and nothing is lost.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn a_moved_state_dir_keeps_its_queue() {
     require_root();

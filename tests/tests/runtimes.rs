@@ -525,6 +525,10 @@ impl Drop for CtrContainer<'_> {
 /// (seen from inside), reaches another pod and is reached by it, and when
 /// the task is killed ctr's DEL, which comes with an empty `CNI_NETNS`,
 /// removes everything tether made for it.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn ctr_run_cni_wires_the_container_and_cleans_up_after_it() {
     require_root();
@@ -776,6 +780,10 @@ impl Drop for Podman {
 /// podman's VERSION probe with dummy values works, the container gets its
 /// address (podman inspect and inside), reaches another pod, and after
 /// `podman rm -f` nothing of it is left.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn podman_cni_backend_wires_the_container_and_cleans_up_after_it() {
     require_root();

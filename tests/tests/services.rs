@@ -120,6 +120,10 @@ fn udp_echoes(ns: &Netns, ip: &str, port: u16) -> bool {
     String::from_utf8_lossy(&out.stdout).trim() == "ping"
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn services_through_kube_proxy_reach_tether_pods_across_nodes_and_back_to_themselves() {
     require_root();

@@ -82,6 +82,10 @@ const SETPRIV_NOBODY: [&str; 4] = [
     "--clear-groups",
 ];
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn without_root_it_says_it_must_run_as_root_and_creates_nothing() {
     require_root();
@@ -120,6 +124,10 @@ fn without_root_it_says_it_must_run_as_root_and_creates_nothing() {
     );
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn a_taken_metrics_port_is_named_in_plain_words() {
     require_root();
@@ -145,6 +153,10 @@ fn a_taken_metrics_port_is_named_in_plain_words() {
     assert!(!dir.path().join("t.sock").exists());
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn a_bare_port_listens_on_every_address() {
     require_root();
@@ -161,6 +173,10 @@ fn a_bare_port_listens_on_every_address() {
     }
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn a_pod_cidr_with_host_bits_is_refused_naming_the_network_meant() {
     require_root();
@@ -190,6 +206,10 @@ fn a_pod_cidr_with_host_bits_is_refused_naming_the_network_meant() {
     assert!(!dir.path().join("state").exists());
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn a_pools_file_that_is_a_bare_list_says_what_it_must_hold() {
     require_root();
@@ -210,6 +230,10 @@ fn a_pools_file_that_is_a_bare_list_says_what_it_must_hold() {
     assert!(!dir.path().join("state/attachments.journal").exists());
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn vxlan_without_other_nodes_is_said_to_have_no_effect() {
     require_root();

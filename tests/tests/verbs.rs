@@ -363,6 +363,10 @@ fn pool_usage(daemon: &Daemon, cidr: &str) -> (u64, u64) {
 
 /// ADD, repeated ADD, CHECK, STATUS and DEL in every cniVersion on a
 /// dual-stack daemon; every answer compared with the kernel.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn every_version_add_check_del_dual_stack() {
     require_root();
@@ -421,6 +425,10 @@ fn every_version_add_check_del_dual_stack() {
 }
 
 /// Two dual-stack pods reach each other over IPv4 and IPv6.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn dual_stack_pods_ping_each_other() {
     require_root();
@@ -440,6 +448,10 @@ fn dual_stack_pods_ping_each_other() {
 
 /// A daemon with only an IPv4 pool: one address, no IPv6 default route,
 /// and a ping between two pods.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn v4_only_daemon() {
     require_root();
@@ -448,6 +460,10 @@ fn v4_only_daemon() {
 
 /// A daemon with only an IPv6 pool: one address, no IPv4 default route,
 /// and a ping between two pods.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn v6_only_daemon() {
     require_root();
@@ -484,6 +500,10 @@ fn single_family(cidrs: &[&str], v4: bool) {
 
 /// The same container id and ifname ADDed with another netns is code 103,
 /// and neither the first attachment nor the second netns changes.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn add_in_another_netns_conflicts() {
     require_root();
@@ -613,6 +633,10 @@ const DAMAGES: &[Damage] = &[
 /// CHECK passes on an intact attachment and reports each kind of damage
 /// with its documented code; a repeated ADD then rebuilds the wiring with
 /// the same addresses, and DEL still cleans up.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn check_reports_each_kind_of_damage() {
     require_root();
@@ -682,6 +706,10 @@ fn check_reports_each_kind_of_damage() {
 
 /// DEL with an empty CNI_NETNS (what `ctr` sends) cleans up from the record;
 /// DEL repeated, without CNI_NETNS, or of a never-seen container succeeds.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn del_is_idempotent_and_needs_no_netns() {
     require_root();
@@ -719,6 +747,10 @@ fn del_is_idempotent_and_needs_no_netns() {
 /// A /29 holds six pods: STATUS is ready until it is full, then 50; the
 /// seventh ADD is 100 naming the CIDR and leaves nothing; after one DEL the
 /// freed address is the one the next ADD gets.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn tiny_pool_exhaustion_status_and_reuse() {
     require_root();
@@ -778,6 +810,10 @@ fn tiny_pool_exhaustion_status_and_reuse() {
 /// GC with `cni.dev/valid-attachments` listing one of two attachments
 /// releases the other completely and leaves the listed one, and another
 /// network's, intact.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn gc_releases_unlisted_attachments() {
     require_root();
@@ -818,6 +854,10 @@ fn gc_releases_unlisted_attachments() {
 
 /// The MTU from `--mtu`, and from the netconf's `mtu`, is on both ends and
 /// in 1.1.0 results.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn mtu_from_flag_and_from_netconf() {
     require_root();
@@ -853,6 +893,10 @@ fn mtu_from_flag_and_from_netconf() {
 
 /// When one family's pool is full, ADD fails with 100 naming that pool and
 /// gives back the address it took from the other family.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
 #[test]
 fn exhausting_one_family_rolls_back_the_other() {
     require_root();

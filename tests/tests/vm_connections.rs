@@ -296,6 +296,10 @@ fn wait_status(guest: &Guest, status: &str) {
     );
 }
 
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
 #[test]
 fn a_migration_that_fails_late_or_is_cancelled_leaves_every_stream_alive_on_the_source() {
     require_root();

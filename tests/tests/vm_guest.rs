@@ -184,6 +184,10 @@ fn renew(guest: &Guest, node: &ClusterNode, ip: IpAddr) {
     }
 }
 
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
 #[test]
 fn a_real_guest_leases_migrates_by_its_own_rarp_restarts_and_leaves_nothing() {
     require_root();
@@ -372,6 +376,10 @@ fn migration_status(guest: &Guest) -> Value {
     guest.qmp(|q| q.execute("query-migrate", json!({})))
 }
 
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
 #[test]
 fn a_failed_migration_leaves_the_vm_on_its_source_and_the_target_del_frees_nothing() {
     require_root();
@@ -431,6 +439,10 @@ fn a_failed_migration_leaves_the_vm_on_its_source_and_the_target_del_frees_nothi
     renew(&guest_a, a, ip);
 }
 
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
 #[test]
 fn a_migration_cuts_over_though_the_target_daemon_restarted_in_the_middle() {
     require_root();
@@ -499,6 +511,10 @@ fn check_pod(node: &ClusterNode, spec: &VmPodSpec, pod: &Pod) -> tether_e2e::Cni
     )
 }
 
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
 #[test]
 fn a_multi_queue_tap_and_a_managed_tap_pod_both_serve_a_real_guest() {
     require_root();

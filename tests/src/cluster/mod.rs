@@ -105,6 +105,10 @@ macro_rules! on_both_stores {
         mod etcd {
             $(
                 #[test]
+                #[cfg_attr(
+                    not(feature = "cluster-tests"),
+                    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+                )]
                 fn $test() {
                     super::$test($crate::cluster::Store::Etcd)
                 }
@@ -113,6 +117,10 @@ macro_rules! on_both_stores {
         mod kubernetes {
             $(
                 #[test]
+                #[cfg_attr(
+                    not(feature = "cluster-tests"),
+                    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+                )]
                 fn $test() {
                     super::$test($crate::cluster::Store::Kubernetes)
                 }
