@@ -30,13 +30,15 @@
 # not have. go.mod therefore replaces each staging module with its published
 # v0.X.Y of the same minor (v1.37.2 -> v0.37.2).
 #
-# The results are cached in $TETHER_K8S_DIR (default /var/tmp/tether-k8s),
-# keyed by what is built, its go.mod and go.sum, this script and the Go
-# version; a cached build is reused at once. Prints the directory holding
-# the binaries. The build's own time is printed on stderr.
+# The results are cached by tests/k8s/lib.sh as <what>-<inputs>-<go
+# version>, keyed by what is built, its go.mod and go.sum, this script,
+# lib.sh and the Go version. Prints the directory holding the binaries.
+# The build's own time is printed on stderr.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
-base=${TETHER_K8S_DIR:-/var/tmp/tether-k8s}
+k8s=$here
+who=k8s/build.sh
+. "$k8s/lib.sh"
 what=${1:-kube}
 case "$what" in
 kube) mod=$here ;;
@@ -50,26 +52,8 @@ coredns) mod=$here/coredns ;;
     ;;
 esac
 
-# The modules want Go 1.26 (k8s.io/kubernetes v1.37): take the first Go on
-# the PATH or in the usual places that is at least that (Debian's
-# golang-go, 1.19, is installed for tests/runtimes/cnitool and must not be
-# picked).
-pick_go() {
-    for g in "$(command -v go 2>/dev/null || true)" /usr/local/go/bin/go /opt/go/bin/go /usr/lib/go/bin/go; do
-        [ -n "$g" ] && [ -x "$g" ] || continue
-        v=$("$g" env GOVERSION 2>/dev/null || true)
-        minor=$(echo "$v" | sed -n 's/^go1\.\([0-9]*\).*/\1/p')
-        if [ -n "$minor" ] && [ "$minor" -ge 26 ]; then
-            echo "$g"
-            return 0
-        fi
-    done
-    return 1
-}
-GO=$(pick_go) || {
-    echo "k8s/build.sh: no Go 1.26 or newer found (PATH, /usr/local/go, /opt/go); the machine's Go is needed to build $what" >&2
-    exit 1
-}
+# The modules want Go 1.26 (k8s.io/kubernetes v1.37).
+GO=$(pick_go 26)
 goversion=$("$GO" env GOVERSION)
 # The Go sources of this project's own packages count too: tests/k8s/e2e
 # for e2e, tests/k8s/coredns for coredns (none for the others).
@@ -79,20 +63,7 @@ coredns) own=$here/coredns/main.go ;;
 *) own= ;;
 esac
 # shellcheck disable=SC2086 # $own is one path or none
-inputs=$(cat "$mod/go.mod" "$mod/go.sum" "$here/build.sh" $own | sha256sum | cut -c1-16)
-out="$base/$what-$inputs-$goversion"
-if [ -f "$out/done" ]; then
-    # Marks the build as in use (see the clean-up at the end).
-    touch "$out/done"
-    echo "$out"
-    exit 0
-fi
-
-mkdir -p "$base"
-tmp=$(mktemp -d "$base/build.XXXXXX")
-trap 'rm -rf "$tmp"' EXIT
-start=$(date +%s)
-echo "k8s/build.sh: building $what with $goversion (once; cached in $out)" >&2
+cache_begin "$what" "$(inputs "$mod/go.mod" "$mod/go.sum" $own)-$goversion"
 # Sets $ldflags to stamp k8s.io/kubernetes' version (of go.mod) the way the
 # Kubernetes release build does: a module build has no git data.
 kube_ldflags() {
@@ -174,16 +145,4 @@ coredns)
     "$tmp/coredns" -version >&2
     ;;
 esac
-echo "k8s/build.sh: built $what in $(($(date +%s) - start)) s" >&2
-rm -rf "$out"
-mv "$tmp" "$out"
-trap - EXIT
-touch "$out/done"
-# Other builds of the same thing not used for two days are of no more use.
-# One used more lately may belong to another checkout (a branch with other
-# inputs) on this machine: removing it would make the two rebuild in turn.
-for old in "$base/$what"-*; do
-    [ "$old" = "$out" ] && continue
-    [ -n "$(find "$old/done" -mtime -2 2>/dev/null)" ] || rm -rf "$old"
-done
-echo "$out"
+cache_end "$what"

@@ -338,9 +338,12 @@ fn agnhost_serves_dns_with_its_coredns_and_has_the_tests_tools() {
     assert_eq!(agnhost.default_argv(), ["/agnhost", "pause"]);
     let version = agnhost.chroot_ok(&["/agnhost", "--version"]);
     assert!(version.contains("2.66.1"), "{version}");
-    // The tools the e2e tests run in agnhost pods, by the names they use.
+    // The tools the e2e tests run in agnhost pods, by the names they use
+    // (wget: two Services tests outside the Conformance set), and iperf,
+    // which upstream's image has too.
     for tool in [
-        "dig", "nslookup", "curl", "nc", "ip", "ss", "bash", "socat", "getent", "seq",
+        "dig", "nslookup", "curl", "wget", "nc", "ip", "ss", "bash", "socat", "getent", "seq",
+        "timeout", "iperf",
     ] {
         let out = agnhost.chroot(&["sh", "-c", &format!("command -v {tool}")]);
         assert!(out.status.success(), "{tool} is missing in agnhost");

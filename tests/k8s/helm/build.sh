@@ -8,48 +8,19 @@
 # feature release (September 2026) and it gets security fixes only, until
 # February 2027; the chart (apiVersion v2) is one both render.
 #
-# Cached like the Kubernetes binaries (tests/k8s/build.sh, which this
-# script leaves alone so that their cache stays valid): in
-# $TETHER_K8S_DIR (default /var/tmp/tether-k8s)/helm-<inputs>-<go version>,
-# keyed by go.mod, go.sum, this script and the Go version; a cached build
-# is reused at once. Prints the directory holding `helm`; the build's own
-# time goes to stderr.
+# Cached by tests/k8s/lib.sh as helm-<inputs>-<go version>, keyed by
+# go.mod, go.sum, this script, lib.sh and the Go version. Prints the
+# directory holding `helm`; the build's own time goes to stderr.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
-base=${TETHER_K8S_DIR:-/var/tmp/tether-k8s}
+k8s=$(dirname "$here")
+who=k8s/helm/build.sh
+. "$k8s/lib.sh"
 
-# helm v4.3 wants Go 1.26 (its go.mod): the first Go on the PATH or in the
-# usual places that is at least that, as tests/k8s/build.sh picks it
-# (Debian's golang-go, 1.19, is too old).
-pick_go() {
-    for g in "$(command -v go 2>/dev/null || true)" /usr/local/go/bin/go /opt/go/bin/go /usr/lib/go/bin/go; do
-        [ -n "$g" ] && [ -x "$g" ] || continue
-        v=$("$g" env GOVERSION 2>/dev/null || true)
-        minor=$(echo "$v" | sed -n 's/^go1\.\([0-9]*\).*/\1/p')
-        if [ -n "$minor" ] && [ "$minor" -ge 26 ]; then
-            echo "$g"
-            return 0
-        fi
-    done
-    return 1
-}
-GO=$(pick_go) || {
-    echo "k8s/helm/build.sh: no Go 1.26 or newer found (PATH, /usr/local/go, /opt/go); the machine's Go is needed to build helm" >&2
-    exit 1
-}
+# helm v4.3 wants Go 1.26 (its go.mod).
+GO=$(pick_go 26)
 goversion=$("$GO" env GOVERSION)
-inputs=$(cat "$here/go.mod" "$here/go.sum" "$here/build.sh" | sha256sum | cut -c1-16)
-out="$base/helm-$inputs-$goversion"
-if [ -f "$out/done" ]; then
-    echo "$out"
-    exit 0
-fi
-
-mkdir -p "$base"
-tmp=$(mktemp -d "$base/build.XXXXXX")
-trap 'rm -rf "$tmp"' EXIT
-start=$(date +%s)
-echo "k8s/helm/build.sh: building helm with $goversion (once; cached in $out)" >&2
+cache_begin helm "$(inputs "$here/go.mod" "$here/go.sum")-$goversion"
 cd "$here"
 # Stamped with its version as helm's own Makefile does; otherwise
 # `helm version` says "v4.3" and the chart's kubeVersion checks see no
@@ -63,13 +34,4 @@ CGO_ENABLED=0 "$GO" build -mod=mod -trimpath \
     -ldflags="-s -w -X helm.sh/helm/v4/internal/version.version=$v -X helm.sh/helm/v4/internal/version.gitTreeState=clean" \
     -o "$tmp/helm" helm.sh/helm/v4/cmd/helm >&2
 "$tmp/helm" version >&2
-echo "k8s/helm/build.sh: built helm $v in $(($(date +%s) - start)) s" >&2
-rm -rf "$out"
-mv "$tmp" "$out"
-trap - EXIT
-touch "$out/done"
-# Older builds are of no more use.
-for old in "$base"/helm-*; do
-    [ "$old" = "$out" ] || rm -rf "$old"
-done
-echo "$out"
+cache_end helm

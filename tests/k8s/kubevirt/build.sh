@@ -21,49 +21,20 @@
 # nsswitch.conf) and the operator manifest, rendered for the local images
 # (registry localhost/kubevirt, tag the module's version).
 #
-# Cached like tests/k8s/build.sh (which this script leaves alone, so that
-# its cache stays valid): in $TETHER_K8S_DIR (default
-# /var/tmp/tether-k8s)/kubevirt-<inputs>-<go version>, keyed by go.mod,
-# go.sum, this script and the Go version; a cached build is reused at once.
-# Prints the directory; the build's own time goes to stderr.
+# Cached by tests/k8s/lib.sh as kubevirt-<inputs>-<go version>, keyed by
+# go.mod, go.sum, this script, lib.sh and the Go version. Prints the
+# directory; the build's own time goes to stderr.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
-base=${TETHER_K8S_DIR:-/var/tmp/tether-k8s}
+k8s=$(dirname "$here")
+who=k8s/kubevirt/build.sh
+. "$k8s/lib.sh"
 
 # KubeVirt v1.7 wants Go 1.24; the machine's Go for the other modules is
-# 1.26: the first Go on the PATH or in the usual places that is at least
-# that, as tests/k8s/build.sh picks it (Debian's golang-go, 1.19, is too
-# old).
-pick_go() {
-    for g in "$(command -v go 2>/dev/null || true)" /usr/local/go/bin/go /opt/go/bin/go /usr/lib/go/bin/go; do
-        [ -n "$g" ] && [ -x "$g" ] || continue
-        v=$("$g" env GOVERSION 2>/dev/null || true)
-        minor=$(echo "$v" | sed -n 's/^go1\.\([0-9]*\).*/\1/p')
-        if [ -n "$minor" ] && [ "$minor" -ge 24 ]; then
-            echo "$g"
-            return 0
-        fi
-    done
-    return 1
-}
-GO=$(pick_go) || {
-    echo "k8s/kubevirt/build.sh: no Go 1.24 or newer found (PATH, /usr/local/go, /opt/go)" >&2
-    exit 1
-}
+# 1.26.
+GO=$(pick_go 24)
 goversion=$("$GO" env GOVERSION)
-inputs=$(cat "$here/go.mod" "$here/go.sum" "$here/build.sh" | sha256sum | cut -c1-16)
-out="$base/kubevirt-$inputs-$goversion"
-if [ -f "$out/done" ]; then
-    touch "$out/done"
-    echo "$out"
-    exit 0
-fi
-
-mkdir -p "$base"
-tmp=$(mktemp -d "$base/build.XXXXXX")
-trap 'rm -rf "$tmp"' EXIT
-start=$(date +%s)
-echo "k8s/kubevirt/build.sh: building KubeVirt with $goversion (once; cached in $out)" >&2
+cache_begin kubevirt "$(inputs "$here/go.mod" "$here/go.sum")-$goversion"
 cd "$here"
 v=$(awk '$1 == "kubevirt.io/kubevirt" && $2 ~ /^v1\./ { print $2; exit }' go.mod)
 [ -n "$v" ] || { echo "k8s/kubevirt/build.sh: no kubevirt.io/kubevirt version in go.mod" >&2; exit 1; }
@@ -105,15 +76,4 @@ cp "$src/cmd/virt-launcher/qemu.conf" "$src/cmd/virt-launcher/virtqemud.conf" \
     "$src/cmd/virt-launcher/nsswitch.conf" "$src/cmd/virt-launcher/node-labeller/node-labeller.sh" \
     "$src/cmd/virt-launcher/qemu" "$tmp/files/"
 chmod -R u+w "$tmp/files"
-echo "k8s/kubevirt/build.sh: built KubeVirt $v in $(($(date +%s) - start)) s" >&2
-rm -rf "$out"
-mv "$tmp" "$out"
-trap - EXIT
-touch "$out/done"
-# Other builds not used for two days are of no more use (one used lately
-# may belong to another checkout).
-for old in "$base"/kubevirt-*; do
-    [ "$old" = "$out" ] && continue
-    [ -n "$(find "$old/done" -mtime -2 2>/dev/null)" ] || rm -rf "$old"
-done
-echo "$out"
+cache_end kubevirt

@@ -25,66 +25,22 @@
 # pages and translations. Run as root; needs the network to reach
 # deb.debian.org, as apt on this machine does.
 #
-# Cached in $TETHER_K8S_DIR (default /var/tmp/tether-k8s), keyed by this
-# script: a cached build is reused at once. Prints the directory holding
-# one directory per root, named as above; the build's time goes to stderr.
+# Cached by tests/k8s/lib.sh as kubevirt-roots-<inputs>, keyed by this script and
+# lib.sh. Prints the directory holding one directory per root, named as
+# above; the build's time goes to stderr.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
-base=${TETHER_K8S_DIR:-/var/tmp/tether-k8s}
+k8s=$(dirname "$here")
+who=k8s/kubevirt/images.sh
+. "$k8s/lib.sh"
+debian_roots_prepare
+cache_begin kubevirt-roots "$(inputs)"
 
-if [ "$(id -u)" -ne 0 ]; then
-    echo "k8s/kubevirt/images.sh: must run as root (mmdebstrap builds the roots as root)" >&2
-    exit 1
-fi
-command -v mmdebstrap >/dev/null 2>&1 || {
-    echo "k8s/kubevirt/images.sh: mmdebstrap is missing (tests/setup.sh installs it)" >&2
-    exit 1
-}
-
-inputs=$(sha256sum <"$here/images.sh" | cut -c1-16)
-out="$base/kubevirt-roots-$inputs"
-if [ -f "$out/done" ]; then
-    touch "$out/done"
-    echo "$out"
-    exit 0
-fi
-
-mkdir -p "$base"
-tmp=$(mktemp -d "$base/kvroots.XXXXXX")
-# apt downloads as the user _apt, which must reach the roots' directories.
-chmod 0755 "$tmp"
-# --one-file-system: should a failed mmdebstrap leave /dev, /proc or /sys
-# mounted in a root, the machine's own are not removed with it.
-trap 'rm -rf --one-file-system "$tmp"' EXIT
-start=$(date +%s)
-echo "k8s/kubevirt/images.sh: building KubeVirt's Debian roots (once; cached in $out)" >&2
-
-mirror=http://deb.debian.org/debian
-security=http://deb.debian.org/debian-security
-
-# root NAME PACKAGES [mmdebstrap options...]: as tests/k8s/images.sh.
+# root NAME PACKAGES [mmdebstrap options...]: a root in $tmp/NAME.
 root() {
     name=$1
-    packages=$2
-    shift 2
-    mmdebstrap --quiet --variant=minbase --mode=root --format=directory \
-        --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
-        --include="$packages" \
-        --aptopt='APT::Install-Recommends "false"' \
-        --dpkgopt='path-exclude=/usr/share/man/*' \
-        --dpkgopt='path-exclude=/usr/share/doc/*' \
-        --dpkgopt='path-include=/usr/share/doc/*/copyright' \
-        --dpkgopt='path-exclude=/usr/share/locale/*' \
-        --dpkgopt='path-exclude=/usr/share/info/*' \
-        "$@" \
-        bookworm "$tmp/$name" \
-        "deb $mirror bookworm main" \
-        "deb $mirror bookworm-updates main" \
-        "deb $security bookworm-security main" >&2
-    find "$tmp/$name/dev" -xdev -mindepth 1 -delete
-    rm -f "$tmp/$name/etc/resolv.conf" "$tmp/$name/etc/hostname"
-    # apt's lists and downloaded packages are of no use in an image.
-    rm -rf "$tmp/$name/var/lib/apt/lists/"* "$tmp/$name/var/cache/apt/"*.bin
+    shift
+    debian_root "$tmp/$name" "$@"
 }
 
 root base ca-certificates
@@ -96,14 +52,4 @@ root launcher libvirt-daemon,libvirt-daemon-driver-qemu,libvirt-clients,qemu-sys
     --customize-hook='chroot "$1" groupadd -g 107 qemu' \
     --customize-hook='chroot "$1" useradd -u 107 -g 107 -M -d / -s /bin/bash qemu'
 
-echo "k8s/kubevirt/images.sh: built the roots in $(($(date +%s) - start)) s ($(du -sh "$tmp" | cut -f1))" >&2
-rm -rf --one-file-system "$out"
-mv "$tmp" "$out"
-trap - EXIT
-touch "$out/done"
-# Other builds not used for two days are of no more use.
-for old in "$base"/kubevirt-roots-*; do
-    [ "$old" = "$out" ] && continue
-    [ -n "$(find "$old/done" -mtime -2 2>/dev/null)" ] || rm -rf --one-file-system "$old"
-done
-echo "$out"
+cache_end kubevirt-roots
