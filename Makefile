@@ -72,7 +72,7 @@ docs:
 ## reference: the book's reference pages generated from the code:
 ## docs/reference/tetherd-flags.md from `tetherd --help`, and
 ## docs/reference/chart-values.md from the chart's values.yaml
-## (docs/reference.py); tests/tests/doc_facts.rs fails while a committed
+## (docs/reference.py); tests/e2e/house/doc_facts.rs fails while a committed
 ## page differs from what this writes.
 reference:
 	$(CARGO) build -p tether-node-server --bin tetherd
@@ -159,13 +159,13 @@ test:
 ## mode, the Kubernetes store), with kube-proxy and CoreDNS
 ## (tests/src/nodes.rs); while they run, one node's tetherd is killed and
 ## the other's kubelet restarted (--faults); writes CONFORMANCE.md.
-## `make test` runs a slice of them (tests/tests/conformance_slice.rs).
+## `make test` runs a slice of them (tests/e2e/conformance/conformance_slice.rs).
 ## Root only.
 conformance: setup k8s helm e2e-bins build
 	@test "$$(id -u)" = 0 || { echo "make conformance must run as root (it creates namespaces)"; exit 1; }
 	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) run -p tether-e2e --bin conformance -- --faults --write CONFORMANCE.md
 
-## kubevirt: KubeVirt itself on tether (tests/tests/kubevirt.rs):
+## kubevirt: KubeVirt itself on tether (tests/e2e/kube/kubevirt.rs):
 ## KubeVirt v1.7.0 built from its Go module (tests/k8s/kubevirt/build.sh,
 ## cached in /var/tmp/tether-k8s), its images assembled from Debian
 ## packages (tests/k8s/kubevirt/images.sh, tests/src/kubevirt.rs), deployed
@@ -177,7 +177,7 @@ conformance: setup k8s helm e2e-bins build
 ## KubeVirt build alone takes tens of minutes the first time). Root only.
 kubevirt: setup k8s helm build
 	@test "$$(id -u)" = 0 || { echo "make kubevirt must run as root (it creates namespaces)"; exit 1; }
-	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test -p tether-e2e --test kubevirt -- --ignored --nocapture --test-threads=1
+	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test -p tether-e2e --test e2e -- kube::kubevirt:: --ignored --nocapture --test-threads=1
 
 ## bench-kubevirt: migrations of a VirtualMachine through KubeVirt's API
 ## (the `make kubevirt` cluster; 10 timed after 1 untimed), each with a
@@ -193,9 +193,9 @@ bench-kubevirt: setup k8s helm release
 ## min-kernel: the netlink suites (tether-kernel's unit tests with the root
 ## tests, node-server's DHCP server against udhcpc) on Debian 12's stock
 ## 6.1 cloud kernel, in a QEMU guest (tests/guest/kernel-suite.sh); about a
-## minute. `make test` runs it too (tests/tests/min_kernel.rs). Root only.
+## minute. `make test` runs it too (tests/e2e/kernel/min_kernel.rs). Root only.
 min-kernel: setup
-	$(CARGO) test -p tether-e2e --features tether-e2e/root-tests --test min_kernel -- --nocapture
+	$(CARGO) test -p tether-e2e --features tether-e2e/root-tests --test e2e -- kernel::min_kernel:: --nocapture
 
 ## bench: tether vs the reference ptp/bridge + host-local, side by side; then
 ## cluster mode (3 nodes on etcd) vs one node, block claims, claim to route;

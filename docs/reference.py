@@ -11,7 +11,7 @@ they are never written twice:
 Usage: python3 docs/reference.py TETHERD [OUT_DIR]   (OUT_DIR: docs/reference)
        python3 docs/reference.py --value-paths       (every value's dotted path)
 
-`make reference` runs it with the debug tetherd; tests/tests/doc_facts.rs
+`make reference` runs it with the debug tetherd; tests/e2e/house/doc_facts.rs
 runs it into a temporary directory and fails when a committed page differs.
 """
 

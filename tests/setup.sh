@@ -63,15 +63,15 @@ sockperf                     test
 #   plugins run inside the node netns)
 # iptables: reading portmap's DNAT rules in the chaining test
 # conntrack: what a failing VM-connections test prints of each node's
-#   connection tracking (tests/tests/vm_connections.rs)
+#   connection tracking (tests/e2e/vm/vm_connections.rs)
 # nftables: the `nft` command, through which tetherd programs outbound NAT
 #   (its table `inet tether`) in every node netns of every suite and of the
-#   demo, and which tests/tests/nat.rs reads the table with. Debian ships its
+#   demo, and which tests/e2e/routing/nat.rs reads the table with. Debian ships its
 #   nftables.service disabled, so installing it loads no ruleset
 # containernetworking-plugins: reference plugins (portmap, ptp, host-local)
-# containerd, runc: `ctr run --cni` in tests/tests/runtimes.rs, and the one-node
-#   Kubernetes of tests/tests/kubelet.rs (containerd's CRI plugin under the kubelet)
-# podman: podman with the CNI backend in tests/tests/runtimes.rs
+# containerd, runc: `ctr run --cni` in tests/e2e/verbs/runtimes.rs, and the one-node
+#   Kubernetes of tests/e2e/kube/kubelet.rs (containerd's CRI plugin under the kubelet)
+# podman: podman with the CNI backend in tests/e2e/verbs/runtimes.rs
 # busybox-static: the test guest's initramfs, which tests/guest/build.sh
 #   builds with it (the demo's QEMU guest, the VM suites); the containers'
 #   rootfs, and the images the kubelet's pods run (tests/src/oci.rs builds
@@ -86,11 +86,11 @@ sockperf                     test
 #   import; protoc recommends the latter, and --no-install-recommends would
 #   otherwise leave them out (docs/DEPENDENCIES.md: why protoc at all)
 # qemu-system-x86: the real guests of the demo and of the VM suites
-#   (tests/tests/vm_guest.rs), run under TCG; its SeaBIOS comes with it as a
+#   (tests/e2e/vm/vm_guest.rs), run under TCG; its SeaBIOS comes with it as a
 #   dependency. The guest's kernel and dhcpcd are downloaded and unpacked,
 #   never installed (tests/guest/build.sh, below)
 # prometheus: promtool, which checks a real scrape of tetherd's metrics
-#   (tests/tests/metrics.rs); the server it also installs is stopped below
+#   (tests/e2e/verbs/metrics.rs); the server it also installs is stopped below
 # curl: scrapes the metrics endpoint from inside the node's netns
 # openssl: the test CA and certificates of the real kube-apiserver
 #   (tests/src/kube.rs); kube-apiserver, kubectl, kube-controller-manager,

@@ -1,5 +1,5 @@
 //! KubeVirt itself on the multi-node cluster of [`crate::nodes`], for the
-//! KubeVirt suite (tests/tests/kubevirt.rs): built from source, packed
+//! KubeVirt suite (tests/e2e/kube/kubevirt.rs): built from source, packed
 //! into images here, deployed as a user deploys it.
 //!
 //! - [`kubevirt_dir`]: KubeVirt v1.7.0's binaries, built from the

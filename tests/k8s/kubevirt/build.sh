@@ -1,7 +1,7 @@
 #!/bin/sh
 # Builds KubeVirt's binaries from the kubevirt.io/kubevirt Go module (the
 # version pinned in go.mod beside this script), for the KubeVirt suite only
-# (tests/tests/kubevirt.rs, `make kubevirt`): the product stays Rust.
+# (tests/e2e/kube/kubevirt.rs, `make kubevirt`): the product stays Rust.
 #
 # kubevirt.io/kubevirt cannot be required as it is: its go.mod replaces
 # kubevirt.io/api and kubevirt.io/client-go with ./staging/src/..., which a

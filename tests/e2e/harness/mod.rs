@@ -2,6 +2,9 @@
 //! that they hold whatever state tetherd is in, plus one of the `Daemon`
 //! guard with the real tetherd.
 
+mod cluster_harness;
+mod migration_tools;
+
 use std::process::Command;
 
 use serde_json::Value;

@@ -16,7 +16,7 @@
 //! values.yaml) must be what the generator writes now.
 //!
 //! The metrics' labels are checked against a real scrape in
-//! tests/tests/metrics.rs. BENCHMARKS.md and CONFORMANCE.md, which the
+//! tests/e2e/verbs/metrics.rs. BENCHMARKS.md and CONFORMANCE.md, which the
 //! book includes, are records written by their tools, and are not read.
 
 use std::collections::BTreeSet;

@@ -41,7 +41,7 @@
 //! (where KubeVirt's `managedTap` bridge would take the guest's frames),
 //! not a guest in QEMU: it proves the chart's netconf reaches tetherd's
 //! answers on the node, not what a guest's own client makes of them
-//! (tests/tests/vm_guest.rs runs real guests, without the chart).
+//! (tests/e2e/vm/vm_guest.rs runs real guests, without the chart).
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;

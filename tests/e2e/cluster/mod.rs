@@ -4,6 +4,9 @@
 //! `etcd::` and `kubernetes::` are the same checks on each store. Pods are
 //! added through the real `tether` plugin.
 
+mod kube_api;
+mod kube_client;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::Duration;

@@ -84,7 +84,7 @@ fn every_crate_has_a_layer() {
     let unplaced: Vec<&String> = edges.keys().filter(|c| layer(c).is_none()).collect();
     assert!(
         unplaced.is_empty(),
-        "crates with no layer in tests/tests/layers.rs (and docs/ARCHITECTURE.md): {unplaced:?}"
+        "crates with no layer in tests/e2e/house/layers.rs (and docs/ARCHITECTURE.md): {unplaced:?}"
     );
     let gone: Vec<&str> = LAYERS
         .iter()

@@ -5,6 +5,19 @@
 //! Every address and route lives in the namespaces these tests create; the
 //! only traffic is ping between two pods of one daemon. Run as root.
 
+mod admin;
+mod bad_input;
+mod chaining;
+mod concurrency;
+mod crash;
+mod lifecycle;
+mod metrics;
+mod one_daemon;
+mod pending_del;
+mod runtimes;
+mod security;
+mod startup;
+
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};

@@ -1,0 +1,3 @@
+//! The netlink suites on the oldest kernel the README claims.
+
+mod min_kernel;
