@@ -651,6 +651,10 @@ pub struct FakeHandoverState {
     pub replayed: Vec<Vec<u8>>,
     /// Creations by outcome, in order.
     pub created: Vec<(Flow, FlowCreated)>,
+    /// Calls that change the conntrack table or the nftables sets, by
+    /// method: each is at least one exchange with the real kernel, whose
+    /// cost does not depend on how much it carries.
+    pub calls: BTreeMap<&'static str, usize>,
 }
 
 impl FakeHandover {
@@ -669,6 +673,39 @@ fn holds(f: &Flow, ends: &FlowEnds) -> bool {
     f.orig == *ends || f.reply == *ends
 }
 
+/// What the kernel does with a flow made over netlink (see
+/// [`Handover::create_flow`]).
+fn create_in(st: &mut FakeHandoverState, flow: &Flow, replace: bool) -> FlowCreated {
+    let made = flow.clone();
+    let clash = |f: &Flow| holds(f, &made.orig) || holds(f, &made.reply);
+    let translated = |f: &Flow| f.source_translated() || f.destination_translated();
+    let same = |f: &Flow| f.orig == made.orig && f.reply == made.reply && f.mark == made.mark;
+    let outcome = if let Some(f) = st.flows.iter_mut().find(|f| same(f)) {
+        // As the kernel's: the timeout set anew, and an opening TCP
+        // state brought forward, never back.
+        f.timeout_secs = made.timeout_secs;
+        if let (Some(was), Some(now)) = (f.tcp_state, made.tcp_state) {
+            if was < super::handover::TCP_ESTABLISHED && now > was {
+                f.tcp_state = Some(now);
+            }
+        }
+        FlowCreated::Refreshed
+    } else if st.flows.iter().any(clash) {
+        if !replace || st.flows.iter().any(|f| clash(f) && translated(f)) {
+            FlowCreated::Exists
+        } else {
+            st.flows.retain(|f| !clash(f));
+            st.flows.push(made.clone());
+            FlowCreated::Replaced
+        }
+    } else {
+        st.flows.push(made.clone());
+        FlowCreated::Created
+    };
+    st.created.push((made, outcome));
+    outcome
+}
+
 #[async_trait]
 impl Handover for FakeHandover {
     async fn flows_of(&self, ip: IpAddr) -> Result<Vec<Flow>> {
@@ -682,34 +719,17 @@ impl Handover for FakeHandover {
 
     async fn create_flow(&self, flow: &Flow, replace: bool) -> Result<FlowCreated> {
         let mut st = lock(&self.state);
-        let made = flow.clone();
-        let clash = |f: &Flow| holds(f, &made.orig) || holds(f, &made.reply);
-        let translated = |f: &Flow| f.source_translated() || f.destination_translated();
-        let same = |f: &Flow| f.orig == made.orig && f.reply == made.reply && f.mark == made.mark;
-        let outcome = if let Some(f) = st.flows.iter_mut().find(|f| same(f)) {
-            // As the kernel's: the timeout set anew, and an opening TCP
-            // state brought forward, never back.
-            f.timeout_secs = made.timeout_secs;
-            if let (Some(was), Some(now)) = (f.tcp_state, made.tcp_state) {
-                if was < super::handover::TCP_ESTABLISHED && now > was {
-                    f.tcp_state = Some(now);
-                }
-            }
-            FlowCreated::Refreshed
-        } else if st.flows.iter().any(clash) {
-            if !replace || st.flows.iter().any(|f| clash(f) && translated(f)) {
-                FlowCreated::Exists
-            } else {
-                st.flows.retain(|f| !clash(f));
-                st.flows.push(made.clone());
-                FlowCreated::Replaced
-            }
-        } else {
-            st.flows.push(made.clone());
-            FlowCreated::Created
-        };
-        st.created.push((made, outcome));
-        Ok(outcome)
+        *st.calls.entry("create_flow").or_default() += 1;
+        Ok(create_in(&mut st, flow, replace))
+    }
+
+    async fn create_flows(&self, flows: &[Flow], replace: bool) -> Vec<Result<FlowCreated>> {
+        let mut st = lock(&self.state);
+        *st.calls.entry("create_flows").or_default() += 1;
+        flows
+            .iter()
+            .map(|f| Ok(create_in(&mut st, f, replace)))
+            .collect()
     }
 
     async fn pin_translations(&self, vm: &[IpAddr]) -> Result<u32> {
@@ -769,6 +789,7 @@ impl Handover for FakeHandover {
         _ttl: std::time::Duration,
     ) -> Result<()> {
         let mut st = lock(&self.state);
+        *st.calls.entry("pass_translated_back").or_default() += 1;
         for d in directions {
             if !st.translated_back.contains(d) {
                 st.translated_back.push(*d);
@@ -783,6 +804,7 @@ impl Handover for FakeHandover {
         ttl: Option<std::time::Duration>,
     ) -> Result<()> {
         let mut st = lock(&self.state);
+        *st.calls.entry("hold_back").or_default() += 1;
         for d in directions {
             st.held_back.retain(|h| h != d);
             if ttl.is_some() {

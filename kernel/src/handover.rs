@@ -283,6 +283,18 @@ pub trait Handover: Send + Sync {
     /// stays).
     async fn create_flow(&self, flow: &Flow, replace: bool) -> Result<FlowCreated>;
 
+    /// [`Handover::create_flow`] for each of `flows`, in one go: the
+    /// outcome of each, in order. A VM's cutover waits for the flows that
+    /// waited for it, so a kernel makes them in one round rather than one
+    /// call each.
+    async fn create_flows(&self, flows: &[Flow], replace: bool) -> Vec<Result<FlowCreated>> {
+        let mut made = Vec::with_capacity(flows.len());
+        for f in flows {
+            made.push(self.create_flow(f, replace).await);
+        }
+        made
+    }
+
     /// Makes every source-translated flow toward `vm` (its addresses)
     /// again with the same translations, fixed instead of masqueraded,
     /// holding the VM's packets off meanwhile; how many (see the module

@@ -949,6 +949,42 @@ impl Handover for LinuxHandover {
         .await
     }
 
+    async fn create_flows(&self, flows: &[Flow], replace: bool) -> Vec<Result<FlowCreated>> {
+        let all = flows.to_vec();
+        let how = if replace {
+            Replace::Untranslated
+        } else {
+            Replace::Nothing
+        };
+        // One trip to the netfilter socket's thread for all of them.
+        let made = self
+            .nf(format!("creating {} flows", all.len()), move |s| {
+                Ok(all.iter().map(|f| create(s, f, how)).collect::<Vec<_>>())
+            })
+            .await;
+        match made {
+            Ok(made) => made
+                .into_iter()
+                .zip(flows)
+                .map(|(r, f)| {
+                    r.map_err(|e| {
+                        KernelError::refused(
+                            format!("creating the flow {:?}", f.orig),
+                            std::io::Error::from_raw_os_error(e),
+                        )
+                    })
+                })
+                .collect(),
+            Err(e) => {
+                let why = e.to_string();
+                flows
+                    .iter()
+                    .map(|_| Err(KernelError::Internal(why.clone())))
+                    .collect()
+            }
+        }
+    }
+
     async fn pin_translations(&self, vm: &[IpAddr]) -> Result<u32> {
         let vm = vm.to_vec();
         self.nf(

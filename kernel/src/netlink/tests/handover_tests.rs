@@ -319,6 +319,33 @@ fn flows_go_into_conntrack_with_their_translation_and_come_back_out() {
             (made[0].orig, made[0].reply),
             (to_service.orig, to_service.reply)
         );
+
+        // Many at once, in one trip: each outcome in its flow's place.
+        let again = flow(
+            UDP,
+            ends("10.244.0.5:40004", "10.77.0.200:8004"),
+            ends("10.77.0.200:8004", "10.244.0.5:40004"),
+            anchor_mark(7),
+        );
+        let made: Vec<FlowCreated> = h
+            .create_flows(
+                &[again.clone(), forwarded.clone(), to_service.clone()],
+                true,
+            )
+            .await
+            .into_iter()
+            .map(|r| r.expect("create"))
+            .collect();
+        assert_eq!(
+            made,
+            [
+                FlowCreated::Created,
+                // Its reply direction is the Service flow's, translated.
+                FlowCreated::Exists,
+                FlowCreated::Refreshed
+            ]
+        );
+        assert_eq!(h.count_anchored(7).await.unwrap(), 1);
     });
 }
 
