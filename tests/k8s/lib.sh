@@ -35,7 +35,7 @@ pick_go() {
             return 0
         fi
     done
-    echo "$who: no Go 1.$1 or newer found (PATH, /usr/local/go, /opt/go); tests/setup.sh installs it" >&2
+    echo "$who: no Go 1.$1 or newer found (PATH, /usr/local/go, /opt/go); the machine's own Go is needed (Debian's golang-go is too old)" >&2
     return 1
 }
 
