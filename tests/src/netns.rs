@@ -201,6 +201,23 @@ impl Drop for Netns {
     fn drop(&mut self) {
         // Never panic in drop: a second panic during unwinding aborts and
         // would skip the other guards.
+        // What still runs in the namespace was started here, by this test
+        // (it made the namespace): a daemon's orphaned workers (nginx's,
+        // once its master was killed) would outlive the test.
+        if let Ok(out) = Command::new("ip")
+            .args(["netns", "pids", &self.name])
+            .output()
+        {
+            for pid in String::from_utf8_lossy(&out.stdout)
+                .split_whitespace()
+                .filter_map(|p| p.parse::<libc::pid_t>().ok())
+                .filter(|&p| p > 1 && p != std::process::id() as libc::pid_t)
+            {
+                // SAFETY: kill has no memory effects; the pid is a process
+                // in this test's own namespace.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
         match Command::new("ip")
             .args(["netns", "del", &self.name])
             .output()

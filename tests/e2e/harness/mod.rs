@@ -408,3 +408,30 @@ fn make_test_compiles_in_every_crates_root_unit_tests() {
         ]
     );
 }
+
+/// A process left in a test's namespace (an orphan: its parent is gone,
+/// as nginx's workers once their master is killed) ends with it.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
+#[test]
+fn a_process_left_in_a_netns_ends_with_it() {
+    require_root();
+    let ns = Netns::new("orph");
+    let out = ns.exec(&["sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $!"]);
+    let pid: i32 = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .expect("the orphan's pid");
+    assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
+    drop(ns);
+    assert!(
+        tether_e2e::wait_until(std::time::Duration::from_secs(5), || {
+            // Gone, or a zombie of init's, which reaps it.
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .map_or(true, |s| s.contains(") Z "))
+        }),
+        "sleep {pid} outlived its netns"
+    );
+}
