@@ -433,23 +433,40 @@ async fn write_pass(client: &kube::Client, vms: &Vms, claims: &Claims) -> bool {
         .collect();
     let with_record: BTreeSet<ClaimRef> = records.iter().map(|(c, _, _)| c.clone()).collect();
     for (claim, rec, rev) in records {
-        match claims.get(&claim) {
-            Some(seen) => {
-                // The active pod's node writes; with no pod, any node may
-                // (the same patch twice is harmless).
-                let active = rec.active.as_ref();
-                if active.is_some_and(|a| a.node != me) {
+        // The active pod's node writes; with no pod, any node may (the
+        // same patch twice is harmless).
+        let active = rec.active.as_ref();
+        if active.is_some_and(|a| a.node != me) {
+            continue;
+        }
+        let has_pods = rec.attachments().next().is_some();
+        let seen = match claims.get(&claim) {
+            Some(seen) => seen,
+            None if !has_pods => {
+                if claims.listed() {
+                    release_if_gone(client, vms, &claim, &rec, rev).await;
+                }
+                continue;
+            }
+            // A pod runs on a claim the watch has not brought: one made
+            // just before its pod, or a watch that is behind. The status
+            // waits on neither: the claim is read.
+            None => match read_claim(client, &claim).await {
+                Ok(Some(seen)) => seen,
+                Ok(None) => {
+                    tracing::debug!(%claim, "claim gone, pods left: released with its last pod");
                     continue;
                 }
-                let owner = active.and_then(|a| a.pod_name.as_deref());
-                if let Some(status) = desired_status(&seen, &rec, owner) {
-                    written &= patch_status(client, &claim, status).await;
+                Err(e) => {
+                    tracing::warn!(%claim, error = %e, "cannot read an IPAMClaim the watch has not brought; retried with backoff");
+                    written = false;
+                    continue;
                 }
-            }
-            None if claims.synced.load(Ordering::Acquire) => {
-                release_if_gone(client, vms, &claim, &rec, rev).await;
-            }
-            None => {}
+            },
+        };
+        let owner = active.and_then(|a| a.pod_name.as_deref());
+        if let Some(status) = desired_status(&seen, &rec, owner) {
+            written &= patch_status(client, &claim, status).await;
         }
     }
     let failures: Vec<_> = lock(&claims.failures)
@@ -493,6 +510,16 @@ async fn patch_status(client: &kube::Client, claim: &ClaimRef, status: Value) ->
     }
 }
 
+/// Reads one claim from the API server; `None` when it is gone. The cache
+/// is left to the watch: a read put there could land after the watch's
+/// Delete of the same claim and bring it back.
+async fn read_claim(client: &kube::Client, claim: &ClaimRef) -> Result<Option<ClaimSeen>, String> {
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), &claim.namespace, &resource());
+    let obj = super::bounded(api.get_opt(&claim.name)).await?;
+    Ok(obj.as_ref().map(ClaimSeen::of))
+}
+
 /// The claim is not in the cache: if the API server confirms it is gone
 /// and no pod of it is left, release its record.
 async fn release_if_gone(
@@ -503,7 +530,6 @@ async fn release_if_gone(
     rev: i64,
 ) {
     if rec.attachments().next().is_some() {
-        tracing::debug!(%claim, "claim gone, pods left: released with its last pod");
         return;
     }
     let api: Api<DynamicObject> =
@@ -532,7 +558,7 @@ mod tests {
     use tether_base::mac::Mac;
     use tether_base::time::UnixMillis;
 
-    fn rec(ips: &[&str]) -> VmRecord {
+    pub(super) fn rec(ips: &[&str]) -> VmRecord {
         VmRecord {
             key: VmKey::claim("ns", "vm1.default").unwrap(),
             ips: ips.iter().map(|s| s.parse().unwrap()).collect(),
@@ -666,5 +692,125 @@ mod tests {
         assert_eq!(parse_ip("10.1.2.3/24"), Some("10.1.2.3".parse().unwrap()));
         assert_eq!(parse_ip("fd00::1"), Some("fd00::1".parse().unwrap()));
         assert_eq!(parse_ip("nonsense"), None);
+    }
+}
+
+/// The status writer against a test double of the API server (see
+/// `test_api`): what it reads and writes when the claims cache lacks a
+/// claim whose VM runs here.
+#[cfg(test)]
+mod writer_tests {
+    use super::super::test_api::{self, Seen};
+    use super::*;
+    use crate::vm::{VmAttachment, VmKey, VmRegistry};
+    use tether_base::time::UnixMillis;
+    use tether_kernel::fake::FakeKernel;
+    use tether_store::control::embedded::EmbeddedStore;
+    use tether_store::control::ControlStore;
+
+    const CLAIM_PATH: &str = "/apis/k8s.cni.cncf.io/v1alpha1/namespaces/ns/ipamclaims/vm1.default";
+
+    /// Node "node-a", with vm1's record (claim `ns/vm1.default`) active
+    /// here when `running`.
+    async fn node_with_vm(running: bool) -> (Arc<Vms>, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let control: Arc<dyn ControlStore> = Arc::new(EmbeddedStore::open(dir.path()).unwrap());
+        let records = VmRegistry::open(control, "/tether").await.unwrap();
+        let mut rec = tests::rec(&["10.244.1.5"]);
+        rec.active = running.then(|| VmAttachment {
+            node: "node-a".into(),
+            network: "tether".into(),
+            container_id: "c1".into(),
+            ifname: "eth0".into(),
+            pod_name: Some("virt-launcher-vm1-a".into()),
+            pod_uid: None,
+            since_unix_ms: UnixMillis::now(),
+        });
+        records.create(&rec).await.unwrap().unwrap();
+        // The view follows the store through its watch.
+        for _ in 0..200 {
+            if records.cached(&rec.key).is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(
+            records.cached(&rec.key).is_some(),
+            "the record never showed"
+        );
+        let vms = Arc::new(Vms::new("node-a", records, Arc::new(FakeKernel::new())));
+        (vms, dir)
+    }
+
+    fn listed_but_empty() -> Claims {
+        let claims = Claims::default();
+        claims.synced.store(true, Ordering::Release);
+        claims
+    }
+
+    fn claim_without_status(req: &Seen) -> (u16, String) {
+        let claim = json!({
+            "apiVersion": "k8s.cni.cncf.io/v1alpha1", "kind": "IPAMClaim",
+            "metadata": {"name": "vm1.default", "namespace": "ns", "generation": 1},
+            "spec": {"network": "tether", "interface": ""},
+        });
+        match req.method.as_str() {
+            "GET" | "PATCH" => (200, claim.to_string()),
+            _ => (405, "{}".into()),
+        }
+    }
+
+    fn no_claim(_: &Seen) -> (u16, String) {
+        let status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                            "reason": "NotFound", "code": 404, "message": "not found"});
+        (404, status.to_string())
+    }
+
+    #[tokio::test]
+    async fn a_running_vms_claim_the_watch_has_not_brought_is_read_and_its_status_written() {
+        let (_api, source, seen) = test_api::serve(claim_without_status).await;
+        let (client, _) = super::super::client(&source).await.unwrap();
+        let (vms, _dir) = node_with_vm(true).await;
+        assert!(write_pass(&client, &vms, &listed_but_empty()).await);
+        let seen = seen.lock().unwrap().clone();
+        let calls: Vec<(&str, &str)> = seen
+            .iter()
+            .map(|r| (r.method.as_str(), r.path.split('?').next().unwrap_or("")))
+            .collect();
+        let status_path = format!("{CLAIM_PATH}/status");
+        assert_eq!(
+            calls,
+            [("GET", CLAIM_PATH), ("PATCH", status_path.as_str())],
+            "{seen:?}"
+        );
+        let patch: Value = serde_json::from_str(&seen[1].body).unwrap();
+        assert_eq!(patch["status"]["ips"], json!(["10.244.1.5/32"]));
+        assert_eq!(patch["status"]["ownerPod"]["name"], "virt-launcher-vm1-a");
+    }
+
+    #[tokio::test]
+    async fn a_running_vms_claim_that_is_gone_is_left_to_its_last_pod() {
+        let (_api, source, seen) = test_api::serve(no_claim).await;
+        let (client, _) = super::super::client(&source).await.unwrap();
+        let (vms, _dir) = node_with_vm(true).await;
+        assert!(write_pass(&client, &vms, &listed_but_empty()).await);
+        assert!(
+            vms.records()
+                .cached(&VmKey::claim("ns", "vm1.default").unwrap())
+                .is_some(),
+            "released while its pod runs"
+        );
+        let seen = seen.lock().unwrap().clone();
+        assert!(seen.iter().all(|r| r.method == "GET"), "{seen:?}");
+    }
+
+    #[tokio::test]
+    async fn a_stopped_vms_claim_that_is_gone_releases_its_record() {
+        let (_api, source, _seen) = test_api::serve(no_claim).await;
+        let (client, _) = super::super::client(&source).await.unwrap();
+        let (vms, _dir) = node_with_vm(false).await;
+        assert!(write_pass(&client, &vms, &listed_but_empty()).await);
+        let key = VmKey::claim("ns", "vm1.default").unwrap();
+        assert!(vms.records().read(&key).await.unwrap().is_none());
     }
 }

@@ -17,6 +17,8 @@ pub mod events;
 pub mod node_cidrs;
 pub mod node_peers;
 pub mod pods;
+#[cfg(test)]
+mod test_api;
 pub mod vms;
 
 use crate::vm::Vms;
@@ -34,6 +36,17 @@ const IN_CLUSTER_TOKEN: &str = "/var/run/secrets/kubernetes.io/serviceaccount/to
 /// How long connecting to the API server may take before a request fails
 /// (and a watch backs off).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long any request, a watch's start and a watcher's list included,
+/// may wait for the response's headers. kube's client has no read
+/// timeout (a watch's body may be quiet for minutes) and its watcher
+/// bounds only a started watch's stream, so a request the server took and
+/// never answered (a server killed or frozen after it accepted the
+/// connection) would hold a watch forever: here it fails, and the watch
+/// backs off and starts again. Longer than [`REQUEST_TIMEOUT`], which
+/// bounds single requests with its own message; a list served from the
+/// API server's watch cache answers in well under this.
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// Where the client's configuration comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,6 +74,14 @@ impl Source {
 /// does not talk to the server yet: a server that is down at start-up
 /// delays nothing but the watches.
 pub async fn client(source: &Source) -> Result<(::kube::Client, String)> {
+    client_with(source, RESPONSE_TIMEOUT).await
+}
+
+/// [`client`], with the deadline on responses given.
+async fn client_with(
+    source: &Source,
+    response_timeout: Duration,
+) -> Result<(::kube::Client, String)> {
     let mut config = match source {
         Source::Kubeconfig(path) => {
             let kc = ::kube::config::Kubeconfig::read_from(path).map_err(|e| {
@@ -83,8 +104,10 @@ pub async fn client(source: &Source) -> Result<(::kube::Client, String)> {
         ::http::HeaderValue::from_static(USER_AGENT),
     ));
     let server = config.cluster_url.to_string();
-    let client = ::kube::Client::try_from(config)
-        .map_err(|e| Error::InvalidConfig(format!("the Kubernetes client: {e}")))?;
+    let client = ::kube::client::ClientBuilder::try_from(config)
+        .map_err(|e| Error::InvalidConfig(format!("the Kubernetes client: {e}")))?
+        .with_layer(&tower::timeout::TimeoutLayer::new(response_timeout))
+        .build();
     Ok((client, server.trim_end_matches('/').to_owned()))
 }
 
@@ -203,6 +226,88 @@ pub(crate) fn backoff(attempt: u32) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use futures::StreamExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A server that reads each request and writes `answer`'s parts (600
+    /// ms apart) or, when `None`, nothing; either way it then holds the
+    /// connection open. A test double: see [`test_api`].
+    async fn server(answer: Option<&'static [&'static [u8]]>) -> (tempfile::TempDir, Source) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 4096];
+                    let _ = conn.read(&mut buf).await;
+                    for part in answer.unwrap_or(&[]) {
+                        if conn.write_all(part).await.is_err() {
+                            return;
+                        }
+                        tokio::time::sleep(Duration::from_millis(600)).await;
+                    }
+                    tokio::time::sleep(Duration::from_secs(30)).await;
+                });
+            }
+        });
+        test_api::kubeconfig(port)
+    }
+
+    #[tokio::test]
+    async fn a_request_the_server_takes_and_never_answers_fails_at_the_deadline() {
+        let (_dir, source) = server(None).await;
+        let (client, _) = client_with(&source, Duration::from_millis(300))
+            .await
+            .unwrap();
+        let t = std::time::Instant::now();
+        let out = tokio::time::timeout(Duration::from_secs(10), client.apiserver_version()).await;
+        let err = out.expect("the request outlived its deadline").unwrap_err();
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        assert!(err.to_string().contains("timed out"), "{err}");
+        // A watch's start is held the same way, and fails the same way.
+        let pods: ::kube::Api<k8s_openapi::api::core::v1::Pod> = ::kube::Api::all(client);
+        let watch = tokio::time::timeout(
+            Duration::from_secs(10),
+            pods.watch(&::kube::api::WatchParams::default(), "0"),
+        )
+        .await;
+        assert!(watch.expect("the watch outlived its deadline").is_err());
+    }
+
+    #[tokio::test]
+    async fn a_watch_whose_body_is_quiet_past_the_deadline_goes_on() {
+        // Headers at once, then the body quiet for twice the deadline.
+        let event = br#"{"type":"ADDED","object":{"apiVersion":"v1","kind":"Pod","metadata":{"name":"p","resourceVersion":"7"}}}
+"#;
+        let chunk: &'static [u8] = Box::leak(
+            [format!("{:x}\r\n", event.len()).as_bytes(), event, b"\r\n"]
+                .concat()
+                .into_boxed_slice(),
+        );
+        let parts: &'static [&'static [u8]] = Box::leak(Box::new([
+            &b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"[..],
+            chunk,
+        ]));
+        let (_dir, source) = server(Some(parts)).await;
+        let (client, _) = client_with(&source, Duration::from_millis(300))
+            .await
+            .unwrap();
+        let pods: ::kube::Api<k8s_openapi::api::core::v1::Pod> = ::kube::Api::all(client);
+        let mut stream = pods
+            .watch(&::kube::api::WatchParams::default(), "0")
+            .await
+            .unwrap()
+            .boxed();
+        let first = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .expect("no event");
+        match first {
+            Some(Ok(::kube::api::WatchEvent::Added(p))) => {
+                assert_eq!(p.metadata.name.as_deref(), Some("p"));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 
     #[test]
     fn watch_backoff_stays_under_its_ceiling_and_starts_again_after_a_reset() {

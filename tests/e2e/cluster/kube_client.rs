@@ -7,8 +7,9 @@
 //!   the server was away is filled from the watch's relist, not from the
 //!   30 s resync (the time is printed);
 //! - the server's etcd is compacted during the outage, so the watches'
-//!   resource versions are gone: each gets 410 Gone, lists again, and goes
-//!   on (a claim made after it is filled as before).
+//!   resource versions are gone: each (by name) gets 410 Gone, lists
+//!   again, and goes on (a claim made after it is filled as before, and
+//!   one whose pod comes before the watch brings it is read).
 
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
@@ -113,17 +114,29 @@ fn the_client_names_itself_catches_up_after_an_outage_and_relists_on_410_gone() 
         back.elapsed()
     );
 
-    // Each watch's resource version was compacted away: 410 Gone, a new
-    // listing, and the watches go on.
-    let log = || node.daemon().log();
-    assert!(
-        wait_until(CONVERGE, || log().contains("410 Gone")),
-        "no watch reported 410 Gone:\n{}",
-        log()
-    );
+    // A claim made now, its pod at once: the claims watch is usually
+    // still listing again, and the status writer reads the claim itself.
     create_claim(&api, "vm2.default", "vm2");
     let vm2 = add_vm_pod(node, &claimed_vm("vm2"));
     wait_claim_filled(&api, "vm2.default", vm2.ips(), "virt-launcher-vm2-aaaaa");
+
+    // Each watch's resource version was compacted away: 410 Gone, a new
+    // listing, and the watches go on. Each watch says so by name: one
+    // that hung on a request the dying server had taken would say
+    // nothing (the daemon's deadline on responses ends such a request
+    // within 15 s).
+    let log = || node.daemon().log();
+    for watch in ["pods of this node", "IPAMClaims"] {
+        let line = format!("(410 Gone): listing again watch=\"{watch}\"");
+        assert!(
+            wait_until(CONVERGE + Duration::from_secs(15), || log().contains(&line)),
+            "the {watch} watch did not report 410 Gone:\n{}",
+            log()
+        );
+    }
+    create_claim(&api, "vm3.default", "vm3");
+    let vm3 = add_vm_pod(node, &claimed_vm("vm3"));
+    wait_claim_filled(&api, "vm3.default", vm3.ips(), "virt-launcher-vm3-aaaaa");
 
     // Every request by tetherd's service account named tetherd.
     let version = admin::node(node.daemon().socket()).version;
