@@ -538,6 +538,19 @@ impl KubeApi {
             "crd/vmaddresses.tether.dev",
             "crd/vmaddressowners.tether.dev",
         ]);
+        // The authorizer follows RBAC objects through a watch: until it
+        // has the chart's, a `can-i` (or tetherd's first request) is
+        // refused. One rule of the ClusterRole and one of the Role.
+        let sa = format!("--as=system:serviceaccount:{}:{}", TETHER_SA.0, TETHER_SA.1);
+        let allowed = |args: &[&str]| {
+            let out = self.kubectl(&[&["auth", "can-i", &sa][..], args].concat());
+            String::from_utf8_lossy(&out.stdout).trim() == "yes"
+        };
+        let bound = crate::wait_until(Duration::from_secs(30), || {
+            allowed(&["list", "-A", "ipamclaims.k8s.cni.cncf.io"])
+                && allowed(&["create", "-n", TETHER_SA.0, "leases.coordination.k8s.io"])
+        });
+        assert!(bound, "the authorizer never had the chart's RBAC");
     }
 }
 

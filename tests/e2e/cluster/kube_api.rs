@@ -831,6 +831,16 @@ fn install_virtualmachine_crd_double(api: &KubeApi) {
         "--timeout=30s",
         "crd/virtualmachines.kubevirt.io",
     ]);
+    // Established is not yet served by discovery, which is what tetherd
+    // asks (again only a minute later when it is not there yet).
+    let discovered = wait_until(Duration::from_secs(30), || {
+        let out = api.kubectl(&["get", "--raw", "/apis/kubevirt.io/v1"]);
+        String::from_utf8_lossy(&out.stdout).contains("\"virtualmachines\"")
+    });
+    assert!(
+        discovered,
+        "discovery never served kubevirt.io/v1 virtualmachines"
+    );
 }
 
 /// A VirtualMachine object named `name` in [`NS`] (stopped: no controller
