@@ -182,13 +182,13 @@ kubevirt: setup k8s helm build
 ## bench-kubevirt: migrations of a VirtualMachine through KubeVirt's API
 ## (the `make kubevirt` cluster; 10 timed after 1 untimed), each with a
 ## stream on every path to or from the VM (per path: survived, stall
-## against the guest's pause; probes lost against it), beside bench_vm's
-## QMP-driven QEMU migrations on the Kubernetes store run first in the
+## against the guest's pause; probes lost against it), beside `tether-bench
+## vm`'s QMP-driven QEMU migrations on the Kubernetes store run first in the
 ## same sitting; writes its section of BENCHMARKS.md. Apart from
 ## `make bench`: it needs the KubeVirt build. Root only.
 bench-kubevirt: setup k8s helm release
-	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) build --release -p tether-e2e --bin bench_vm --bin bench_kubevirt --bin node_init
-	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_kubevirt -- --no-build --write BENCHMARKS.md
+	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) build --release -p tether-bench -p tether-e2e --bin tether-bench --bin node_init
+	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(RELEASE_DIR)/tether-bench kubevirt --no-build --write BENCHMARKS.md
 
 ## min-kernel: the netlink suites (tether-kernel's unit tests with the root
 ## tests, node-server's DHCP server against udhcpc) on Debian 12's stock
@@ -209,14 +209,11 @@ min-kernel: setup
 ## trips, tether host-gw and VXLAN beside two netns joined by a bare veth)
 ## and pod-ready latency on two kubelet nodes.
 bench: setup k8s release
-	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench -- --write BENCHMARKS.md
-	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_cluster -- --write BENCHMARKS.md
-	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_migration -- --write BENCHMARKS.md
-	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_vm -- --write BENCHMARKS.md
-	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_ipam -- --write BENCHMARKS.md
-	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_kubelet -- --write BENCHMARKS.md
-	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_scale -- --write BENCHMARKS.md
-	TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(CARGO) run --release -p tether-e2e --bin bench_nodes -- --write BENCHMARKS.md
+	$(CARGO) build --release -p tether-bench
+	@set -e; for b in cni cluster migration vm ipam kubelet scale nodes; do \
+	  echo "tether-bench $$b"; \
+	  TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(RELEASE_DIR)/tether-bench $$b --write BENCHMARKS.md; \
+	done
 
 clean:
 	$(CARGO) clean

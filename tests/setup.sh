@@ -112,7 +112,7 @@ sockperf                     test
 #   with the test guest's kernel and initramfs, booted by SYSLINUX, made
 #   without mounting it: mkfs.vfat -C, syslinux --install, mcopy), which a
 #   KubeVirt container disk carries (tests/src/kubevirt.rs guest_image)
-# iperf3, sockperf: bench_nodes' TCP throughput (iperf3 -J) and TCP
+# iperf3, sockperf: tether-bench nodes' TCP throughput (iperf3 -J) and TCP
 #   request/response latency (sockperf ping-pong) between two pods on two
 #   nodes, servers and clients started by the bench in the pods' netns.
 #   iperf3's debconf question (iperf3/start_daemon) defaults to false under

@@ -38,7 +38,6 @@
 #![warn(missing_docs)]
 
 pub mod admin;
-pub mod benchkit;
 pub mod chart;
 pub mod cluster;
 mod cni;
@@ -48,6 +47,7 @@ mod daemon;
 pub mod kube;
 pub mod kubelet;
 pub mod kubevirt;
+pub mod machine;
 pub mod migration;
 mod netns;
 pub mod nodes;

@@ -1,6 +1,6 @@
 //! Every path a user's connection to or from a VM takes, as
 //! [`crate::streams`], all started before a live migration and read after
-//! it: the suites and `bench_vm` run the same set.
+//! it: the suites and `tether-bench vm` run the same set.
 //!
 //! The VM is a guest (a [`GuestShell`]: the harness's QEMU guests of
 //! [`crate::qemu`], or KubeVirt's) whose `tether-echo`s this module

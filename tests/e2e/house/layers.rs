@@ -29,8 +29,10 @@ const LAYERS: &[(&str, u8)] = &[
     ("tether-store", 2),
     // The daemon: features, the attachment lifecycle, the API, the binary.
     ("tether-node-server", 3),
-    // The suites and benchmarks, which run everything.
+    // The harness and the suites, which run everything.
     ("tether-e2e", 4),
+    // The benchmarks, on the harness.
+    ("tether-bench", 5),
 ];
 
 /// (crate, [(dependency, kind)]) for every workspace member, dependencies

@@ -31,10 +31,10 @@ use tether_e2e::{on_both_stores, require_root, wait_until};
 /// a machine busy with builds (load average 8 on 2 CPUs), the TCG guest
 /// fell behind and its UDP listener dropped most datagrams, so that a
 /// stream could look dead with nothing wrong on the network. This suite
-/// asserts survival; `bench_vm` measures stalls at a finer grain.
+/// asserts survival; `tether-bench vm` measures stalls at a finer grain.
 const STREAM_INTERVAL: Duration = Duration::from_millis(40);
 /// 200 probes per second from the third node's pod, for the loss window
-/// printed beside the streams (`bench_vm` probes at 1,000 a second with
+/// printed beside the streams (`tether-bench vm` probes at 1,000 a second with
 /// fewer streams).
 const PROBE_INTERVAL: Duration = Duration::from_millis(5);
 /// A TCG migration of a 128 MiB guest takes about a second here.
@@ -248,7 +248,7 @@ fn every_path_survives_a_migration_the_sources_cleanup_and_the_way_back_attempt(
     // The cleanup broke nothing: every stream lived through it to the end
     // with one address (asserted above, on reports taken after it). How
     // long each one waited during the cleanup and the way back is printed,
-    // not asserted: it is a time on a shared machine (bench_vm measures).
+    // not asserted: it is a time on a shared machine (tether-bench vm measures).
     let stalls: Vec<String> = reports
         .iter()
         .map(|r| {

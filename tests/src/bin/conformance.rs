@@ -22,9 +22,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use tether_e2e::benchkit::{stdout_of, Machine};
 use tether_e2e::conformance::{self, Context, Faults, FOCUS_ALL};
 use tether_e2e::conformance_images::{conformance_images, e2e_dir, COREDNS, PAUSE};
+use tether_e2e::machine::{stdout_of, Machine};
 use tether_e2e::nodes::{ClusterOpts, KubeCluster, CLUSTER_DNS, POD_CIDR, SERVICE_CIDR};
 use tether_e2e::{require_root, workspace_dir, TempDir};
 

@@ -1,5 +1,5 @@
 //! KubeVirt's scenarios on a running cluster, shared by the KubeVirt
-//! suite (tests/e2e/kube/kubevirt.rs) and its benchmark (bench_kubevirt):
+//! suite (tests/e2e/kube/kubevirt.rs) and its benchmark (tether-bench kubevirt):
 //! the cluster brought up as a user deploys KubeVirt ([`Setup::start`]),
 //! VMIs followed through KubeVirt's API, and a migration measured from an
 //! observer that pings the guest every millisecond ([`migrate_observed`]).
