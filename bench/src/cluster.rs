@@ -48,8 +48,8 @@ use tether_e2e::{
 };
 
 use crate::kit::{
-    guarded, judge, parse_utc_micros, poll_until, poll_until_fast, release_dir, stdout_of,
-    strip_ansi, Benchmark, CommonArgs, Failures, Report, Run, Table,
+    self, guarded, judge, nearest_rank, parse_utc_micros, poll_until, poll_until_fast, release_dir,
+    stdout_of, Benchmark, CommonArgs, Failures, Report, Run, Table, CLAIM_LINE,
 };
 
 /// The single node's pod CIDRs (inside its own node netns only).
@@ -58,7 +58,6 @@ const SINGLE_CIDRS: [&str; 2] = ["10.246.0.0/24", "fd00:10:246::/120"];
 /// lines), and the level of the "claimed an address block" line.
 const LOG_LEVEL: &str = "info";
 /// The line tetherd logs after each block claim.
-const CLAIM_LINE: &str = "claimed an address block";
 /// How long a DEL may leave the pod's veth behind (tether removes it off
 /// the request's critical path).
 const SETTLE: Duration = Duration::from_secs(5);
@@ -633,28 +632,13 @@ fn claim_phase(bins: &Bins, args: &Args, f: &mut Failures) -> Claims {
     }
 }
 
-/// A tetherd log line `<RFC 3339 UTC> INFO ...: claimed an address block
-/// block=<cidr> took_ms=<f64>`, if it is one.
+/// A tetherd log line's block claim, if it reports one.
 fn parse_claim_line(line: &str) -> Option<Claim> {
-    let line = strip_ansi(line);
-    if !line.contains(CLAIM_LINE) {
-        return None;
-    }
-    let mut tokens = line.split_whitespace();
-    let at_us = parse_utc_micros(tokens.next()?)?;
-    let mut block = None;
-    let mut took_ms = None;
-    for t in tokens {
-        if let Some(v) = t.strip_prefix("block=") {
-            block = v.parse::<IpNet>().ok();
-        } else if let Some(v) = t.strip_prefix("took_ms=") {
-            took_ms = v.parse::<f64>().ok();
-        }
-    }
+    let b = kit::parse_claim_line(line)?;
     Some(Claim {
-        at_us,
-        block: block?,
-        took_ms: took_ms?,
+        at_us: b.at_us,
+        block: b.block,
+        took_ms: b.took_ms,
         route_at_us: [None, None],
     })
 }
@@ -678,17 +662,6 @@ fn parse_monitor_line(line: &str) -> Option<(i64, IpNet)> {
 
 // ---------------------------------------------------------------------------
 // Statistics and the report
-
-/// Nearest-rank percentile.
-fn percentile<T: Ord + Copy>(v: &[T], q: f64) -> Option<T> {
-    if v.is_empty() {
-        return None;
-    }
-    let mut v = v.to_vec();
-    v.sort();
-    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    Some(v[rank - 1])
-}
 
 fn micros_of(d: &[Duration]) -> Vec<i64> {
     d.iter().map(|d| d.as_micros() as i64).collect()
@@ -760,12 +733,12 @@ fn report(run: &Run, args: &Args, latency: Option<&Latency>, claims: Option<&Cla
                 let (add, del) = (micros_of(&row.add), micros_of(&row.del));
                 let again = micros_of(&row.add_after_del);
                 [
-                    percentile(&add, 0.5),
-                    percentile(&add, 0.99),
-                    percentile(&del, 0.5),
-                    percentile(&del, 0.99),
-                    percentile(&again, 0.5),
-                    percentile(&again, 0.99),
+                    nearest_rank(&add, 0.5),
+                    nearest_rank(&add, 0.99),
+                    nearest_rank(&del, 0.5),
+                    nearest_rank(&del, 0.99),
+                    nearest_rank(&again, 0.5),
+                    nearest_rank(&again, 0.99),
                 ]
             };
             for row in &l.rows {
@@ -821,8 +794,8 @@ fn report(run: &Run, args: &Args, latency: Option<&Latency>, claims: Option<&Cla
             t.row([
                 "block claim (daemon's `took_ms`: list + CAS txn)".to_owned(),
                 took.len().to_string(),
-                ms(percentile(&took, 0.5), 2),
-                ms(percentile(&took, 0.99), 2),
+                ms(nearest_rank(&took, 0.5), 2),
+                ms(nearest_rank(&took, 0.99), 2),
                 ms(took.iter().copied().max(), 2),
             ]);
             for (n, what) in [
@@ -839,8 +812,8 @@ fn report(run: &Run, args: &Args, latency: Option<&Latency>, claims: Option<&Cla
                 t.row([
                     what.to_owned(),
                     lat.len().to_string(),
-                    ms(percentile(&lat, 0.5), 1),
-                    ms(percentile(&lat, 0.99), 1),
+                    ms(nearest_rank(&lat, 0.5), 1),
+                    ms(nearest_rank(&lat, 0.99), 1),
                     ms(lat.iter().copied().max(), 1),
                 ]);
             }
@@ -854,8 +827,8 @@ fn report(run: &Run, args: &Args, latency: Option<&Latency>, claims: Option<&Cla
                 "Stats' `last_block_claim_ms`, read after each of the {} ADDs that claimed: \
                  p50 {}, p99 {}.",
                 stats_us.len(),
-                ms(percentile(&stats_us, 0.5), 2),
-                ms(percentile(&stats_us, 0.99), 2)
+                ms(nearest_rank(&stats_us, 0.5), 2),
+                ms(nearest_rank(&stats_us, 0.99), 2)
             ));
         }
         None => {
@@ -899,14 +872,14 @@ fn report(run: &Run, args: &Args, latency: Option<&Latency>, claims: Option<&Cla
                 t.row([
                     format!("node {} ({})", k + 1, c.node_names[k]),
                     d.len().to_string(),
-                    ms(percentile(d, 0.5), 2),
+                    ms(nearest_rank(d, 0.5), 2),
                     ms(d.iter().copied().max(), 2),
                 ]);
             }
             t.row([
                 "both nodes".to_owned(),
                 both.len().to_string(),
-                ms(percentile(&both, 0.5), 2),
+                ms(nearest_rank(&both, 0.5), 2),
                 ms(both.iter().copied().max(), 2),
             ]);
             r.table(&t);
@@ -930,7 +903,7 @@ fn report(run: &Run, args: &Args, latency: Option<&Latency>, claims: Option<&Cla
                  route can show slightly before the line (a small negative difference). \
                  Counted from the start of the claim instead (log time minus `took_ms`, \
                  before the list and the transaction), both nodes: p50 {}, worst {}.",
-                ms(percentile(&from_start, 0.5), 2),
+                ms(nearest_rank(&from_start, 0.5), 2),
                 ms(from_start.iter().copied().max(), 2)
             ));
             let all: Vec<i64> = per_node.iter().flatten().copied().collect();
@@ -971,20 +944,6 @@ mod tests {
             Some(1_709_164_800_000_001)
         );
         assert_eq!(parse_utc_micros("not a time"), None);
-    }
-
-    #[test]
-    fn claim_lines_parse() {
-        let line = "2026-11-21T18:25:31.158628Z  INFO tetherd::cluster: claimed an address block \
-                    block=10.244.0.4/30 took_ms=3.25";
-        let c = parse_claim_line(line).unwrap();
-        assert_eq!(c.at_us, 1_795_285_531_158_628);
-        assert_eq!(c.block, "10.244.0.4/30".parse::<IpNet>().unwrap());
-        assert_eq!(c.took_ms, 3.25);
-        let colored = "\u{1b}[2m2026-11-21T18:25:31.158628Z\u{1b}[0m \u{1b}[32m INFO\u{1b}[0m \
-                       claimed an address block block=fd00:10:244::4/126 took_ms=1";
-        assert!(parse_claim_line(colored).is_some());
-        assert!(parse_claim_line("2026-11-21T18:25:31Z INFO something else").is_none());
     }
 
     #[test]

@@ -33,7 +33,7 @@ use tether_e2e::{
 };
 
 use crate::kit::{
-    build_release, cargo_build_release, first_lines, judge, panic_text, poll_until,
+    build_release, cargo_build_release, first_lines, judge, nearest_rank, panic_text, poll_until,
     poll_until_fast, stdout_of, Benchmark, CommonArgs, Failures, Report, Run, Table,
 };
 
@@ -824,8 +824,8 @@ fn spawn_baseline(node: &Netns, n: usize) -> Baseline {
         in_root.push(out.unwrap_or_else(|p| std::panic::resume_unwind(p)).elapsed);
     }
     Baseline {
-        in_node: percentile(in_node, 0.5).unwrap_or_default(),
-        in_root: percentile(in_root, 0.5).unwrap_or_default(),
+        in_node: nearest_rank(&in_node, 0.5).unwrap_or_default(),
+        in_root: nearest_rank(&in_root, 0.5).unwrap_or_default(),
     }
 }
 
@@ -849,17 +849,7 @@ fn version_p50(s: &mut Subject, n: usize) -> Option<Duration> {
             return None;
         }
     }
-    percentile(times, 0.5)
-}
-
-/// Nearest-rank percentile.
-fn percentile(mut v: Vec<Duration>, q: f64) -> Option<Duration> {
-    if v.is_empty() {
-        return None;
-    }
-    v.sort();
-    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    Some(v[rank - 1])
+    nearest_rank(&times, 0.5)
 }
 
 fn ms(d: Option<Duration>) -> String {
@@ -883,12 +873,12 @@ struct Row {
 fn row(s: &Subject) -> Row {
     Row {
         cells: [
-            percentile(s.add.clone(), 0.5),
-            percentile(s.add.clone(), 0.99),
-            percentile(s.del.clone(), 0.5),
-            percentile(s.del.clone(), 0.99),
-            percentile(s.add_walls.clone(), 0.5),
-            percentile(s.del_walls.clone(), 0.5),
+            nearest_rank(&s.add, 0.5),
+            nearest_rank(&s.add, 0.99),
+            nearest_rank(&s.del, 0.5),
+            nearest_rank(&s.del, 0.99),
+            nearest_rank(&s.add_walls, 0.5),
+            nearest_rank(&s.del_walls, 0.5),
             s.version_p50,
         ],
     }
@@ -972,19 +962,19 @@ fn pods_table(subjects: &[Subject], args: &Args) -> Option<(String, Table)> {
         let mut line = vec![label];
         for s in &chosen {
             let add = level(s, pods).map(|l| l.add.clone()).unwrap_or_default();
-            line.push(ms(percentile(add.clone(), 0.5)));
-            line.push(ms(percentile(add, 0.99)));
+            line.push(ms(nearest_rank(&add, 0.5)));
+            line.push(ms(nearest_rank(&add, 0.99)));
         }
         if let (Some(a), Some(b)) = (tether, floor) {
             let a_add = level(a, pods).map(|l| l.add.clone()).unwrap_or_default();
             let a_del = level(a, pods).map(|l| l.del.clone()).unwrap_or_default();
             let b_add = level(b, pods).map(|l| l.add.clone()).unwrap_or_default();
+            line.push(ratio(nearest_rank(&a_add, 0.5), nearest_rank(&b_add, 0.5)));
             line.push(ratio(
-                percentile(a_add.clone(), 0.5),
-                percentile(b_add.clone(), 0.5),
+                nearest_rank(&a_add, 0.99),
+                nearest_rank(&b_add, 0.99),
             ));
-            line.push(ratio(percentile(a_add, 0.99), percentile(b_add, 0.99)));
-            line.push(ms(percentile(a_del, 0.5)));
+            line.push(ms(nearest_rank(&a_del, 0.5)));
         }
         t.row(line);
     }
@@ -1022,7 +1012,7 @@ fn report(run: &Run, args: &Args, measured: &Measured) -> String {
             subjects
                 .iter()
                 .find(|s| s.kind == k)
-                .and_then(|s| percentile(s.add.clone(), q))
+                .and_then(|s| nearest_rank(&s.add, q))
         };
         if add(Kind::Floor, 0.5).is_some() {
             let tether_version = subjects

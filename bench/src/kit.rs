@@ -445,7 +445,32 @@ pub fn poll_until_fast(deadline: Instant, mut done: impl FnMut() -> bool) -> boo
     }
 }
 
-/// The `q` quantile (0 to 1) of `v` by nearest rank; `None` if empty.
+/// The `q` quantile (0 to 1) of `v`, the element whose rank is the
+/// ceiling of `q * n` (the textbook nearest rank); `None` if empty.
+pub fn nearest_rank<T: Copy + Ord>(v: &[T], q: f64) -> Option<T> {
+    if v.is_empty() {
+        return None;
+    }
+    let mut v = v.to_vec();
+    v.sort();
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    Some(v[rank - 1])
+}
+
+/// [`nearest_rank`] of floats (ordered by `total_cmp`).
+pub fn nearest_rank_f64(v: &[f64], q: f64) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    Some(v[rank - 1])
+}
+
+/// The `q` quantile (0 to 1) of `v`, the element at `q * (n - 1)`
+/// rounded; `None` if empty. (What kubelet, ipam and nodes have always
+/// reported; the others use [`nearest_rank`].)
 pub fn percentile<T: Copy + Ord>(v: &[T], q: f64) -> Option<T> {
     let mut v = v.to_vec();
     v.sort();
@@ -478,6 +503,45 @@ pub fn write_section(path: &Path, id: &str, command: &str, report: &str) -> std:
     let tmp = path.with_extension("md.tmp");
     std::fs::write(&tmp, new)?;
     std::fs::rename(&tmp, path)
+}
+
+/// What tetherd logs when it claims an address block: `<RFC 3339 UTC>
+/// INFO ...: claimed an address block block=<cidr> took_ms=<f64>`.
+pub const CLAIM_LINE: &str = "claimed an address block";
+
+/// One block claim, read from a tetherd log line.
+#[derive(Debug, Clone)]
+pub struct BlockClaim {
+    /// When it was logged, µs since the epoch (UTC).
+    pub at_us: i64,
+    /// The block claimed.
+    pub block: ipnet::IpNet,
+    /// The daemon's own measure of the claim.
+    pub took_ms: f64,
+}
+
+/// The block claim a tetherd log line (colours or not) reports, if it
+/// reports one.
+pub fn parse_claim_line(line: &str) -> Option<BlockClaim> {
+    let line = strip_ansi(line);
+    if !line.contains(CLAIM_LINE) {
+        return None;
+    }
+    let mut tokens = line.split_whitespace();
+    let at_us = parse_utc_micros(tokens.next()?)?;
+    let (mut block, mut took_ms) = (None, None);
+    for t in tokens {
+        if let Some(v) = t.strip_prefix("block=") {
+            block = v.parse::<ipnet::IpNet>().ok();
+        } else if let Some(v) = t.strip_prefix("took_ms=") {
+            took_ms = v.parse::<f64>().ok();
+        }
+    }
+    Some(BlockClaim {
+        at_us,
+        block: block?,
+        took_ms: took_ms?,
+    })
 }
 
 /// Removes ANSI colour sequences (`ESC [ ... m`), in case a log has them.
@@ -590,6 +654,30 @@ mod tests {
             "{}",
             t.markdown()
         );
+    }
+
+    #[test]
+    fn the_two_quantiles_differ_only_in_their_rank() {
+        let v = [4, 1, 3, 2];
+        assert_eq!(nearest_rank(&v, 0.5), Some(2));
+        assert_eq!(percentile(&v, 0.5), Some(3));
+        assert_eq!(nearest_rank(&v, 0.99), Some(4));
+        assert_eq!(nearest_rank_f64(&[2.5, 0.5, 1.5], 0.5), Some(1.5));
+        assert_eq!(nearest_rank::<u8>(&[], 0.5), None);
+    }
+
+    #[test]
+    fn claim_lines_parse() {
+        let line = "2026-11-21T18:25:31.158628Z  INFO tetherd::cluster: claimed an address block \
+                    block=10.244.0.4/30 took_ms=3.25";
+        let c = parse_claim_line(line).unwrap();
+        assert_eq!(c.at_us, 1_795_285_531_158_628);
+        assert_eq!(c.block, "10.244.0.4/30".parse::<ipnet::IpNet>().unwrap());
+        assert_eq!(c.took_ms, 3.25);
+        let colored = "\u{1b}[2m2026-11-21T18:25:31.158628Z\u{1b}[0m \u{1b}[32m INFO\u{1b}[0m \
+                       claimed an address block block=fd00:10:244::4/126 took_ms=1";
+        assert!(parse_claim_line(colored).is_some());
+        assert!(parse_claim_line("2026-11-21T18:25:31Z INFO something else").is_none());
     }
 
     #[test]

@@ -47,8 +47,8 @@ use tether_e2e::vm::{
 use tether_e2e::wait_until;
 
 use crate::kit::{
-    guarded, judge, poll_until, release_dir, stdout_of, Benchmark, CommonArgs, Failures, Report,
-    Run, Table,
+    guarded, judge, nearest_rank, poll_until, release_dir, stdout_of, Benchmark, CommonArgs,
+    Failures, Report, Run, Table,
 };
 
 /// The issue asks for at least this many timed migrations.
@@ -598,17 +598,6 @@ fn migrate(
 // ---------------------------------------------------------------------------
 // The report
 
-/// Nearest-rank percentile.
-fn percentile<T: Ord + Copy>(v: &[T], q: f64) -> Option<T> {
-    if v.is_empty() {
-        return None;
-    }
-    let mut v = v.to_vec();
-    v.sort();
-    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    Some(v[rank - 1])
-}
-
 /// `us` microseconds as milliseconds with `decimals` decimals.
 fn ms(us: Option<i64>, decimals: usize) -> String {
     match us {
@@ -706,23 +695,23 @@ fn report(run: &Run, args: &Args, bin_dir: &Path, got: &Measured) -> String {
     t.row([
         "loss window (observer on C)".to_owned(),
         loss.len().to_string(),
-        ms(percentile(&loss, 0.5), 1),
-        ms(percentile(&loss, 0.9), 1),
+        ms(nearest_rank(&loss, 0.5), 1),
+        ms(nearest_rank(&loss, 0.9), 1),
         ms(loss.iter().copied().max(), 1),
     ]);
     t.row([
         "probes lost".to_owned(),
         lost.len().to_string(),
-        count(percentile(&lost, 0.5)),
-        count(percentile(&lost, 0.9)),
+        count(nearest_rank(&lost, 0.5)),
+        count(nearest_rank(&lost, 0.9)),
         count(lost.iter().copied().max()),
     ]);
     for (what, v) in &rows {
         t.row([
             (*what).to_owned(),
             v.len().to_string(),
-            ms(percentile(v, 0.5), 2),
-            ms(percentile(v, 0.9), 2),
+            ms(nearest_rank(v, 0.5), 2),
+            ms(nearest_rank(v, 0.9), 2),
             ms(v.iter().copied().max(), 2),
         ]);
     }
@@ -732,11 +721,11 @@ fn report(run: &Run, args: &Args, bin_dir: &Path, got: &Measured) -> String {
         "Shortest loss window {}. The daemon's own timings, from its read of the frame: \
          local route median {}, record committed median {}.",
         ms(best, 1),
-        ms(percentile(&col(&|s| s.local_route_us), 0.5), 2),
-        ms(percentile(&col(&|s| s.committed_us), 0.5), 2)
+        ms(nearest_rank(&col(&|s| s.local_route_us), 0.5), 2),
+        ms(nearest_rank(&col(&|s| s.committed_us), 0.5), 2)
     ));
 
-    let median = percentile(&loss, 0.5).map(|us| us as f64 / 1e3);
+    let median = nearest_rank(&loss, 0.5).map(|us| us as f64 / 1e3);
     let judgment = match median {
         Some(med) => {
             let verdict = |limit: f64| if med <= limit { "met" } else { "NOT met" };
@@ -862,10 +851,10 @@ mod tests {
     #[test]
     fn percentiles_are_nearest_rank() {
         let v: Vec<i64> = (1..=10).collect();
-        assert_eq!(percentile(&v, 0.5), Some(5));
-        assert_eq!(percentile(&v, 0.9), Some(9));
-        assert_eq!(percentile(&v, 1.0), Some(10));
-        assert_eq!(percentile::<i64>(&[], 0.5), None);
+        assert_eq!(nearest_rank(&v, 0.5), Some(5));
+        assert_eq!(nearest_rank(&v, 0.9), Some(9));
+        assert_eq!(nearest_rank(&v, 1.0), Some(10));
+        assert_eq!(nearest_rank::<i64>(&[], 0.5), None);
     }
 
     #[test]

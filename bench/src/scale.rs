@@ -64,7 +64,6 @@ use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use ipnet::IpNet;
 use serde_json::Value;
 use tether_e2e::admin::{self, pb};
 use tether_e2e::cluster::{Cluster, ClusterNode, ClusterOpts, NodeOpts, Pod, Store};
@@ -74,8 +73,8 @@ use tether_e2e::vm::{mac_bytes, reserve_vm, result_mac, try_add_vm_pod, VmPodSpe
 use tether_e2e::{run_prefix, Family};
 
 use crate::kit::{
-    guarded, judge, loadavg, parse_utc_micros, release_dir, stdout_of, strip_ansi, Benchmark,
-    CommonArgs, Failures, Report, Run, Table,
+    guarded, judge, loadavg, nearest_rank, parse_claim_line, release_dir, stdout_of, Benchmark,
+    BlockClaim as Claim, CommonArgs, Failures, Report, Run, Table,
 };
 
 /// The VMs' namespace.
@@ -85,7 +84,6 @@ const RECORDS_NAMESPACE: &str = "scale-rec";
 /// The daemons' log level: `info` (the claim line, no per-request lines).
 const LOG_LEVEL: &str = "info";
 /// The line tetherd logs after each block claim.
-const CLAIM_LINE: &str = "claimed an address block";
 /// Small blocks: six IPv4 and seven IPv6 pod addresses each, so that the
 /// claim phase claims a block every few ADDs, yet the reserved records
 /// need a block per six.
@@ -471,35 +469,6 @@ fn all_stats(cluster: &Cluster) -> Vec<pb::StatsResponse> {
 // ---------------------------------------------------------------------------
 // Claims
 
-/// One block claim, from node 0's log.
-struct Claim {
-    at_us: i64,
-    block: IpNet,
-    took_ms: f64,
-}
-
-fn parse_claim_line(line: &str) -> Option<Claim> {
-    let line = strip_ansi(line);
-    if !line.contains(CLAIM_LINE) {
-        return None;
-    }
-    let mut tokens = line.split_whitespace();
-    let at_us = parse_utc_micros(tokens.next()?)?;
-    let (mut block, mut took_ms) = (None, None);
-    for t in tokens {
-        if let Some(v) = t.strip_prefix("block=") {
-            block = v.parse::<IpNet>().ok();
-        } else if let Some(v) = t.strip_prefix("took_ms=") {
-            took_ms = v.parse::<f64>().ok();
-        }
-    }
-    Some(Claim {
-        at_us,
-        block: block?,
-        took_ms: took_ms?,
-    })
-}
-
 fn claim_phase(cluster: &Cluster, args: &Args, o: &mut Outcome, f: &mut Failures) -> Vec<Pod> {
     let node0 = cluster.node(0);
     let claims_before = node0.daemon().stats().block_claims;
@@ -580,8 +549,8 @@ fn claim_phase(cluster: &Cluster, args: &Args, o: &mut Outcome, f: &mut Failures
     }
     eprintln!(
         "scale: claim → route on all nodes: p50 {}, p99 {}",
-        ms(pct(&o.claim_all_us, 0.5), 1),
-        ms(pct(&o.claim_all_us, 0.99), 1)
+        ms(nearest_rank(&o.claim_all_us, 0.5), 1),
+        ms(nearest_rank(&o.claim_all_us, 0.99), 1)
     );
     pods
 }
@@ -825,14 +794,14 @@ fn migration_phase(
     eprintln!(
         "scale: RARP → every node repointed: p50 {}, p99 {} ({} VMs, RARPs spread over {}); \
          → target route p50 {}, p99 {}; → committed p50 {}, p99 {}",
-        ms(pct(&o.all_us, 0.5), 1),
-        ms(pct(&o.all_us, 0.99), 1),
+        ms(nearest_rank(&o.all_us, 0.5), 1),
+        ms(nearest_rank(&o.all_us, 0.99), 1),
         o.all_us.len(),
         ms(o.rarp_spread_us, 1),
-        ms(pct(&o.target_us, 0.5), 1),
-        ms(pct(&o.target_us, 0.99), 1),
-        ms(pct(&o.commit_us, 0.5), 1),
-        ms(pct(&o.commit_us, 0.99), 1)
+        ms(nearest_rank(&o.target_us, 0.5), 1),
+        ms(nearest_rank(&o.target_us, 0.99), 1),
+        ms(nearest_rank(&o.commit_us, 0.5), 1),
+        ms(nearest_rank(&o.commit_us, 0.99), 1)
     );
 
     // The records: the target active, the source alternate.
@@ -1261,20 +1230,9 @@ fn fd_count(pid: u32) -> u64 {
 // ---------------------------------------------------------------------------
 // The report
 
-/// Nearest-rank percentile.
-fn pct<T: Ord + Copy>(v: &[T], q: f64) -> Option<T> {
-    if v.is_empty() {
-        return None;
-    }
-    let mut v = v.to_vec();
-    v.sort();
-    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    Some(v[rank - 1])
-}
-
 fn pct_f(v: &[f64], q: f64) -> Option<f64> {
     let as_int: Vec<i64> = v.iter().map(|x| (x * 1000.0).round() as i64).collect();
-    pct(&as_int, q).map(|x| x as f64 / 1000.0)
+    nearest_rank(&as_int, q).map(|x| x as f64 / 1000.0)
 }
 
 /// `us` microseconds as milliseconds.
@@ -1328,8 +1286,13 @@ fn report(run: &Run, args: &Args, bin_dir: &Path, outcomes: &[Outcome]) -> Strin
         .right_aligned(&[0, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]);
         for o in &mine {
             let c = o.config;
-            let pair =
-                |v: &[i64], d: usize| format!("{} / {}", ms(pct(v, 0.5), d), ms(pct(v, 0.99), d));
+            let pair = |v: &[i64], d: usize| {
+                format!(
+                    "{} / {}",
+                    ms(nearest_rank(v, 0.5), d),
+                    ms(nearest_rank(v, 0.99), d)
+                )
+            };
             let routes = o.route_check.as_ref().map_or("n/a".to_owned(), |rc| {
                 format!(
                     "{} / {} / {} (of {} addresses × {} nodes)",
@@ -1433,7 +1396,7 @@ fn report(run: &Run, args: &Args, bin_dir: &Path, outcomes: &[Outcome]) -> Strin
             };
             let node_rss = format!(
                 "{} / {} MiB, {}",
-                pct(&o.node_rss_kib, 0.5)
+                nearest_rank(&o.node_rss_kib, 0.5)
                     .map_or("n/a".to_owned(), |k| format!("{:.1}", k as f64 / 1024.0)),
                 o.node_rss_kib
                     .iter()
@@ -1513,7 +1476,7 @@ fn judgment(outcomes: &[Outcome]) -> String {
             .iter()
             .find(|o| o.config.store == store && o.config.nodes == 100 && o.config.notices);
         let line = match at100 {
-            Some(o) => match pct(&o.all_us, 0.99) {
+            Some(o) => match nearest_rank(&o.all_us, 0.99) {
                 Some(p99) if o.incomplete == 0 && o.all_us.len() >= 100 => {
                     let p99 = p99 as f64 / 1e3;
                     format!(
@@ -1605,9 +1568,9 @@ mod tests {
     #[test]
     fn percentiles_are_nearest_rank() {
         let v: Vec<i64> = (1..=100).collect();
-        assert_eq!(pct(&v, 0.5), Some(50));
-        assert_eq!(pct(&v, 0.99), Some(99));
-        assert_eq!(pct::<i64>(&[], 0.5), None);
+        assert_eq!(nearest_rank(&v, 0.5), Some(50));
+        assert_eq!(nearest_rank(&v, 0.99), Some(99));
+        assert_eq!(nearest_rank::<i64>(&[], 0.5), None);
     }
 
     #[test]

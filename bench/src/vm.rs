@@ -53,7 +53,8 @@ use tether_e2e::vm::{active_node, del_vm_pod, get_vm, try_add_vm_pod, VmPodSpec}
 use tether_e2e::wait_until;
 
 use crate::kit::{
-    guarded, judge, release_dir, stdout_of, Benchmark, CommonArgs, Failures, Report, Run, Table,
+    guarded, judge, nearest_rank_f64, release_dir, stdout_of, Benchmark, CommonArgs, Failures,
+    Report, Run, Table,
 };
 
 /// The issue asks for at least this many real migrations.
@@ -510,17 +511,7 @@ fn adds(args: &Args, cluster: &Cluster, run: &mut Results, f: &mut Failures) {
 }
 
 fn median(v: &[f64]) -> Option<f64> {
-    percentile(v, 0.5)
-}
-
-fn percentile(v: &[f64], q: f64) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    let rank = ((q * s.len() as f64).ceil() as usize).clamp(1, s.len());
-    Some(s[rank - 1])
+    nearest_rank_f64(v, 0.5)
 }
 
 fn fmt(v: Option<f64>) -> String {
@@ -638,7 +629,7 @@ fn report(run: &Run, args: &Args, res: &Results) -> String {
             fmt(median(&col(&|s| s.slowest_reply))),
             fmt(median(&tcp)),
             fmt(median(&tcp_over)),
-            fmt(percentile(&tcp_over, 0.9)),
+            fmt(nearest_rank_f64(&tcp_over, 0.9)),
             sum(&|s| u64::from(s.tcp_retrans.unwrap_or(0))).to_string(),
             fmt(median(&col(&|s| s.udp_stall))),
             format!("{}, {}", sum(&|s| s.udp_lost), sum(&|s| s.udp_dups)),
@@ -656,10 +647,10 @@ fn report(run: &Run, args: &Args, res: &Results) -> String {
             c.name(),
             fmt(median(&downtime)),
             fmt(median(&excess)),
-            fmt(percentile(&excess, 0.9)),
+            fmt(nearest_rank_f64(&excess, 0.9)),
             fmt(max_of(&excess)),
             fmt(median(&rarp)),
-            fmt(percentile(&rarp, 0.9)),
+            fmt(nearest_rank_f64(&rarp, 0.9)),
             fmt(max_of(&rarp)),
             fmt(median(&col(&|s| s.total))),
         ]);
@@ -762,7 +753,7 @@ fn report(run: &Run, args: &Args, res: &Results) -> String {
         t.row([
             kind.to_string(),
             fmt(median(a)),
-            fmt(percentile(a, 0.9)),
+            fmt(nearest_rank_f64(a, 0.9)),
             fmt(median(d)),
         ]);
     }
