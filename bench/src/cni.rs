@@ -313,8 +313,8 @@ fn add_del(s: &mut Subject, id: &str, pod: &Netns) -> (Option<Duration>, Option<
     // The pod's link vanishes before the kernel has finished the veth's
     // teardown, which holds the kernel's RTNL lock that the next ADD's
     // veth creation needs: wait until tetherd counts no deletion in flight
-    // (as bench_cluster does), as the floor's veth is deleted, untimed, to
-    // the end. bench_cluster's "ADD right after a DEL" measures the case
+    // (as `tether-bench cluster` does), as the floor's veth is deleted, untimed, to
+    // the end. `tether-bench cluster`'s "ADD right after a DEL" measures the case
     // this wait keeps out.
     if let Node::Daemon(d) = &s.node {
         poll_until_fast(deadline, || {

@@ -46,7 +46,7 @@ use crate::kit::{
 /// The issue's target: the loss window exceeds libvirt's downtime by at
 /// most this much at the median.
 const TARGET_EXCESS_MS: f64 = 10.0;
-/// The paths' streams: a message every 20 ms each (as bench_vm's paths).
+/// The paths' streams: a message every 20 ms each (as tether-bench vm's paths).
 const PATH_INTERVAL: Duration = Duration::from_millis(20);
 /// How long the streams run on after a migration before they are read.
 const AFTER: Duration = Duration::from_secs(2);
@@ -126,7 +126,7 @@ fn tables(report: &str) -> Vec<Parsed> {
     out
 }
 
-/// What `bench_vm` said for the Kubernetes store: its tables (the
+/// What `tether-bench vm` said for the Kubernetes store: its tables (the
 /// streams' and probes', the routes', every path's), or why none.
 struct BenchVm {
     tables: Vec<Parsed>,
@@ -154,7 +154,7 @@ fn run_bench_vm(args: &Args, failures: &mut Failures) -> BenchVm {
             failures.fail(format!("finding tether-bench for its vm benchmark: {e}"));
             return BenchVm {
                 tables: Vec::new(),
-                note: format!("bench_vm did not run: {e}"),
+                note: format!("tether-bench vm did not run: {e}"),
             };
         }
     };
@@ -188,7 +188,7 @@ fn run_bench_vm(args: &Args, failures: &mut Failures) -> BenchVm {
             failures.fail(format!("running tether-bench vm: {e}"));
             return BenchVm {
                 tables: Vec::new(),
-                note: format!("bench_vm did not run: {e}"),
+                note: format!("tether-bench vm did not run: {e}"),
             };
         }
     };
@@ -393,13 +393,13 @@ fn report(run: &Run, args: &Args, vm: Option<&BenchVm>, runs: Option<&Runs>) -> 
     ))
     .command(run, "");
     r.paragraph(format!(
-        "Method: a VirtualMachine on tether's `tap` binding (the test guest, 128 MiB, booted from a shared host disk, running qemu-guest-agent) leases its address by DHCP from tether; it migrates between the two nodes by a VirtualMachineInstanceMigration each, {} timed after {} untimed, while an observer on the API server's host (a third place on the fabric) pings it every millisecond, and a TCP and a UDP stream on every path a user has to or from the VM (tests/src/paths.rs: pods on both nodes to the VM, an outside host through a NodePort entering at each node, a pod through a ClusterIP whose endpoint is the VM, the VM to the outside host through outbound NAT, to a pod and to a ClusterIP whose one backend is a pod on the second node (on the target of one migration, the source of the next); kube-proxy in iptables mode; a message every {} ms each, the guest's ends started through its agent's guest-exec) is held through each migration. The guest's pause: what libvirt reports as the migration job's downtime on the target (`virsh domjobinfo --completed`); KubeVirt gives no QEMU events to time it from STOP to RESUME as bench_vm does. Loss window: the observer's longest run of unanswered pings. Probes lost: the pings sent from the migration object's creation to its `Succeeded` that were never answered, in ms of probing. TCP stall: the longest of the TCP streams' stalls (time without an echo) from the migration's start on; a path's stall: its own. Streams survived: migrations in which every stream lived to the end with one address. First lost ping → announcement read: from the send of the first ping the loss window lost to the target tetherd's read of the guest's announcement (QEMU's RARP, or the guest's GARP), both on this machine's clock (tetherd's admin `Stats`): the guest's pause as the network sees it, KubeVirt's, libvirt's and QEMU's share. Read → first answered ping: from there to the send of the first ping answered after the loss, tether's share on the observer's path plus up to one ping interval. Read → every node repointed: to the last route change on the other node (`Stats`). To the domain running on the target: from the migration object's creation to the VMI's status saying so (`targetNodeDomainReadyTimestamp`, polled every 50 ms). To Succeeded: from the creation to the `Succeeded` phase. When KubeVirt has not ended a migration 30 s after its domain runs on the target (its virt-handler there missed the domain's end and would ack it only at its 5-minute resync, a KubeVirt 1.7 race seen on this machine), that handler is restarted, and the migration is marked *. Beside it, in the same sitting, `bench_vm`'s QMP-driven QEMU migrations on 3-node tether clusters on the Kubernetes store (no KubeVirt, no libvirt: the pause from QEMU's STOP and RESUME events, one observer pod on a third node with its own TCP and UDP stream at 5 ms, and its paths on a cluster running kube-proxy in iptables mode).",
+        "Method: a VirtualMachine on tether's `tap` binding (the test guest, 128 MiB, booted from a shared host disk, running qemu-guest-agent) leases its address by DHCP from tether; it migrates between the two nodes by a VirtualMachineInstanceMigration each, {} timed after {} untimed, while an observer on the API server's host (a third place on the fabric) pings it every millisecond, and a TCP and a UDP stream on every path a user has to or from the VM (tests/src/paths.rs: pods on both nodes to the VM, an outside host through a NodePort entering at each node, a pod through a ClusterIP whose endpoint is the VM, the VM to the outside host through outbound NAT, to a pod and to a ClusterIP whose one backend is a pod on the second node (on the target of one migration, the source of the next); kube-proxy in iptables mode; a message every {} ms each, the guest's ends started through its agent's guest-exec) is held through each migration. The guest's pause: what libvirt reports as the migration job's downtime on the target (`virsh domjobinfo --completed`); KubeVirt gives no QEMU events to time it from STOP to RESUME as tether-bench vm does. Loss window: the observer's longest run of unanswered pings. Probes lost: the pings sent from the migration object's creation to its `Succeeded` that were never answered, in ms of probing. TCP stall: the longest of the TCP streams' stalls (time without an echo) from the migration's start on; a path's stall: its own. Streams survived: migrations in which every stream lived to the end with one address. First lost ping → announcement read: from the send of the first ping the loss window lost to the target tetherd's read of the guest's announcement (QEMU's RARP, or the guest's GARP), both on this machine's clock (tetherd's admin `Stats`): the guest's pause as the network sees it, KubeVirt's, libvirt's and QEMU's share. Read → first answered ping: from there to the send of the first ping answered after the loss, tether's share on the observer's path plus up to one ping interval. Read → every node repointed: to the last route change on the other node (`Stats`). To the domain running on the target: from the migration object's creation to the VMI's status saying so (`targetNodeDomainReadyTimestamp`, polled every 50 ms). To Succeeded: from the creation to the `Succeeded` phase. When KubeVirt has not ended a migration 30 s after its domain runs on the target (its virt-handler there missed the domain's end and would ack it only at its 5-minute resync, a KubeVirt 1.7 race seen on this machine), that handler is restarted, and the migration is marked *. Beside it, in the same sitting, `tether-bench vm`'s QMP-driven QEMU migrations on 3-node tether clusters on the Kubernetes store (no KubeVirt, no libvirt: the pause from QEMU's STOP and RESUME events, one observer pod on a third node with its own TCP and UDP stream at 5 ms, and its paths on a cluster running kube-proxy in iptables mode).",
         args.migrations,
         args.warmup,
         PATH_INTERVAL.as_millis(),
     ));
 
-    // What the VM's connections saw, beside bench_vm's.
+    // What the VM's connections saw, beside tether-bench vm's.
     let mut t = Table::new(&[
         "per migration, p50 (ms)",
         "guest's pause",
@@ -440,7 +440,7 @@ fn report(run: &Run, args: &Args, vm: Option<&BenchVm>, runs: Option<&Runs>) -> 
             .filter(|r| r[0].starts_with("Kubernetes store"))
         {
             t.row([
-                format!("bench_vm, QMP: {}", row[0]),
+                format!("tether-bench vm, QMP: {}", row[0]),
                 vt.cell(row, "pause").to_owned(),
                 vt.cell(row, "loss window").to_owned(),
                 vt.cell(row, "probes lost").to_owned(),
@@ -491,7 +491,7 @@ fn report(run: &Run, args: &Args, vm: Option<&BenchVm>, runs: Option<&Runs>) -> 
             .filter(|r| r[0].starts_with("Kubernetes store"))
         {
             t.row([
-                format!("bench_vm, QMP (QEMU's downtime): {}", row[0]),
+                format!("tether-bench vm, QMP (QEMU's downtime): {}", row[0]),
                 vt.cell(row, "downtime p50").to_owned(),
                 "-".to_owned(),
                 vt.cell(row, "loss − downtime p50").to_owned(),
@@ -519,7 +519,7 @@ fn report(run: &Run, args: &Args, vm: Option<&BenchVm>, runs: Option<&Runs>) -> 
             runs.timed.iter().filter_map(f).collect()
         };
         r.paragraph(format!(
-            "Against issue 36's goals for the guest's pause (set for bench_vm's QEMU pause on the etcd store; here with libvirt's downtime as the pause): probes lost {} of the pause at the median (goal: at most half); TCP stall − pause {} ms at the median (goal: at most 50 ms); {} of {} migrations with a TCP retransmission timeout's worth of stall (over 200 ms beyond the pause).",
+            "Against issue 36's goals for the guest's pause (set for tether-bench vm's QEMU pause on the etcd store; here with libvirt's downtime as the pause): probes lost {} of the pause at the median (goal: at most half); TCP stall − pause {} ms at the median (goal: at most 50 ms); {} of {} migrations with a TCP retransmission timeout's worth of stall (over 200 ms beyond the pause).",
             median_of(&col(&|t| Some(t.m.lost_ms? / t.m.downtime_ms?)))
                 .map_or("-".to_string(), |x| format!("{:.0}%", x * 100.0)),
             ms(median_of(&col(&|t| Some(t.tcp_stall? - t.m.downtime_ms?)))),
@@ -534,11 +534,11 @@ fn report(run: &Run, args: &Args, vm: Option<&BenchVm>, runs: Option<&Runs>) -> 
         ));
     }
 
-    // Every path, beside bench_vm's on the Kubernetes store.
+    // Every path, beside tether-bench vm's on the Kubernetes store.
     let bench_paths = vm.and_then(|vm| vm.table("path", "Every path, Kubernetes store"));
     if runs.is_some() || bench_paths.is_some() {
         r.paragraph(
-            "Every path through the timed migrations (KubeVirt: two nodes, so no third node's paths; stall − pause: against libvirt's downtime), beside bench_vm's paths on the Kubernetes store (QMP migrations on 3 nodes; against QEMU's pause):",
+            "Every path through the timed migrations (KubeVirt: two nodes, so no third node's paths; stall − pause: against libvirt's downtime), beside tether-bench vm's paths on the Kubernetes store (QMP migrations on 3 nodes; against QEMU's pause):",
         );
         let mut t = Table::new(&[
             "path",
@@ -546,7 +546,7 @@ fn report(run: &Run, args: &Args, vm: Option<&BenchVm>, runs: Option<&Runs>) -> 
             "stall p50 (ms)",
             "stall max",
             "stall − pause p50",
-            "bench_vm, QMP: survived",
+            "tether-bench vm, QMP: survived",
             "stall p50",
             "stall max",
             "stall − pause p50",
@@ -623,7 +623,7 @@ fn report(run: &Run, args: &Args, vm: Option<&BenchVm>, runs: Option<&Runs>) -> 
         ));
     }
     if let Some(vm) = vm {
-        r.paragraph(format!("bench_vm in this sitting: {}.", vm.note));
+        r.paragraph(format!("tether-bench vm in this sitting: {}.", vm.note));
     }
     r.finish(run)
 }
@@ -658,7 +658,7 @@ impl Benchmark for Args {
         let vm = if self.no_bench_vm {
             None
         } else {
-            guarded("bench_vm", failures, |f| run_bench_vm(self, f))
+            guarded("vm", failures, |f| run_bench_vm(self, f))
         };
         let runs = guarded("kubevirt", failures, |f| run_kubevirt(self, f));
         Found { vm, runs }
