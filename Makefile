@@ -8,7 +8,7 @@ RELEASE_DIR := target/release
 ROOT_TESTS := tether-kernel/root-tests,tether-node-server/root-tests,tether-e2e/root-tests,tether-e2e/tools-tests,tether-e2e/cluster-tests,tether-e2e/kubelet-tests
 DEBUG_DIR := target/debug
 
-.PHONY: all setup setup-demo k8s helm e2e-bins conformance-images conformance kubevirt bench-kubevirt manifests docs reference build release demo check test unit integration lint bench clean shim-size min-kernel
+.PHONY: all setup setup-demo k8s helm e2e-bins mdbook conformance-images conformance kubevirt bench-kubevirt manifests docs reference build release demo check test unit integration lint bench clean shim-size min-kernel
 
 all: build
 
@@ -65,9 +65,14 @@ manifests:
 ## (docs/mdbook.sh); the book built into target/book; and every link and
 ## anchor of the built book checked (tests/book_links.py). `make test`
 ## runs it.
-docs:
-	@bin=$$(sh docs/mdbook.sh) && echo "docs: $$($$bin/mdbook --version)" && $$bin/mdbook build docs
+docs: mdbook
+	@bin=$$(sh docs/mdbook.sh) && $$bin/mdbook build docs
 	python3 tests/book_links.py target/book
+
+## mdbook: mdBook alone, built once and cached (docs/mdbook.sh); `make
+## test` builds it on its Go line, so that the Rust line's `docs` finds it.
+mdbook:
+	@bin=$$(sh docs/mdbook.sh) && echo "mdbook: $$($$bin/mdbook --version) in $$bin"
 
 ## reference: the book's reference pages generated from the code:
 ## docs/reference/tetherd-flags.md from `tetherd --help`, and
@@ -133,22 +138,24 @@ check:
 ## built and its links checked (docs), its runnable blocks run and its
 ## facts checked (doc_blocks, doc_facts). Root only.
 ##
-## Before the suites, two lines run side by side: the Go parts (k8s, helm,
-## e2e-bins: 20 minutes of a fresh machine's two cores), and setup then
-## the Rust (lint, docs, build, shim-size; the build needs setup's protoc).
-## Each leaves a core idle at times (downloads, links, a last crate); side
-## by side they fill it. The Go line's output is kept in
-## target/go-parts.log and printed after it; either line failing fails
-## `make test` before any suite runs.
+## Before the suites, two lines run side by side: the tools that need only
+## the machine's Go and Rust (mdBook, then the Go parts k8s, helm,
+## e2e-bins: about 30 minutes of a fresh machine's two cores), and setup
+## then the Rust (lint, docs, build, shim-size; the build needs setup's
+## protoc). Each leaves a core idle at times (downloads, links, a last
+## crate); side by side they fill it. mdBook goes first on the tools line:
+## the Rust line's `docs` needs it about 15 minutes in. The tools line's
+## output is kept in target/go-parts.log and printed after it; either line
+## failing fails `make test` before any suite runs.
 test:
 	@test "$$(id -u)" = 0 || { echo "make test must run as root (it creates network namespaces)"; exit 1; }
 	@mkdir -p target; \
-	$(MAKE) --no-print-directory k8s helm e2e-bins >target/go-parts.log 2>&1 & go=$$!; \
+	$(MAKE) --no-print-directory mdbook k8s helm e2e-bins >target/go-parts.log 2>&1 & go=$$!; \
 	$(MAKE) --no-print-directory setup lint docs build shim-size; rust=$$?; \
 	wait $$go; gorc=$$?; \
-	echo "== the Go parts, built beside setup and the Rust (target/go-parts.log):"; \
+	echo "== mdBook and the Go parts, built beside setup and the Rust (target/go-parts.log):"; \
 	cat target/go-parts.log; \
-	[ $$gorc = 0 ] || echo "make test: building the Go parts failed (exit $$gorc)"; \
+	[ $$gorc = 0 ] || echo "make test: building mdBook or the Go parts failed (exit $$gorc)"; \
 	[ $$rust = 0 ] || echo "make test: setup or the Rust build failed (exit $$rust)"; \
 	[ $$gorc = 0 ] && [ $$rust = 0 ]
 	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test --workspace --features $(ROOT_TESTS) --no-fail-fast -- --test-threads=2
@@ -157,7 +164,7 @@ test:
 ## `[sig-network] ... [Conformance]` tests of e2e.test v1.37.2, on two
 ## kubelet nodes wired by tether (installed with its chart in its default
 ## mode, the Kubernetes store), with kube-proxy and CoreDNS
-## (tests/src/nodes.rs); while they run, one node's tetherd is killed and
+## (tests/src/kube_cluster.rs); while they run, one node's tetherd is killed and
 ## the other's kubelet restarted (--faults); writes CONFORMANCE.md.
 ## `make test` runs a slice of them (tests/e2e/conformance/conformance_slice.rs).
 ## Root only.

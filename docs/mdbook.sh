@@ -22,6 +22,14 @@ if [ -f "$out/done" ]; then
 fi
 
 mkdir -p "$base"
+# One build at a time: `make test` starts one on its tools line, and its
+# Rust line's `make docs` waits here for it instead of building another.
+exec 9>"$base/mdbook.lock"
+flock 9
+if [ -f "$out/done" ]; then
+    echo "$out/bin"
+    exit 0
+fi
 tmp=$(mktemp -d "$base/build.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 start=$(date +%s)
