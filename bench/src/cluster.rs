@@ -42,7 +42,8 @@ use std::time::{Duration, Instant};
 use clap::builder::RangedU64ValueParser;
 use ipnet::IpNet;
 use tether_e2e::admin;
-use tether_e2e::cluster::{Cluster, ClusterOpts, NodeOpts, Overlay, CLUSTER_ROUTE_PROTOCOL};
+use tether_e2e::cluster::{NodeOpts, Overlay, CLUSTER_ROUTE_PROTOCOL};
+use tether_e2e::topology::Topology;
 use tether_e2e::{
     cni, is_tether_link, run_prefix, CniEnv, CniOutput, Daemon, DaemonOpts, Netns, TempDir,
 };
@@ -257,12 +258,10 @@ struct LatencyRow {
 
 fn latency_phase(bins: &Bins, args: &Args, f: &mut Failures) -> Latency {
     eprintln!("cluster: phase 1: a 3-node cluster (etcd ×3, host-gw) and a single node");
-    let cluster = Cluster::new(ClusterOpts {
-        nodes: 3,
-        etcd_members: 3,
-        node: node_opts(bins, false),
-        ..ClusterOpts::default()
-    });
+    let cluster = Topology::tetherd(3)
+        .etcd_members(3)
+        .node(node_opts(bins, false))
+        .start();
     let single = Daemon::start(DaemonOpts {
         pod_cidrs: SINGLE_CIDRS.map(str::to_owned).to_vec(),
         log_level: Some(LOG_LEVEL.to_owned()),
@@ -489,12 +488,10 @@ impl Drop for Monitor {
 
 fn claim_phase(bins: &Bins, args: &Args, f: &mut Failures) -> Claims {
     eprintln!("cluster: phase 2: a 3-node cluster with /30 and /126 blocks");
-    let cluster = Cluster::new(ClusterOpts {
-        nodes: 3,
-        etcd_members: 3,
-        node: node_opts(bins, true),
-        ..ClusterOpts::default()
-    });
+    let cluster = Topology::tetherd(3)
+        .etcd_members(3)
+        .node(node_opts(bins, true))
+        .start();
     // Declared after the cluster: dropped (killed) before it.
     let dir = TempDir::new("mon");
     let mut monitors = [

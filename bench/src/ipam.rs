@@ -42,9 +42,10 @@ use std::time::{Duration, Instant};
 
 use clap::builder::RangedU64ValueParser;
 use serde_json::{json, Value};
-use tether_e2e::cluster::{Cluster, ClusterOpts, Fabric, NodeOpts};
+use tether_e2e::cluster::{Fabric, NodeOpts};
 use tether_e2e::kube::{whereabouts_dir, KubeApi};
 use tether_e2e::reference::host_local_leases;
+use tether_e2e::topology::Topology;
 use tether_e2e::{
     admin, cni, pb, ref_plugin, unique_name, CniEnv, CniOutput, Daemon, DaemonOpts, Netns, TempDir,
 };
@@ -487,19 +488,17 @@ fn cluster_phase(bin_dir: &Path, args: &Args, f: &mut Failures) -> ClusterRun {
     let pools = files.path().join("pools.json");
     std::fs::write(&pools, POOLS_CLUSTER).expect("writing the pools file");
     eprintln!("ipam: starting a 3-member etcd and 3 nodes");
-    let cluster = Cluster::new(ClusterOpts {
-        nodes: 3,
-        etcd_members: 3,
-        node: NodeOpts {
+    let cluster = Topology::tetherd(3)
+        .etcd_members(3)
+        .node(NodeOpts {
             lease_ttl_secs: 15,
             node_grace_secs: 600,
             log_level: Some("info".into()),
             bin: Some(bin_dir.join("tetherd")),
             extra_args: vec!["--pools".into(), pools.display().to_string()],
             ..NodeOpts::default()
-        },
-        ..ClusterOpts::default()
-    });
+        })
+        .start();
     let plugins = plugin_dir(bin_dir);
     let sides: Vec<Side> = cluster
         .nodes()

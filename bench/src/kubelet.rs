@@ -1,7 +1,8 @@
 //! Pod-ready latency through the kubelet: tether beside Debian's `ptp`
 //! (with `host-local`), in the same one-node cluster, in one run
-//! (`tether_e2e::kubelet`: kube-apiserver, kube-controller-manager,
-//! kube-scheduler and kubelet v1.37.2; Debian's containerd 1.6 and runc).
+//! (`Topology::kubelet(1)`: kube-apiserver, kube-controller-manager,
+//! kube-scheduler, a kubelet v1.37.2 node with Debian's containerd 1.6 and
+//! runc, and kube-proxy; tether in its `nodeCidrs` mode).
 //!
 //! tether is installed the real way, by the Helm chart's DaemonSet (its image
 //! built from the release binaries). The two sides take turns in rounds:
@@ -27,7 +28,8 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use serde_json::json;
-use tether_e2e::kubelet::OneNode;
+use tether_e2e::kubelet::busybox_pod;
+use tether_e2e::topology::Topology;
 use tether_e2e::wait_until;
 
 use crate::kit::{
@@ -101,31 +103,32 @@ impl Benchmark for Args {
 }
 
 fn run(args: &Args, failures: &mut Failures) -> Samples {
-    let k = OneNode::start();
-    let image = k.build_tether_image("bench", "bench");
+    let mut k = Topology::kubelet(1).node_cidrs().start();
+    k.set_chart_values(json!({"mode": "nodeCidrs"}));
+    let image = k.build_tether_image("bench");
     k.install_tether(&image);
     k.wait_tether_ready(&image);
-    k.wait_ready();
-    let conf_dir = k.cni_conf_dir();
+    let node = &k.nodes()[0];
+    let conf_dir = node.host_path("/etc/cni/net.d");
+    let bin_dir = node.host_path("/opt/cni/bin");
     let tether_conf = std::fs::read(conf_dir.join(TETHER_CONFLIST)).expect("tether's conflist");
-    std::fs::copy("/usr/lib/cni/ptp", k.cni_bin_dir().join("ptp")).expect("installing ptp");
-    std::fs::copy(
-        "/usr/lib/cni/host-local",
-        k.cni_bin_dir().join("host-local"),
-    )
-    .expect("installing host-local");
+    std::fs::copy("/usr/lib/cni/ptp", bin_dir.join("ptp")).expect("installing ptp");
+    std::fs::copy("/usr/lib/cni/host-local", bin_dir.join("host-local"))
+        .expect("installing host-local");
     let ptp_conf = json!({
         "cniVersion": "1.0.0",
         "name": "ptp-bench",
         "plugins": [{
             "type": "ptp",
             "ipam": {"type": "host-local", "ranges": [[{"subnet": PTP_SUBNET}]],
-                     "dataDir": k.tether_state_dir().with_file_name("host-local").display().to_string()},
+                     // A dir of the node's own (its kubelet's), as host-local
+                     // sees it inside the node.
+                     "dataDir": "/var/lib/kubelet/host-local-bench"},
         }],
     });
     let tether_cidr: IpNet = k
         .api
-        .get(&["node", k.name()])
+        .get(&["node", node.name()])
         .and_then(|n| n["spec"]["podCIDR"].as_str().and_then(|c| c.parse().ok()))
         .expect("the node's pod CIDR");
     let ptp_cidr: IpNet = PTP_SUBNET.parse().expect("a CIDR");
@@ -162,7 +165,7 @@ fn run(args: &Args, failures: &mut Failures) -> Samples {
             for _ in 0..args.pods {
                 n += 1;
                 let name = format!("p{n}");
-                k.create_pod(&k.pod_manifest(&name, json!({}), json!({})));
+                k.create_pod(&busybox_pod(&name, node.name(), json!({}), json!({})));
                 let seen = watch.wait_for(&name, LIMIT, |_, _| true);
                 let running = watch.wait_for(&name, LIMIT, |phase, ip| {
                     phase == "Running" && !ip.is_empty()
@@ -175,7 +178,7 @@ fn run(args: &Args, failures: &mut Failures) -> Samples {
                     ));
                     continue;
                 };
-                let ip = k.wait_running(&name);
+                let ip = k.wait_pod_ip(&name);
                 let in_range = ip.parse::<IpAddr>().is_ok_and(|a| cidr.contains(&a));
                 if !in_range {
                     failures.fail(format!(

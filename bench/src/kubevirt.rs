@@ -31,10 +31,10 @@
 
 use std::time::{Duration, Instant};
 
+use tether_e2e::kube_cluster::KubePaths;
 use tether_e2e::kubevirt::agent::AgentShell;
 use tether_e2e::kubevirt::scenario::{migrate_with_paths, Measured, Medians, Setup};
 use tether_e2e::kubevirt::VERSION as KUBEVIRT_VERSION;
-use tether_e2e::nodes::KubePaths;
 use tether_e2e::paths::GuestShell;
 use tether_e2e::qemu::KERNEL_PANIC;
 use tether_e2e::streams::{Proto, StreamReport};

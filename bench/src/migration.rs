@@ -37,9 +37,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use clap::builder::RangedU64ValueParser;
 use tether_e2e::admin;
-use tether_e2e::cluster::{assert_ping_within, Cluster, ClusterNode, ClusterOpts, NodeOpts, Pod};
+use tether_e2e::cluster::{assert_ping_within, ClusterNode, NodeOpts, Pod};
 use tether_e2e::migration::{pause_icmp, send_rarp, Prober};
 use tether_e2e::pb::StatsResponse;
+use tether_e2e::topology::Topology;
 use tether_e2e::vm::{
     active_node, alternate_node, del_vm_pod, get_vm, mac_bytes, result_mac, try_add_vm_pod,
     VmPodSpec,
@@ -268,12 +269,10 @@ fn unix_nanos(t: SystemTime) -> i64 {
 
 fn migration_phase(bins: &Bins, args: &Args, run: &mut Measured, f: &mut Failures) {
     eprintln!("migration: a 3-node cluster (etcd ×3, host-gw)");
-    let cluster = Cluster::new(ClusterOpts {
-        nodes: 3,
-        etcd_members: 3,
-        node: node_opts(bins),
-        ..ClusterOpts::default()
-    });
+    let cluster = Topology::tetherd(3)
+        .etcd_members(3)
+        .node(node_opts(bins))
+        .start();
     let nodes = [cluster.node(0), cluster.node(1), cluster.node(2)];
     run.node_names = nodes.iter().map(|n| n.name().to_owned()).collect();
 

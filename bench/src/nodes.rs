@@ -42,10 +42,11 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use serde_json::{json, Value};
-use tether_e2e::cluster::{Cluster, ClusterOpts, NodeOpts, Overlay, Pod, Store};
+use tether_e2e::cluster::{Cluster, NodeOpts, Overlay, Pod, Store};
+use tether_e2e::kube_cluster::POD_CIDR;
 use tether_e2e::kubelet::{busybox_pod, PodWatch};
-use tether_e2e::nodes::{self, KubeCluster, POD_CIDR};
-use tether_e2e::{bin_dir, ping, ping_output, wait_until, Netns, TempDir};
+use tether_e2e::topology::Topology;
+use tether_e2e::{bin_dir, ping, ping_output, wait_until, Netns};
 
 use crate::kit::{
     cargo_build_release, first_lines, guarded, percentile, release_dir, stdout_of, strip_ansi,
@@ -246,12 +247,12 @@ impl Carrier {
     /// A 2-node cluster on a one-member etcd with `overlay`, and a pod on
     /// each node.
     fn tether(overlay: Overlay, tetherd: &Path) -> Carrier {
-        let cluster = Cluster::new(ClusterOpts {
-            nodes: 2,
-            etcd_members: 1,
+        let cluster = Topology::tetherd(2)
+            .store(Store::Etcd)
+            .etcd_members(1)
             // The daemon's own lease defaults, as `tether-bench cluster` runs it: a
             // busy machine never reaps a node in the middle of a run.
-            node: NodeOpts {
+            .node(NodeOpts {
                 overlay,
                 lease_ttl_secs: 15,
                 node_grace_secs: 600,
@@ -259,11 +260,8 @@ impl Carrier {
                 bin: Some(tetherd.to_path_buf()),
                 extra_args: Vec::new(),
                 ..NodeOpts::default()
-            },
-            store: Store::Etcd,
-            with_api: false,
-            kube_proxy: false,
-        });
+            })
+            .start();
         let pods = [cluster.add_pod(0), cluster.add_pod(1)];
         Carrier::Tether(Box::new(TetherPair { pods, cluster }))
     }
@@ -731,8 +729,7 @@ struct PodsReady {
 
 fn ready(args: &Args, f: &mut Failures) -> PodsReady {
     eprintln!("{BENCH}: part 2: pod-ready latency on two kubelet nodes");
-    let images = TempDir::new("bimg");
-    let cluster = KubeCluster::start(&nodes::ClusterOpts::busybox(2, images.path()));
+    let cluster = Topology::kubelet(2).start();
     let image = cluster.build_tether_image("bench");
     cluster.install_tether(&image);
     let names: Vec<String> = cluster
@@ -941,7 +938,7 @@ fn ready_report(r: &mut Report, args: &Args, ready: Option<&PodsReady>) {
     r.paragraph("### Pod-ready latency on two kubelet nodes");
     r.paragraph(format!(
         "Two kubelet nodes, each in its own network, mount and PID namespaces, with Debian's \
-         containerd and runc and kube-proxy (tests/src/nodes.rs); tether installed by its \
+         containerd and runc and kube-proxy (tests/src/kube_cluster.rs); tether installed by its \
          Helm chart in its default mode (the Kubernetes store), its image built from the \
          release binaries. {} busybox pods created one after the other, alternating nodes \
          (pods name their node: no scheduler), each waited for until Running, and kept. \

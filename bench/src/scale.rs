@@ -66,9 +66,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
 use tether_e2e::admin::{self, pb};
-use tether_e2e::cluster::{Cluster, ClusterNode, ClusterOpts, NodeOpts, Pod, Store};
+use tether_e2e::cluster::{Cluster, ClusterNode, NodeOpts, Pod, Store};
 use tether_e2e::kube::{metric_sum, metric_sum_with};
 use tether_e2e::migration::FrameSender;
+use tether_e2e::topology::Topology;
 use tether_e2e::vm::{mac_bytes, reserve_vm, result_mac, try_add_vm_pod, VmPodSpec};
 use tether_e2e::{run_prefix, Family};
 
@@ -383,14 +384,11 @@ fn run_config(tetherd: &Path, args: &Args, o: &mut Outcome, f: &mut Failures) {
     let c = o.config;
     let t0 = Instant::now();
     eprintln!("scale: starting {} nodes on {}", c.nodes, c.store.name());
-    let mut cluster = Cluster::new(ClusterOpts {
-        nodes: c.nodes,
-        etcd_members: 3,
-        node: node_opts(tetherd, c.notices),
-        store: c.store,
-        with_api: false,
-        kube_proxy: false,
-    });
+    let mut cluster = Topology::tetherd(c.nodes)
+        .store(c.store)
+        .etcd_members(3)
+        .node(node_opts(tetherd, c.notices))
+        .start();
     o.start_secs = Some(t0.elapsed().as_secs_f64());
     eprintln!(
         "scale: {} nodes serving in {:.1} s",

@@ -42,13 +42,12 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use tether_e2e::admin;
-use tether_e2e::cluster::{
-    assert_ping_within, Cluster, ClusterNode, ClusterOpts, NodeOpts, Pod, Store,
-};
+use tether_e2e::cluster::{assert_ping_within, Cluster, ClusterNode, NodeOpts, Pod, Store};
 use tether_e2e::migration::Prober;
 use tether_e2e::paths::{start_listeners, PathSet, Scene, VM_TCP, VM_UDP};
 use tether_e2e::qemu::{clear_events, pause, Guest, GuestOptions, BOOT_TIMEOUT};
 use tether_e2e::streams::{Proto, Stream, StreamReport};
+use tether_e2e::topology::{Tetherd, Topology};
 use tether_e2e::vm::{active_node, del_vm_pod, get_vm, try_add_vm_pod, VmPodSpec};
 use tether_e2e::wait_until;
 
@@ -411,8 +410,8 @@ fn migrations(args: &Args, cluster: &Cluster, run: &mut Config, f: &mut Failures
 
 /// Every path's stream through `args.path_migrations` migrations back and
 /// forth, on a fresh cluster with kube-proxy.
-fn paths(args: &Args, opts: ClusterOpts, out: &mut Paths, f: &mut Failures) {
-    let mut scene = Scene::new(opts);
+fn paths(args: &Args, topology: Topology<Tetherd>, out: &mut Paths, f: &mut Failures) {
+    let mut scene = Scene::new(topology);
     for i in 0..args.path_migrations {
         let target = scene.incoming(&format!("virt-launcher-vm1-{}", i + 1));
         let set = PathSet::start(&scene.guest, &scene.ends(), PATH_INTERVAL);
@@ -805,11 +804,10 @@ impl Benchmark for Args {
                 if !replay {
                     extra.push("--migration-replay=false".to_string());
                 }
-                let cluster = Cluster::new(ClusterOpts {
-                    node: node_opts(extra),
-                    store: *store,
-                    ..ClusterOpts::default()
-                });
+                let cluster = Topology::tetherd(3)
+                    .store(*store)
+                    .node(node_opts(extra))
+                    .start();
                 let mut config = Config {
                     store: *store,
                     notices,
@@ -834,12 +832,10 @@ impl Benchmark for Args {
                     pauses: Vec::new(),
                     rows: Vec::new(),
                 };
-                let opts = ClusterOpts {
-                    node: node_opts(Vec::new()),
-                    kube_proxy: true,
-                    ..ClusterOpts::on(*store)
-                };
-                guarded("paths", failures, |f| paths(self, opts, &mut p, f));
+                let topology = Topology::tetherd(3)
+                    .store(*store)
+                    .node(node_opts(Vec::new()));
+                guarded("paths", failures, |f| paths(self, topology, &mut p, f));
                 run.paths.push(p);
             }
         }

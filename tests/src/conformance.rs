@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::nodes::KubeCluster;
+use crate::kube_cluster::KubeCluster;
 
 /// The focus of the whole sig-network Conformance set.
 pub const FOCUS_ALL: &str = r"\[sig-network\].*\[Conformance\]";

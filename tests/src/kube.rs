@@ -14,13 +14,13 @@
 //! machine's own netns. Dropping it kills both processes (by their
 //! handles) and removes the netns and the directory.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use crate::cluster::Fabric;
 use crate::{wait_until, workspace_dir, Netns, TempDir};
@@ -418,6 +418,54 @@ impl KubeApi {
             String::from_utf8_lossy(&out.stderr)
         );
         String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// A Service `name` in `default` of type `kind` (`ClusterIP`,
+    /// `NodePort`) with one port per entry of `ports` (name, protocol,
+    /// port, target port) and no selector, and its endpoints `endpoints`
+    /// (IPv4) written as an EndpointSlice by hand, as a controller would;
+    /// the Service as the server answers it (its ClusterIP, its
+    /// NodePorts). Nothing waits for kube-proxy here.
+    pub fn service_with_endpoints(
+        &self,
+        name: &str,
+        kind: &str,
+        ports: &[(&str, &str, u16, u16)],
+        endpoints: &[IpAddr],
+    ) -> Value {
+        let service_ports: Vec<Value> = ports
+            .iter()
+            .map(|(n, proto, port, target)| {
+                json!({"name": n, "protocol": proto, "port": port, "targetPort": target})
+            })
+            .collect();
+        let slice_ports: Vec<Value> = ports
+            .iter()
+            .map(|(n, proto, _, target)| json!({"name": n, "protocol": proto, "port": target}))
+            .collect();
+        let addresses: Vec<Value> = endpoints
+            .iter()
+            .map(|ip| json!({"addresses": [ip.to_string()], "conditions": {"ready": true}}))
+            .collect();
+        self.apply(
+            &json!({
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": name, "namespace": "default"},
+                "spec": {"type": kind, "ports": service_ports},
+            })
+            .to_string(),
+        );
+        self.apply(
+            &json!({
+                "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"name": format!("{name}-1"), "namespace": "default",
+                             "labels": {"kubernetes.io/service-name": name}},
+                "addressType": "IPv4", "ports": slice_ports, "endpoints": addresses,
+            })
+            .to_string(),
+        );
+        self.get(&["-n", "default", "service", name])
+            .unwrap_or_else(|| panic!("Service {name} is not there"))
     }
 
     /// `kubectl apply` of a manifest given as text.

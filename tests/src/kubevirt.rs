@@ -1,4 +1,4 @@
-//! KubeVirt itself on the multi-node cluster of [`crate::nodes`], for the
+//! KubeVirt itself on the multi-node cluster of [`crate::kube_cluster`], for the
 //! KubeVirt suite (tests/e2e/kube/kubevirt.rs): built from source, packed
 //! into images here, deployed as a user deploys it.
 //!
@@ -37,7 +37,7 @@ use serde_json::{json, Value};
 pub mod agent;
 pub mod scenario;
 
-use crate::nodes::{KubeCluster, KubeNode};
+use crate::kube_cluster::{KubeCluster, KubeNode};
 use crate::oci::{Image, Owners, Rootfs};
 use crate::{wait_until, workspace_dir};
 
@@ -58,7 +58,7 @@ pub const COMPONENTS: [&str; 5] = [
     "virt-launcher",
 ];
 /// The hostPaths of virt-handler's DaemonSet that each node must keep its
-/// own (`(dir name, path)`, for [`crate::nodes::ClusterOpts::node_paths`]):
+/// own (`(dir name, path)`, for [`crate::topology::Topology::kubevirt`]):
 /// on the machine they would be shared by the two nodes' handlers.
 /// `/var/lib/kubelet` (and its `pods`) is a node path already.
 pub const NODE_PATHS: [(&str, &str); 4] = [

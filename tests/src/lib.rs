@@ -15,18 +15,30 @@
 //!   ADD result ([`AddResult`]);
 //! - [`wait_until`], [`assert_distinct`]: polling and a common assertion;
 //! - [`mod@reference`]: netconfs for Debian's reference plugins;
-//! - [`mod@cluster`]: a multi-node topology (fabric bridge, etcd cluster,
-//!   nodes running tetherd in cluster mode, pods and ping between them);
+//! - [`mod@topology`]: the one builder of every multi-node topology:
+//!   tetherd nodes on etcd or the Kubernetes store ([`mod@cluster`]), or
+//!   kubelet nodes, one or several, with KubeVirt's needs as an option
+//!   ([`mod@kube_cluster`]);
+//! - [`mod@cluster`]: the fabric, etcd, the tetherd nodes and their pods
+//!   added through the real plugin, and ping between them;
+//! - [`mod@kube`]: a real kube-apiserver (on its own etcd) with kubectl;
+//! - [`mod@kube_cluster`], [`mod@kubelet`], [`mod@oci`]: kubelet nodes,
+//!   each in its own namespaces, with containerd and kube-proxy, beside a
+//!   control plane; what every such node runs; the registry-free images
+//!   its pods run;
 //! - [`mod@chart`]: tether's Helm chart rendered (`helm template`), and
 //!   helm against a real API server;
-//! - [`mod@kubelet`], [`mod@oci`]: a one-node Kubernetes (control plane,
-//!   containerd, kubelet) and the registry-free images its pods run;
 //! - [`mod@conformance_images`]: what Kubernetes' sig-network Conformance
 //!   tests run (their `e2e.test`, agnhost, CoreDNS, and their images);
 //! - [`mod@kubevirt`]: KubeVirt built from source, its images, and its
-//!   deployment on the multi-node cluster of [`mod@nodes`];
-//! - [`mod@qemu`]: real QEMU guests on a pod's tap, leasing with real DHCP
-//!   clients, driven over QMP and their serial console.
+//!   deployment on a kubelet topology;
+//! - [`mod@vm`], [`mod@qemu`]: VM pods as KubeVirt's launchers make them
+//!   (annotations, a migration's target), and real QEMU guests on a pod's
+//!   tap, leasing with real DHCP clients, driven over QMP and their serial
+//!   console;
+//! - [`mod@migration`], [`mod@streams`], [`mod@paths`]: what a migration
+//!   is measured with: probe streams and their loss windows, announcement
+//!   frames, TCP and UDP streams on every path to and from a VM.
 //!
 //! Safety rules the harness keeps so that tests need not think about them:
 //! every name carries [`run_prefix`], unique per process; every address,
@@ -45,18 +57,19 @@ pub mod conformance;
 pub mod conformance_images;
 mod daemon;
 pub mod kube;
+pub mod kube_cluster;
 pub mod kubelet;
 pub mod kubevirt;
 pub mod machine;
 pub mod migration;
 mod netns;
-pub mod nodes;
 pub mod oci;
 pub mod paths;
 pub mod qemu;
 pub mod reference;
 pub mod runtime;
 pub mod streams;
+pub mod topology;
 pub mod view;
 pub mod vm;
 

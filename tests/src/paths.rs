@@ -26,9 +26,12 @@ use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
-use crate::cluster::{assert_ping_within, Cluster, ClusterOpts, Fabric, Pod, Underlay};
+use serde_json::Value;
+
+use crate::cluster::{assert_ping_within, Cluster, Fabric, Pod, Underlay};
 use crate::qemu::{Guest, Pause, BOOT_TIMEOUT};
 use crate::streams::{Proto, Stream, StreamReport};
+use crate::topology::{Tetherd, Topology};
 use crate::vm::{add_vm_pod, boot_guest, VmPodSpec};
 use crate::Netns;
 
@@ -104,13 +107,37 @@ pub struct Services {
     pub backend_cluster_ip: IpAddr,
 }
 
+/// How a cluster makes a Service with its endpoints written by hand
+/// ([`Cluster::expose`], [`crate::kube_cluster::KubeCluster::expose`]):
+/// name, type, ports (name, protocol, port, target port), endpoints; the
+/// Service as the API server answers it.
+pub type Expose<'a> = dyn Fn(&str, &str, &[(&str, &str, u16, u16)], &[IpAddr]) -> Value + 'a;
+
 impl Services {
     /// Creates both Services on `cluster` (which runs kube-proxy): one
     /// NodePort Service with the VM's IPv4 address as its endpoint, one
     /// ClusterIP Service with `backends` as its endpoints.
     pub fn create(cluster: &Cluster, vm: IpAddr, backends: &[IpAddr]) -> Services {
-        let vm_svc = cluster.expose(
-            "vm",
+        Services::create_with(
+            &|name, kind, ports, endpoints| cluster.expose(name, kind, ports, endpoints),
+            ("vm", "backends"),
+            vm,
+            backends,
+        )
+    }
+
+    /// Creates both Services through `expose`, named `names` (the VM's,
+    /// the backends'): one NodePort Service with the VM's IPv4 address as
+    /// its endpoint, one ClusterIP Service with `backends` as its
+    /// endpoints.
+    pub fn create_with(
+        expose: &Expose<'_>,
+        names: (&str, &str),
+        vm: IpAddr,
+        backends: &[IpAddr],
+    ) -> Services {
+        let vm_svc = expose(
+            names.0,
             "NodePort",
             &[
                 ("tcp", "TCP", VM_TCP, VM_TCP),
@@ -126,8 +153,8 @@ impl Services {
                 .and_then(|p| u16::try_from(p).ok())
                 .unwrap_or_else(|| panic!("no {name} NodePort: {vm_svc}"))
         };
-        let backend_svc = cluster.expose(
-            "backends",
+        let backend_svc = expose(
+            names.1,
             "ClusterIP",
             &[
                 ("tcp", "TCP", BACKEND_PORT, BACKEND_PORT),
@@ -135,7 +162,7 @@ impl Services {
             ],
             backends,
         );
-        let ip = |svc: &serde_json::Value| -> IpAddr {
+        let ip = |svc: &Value| -> IpAddr {
             svc["spec"]["clusterIP"]
                 .as_str()
                 .and_then(|s| s.parse().ok())
@@ -209,11 +236,10 @@ pub struct Left {
 }
 
 impl Scene {
-    /// Builds the scene on a cluster of `opts` (with kube-proxy: the
+    /// Builds the scene on `topology`, started with kube-proxy (the
     /// Services need it).
-    pub fn new(opts: ClusterOpts) -> Scene {
-        assert!(opts.kube_proxy, "the paths' Services need kube-proxy");
-        let cluster = Cluster::new(opts);
+    pub fn new(topology: Topology<Tetherd>) -> Scene {
+        let cluster = topology.kube_proxy(true).start();
         let outside = Outside::new(&cluster);
         let spec = VmPodSpec::tap("tenant", "vm1", "virt-launcher-vm1-0");
         let pod = add_vm_pod(cluster.node(0), &spec);

@@ -700,7 +700,7 @@ pub struct StreamReport {
     /// Echoes of a message already echoed (UDP: a datagram delivered
     /// twice).
     pub duplicates: u64,
-    /// Messages sent more than [`STOP_DRAIN`] before the stop and never
+    /// Messages sent more than `STOP_DRAIN` before the stop and never
     /// echoed.
     pub lost: u64,
     /// The longest time without an echo, from the first echo to the last

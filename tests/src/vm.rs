@@ -22,7 +22,7 @@ pub struct VmPodSpec {
     pub namespace: String,
     /// The VM (`kubevirt.io/domain`).
     pub vm: String,
-    /// K8S_POD_NAME (virt-launcher-<vm>-<suffix>).
+    /// K8S_POD_NAME (`virt-launcher-<vm>-<suffix>`).
     pub pod_name: String,
     /// A migration's target (`kubevirt.io/migrationJobName` set).
     pub target: bool,

@@ -31,8 +31,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tether_e2e::cluster::{Cluster, ClusterNode, ClusterOpts, Fabric, Store};
+use tether_e2e::cluster::{Cluster, ClusterNode, Fabric, Store};
 use tether_e2e::kube::{KubeApi, TETHER_SA};
+use tether_e2e::topology::Topology;
 use tether_e2e::vm::{active_node, add_vm_pod, del_vm_pod, get_claimed_vm, get_vm, VmPodSpec};
 use tether_e2e::{
     admin, cni, pb, require_root, tether_bin, wait_until, CniEnv, Daemon, DaemonOpts, Netns,
@@ -46,11 +47,7 @@ const NS: &str = "vms";
 /// the install's service account (on the Kubernetes store, the same API
 /// server is the store).
 fn cluster_with_api(nodes: usize, store: Store) -> Cluster {
-    let cluster = Cluster::new(ClusterOpts {
-        nodes,
-        with_api: true,
-        ..ClusterOpts::on(store)
-    });
+    let cluster = Topology::tetherd(nodes).store(store).with_api(true).start();
     let api = cluster.kube_api();
     api.kubectl_ok(&["create", "namespace", NS]);
     // No controller-manager runs to make it: pods need their namespace's

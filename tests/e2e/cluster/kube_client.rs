@@ -15,8 +15,9 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tether_e2e::cluster::{Cluster, ClusterOpts, NodeOpts, CLUSTER_NETWORK};
+use tether_e2e::cluster::{NodeOpts, CLUSTER_NETWORK};
 use tether_e2e::kube::{KubeApi, TETHER_SA};
+use tether_e2e::topology::Topology;
 use tether_e2e::vm::{add_vm_pod, VmPodSpec};
 use tether_e2e::{admin, require_root, wait_until};
 
@@ -78,10 +79,7 @@ fn claimed_vm(vm: &str) -> VmPodSpec {
 #[test]
 fn the_client_names_itself_catches_up_after_an_outage_and_relists_on_410_gone() {
     require_root();
-    let mut cluster = Cluster::new(ClusterOpts {
-        nodes: 0,
-        ..ClusterOpts::default()
-    });
+    let mut cluster = Topology::tetherd(0).start();
     let mut api = KubeApi::start(cluster.fabric());
     api.install_tether();
     let kubeconfig = api.token_kubeconfig(TETHER_SA.0, TETHER_SA.1);

@@ -15,9 +15,9 @@ use ipnet::IpNet;
 use serde_json::Value;
 use tether_e2e::admin::{self, pb};
 use tether_e2e::cluster::{
-    assert_ping_within, Cluster, ClusterNode, ClusterOpts, NodeOpts, Overlay, Pod, Store,
-    CLUSTER_NETWORK,
+    assert_ping_within, Cluster, ClusterNode, NodeOpts, Overlay, Pod, Store, CLUSTER_NETWORK,
 };
+use tether_e2e::topology::Topology;
 use tether_e2e::vm::{get_vm, reserve_vm};
 use tether_e2e::{
     assert_distinct, cni, parallel, require_root, tether_bin, wait_until, CniEnv, CniOutput, Netns,
@@ -116,13 +116,13 @@ fn ping_every_pair(pods: &[&Pod]) {
 }
 
 fn pods_on_every_pair_ping(overlay: Overlay, store: Store) -> Cluster {
-    let cluster = Cluster::new(ClusterOpts {
-        node: NodeOpts {
+    let cluster = Topology::tetherd(3)
+        .store(store)
+        .node(NodeOpts {
             overlay,
             ..NodeOpts::default()
-        },
-        ..ClusterOpts::on(store)
-    });
+        })
+        .start();
     let pods: Vec<Pod> = (0..3).map(|i| cluster.add_pod(i)).collect();
     for p in &pods {
         assert!(
@@ -278,7 +278,7 @@ fn vxlan_pods_on_every_pair_of_nodes_reach_each_other(store: Store) {
 
 fn daemon_restart_keeps_blocks_and_pods_reachable_and_drops_stale_routes(store: Store) {
     require_root();
-    let mut cluster = Cluster::new(ClusterOpts::on(store));
+    let mut cluster = Topology::tetherd(3).store(store).start();
     let pods: Vec<Pod> = (0..3).map(|i| cluster.add_pod(i)).collect();
     wait_routes_converge(&cluster);
     let before = get_node(cluster.node(0));
@@ -357,10 +357,10 @@ fn add(node: &ClusterNode) -> (Netns, CniOutput) {
 /// the store is back, claims work again without a restart.
 fn a_store_outage_stops_only_block_claims_and_they_resume_after_it(store: Store) {
     require_root();
-    let mut cluster = Cluster::new(ClusterOpts {
-        node: small_blocks(),
-        ..ClusterOpts::on(store)
-    });
+    let mut cluster = Topology::tetherd(3)
+        .store(store)
+        .node(small_blocks())
+        .start();
     let mut pods: Vec<Pod> = Vec::new();
 
     // On etcd, one member down, the leader: everything keeps working,
@@ -487,7 +487,7 @@ fn a_store_outage_stops_only_block_claims_and_they_resume_after_it(store: Store)
 
 fn a_node_that_goes_away_is_reaped_and_its_routes_withdrawn(store: Store) {
     require_root();
-    let mut cluster = Cluster::new(ClusterOpts::on(store));
+    let mut cluster = Topology::tetherd(3).store(store).start();
     let pods: Vec<Pod> = (0..2).map(|i| cluster.add_pod(i)).collect();
     wait_routes_converge(&cluster);
     let gone = cluster.node(2).name().to_owned();
@@ -537,7 +537,7 @@ fn a_node_that_goes_away_is_reaped_and_its_routes_withdrawn(store: Store) {
 /// them again.
 fn a_node_reaped_while_away_returns_and_claims_its_blocks_back(store: Store) {
     require_root();
-    let mut cluster = Cluster::new(ClusterOpts::on(store));
+    let mut cluster = Topology::tetherd(3).store(store).start();
     let pods: Vec<Pod> = (0..3).map(|i| cluster.add_pod(i)).collect();
     wait_routes_converge(&cluster);
     let name = cluster.node(0).name().to_owned();
@@ -607,14 +607,14 @@ fn queued(node: &ClusterNode) -> usize {
 /// and the other nodes route to it as before.
 fn a_killed_daemon_queues_dels_and_returns_with_its_id_and_blocks(store: Store) {
     require_root();
-    let mut cluster = Cluster::new(ClusterOpts {
-        node: NodeOpts {
+    let mut cluster = Topology::tetherd(3)
+        .store(store)
+        .node(NodeOpts {
             // The outage must not reap it.
             node_grace_secs: 60,
             ..NodeOpts::default()
-        },
-        ..ClusterOpts::on(store)
-    });
+        })
+        .start();
     let gone = cluster.add_pod(0);
     let kept = cluster.add_pod(0);
     let peer = cluster.add_pod(1);
@@ -671,7 +671,7 @@ fn a_killed_daemon_queues_dels_and_returns_with_its_id_and_blocks(store: Store) 
 
 fn three_nodes_times_a_hundred_concurrent_adds(store: Store) {
     require_root();
-    let cluster = Cluster::new(ClusterOpts::on(store));
+    let cluster = Topology::tetherd(3).store(store).start();
     let pods: Vec<Pod> = parallel(300, |i| cluster.add_pod(i % 3));
     let ips: Vec<IpAddr> = pods.iter().flat_map(|p| p.ips().to_vec()).collect();
     assert_eq!(ips.len(), 600);
@@ -722,10 +722,7 @@ fn three_nodes_times_a_hundred_concurrent_adds(store: Store) {
 #[test]
 fn kubernetes_store_objects_edited_by_hand_are_refused_or_left_out() {
     require_root();
-    let cluster = Cluster::new(ClusterOpts {
-        nodes: 2,
-        ..ClusterOpts::on(Store::Kubernetes)
-    });
+    let cluster = Topology::tetherd(2).store(Store::Kubernetes).start();
     let pods: Vec<Pod> = (0..2).map(|i| cluster.add_pod(i)).collect();
     wait_routes_converge(&cluster);
     let api = cluster.kube_api();
@@ -1145,15 +1142,15 @@ fn answered_tetherd(cluster: &Cluster, pick: impl Fn(u64) -> bool) -> usize {
 #[test]
 fn kubernetes_store_answers_429_and_5xx_lose_nothing_and_hold_no_block_twice() {
     require_root();
-    let mut cluster = Cluster::new(ClusterOpts {
-        node: NodeOpts {
+    let mut cluster = Topology::tetherd(3)
+        .store(Store::Kubernetes)
+        .node(NodeOpts {
             // Longer than the API server's 1 s request timeout below, so
             // that its 504 comes first.
             etcd_timeout_ms: Some(3000),
             ..small_blocks()
-        },
-        ..ClusterOpts::on(Store::Kubernetes)
-    });
+        })
+        .start();
     cluster.kube_api_mut().restart_apiserver_with(&[
         "--enable-priority-and-fairness=false",
         "--max-requests-inflight=1",

@@ -1,7 +1,7 @@
 //! The fast slice of Kubernetes' sig-network Conformance tests that `make
 //! test` runs (the whole set is `make conformance`, CONFORMANCE.md): the
 //! upstream `e2e.test` on two kubelet nodes wired by tether installed with
-//! its chart (tests/src/nodes.rs), CoreDNS and kube-proxy, focused on the
+//! its chart (tests/src/kube_cluster.rs), CoreDNS and kube-proxy, focused on the
 //! tests that touch the data path:
 //! - the four granular pod-network checks (pod ↔ pod and node → pod,
 //!   HTTP and UDP, across the nodes);
@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use tether_e2e::conformance::{self, Faults};
 use tether_e2e::conformance_images::{conformance_images, e2e_dir, COREDNS, PAUSE};
-use tether_e2e::nodes::{ClusterOpts, KubeCluster};
+use tether_e2e::topology::Topology;
 use tether_e2e::{require_root, TempDir};
 
 /// The slice: the granular checks, hostPort, one ClusterIP, one NodePort
@@ -36,13 +36,10 @@ const SLICE: usize = 8;
 fn the_data_path_conformance_slice_passes_on_two_kubelet_nodes() {
     require_root();
     let images = conformance_images();
-    let mut cluster = KubeCluster::start(&ClusterOpts {
-        nodes: 2,
-        images: images.iter().map(|(_, a)| a.clone()).collect(),
-        sandbox_image: PAUSE.to_string(),
-        aggregating: false,
-        node_paths: Vec::new(),
-    });
+    let mut cluster = Topology::kubelet(2)
+        .images(images.iter().map(|(_, a)| a.clone()))
+        .sandbox_image(PAUSE)
+        .start();
     let tether = cluster.build_tether_image("1");
     cluster.install_tether(&tether);
     cluster.deploy_coredns(COREDNS);

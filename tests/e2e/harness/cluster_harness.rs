@@ -13,9 +13,10 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tether_e2e::cluster::{
-    assert_ping_within, ping, Cluster, ClusterOpts, EtcdCluster, Fabric, NodeOpts,
-    ETCD_CLIENT_PORT, GATEWAY_V4, GATEWAY_V6,
+    assert_ping_within, ping, EtcdCluster, Fabric, NodeOpts, ETCD_CLIENT_PORT, GATEWAY_V4,
+    GATEWAY_V6,
 };
+use tether_e2e::topology::Topology;
 use tether_e2e::{require_root, run_prefix, Netns};
 
 /// Routes between pods may take a moment; a working path answers at once.
@@ -282,12 +283,7 @@ fn node_netns_reach_each_other_and_etcd_over_the_fabric() {
 fn pods_on_two_nodes_ping_across_the_fabric() {
     require_root();
     let started = Instant::now();
-    let mut cluster = Cluster::new(ClusterOpts {
-        nodes: 0,
-        etcd_members: 1,
-        node: NodeOpts::default(),
-        ..ClusterOpts::default()
-    });
+    let mut cluster = Topology::tetherd(0).etcd_members(1).start();
     let cidrs = [
         ["10.244.1.0/24", "fd00:10:244:1::/120"],
         ["10.244.2.0/24", "fd00:10:244:2::/120"],

@@ -25,7 +25,8 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use serde_json::{json, Value};
-use tether_e2e::cluster::{assert_ping_within, Cluster, ClusterOpts, NodeOpts, Store};
+use tether_e2e::cluster::{assert_ping_within, NodeOpts, Store};
+use tether_e2e::topology::Topology;
 use tether_e2e::{
     admin, cni, pb, ref_plugin, require_root, tether_bin, CniEnv, CniOutput, Daemon, DaemonOpts,
     Netns, TempDir,
@@ -453,15 +454,14 @@ fn two_nodes_share_a_pool_and_their_macvlan_pods_ping(store: Store) {
     require_root();
     let files = TempDir::new("pools");
     let pools = pools_file(&files, POOLS);
-    let cluster = Cluster::new(ClusterOpts {
-        nodes: 2,
-        etcd_members: 1,
-        node: NodeOpts {
+    let cluster = Topology::tetherd(2)
+        .store(store)
+        .etcd_members(1)
+        .node(NodeOpts {
             extra_args: vec!["--pools".into(), pools],
             ..Default::default()
-        },
-        ..ClusterOpts::on(store)
-    });
+        })
+        .start();
     let plugins = plugin_dir();
     let mut pods = Vec::new();
     for (i, n) in cluster.nodes().iter().enumerate() {

@@ -1,5 +1,5 @@
 //! Two real kubelet nodes, each in its own network, mount and PID
-//! namespaces (tests/src/nodes.rs), with kube-proxy, and tether installed
+//! namespaces (tests/src/kube_cluster.rs), with kube-proxy, and tether installed
 //! by its chart in its default mode (the Kubernetes store): the ground of
 //! the conformance suite.
 //!
@@ -21,10 +21,11 @@
 use std::time::Duration;
 
 use serde_json::{json, Value};
+use tether_e2e::kube_cluster::{KubeCluster, KubeNode};
 use tether_e2e::kubelet::BUSYBOX_IMAGE;
-use tether_e2e::nodes::{ClusterOpts, KubeCluster, KubeNode};
+use tether_e2e::topology::Topology;
 use tether_e2e::vm::VmPodSpec;
-use tether_e2e::{admin, require_root, wait_until, TempDir};
+use tether_e2e::{admin, require_root, wait_until};
 
 fn pod(name: &str, node: &str, host_network: bool) -> Value {
     json!({
@@ -81,8 +82,7 @@ fn exec(c: &KubeCluster, name: &str, argv: &[&str]) -> std::process::Output {
 #[test]
 fn two_kubelet_nodes_with_their_own_namespaces_wire_pods_through_the_installed_chart() {
     require_root();
-    let images = TempDir::new("kimg");
-    let mut c = KubeCluster::start(&ClusterOpts::busybox(2, images.path()));
+    let mut c = Topology::kubelet(2).start();
     let names: Vec<String> = c.nodes().iter().map(|n| n.name().to_string()).collect();
     for node in c.nodes() {
         // The node's own init, and its own /var/lib/kubelet.
@@ -142,8 +142,8 @@ fn two_kubelet_nodes_with_their_own_namespaces_wire_pods_through_the_installed_c
 }
 
 /// The two-node cluster with tether installed.
-fn cluster(images: &TempDir) -> KubeCluster {
-    let c = KubeCluster::start(&ClusterOpts::busybox(2, images.path()));
+fn cluster() -> KubeCluster {
+    let c = Topology::kubelet(2).start();
     let image = c.build_tether_image("1");
     c.install_tether(&image);
     c
@@ -273,8 +273,7 @@ fn wait_routes(a: &KubeNode, a_dev: &str, b: &KubeNode, b_dev: &str, ip: &str, w
 #[test]
 fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping_ip_and_mac() {
     require_root();
-    let images = TempDir::new("kimg");
-    let c = cluster(&images);
+    let c = cluster();
     let (a, b) = (&c.nodes()[0], &c.nodes()[1]);
     let converge = Duration::from_secs(30);
     c.api.apply(&pod("obs-a", a.name(), false).to_string());

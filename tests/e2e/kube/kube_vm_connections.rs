@@ -1,5 +1,5 @@
 //! A VM's connections through its live migration between two real
-//! kubelet nodes (tests/src/nodes.rs: each node its own network, mount and
+//! kubelet nodes (tests/src/kube_cluster.rs: each node its own network, mount and
 //! PID namespaces, containerd, kubelet and kube-proxy), with tether
 //! installed by its chart in its default mode (the Kubernetes store,
 //! outbound NAT on).
@@ -22,15 +22,16 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tether_e2e::nodes::{sleeping_pod, ClusterOpts, KubeCluster, KubePaths, KubePod};
+use tether_e2e::kube_cluster::{sleeping_pod, KubeCluster, KubePaths, KubePod};
 use tether_e2e::paths::{handover_state, table, PathSet};
 use tether_e2e::qemu::{
     clear_events, once_more_if_a_guest_kernel_panicked, pause, Client, Guest, GuestOptions,
     BOOT_TIMEOUT,
 };
 use tether_e2e::streams::StreamReport;
+use tether_e2e::topology::Topology;
 use tether_e2e::vm::VmPodSpec;
-use tether_e2e::{require_root, wait_until, TempDir};
+use tether_e2e::{require_root, wait_until};
 
 /// One message per stream every 20 ms, as vm_connections sends them.
 const STREAM_INTERVAL: Duration = Duration::from_millis(20);
@@ -110,8 +111,7 @@ fn every_path_survives_a_vms_live_migration_between_two_kubelet_nodes() {
 
 fn every_path_survives_a_vms_live_migration_between_two_kubelet_nodes_attempt() {
     let started = Instant::now();
-    let images = TempDir::new("kimg");
-    let c = KubeCluster::start(&ClusterOpts::busybox(2, images.path()));
+    let c = Topology::kubelet(2).start();
     let image = c.build_tether_image("1");
     c.install_tether(&image);
     let (a, b) = (c.nodes()[0].name(), c.nodes()[1].name());

@@ -1,14 +1,17 @@
 //! The kubelet calls tether: a one-node Kubernetes on this machine
-//! (`tether_e2e::kubelet`: kube-apiserver, kube-controller-manager,
-//! kube-scheduler and kubelet v1.37.2, Debian's containerd 1.6 and runc),
+//! (`Topology::kubelet(1)`: kube-apiserver, kube-controller-manager,
+//! kube-scheduler, and a node with kubelet and kube-proxy v1.37.2,
+//! Debian's containerd 1.6 and runc, its own mount and PID namespaces),
 //! where the Helm chart (install/helm/tether, `helm install` against the
 //! API server) installs tether through its DaemonSet and the kubelet wires
 //! pods through containerd's CRI plugin and the plugin binary the init
 //! container put in the node's CNI bin dir.
 //!
-//! tether is installed with a netconf that is not the chart's default
-//! ([`NETCONF`]: an MTU, DNS, the `managedTap` binding and a shorter
-//! lease), so that what a chart user sets is seen to reach the node.
+//! tether is installed in its `nodeCidrs` mode (the node CIDR that
+//! kube-controller-manager gives the node) with a netconf that is not the
+//! chart's default ([`netconf`]: an MTU, DNS, the `managedTap` binding and
+//! a shorter lease), so that what a chart user sets is seen to reach the
+//! node.
 //!
 //! One test, in steps on one cluster (it takes about 40 s to start):
 //! 1. the node is NotReady until the init container has written tether's
@@ -49,7 +52,9 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use serde_json::{json, Value};
-use tether_e2e::kubelet::{OneNode, Removals};
+use tether_e2e::kube_cluster::{KubeCluster, KubeNode};
+use tether_e2e::kubelet::{busybox_pod, Removals};
+use tether_e2e::topology::Topology;
 use tether_e2e::vm::VmPodSpec;
 use tether_e2e::{admin, require_root, wait_until};
 
@@ -68,7 +73,7 @@ fn netconf() -> Value {
 /// Runs busybox's `udhcpc` once on pod `name`'s `eth0` (in the
 /// foreground, until it has a lease) with a script that prints what the
 /// server gave, and returns those lines: `key=value`.
-fn dhcp_lease(k: &OneNode, name: &str) -> Vec<String> {
+fn dhcp_lease(k: &KubeCluster, name: &str) -> Vec<String> {
     let script = "#!/bin/sh\n[ \"$1\" = bound ] || exit 0\nfor v in ip mask router dns domain search mtu lease hostname; do eval echo \"lease: $v=\\$$v\"; done\n";
     k.exec_ok(
         name,
@@ -104,16 +109,36 @@ fn dhcp_lease(k: &OneNode, name: &str) -> Vec<String> {
         .collect()
 }
 
+/// The cluster's one node.
+fn node(k: &KubeCluster) -> &KubeNode {
+    &k.nodes()[0]
+}
+
+/// A busybox pod `default/name` on the node.
+fn pod(k: &KubeCluster, name: &str, labels: Value, annotations: Value) -> Value {
+    busybox_pod(name, node(k).name(), labels, annotations)
+}
+
+/// The node's CNI config dir (`/etc/cni/net.d`), as this machine sees it.
+fn conf_dir(k: &KubeCluster) -> std::path::PathBuf {
+    node(k).host_path("/etc/cni/net.d")
+}
+
+/// The node's CNI bin dir (`/opt/cni/bin`), as this machine sees it.
+fn bin_dir(k: &KubeCluster) -> std::path::PathBuf {
+    node(k).host_path("/opt/cni/bin")
+}
+
 /// The tether attachments of pod `default/name`.
-fn attachments_of(k: &OneNode, name: &str) -> Vec<tether_e2e::pb::Attachment> {
-    admin::attachments(&k.tether_socket())
+fn attachments_of(k: &KubeCluster, name: &str) -> Vec<tether_e2e::pb::Attachment> {
+    admin::attachments(&node(k).tether_socket())
         .into_iter()
         .filter(|a| a.pod_namespace == "default" && a.pod_name == name)
         .collect()
 }
 
 /// The one attachment of a running pod, checked against the API's pod IP.
-fn attachment(k: &OneNode, name: &str, pod_ip: &str) -> tether_e2e::pb::Attachment {
+fn attachment(k: &KubeCluster, name: &str, pod_ip: &str) -> tether_e2e::pb::Attachment {
     let mut list = attachments_of(k, name);
     assert_eq!(list.len(), 1, "pod {name}: {list:?}");
     let a = list.remove(0);
@@ -126,19 +151,19 @@ fn attachment(k: &OneNode, name: &str, pod_ip: &str) -> tether_e2e::pb::Attachme
 }
 
 /// Every attachment's (pod, container id, ips): what must survive restarts.
-fn attachment_set(k: &OneNode) -> BTreeSet<(String, String, Vec<String>)> {
-    admin::attachments(&k.tether_socket())
+fn attachment_set(k: &KubeCluster) -> BTreeSet<(String, String, Vec<String>)> {
+    admin::attachments(&node(k).tether_socket())
         .into_iter()
         .map(|a| (a.pod_name, a.container_id, a.ips))
         .collect()
 }
 
-fn ping(k: &OneNode, from: &str, to: &str) {
+fn ping(k: &KubeCluster, from: &str, to: &str) {
     k.exec_ok(from, &["ping", "-c", "1", "-W", "3", to]);
 }
 
 /// `eth0` of pod `name` as the pod sees it: its addresses and its MAC.
-fn eth0(k: &OneNode, name: &str) -> (String, String) {
+fn eth0(k: &KubeCluster, name: &str) -> (String, String) {
     let addrs = k.exec_ok(name, &["ip", "-o", "addr", "show", "dev", "eth0"]);
     // Through netlink, not /sys: sysfs shows the netns of whoever mounted it.
     let link = k.exec_ok(name, &["ip", "-o", "link", "show", "dev", "eth0"]);
@@ -152,17 +177,19 @@ fn eth0(k: &OneNode, name: &str) -> (String, String) {
 }
 
 /// The node's route to `ip`: its device.
-fn route_dev(k: &OneNode, ip: &str) -> String {
-    let out = k.netns().exec_ok(&["ip", "-j", "route", "get", ip]);
+fn route_dev(k: &KubeCluster, ip: &str) -> String {
+    let out = node(k).netns().exec_ok(&["ip", "-j", "route", "get", ip]);
     let v: Value = serde_json::from_str(&out).expect("ip -j route get");
     v[0]["dev"].as_str().unwrap_or_default().to_string()
 }
 
 /// A counter of tetherd's metrics endpoint (the DaemonSet's
 /// `--metrics-address=$(HOST_IP):9654`, on the node).
-fn metric(k: &OneNode, name: &str) -> f64 {
-    let url = format!("http://{}:9654/metrics", k.underlay().v4);
-    let out = k.netns().exec_ok(&["curl", "-sf", "--max-time", "5", &url]);
+fn metric(k: &KubeCluster, name: &str) -> f64 {
+    let url = format!("http://{}:9654/metrics", node(k).underlay().v4);
+    let out = node(k)
+        .netns()
+        .exec_ok(&["curl", "-sf", "--max-time", "5", &url]);
     out.lines()
         .find_map(|l| {
             l.strip_prefix(name)
@@ -175,10 +202,10 @@ fn metric(k: &OneNode, name: &str) -> f64 {
 
 /// What tether installs on the node and its removal takes away: the
 /// conflist and the plugin.
-fn tether_files(k: &OneNode) -> [std::path::PathBuf; 2] {
+fn tether_files(k: &KubeCluster) -> [std::path::PathBuf; 2] {
     [
-        k.cni_conf_dir().join("10-tether.conflist"),
-        k.cni_bin_dir().join("tether"),
+        conf_dir(k).join("10-tether.conflist"),
+        bin_dir(k).join("tether"),
     ]
 }
 
@@ -197,8 +224,8 @@ fn names_in(dir: &std::path::Path) -> Vec<String> {
     names
 }
 
-fn pod_cidr(k: &OneNode) -> IpNet {
-    let node = k.api.get(&["node", k.name()]).expect("the node");
+fn pod_cidr(k: &KubeCluster) -> IpNet {
+    let node = k.api.get(&["node", node(k).name()]).expect("the node");
     node["spec"]["podCIDR"]
         .as_str()
         .unwrap_or_else(|| panic!("no podCIDR: {}", node["spec"]))
@@ -218,37 +245,37 @@ fn assert_in(cidr: &IpNet, ip: &str) {
 #[test]
 fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     require_root();
-    let mut k = OneNode::start();
-    k.set_netconf(netconf());
+    let mut k = Topology::kubelet(1).node_cidrs().start();
+    k.set_chart_values(json!({"mode": "nodeCidrs", "netconf": netconf()}));
+    let name = node(&k).name().to_string();
 
     // 1. NotReady without a CNI config; Ready once the init container has
     //    written tether's.
-    let reported = wait_until(CONVERGE, || !k.ready_condition().0.is_empty());
+    let reported = wait_until(CONVERGE, || !k.ready_condition(&name).0.is_empty());
     assert!(reported, "the kubelet reports no Ready condition");
-    let (status, message) = k.ready_condition();
+    let (status, message) = k.ready_condition(&name);
     assert_ne!(status, "True", "Ready before any CNI config: {message}");
     assert!(
         message.contains("cni") || message.contains("network"),
         "NotReady for another reason than the network: {message}"
     );
-    let v1 = k.build_tether_image("1", "v1");
-    let v2 = k.build_tether_image("2", "v2");
+    let v1 = k.build_tether_image("1");
+    let v2 = k.build_tether_image("2");
     k.install_tether(&v1);
-    let first_ds_pod = k.wait_tether_ready(&v1);
-    k.wait_ready();
-    let conf = names_in(&k.cni_conf_dir());
+    let first_ds_pod = k.wait_tether_ready(&v1).remove(0);
+    k.wait_node_ready(&name);
+    let conf = names_in(&conf_dir(&k));
     assert_eq!(
         conf,
         ["10-tether.conflist"],
         "exactly the conflist, no temp file"
     );
     let conflist: Value = serde_json::from_slice(
-        &std::fs::read(k.cni_conf_dir().join("10-tether.conflist")).expect("the conflist"),
+        &std::fs::read(conf_dir(&k).join("10-tether.conflist")).expect("the conflist"),
     )
     .expect("JSON");
     assert_eq!(
-        conflist["plugins"][0]["socket"],
-        k.tether_socket().display().to_string(),
+        conflist["plugins"][0]["socket"], "/run/tether/tether.sock",
         "the installer wrote the daemon's socket into the conflist"
     );
     let want = netconf();
@@ -258,18 +285,18 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
             "the chart's netconf.{field} in the node's conflist: {conflist}"
         );
     }
-    let bins = names_in(&k.cni_bin_dir());
+    let bins = names_in(&bin_dir(&k));
     assert_eq!(bins, ["loopback", "portmap", "tether"], "no temp files");
     let cidr = pod_cidr(&k);
     eprintln!("step 1: node Ready with tether's conflist; its pod CIDR {cidr}");
 
     // 2. Pods through the kubelet.
     for name in ["a", "b", "c"] {
-        k.create_pod(&k.pod_manifest(name, json!({"app": "web"}), json!({})));
+        k.create_pod(&pod(&k, name, json!({"app": "web"}), json!({})));
     }
-    let ip_a = k.wait_running("a");
-    let ip_b = k.wait_running("b");
-    let ip_c = k.wait_running("c");
+    let ip_a = k.wait_pod_ip("a");
+    let ip_b = k.wait_pod_ip("b");
+    let ip_c = k.wait_pod_ip("c");
     tether_e2e::assert_distinct("pod IPs", [&ip_a, &ip_b, &ip_c]);
     for (name, ip) in [("a", &ip_a), ("b", &ip_b), ("c", &ip_c)] {
         assert_in(&cidr, ip);
@@ -293,17 +320,16 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
         attachments_of(&k, "c").is_empty(),
         "c's attachment released"
     );
-    let used: u64 = admin::pools_used(&k.tether_socket()).values().sum();
+    let used: u64 = admin::pools_used(&node(&k).tether_socket()).values().sum();
     assert_eq!(used, 2, "a and b hold the only addresses");
     eprintln!("step 2: pods a {ip_a}, b {ip_b}, c {ip_c} (deleted, released)");
 
     // 3. Restarting the kubelet, then containerd, loses nothing.
     let before = attachment_set(&k);
-    k.stop_kubelet();
-    k.start_kubelet();
-    k.wait_ready();
-    assert_eq!(k.wait_running("a"), ip_a);
-    assert_eq!(k.wait_running("b"), ip_b);
+    k.restart_kubelet(0);
+    k.wait_node_ready(&name);
+    assert_eq!(k.wait_pod_ip("a"), ip_a);
+    assert_eq!(k.wait_pod_ip("b"), ip_b);
     k.wait_exec("a");
     ping(&k, "a", &ip_b);
     assert_eq!(
@@ -311,10 +337,10 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
         before,
         "the kubelet's restart changed tether's state"
     );
-    k.stop_containerd();
-    ping_from_netns(&netns_a, &ip_b);
-    k.start_containerd();
-    k.wait_ready();
+    k.node_mut(0).stop_containerd();
+    ping_from_netns(node(&k), &netns_a, &ip_b);
+    k.node_mut(0).start_containerd();
+    k.wait_node_ready(&name);
     k.wait_exec("b");
     ping(&k, "b", &ip_a);
     assert_eq!(
@@ -333,8 +359,8 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
 
     // 4. Deleting the DaemonSet's pod while pods run, and a DEL with no
     //    tetherd running.
-    k.create_pod(&k.pod_manifest("d", json!({}), json!({})));
-    let ip_d = k.wait_running("d");
+    k.create_pod(&pod(&k, "d", json!({}), json!({})));
+    let ip_d = k.wait_pod_ip("d");
     let before = attachment_set(&k);
     let kept = Removals::watch(&tether_files(&k));
     k.api.kubectl_ok(&[
@@ -351,7 +377,7 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
             .any(|(n, phase, ready)| *n != first_ds_pod && phase == "Running" && *ready)
     });
     assert!(second, "no new tether pod: {:?}", k.tether_pods());
-    let ds_pod = k.wait_tether_ready(&v1);
+    let ds_pod = k.wait_tether_ready(&v1).remove(0);
     assert_ne!(ds_pod, first_ds_pod);
     assert_eq!(
         attachment_set(&k),
@@ -374,14 +400,14 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     let none = wait_until(CONVERGE, || k.tether_pods().is_empty());
     assert!(none, "the tether pod did not go: {:?}", k.tether_pods());
     k.delete_pod("d");
-    let queued = std::fs::read_dir(k.tether_state_dir().join("pending-del"))
+    let queued = std::fs::read_dir(node(&k).host_path("/var/lib/tether").join("pending-del"))
         .map(|d| d.count())
         .unwrap_or(0);
     assert!(
         queued >= 1,
         "d's DEL, made while no tetherd ran, is not queued"
     );
-    ping_from_netns(&netns_a, &ip_b);
+    ping_from_netns(node(&k), &netns_a, &ip_b);
     k.api.kubectl_ok(&[
         "-n",
         "kube-system",
@@ -418,8 +444,8 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
         }
         l
     };
-    k.create_pod(&k.pod_manifest(&vm.pod_name, labels(&vm), vm.annotations()));
-    let vm_ip = k.wait_running(&vm.pod_name);
+    k.create_pod(&pod(&k, &vm.pod_name, labels(&vm), vm.annotations()));
+    let vm_ip = k.wait_pod_ip(&vm.pod_name);
     assert_in(&cidr, &vm_ip);
     let src = attachment(&k, &vm.pod_name, &vm_ip);
     let (_, vm_mac) = eth0(&k, &vm.pod_name);
@@ -449,9 +475,14 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     // The migration's target, on this node: same address and MAC; the
     // route stays with the source until the target is ready.
     let target = vm.target("virt-launcher-vm1-bbbbb");
-    k.create_pod(&k.pod_manifest(&target.pod_name, labels(&target), target.annotations()));
+    k.create_pod(&pod(
+        &k,
+        &target.pod_name,
+        labels(&target),
+        target.annotations(),
+    ));
     assert_eq!(
-        k.wait_running(&target.pod_name),
+        k.wait_pod_ip(&target.pod_name),
         vm_ip,
         "the target has the VM's address"
     );
@@ -491,9 +522,14 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     // The VM stops and starts again in a new pod: same address and MAC.
     k.delete_pod(&target.pod_name);
     let again = VmPodSpec::new("default", "vm1", "virt-launcher-vm1-ccccc");
-    k.create_pod(&k.pod_manifest(&again.pod_name, labels(&again), again.annotations()));
+    k.create_pod(&pod(
+        &k,
+        &again.pod_name,
+        labels(&again),
+        again.annotations(),
+    ));
     assert_eq!(
-        k.wait_running(&again.pod_name),
+        k.wait_pod_ip(&again.pod_name),
         vm_ip,
         "the VM's address is kept"
     );
@@ -502,8 +538,8 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
 
     // 6. Rolling the DaemonSet to a new image, with pings across it and a
     //    DEL during it.
-    k.create_pod(&k.pod_manifest("e", json!({}), json!({})));
-    k.wait_running("e");
+    k.create_pod(&pod(&k, "e", json!({}), json!({})));
+    k.wait_pod_ip("e");
     let before: BTreeSet<_> = attachment_set(&k)
         .into_iter()
         .filter(|(pod, _, _)| pod != "e")
@@ -577,11 +613,8 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
         Vec::<std::path::PathBuf>::new(),
         "the upgrade removed the conflist or the plugin"
     );
-    assert_eq!(names_in(&k.cni_conf_dir()), ["10-tether.conflist"]);
-    assert_eq!(
-        names_in(&k.cni_bin_dir()),
-        ["loopback", "portmap", "tether"]
-    );
+    assert_eq!(names_in(&conf_dir(&k)), ["10-tether.conflist"]);
+    assert_eq!(names_in(&bin_dir(&k)), ["loopback", "portmap", "tether"]);
     eprintln!("step 6: helm upgrade to {v2}; pods kept, e's DEL not lost, files kept");
 
     // 7. Uninstall: the pods go first (as docs/user/upgrade.md says), then
@@ -601,7 +634,8 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     const TABLES: [&str; 2] = ["tether", "tether_vm"];
     for table in TABLES {
         assert!(
-            k.netns()
+            node(&k)
+                .netns()
                 .exec(&["nft", "list", "table", "inet", table])
                 .status
                 .success(),
@@ -616,28 +650,30 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
         tether_files(&k),
         "the conflist, then the plugin, removed"
     );
-    assert!(names_in(&k.cni_conf_dir()).is_empty());
+    assert!(names_in(&conf_dir(&k)).is_empty());
     assert_eq!(
-        names_in(&k.cni_bin_dir()),
+        names_in(&bin_dir(&k)),
         ["loopback", "portmap"],
         "portmap, which other networks may use, stays"
     );
     for table in TABLES {
-        let left = k.netns().exec(&["nft", "list", "table", "inet", table]);
+        let left = node(&k)
+            .netns()
+            .exec(&["nft", "list", "table", "inet", table]);
         assert!(
             !left.status.success(),
             "the table inet {table} is still there:\n{}",
             String::from_utf8_lossy(&left.stdout)
         );
     }
-    let not_ready = wait_until(CONVERGE, || k.ready_condition().0 == "False");
-    let (status, message) = k.ready_condition();
+    let not_ready = wait_until(CONVERGE, || k.ready_condition(&name).0 == "False");
+    let (status, message) = k.ready_condition(&name);
     assert!(not_ready, "the node stayed {status}: {message}");
     assert!(
         message.contains("cni") && !message.contains("tether"),
         "NotReady for another reason than a missing CNI config: {message}"
     );
-    k.create_pod(&k.pod_manifest("f", json!({}), json!({})));
+    k.create_pod(&pod(&k, "f", json!({}), json!({})));
     let mut why = String::new();
     let waits = wait_until(CONVERGE, || {
         why = k.api.kubectl_ok(&[
@@ -655,7 +691,7 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     assert!(
         waits,
         "pod f has no NetworkNotReady event: {why}\n{}",
-        k.kubelet_log_tail()
+        k.kubelet_logs()
     );
     assert!(
         why.contains("cni plugin not initialized") && !why.contains("tether"),
@@ -668,14 +704,11 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
 }
 
 /// Pings `to` from the pod netns `netns` (a pin of containerd's, as
-/// tether's attachment names it), without the kubelet, containerd or
-/// tetherd: for when one of them is down.
-fn ping_from_netns(netns: &str, to: &str) {
-    let out = std::process::Command::new("nsenter")
-        .arg(format!("--net={netns}"))
-        .args(["ping", "-c", "1", "-W", "3", to])
-        .output()
-        .expect("running ping");
+/// tether's attachment names it on the node), without the kubelet,
+/// containerd or tetherd: for when one of them is down.
+fn ping_from_netns(node: &KubeNode, netns: &str, to: &str) {
+    let net = format!("--net={netns}");
+    let out = node.run(&["nsenter", &net, "ping", "-c", "1", "-W", "3", to]);
     assert!(
         out.status.success(),
         "ping {to} from {netns}: {}",

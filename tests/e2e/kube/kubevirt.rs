@@ -3,7 +3,7 @@
 //! (tests/src/kubevirt.rs), deployed as a user deploys it (the operator
 //! manifest, then a KubeVirt CR with `useEmulation` and tether's binding
 //! plugins) on two kubelet nodes, each with its own network, mount and PID
-//! namespaces (tests/src/nodes.rs), with tether installed by its chart in
+//! namespaces (tests/src/kube_cluster.rs), with tether installed by its chart in
 //! its default mode (the Kubernetes store). Everything then goes through
 //! KubeVirt's API:
 //!
@@ -32,6 +32,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use tether_e2e::kube_cluster::{KubeCluster, KubePaths};
 use tether_e2e::kubevirt::agent::AgentShell;
 use tether_e2e::kubevirt::scenario::{
     assert_vmi_shows_tethers_ip, launcher_pod, migrate_observed, migrate_with_paths, tether_record,
@@ -39,7 +40,6 @@ use tether_e2e::kubevirt::scenario::{
 };
 use tether_e2e::kubevirt::{describe, kernel_has_dummy_links, vm_manifest};
 use tether_e2e::migration::Prober;
-use tether_e2e::nodes::{KubeCluster, KubePaths};
 use tether_e2e::{require_root, wait_until};
 
 /// One message per stream every 20 ms (as the QEMU suites send them).

@@ -8,8 +8,9 @@
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use tether_e2e::cluster::{assert_ping_within, Cluster, ClusterNode, ClusterOpts, Pod, Store};
+use tether_e2e::cluster::{assert_ping_within, ClusterNode, NodeOpts, Pod, Store};
 use tether_e2e::migration::{pause_icmp, send_garp, send_rarp, Prober};
+use tether_e2e::topology::Topology;
 use tether_e2e::vm::{
     active_node, add_vm_pod, alternate_node, cutover, del_vm_pod, get_vm, mac_bytes, release_vm,
     reserve_vm, result_mac, try_add_vm_pod, VmPodSpec,
@@ -83,7 +84,7 @@ fn loss_after(prober: Prober, t: Instant) -> Duration {
 
 fn a_vm_keeps_its_address_across_migrations_restarts_and_failures(store: Store) {
     require_root();
-    let cluster = Cluster::new(ClusterOpts::on(store));
+    let cluster = Topology::tetherd(3).store(store).start();
     let (a, b, c) = (cluster.node(0), cluster.node(1), cluster.node(2));
     let spec = VmPodSpec::new("tenant", "vm1", "virt-launcher-vm1-aaaaa");
 
@@ -309,7 +310,7 @@ fn assert_refused(out: &tether_e2e::CniOutput, code: u64, mentions: &str) {
 
 fn requested_addresses_are_honoured_and_conflicts_name_the_holder(store: Store) {
     require_root();
-    let cluster = Cluster::new(ClusterOpts::on(store));
+    let cluster = Topology::tetherd(3).store(store).start();
     let (a, b, c) = (cluster.node(0), cluster.node(1), cluster.node(2));
 
     // A plain pod asking for an address of its node's block (podman's
@@ -441,7 +442,7 @@ fn requested_addresses_are_honoured_and_conflicts_name_the_holder(store: Store) 
 
 fn a_daemon_restart_in_the_middle_of_a_migration_recovers_it_from_the_store(store: Store) {
     require_root();
-    let mut cluster = Cluster::new(ClusterOpts::on(store));
+    let mut cluster = Topology::tetherd(3).store(store).start();
     let spec = VmPodSpec::new("tenant", "vm1", "virt-launcher-vm1-aaaaa");
     let source = add_vm_pod(cluster.node(0), &spec);
     let (ip, mac) = (source.v4().unwrap(), result_mac(&source));
@@ -486,7 +487,7 @@ fn a_daemon_restart_in_the_middle_of_a_migration_recovers_it_from_the_store(stor
 
 fn an_ephemeral_vm_address_is_freed_with_its_last_pod(store: Store) {
     require_root();
-    let cluster = Cluster::new(ClusterOpts::on(store));
+    let cluster = Topology::tetherd(3).store(store).start();
     let (a, b) = (cluster.node(0), cluster.node(1));
     let spec = VmPodSpec {
         extra_conf: vec![("vmAddressPolicy".into(), serde_json::json!("ephemeral"))],
@@ -584,15 +585,19 @@ fn the_targets_notice_repoints_the_others_before_the_commit_and_a_refusal_brings
     const HOLD_MS: u64 = 3000;
     let hold_dir = tether_e2e::TempDir::new("hold");
     let holding = hold_dir.path().join("hold-writes");
-    let mut opts = ClusterOpts::on(store);
-    opts.node.bin = Some(env!("CARGO_BIN_EXE_tetherd_with_delays").into());
-    opts.node.extra_args = vec![
-        "--hold-writes-while".into(),
-        holding.display().to_string(),
-        "--hold-writes-ms".into(),
-        HOLD_MS.to_string(),
-    ];
-    let cluster = Cluster::new(opts);
+    let cluster = Topology::tetherd(3)
+        .store(store)
+        .node(NodeOpts {
+            bin: Some(env!("CARGO_BIN_EXE_tetherd_with_delays").into()),
+            extra_args: vec![
+                "--hold-writes-while".into(),
+                holding.display().to_string(),
+                "--hold-writes-ms".into(),
+                HOLD_MS.to_string(),
+            ],
+            ..NodeOpts::default()
+        })
+        .start();
     let (a, b, c) = (cluster.node(0), cluster.node(1), cluster.node(2));
     let spec = VmPodSpec::new("tenant", "vm1", "virt-launcher-vm1-aaaaa");
     let source = add_vm_pod(a, &spec);

@@ -17,11 +17,12 @@
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use tether_e2e::cluster::{Cluster, ClusterNode, ClusterOpts, Store};
+use tether_e2e::cluster::{Cluster, ClusterNode, Store};
 use tether_e2e::migration::Prober;
 use tether_e2e::paths::{handover_state, table, PathSet, Scene};
 use tether_e2e::qemu::{clear_events, once_more_if_a_guest_kernel_panicked, pause, Guest};
 use tether_e2e::streams::StreamReport;
+use tether_e2e::topology::Topology;
 use tether_e2e::vm::{active_node, add_vm_pod, boot_guest, del_vm_pod, get_vm};
 use tether_e2e::{on_both_stores, require_root, wait_until};
 
@@ -47,10 +48,7 @@ fn socket(node: &ClusterNode) -> &std::path::Path {
 }
 
 fn scene(store: Store) -> Scene {
-    Scene::new(ClusterOpts {
-        kube_proxy: true,
-        ..ClusterOpts::on(store)
-    })
+    Scene::new(Topology::tetherd(3).store(store))
 }
 
 /// Every node's conntrack events (`conntrack -E`, timestamped, a line

@@ -11,11 +11,12 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tether_e2e::cluster::{assert_ping_within, Cluster, ClusterNode, ClusterOpts, Pod};
+use tether_e2e::cluster::{assert_ping_within, Cluster, ClusterNode, Pod};
 use tether_e2e::migration::Prober;
 use tether_e2e::qemu::{
     once_more_if_a_guest_kernel_panicked, parse_lease, Client, Guest, GuestOptions, BOOT_TIMEOUT,
 };
+use tether_e2e::topology::Topology;
 use tether_e2e::vm::{
     active_node, add_vm_pod, alternate_node, del_vm_pod, get_vm, release_vm, result_mac, VmPodSpec,
 };
@@ -198,7 +199,7 @@ fn a_real_guest_leases_migrates_by_its_own_rarp_restarts_and_leaves_nothing() {
 }
 
 fn a_real_guest_leases_migrates_by_its_own_rarp_restarts_and_leaves_nothing_attempt() {
-    let cluster = Cluster::new(ClusterOpts::default());
+    let cluster = Topology::tetherd(3).start();
     let (a, b, c) = (cluster.node(0), cluster.node(1), cluster.node(2));
     let first = spec("vm1", "virt-launcher-vm1-aaaaa");
 
@@ -390,7 +391,7 @@ fn a_failed_migration_leaves_the_vm_on_its_source_and_the_target_del_frees_nothi
 }
 
 fn a_failed_migration_leaves_the_vm_on_its_source_and_the_target_del_frees_nothing_attempt() {
-    let cluster = Cluster::new(ClusterOpts::default());
+    let cluster = Topology::tetherd(3).start();
     let (a, b, c) = (cluster.node(0), cluster.node(1), cluster.node(2));
     let first = spec("vm1", "virt-launcher-vm1-aaaaa");
     let source = add_vm_pod(a, &first);
@@ -453,7 +454,7 @@ fn a_migration_cuts_over_though_the_target_daemon_restarted_in_the_middle() {
 }
 
 fn a_migration_cuts_over_though_the_target_daemon_restarted_in_the_middle_attempt() {
-    let mut cluster = Cluster::new(ClusterOpts::default());
+    let mut cluster = Topology::tetherd(3).start();
     let first = spec("vm1", "virt-launcher-vm1-aaaaa");
     let source = add_vm_pod(cluster.node(0), &first);
     let ip = source.v4().expect("IPv4");
@@ -525,11 +526,7 @@ fn a_multi_queue_tap_and_a_managed_tap_pod_both_serve_a_real_guest() {
 }
 
 fn a_multi_queue_tap_and_a_managed_tap_pod_both_serve_a_real_guest_attempt() {
-    let cluster = Cluster::new(ClusterOpts {
-        nodes: 1,
-        etcd_members: 1,
-        ..Default::default()
-    });
+    let cluster = Topology::tetherd(1).etcd_members(1).start();
     let a = cluster.node(0);
 
     // Multi-queue: QEMU opens two queues on tether's tap.

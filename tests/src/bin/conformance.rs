@@ -1,6 +1,6 @@
 //! `make conformance`: Kubernetes' sig-network Conformance tests (the
 //! upstream `e2e.test` of k8s.io/kubernetes v1.37.2) on a cluster of
-//! kubelet nodes wired by tether (tests/src/nodes.rs), and the results as
+//! kubelet nodes wired by tether (tests/src/kube_cluster.rs), and the results as
 //! `CONFORMANCE.md`.
 //!
 //! Usage: `conformance [--nodes 2] [--focus REGEX] [--faults] [--write CONFORMANCE.md]`
@@ -24,8 +24,9 @@ use std::time::Duration;
 
 use tether_e2e::conformance::{self, Context, Faults, FOCUS_ALL};
 use tether_e2e::conformance_images::{conformance_images, e2e_dir, COREDNS, PAUSE};
+use tether_e2e::kube_cluster::{CLUSTER_DNS, POD_CIDR, SERVICE_CIDR};
 use tether_e2e::machine::{stdout_of, Machine};
-use tether_e2e::nodes::{ClusterOpts, KubeCluster, CLUSTER_DNS, POD_CIDR, SERVICE_CIDR};
+use tether_e2e::topology::Topology;
 use tether_e2e::{require_root, workspace_dir, TempDir};
 
 const USAGE: &str = "usage: conformance [--nodes N] [--focus REGEX] [--faults] [--write FILE]";
@@ -90,15 +91,12 @@ fn main() -> ExitCode {
     let date = stdout_of("date", &["-u", "+%Y-%m-%d %H:%M UTC"]);
     let e2e = e2e_dir().join("e2e.test");
     let images = conformance_images();
-    let archives = images.iter().map(|(_, a)| a.clone()).collect();
+    let archives: Vec<_> = images.iter().map(|(_, a)| a.clone()).collect();
     eprintln!("conformance: starting {} nodes", args.nodes);
-    let mut cluster = KubeCluster::start(&ClusterOpts {
-        nodes: args.nodes,
-        images: archives,
-        sandbox_image: PAUSE.to_string(),
-        aggregating: false,
-        node_paths: Vec::new(),
-    });
+    let mut cluster = Topology::kubelet(args.nodes)
+        .images(archives)
+        .sandbox_image(PAUSE)
+        .start();
     let tether = cluster.build_tether_image("1");
     cluster.install_tether(&tether);
     cluster.deploy_coredns(COREDNS);
@@ -124,7 +122,7 @@ fn main() -> ExitCode {
         setup: vec![
             format!(
                 "{} kubelet nodes, each in its own network, mount and PID namespaces \
-                 (tests/src/nodes.rs), with containerd, runc, the kubelet and kube-proxy \
+                 (tests/src/kube_cluster.rs), with containerd, runc, the kubelet and kube-proxy \
                  (iptables mode)",
                 args.nodes
             ),

@@ -1,5 +1,5 @@
 //! The init of one Kubernetes node of the multi-node harness
-//! (`tests/src/nodes.rs`): PID 1 of the node's PID namespace, started by
+//! (`tests/src/kube_cluster.rs`): PID 1 of the node's PID namespace, started by
 //! `unshare --pid --fork --mount --mount-proc` inside the node's netns.
 //!
 //! Usage: `node_init <ready-file> <staging-dir> <source>:<target>...`

@@ -9,8 +9,10 @@
 //! - [`ClusterNode`]: a node netns on the fabric (default routes via the
 //!   fabric gateway, so tetherd's node-IP detection has something to find)
 //!   with a [`Daemon`] in it, started with the cluster flags of [`NodeOpts`];
-//! - [`Cluster`]: all of the above at once, plus pods ([`Pod`]) added
-//!   through the real `tether` plugin and [`ping`] between them; on etcd,
+//! - [`Cluster`]: all of the above at once (built by
+//!   [`Topology::tetherd`](crate::topology::Topology::tetherd)), plus pods
+//!   ([`Pod`]) added through the real `tether` plugin and [`ping`] between
+//!   them; on etcd,
 //!   or ([`Store::Kubernetes`]) on a real kube-apiserver
 //!   ([`crate::kube::KubeApi`], its own netns on the fabric) with tether's
 //!   CRDs and RBAC installed, every daemon using the chart's service
@@ -95,6 +97,7 @@ pub use fabric::{Fabric, Underlay};
 pub use node::{Backend, ClusterNode, NodeOpts, Overlay, Pod};
 
 use crate::kube::KubeApi;
+use crate::topology::Tetherd;
 
 /// Makes each named function `fn(Store)` a test on each store: the
 /// tests `etcd::<name>` and `kubernetes::<name>`, so that a suite runs the
@@ -132,7 +135,8 @@ macro_rules! on_both_stores {
 /// Which control store a [`Cluster`]'s nodes share.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Store {
-    /// `--store etcd`: an etcd cluster of [`ClusterOpts::etcd_members`].
+    /// `--store etcd`: an etcd cluster of
+    /// [`Topology::etcd_members`](crate::topology::Topology::etcd_members).
     #[default]
     Etcd,
     /// `--store kubernetes`: a kube-apiserver (on an etcd of its own, one
@@ -156,51 +160,6 @@ impl Store {
 // ---------------------------------------------------------------------------
 // The whole topology
 
-/// How to build a [`Cluster`].
-#[derive(Clone, Debug)]
-pub struct ClusterOpts {
-    /// How many nodes (3 by default).
-    pub nodes: usize,
-    /// How many etcd members (3 by default), with [`Store::Etcd`].
-    pub etcd_members: usize,
-    /// How every node's tetherd is started.
-    pub node: NodeOpts,
-    /// The control store.
-    pub store: Store,
-    /// On etcd, also a kube-apiserver with tether's CRDs and RBAC, whose
-    /// token every daemon uses (`--kubeconfig`) for the API's signals
-    /// (claims, pod watch, events). The Kubernetes store always has one.
-    pub with_api: bool,
-    /// kube-proxy (iptables mode, as a kubeadm node runs it) in every node
-    /// netns, against the cluster's API server (started for it on etcd):
-    /// Services whose endpoints the test writes itself
-    /// ([`Cluster::expose`]), since no controller manager runs.
-    pub kube_proxy: bool,
-}
-
-impl Default for ClusterOpts {
-    fn default() -> ClusterOpts {
-        ClusterOpts {
-            nodes: 3,
-            etcd_members: 3,
-            node: NodeOpts::default(),
-            store: Store::Etcd,
-            with_api: false,
-            kube_proxy: false,
-        }
-    }
-}
-
-impl ClusterOpts {
-    /// The defaults, on `store`.
-    pub fn on(store: Store) -> ClusterOpts {
-        ClusterOpts {
-            store,
-            ..ClusterOpts::default()
-        }
-    }
-}
-
 /// A fabric, a control store on it (etcd, or a kube-apiserver), and nodes
 /// running tetherd against it.
 ///
@@ -220,9 +179,10 @@ pub struct Cluster {
 
 impl Cluster {
     /// Builds the fabric, starts the store (etcd healthy, or the API
-    /// server ready with tether's CRDs and RBAC) and then the nodes one
-    /// after another (so node `i` registers `i`-th).
-    pub fn new(opts: ClusterOpts) -> Cluster {
+    /// server ready with tether's CRDs and RBAC) and then `nodes` nodes one
+    /// after another (so node `i` registers `i`-th). Through
+    /// [`Topology::tetherd`](crate::topology::Topology::tetherd).
+    pub(crate) fn start(nodes: usize, opts: Tetherd) -> Cluster {
         let fabric = Fabric::new();
         let api =
             (opts.with_api || opts.kube_proxy || opts.store == Store::Kubernetes).then(|| {
@@ -259,7 +219,7 @@ impl Cluster {
             opts: node_opts,
             next_host: NODE_HOST_BASE,
         };
-        for _ in 0..opts.nodes {
+        for _ in 0..nodes {
             cluster.add_node();
         }
         if opts.kube_proxy {
@@ -302,37 +262,9 @@ impl Cluster {
         ports: &[(&str, &str, u16, u16)],
         endpoints: &[IpAddr],
     ) -> Value {
-        let api = self.kube_api();
-        let service_ports: Vec<Value> = ports
-            .iter()
-            .map(|(n, proto, port, target)| {
-                serde_json::json!({"name": n, "protocol": proto, "port": port, "targetPort": target})
-            })
-            .collect();
-        let slice_ports: Vec<Value> = ports
-            .iter()
-            .map(|(n, proto, _, target)| serde_json::json!({"name": n, "protocol": proto, "port": target}))
-            .collect();
-        let addresses: Vec<Value> = endpoints
-            .iter()
-            .map(|ip| serde_json::json!({"addresses": [ip.to_string()], "conditions": {"ready": true}}))
-            .collect();
-        let service = serde_json::json!({
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": name, "namespace": "default"},
-            "spec": {"type": kind, "ports": service_ports},
-        });
-        let slice = serde_json::json!({
-            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"name": format!("{name}-1"), "namespace": "default",
-                         "labels": {"kubernetes.io/service-name": name}},
-            "addressType": "IPv4", "ports": slice_ports, "endpoints": addresses,
-        });
-        api.apply(&service.to_string());
-        api.apply(&slice.to_string());
-        let svc = api
-            .get(&["service", "-n", "default", name])
-            .unwrap_or_else(|| panic!("Service {name} is not there"));
+        let svc = self
+            .kube_api()
+            .service_with_endpoints(name, kind, ports, endpoints);
         let ip = svc["spec"]["clusterIP"]
             .as_str()
             .unwrap_or_default()
@@ -411,13 +343,14 @@ impl Cluster {
             .expect("this cluster runs on the Kubernetes store")
     }
 
-    /// The API server (panics on etcd without [`ClusterOpts::with_api`]).
+    /// The API server (panics on etcd without
+    /// [`Topology::with_api`](crate::topology::Topology::with_api)).
     pub fn kube_api(&self) -> &KubeApi {
         self.kube.as_ref().expect("this cluster has no API server")
     }
 
     /// The API server, to stop and start (panics on etcd without
-    /// [`ClusterOpts::with_api`]).
+    /// [`Topology::with_api`](crate::topology::Topology::with_api)).
     pub fn kube_api_mut(&mut self) -> &mut KubeApi {
         self.kube.as_mut().expect("this cluster has no API server")
     }

@@ -133,7 +133,8 @@ impl NodeOpts {
 pub struct ClusterNode {
     daemon: Daemon,
     underlay: Underlay,
-    /// kube-proxy, when the cluster runs it ([`ClusterOpts::kube_proxy`]).
+    /// kube-proxy, when the cluster runs it
+    /// ([`Topology::kube_proxy`](crate::topology::Topology::kube_proxy)).
     proxy: Option<Child>,
 }
 

@@ -15,7 +15,7 @@ use base64::Engine as _;
 use serde_json::{json, Value};
 
 use super::scenario::{console, launcher_pod};
-use crate::nodes::KubeCluster;
+use crate::kube_cluster::KubeCluster;
 use crate::paths::GuestShell;
 
 /// How long a command may run in the guest.

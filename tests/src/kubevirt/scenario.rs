@@ -9,14 +9,14 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::kubelet::{busybox_images, PAUSE_IMAGE};
+use crate::kube_cluster::{KubeCluster, KubePaths};
 use crate::migration::Prober;
-use crate::nodes::{ClusterOpts, KubeCluster, KubePaths};
 use crate::paths::{GuestShell, PathSet};
 use crate::streams::StreamReport;
+use crate::topology::Topology;
 use crate::{wait_until, TempDir};
 
-use super::{kubevirt_cr, kubevirt_images, vm_manifest, LogFollower};
+use super::{kubevirt_cr, vm_manifest, LogFollower};
 
 /// A two-node cluster with tether installed by its chart and KubeVirt
 /// deployed on it (tether's `tap` binding as `tether`, the `managedTap`
@@ -38,29 +38,15 @@ impl Setup {
     pub fn start() -> Setup {
         let images = TempDir::new("kvimg");
         let t0 = Instant::now();
-        let mut archives = busybox_images(images.path());
-        archives.extend(kubevirt_images().into_iter().map(|(_, a)| a));
         let disk = super::guest_disk(images.path());
         let boot = json!({"name": "boot", "hostDisk": {
             "path": disk.display().to_string(), "type": "Disk", "shared": true,
         }});
+        let topology = Topology::kubelet(2).kubevirt();
         eprintln!("kubevirt: images ready in {:?}", t0.elapsed());
 
         let t = Instant::now();
-        let cluster = KubeCluster::start(&ClusterOpts {
-            nodes: 2,
-            images: archives,
-            sandbox_image: PAUSE_IMAGE.to_string(),
-            aggregating: true,
-            node_paths: super::NODE_PATHS
-                .iter()
-                .map(|(s, t)| (s.to_string(), t.to_string()))
-                .collect(),
-        });
-        for node in cluster.nodes() {
-            super::open_tun(node);
-            super::add_repo_digests(node);
-        }
+        let cluster = topology.start();
         let tether = cluster.build_tether_image("1");
         cluster.install_tether(&tether);
         let names = cluster
@@ -349,7 +335,7 @@ fn unix_nanos_now() -> i128 {
 /// VMI `vmi`'s last cutover, made by tetherd on node `to`, and the other
 /// node's route change that followed it (their admin `Stats`).
 fn cutover_path(c: &KubeCluster, vmi: &str, to: &str) -> Option<CutoverPath> {
-    let socket = |n: &crate::nodes::KubeNode| n.host_path("/run/tether").join("tether.sock");
+    let socket = |n: &crate::kube_cluster::KubeNode| n.host_path("/run/tether").join("tether.sock");
     let target = c.nodes().iter().find(|n| n.name() == to)?;
     let cut = crate::admin::stats(&socket(target))
         .last_cutover

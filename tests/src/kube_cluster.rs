@@ -1,7 +1,8 @@
-//! A Kubernetes cluster of several kubelet nodes on this machine, for the
-//! suites that need what a real cluster has: pods on two nodes talking to
-//! each other, Services through kube-proxy, cluster DNS, and tether
-//! installed by its own chart.
+//! A Kubernetes cluster of kubelet nodes on this machine, one or several
+//! (built by [`Topology::kubelet`](crate::topology::Topology::kubelet)),
+//! for the suites that need what a real cluster has: the kubelet calling
+//! tether, pods on two nodes talking to each other, Services through
+//! kube-proxy, cluster DNS, and tether installed by its own chart.
 //!
 //! - **The control plane**: the API server of [`crate::kube`] in a netns of
 //!   its own on the test fabric, kube-controller-manager (every default
@@ -60,9 +61,11 @@ use crate::chart::{self, Helm};
 use crate::cluster::{Fabric, Underlay, GATEWAY_V4};
 use crate::kube::{k8s_bin_dir, KubeApi};
 use crate::kubelet::{
-    containerd_config, kubelet_config, terminate, tether_image, ContainerdPaths, SavedSysctls,
+    containerd_config, kubelet_config, terminate, tether_image, ContainerdPaths, PodWatch,
+    SavedSysctls, TETHER_SELECTOR,
 };
-use crate::paths::{self, Ends, Outside, Place, Services};
+use crate::paths::{Ends, Outside, Place, Services};
+use crate::topology::Kubelet;
 use crate::{bin_dir, wait_until, Netns, TempDir};
 
 /// The pod network (tether's cluster CIDR).
@@ -92,41 +95,6 @@ pub const NODE_PATHS: &[(&str, &str)] = &[
     ("container-logs", "/var/log/containers"),
     ("etc-kubernetes", "/etc/kubernetes"),
 ];
-
-/// What a cluster is started with.
-#[derive(Clone, Debug)]
-pub struct ClusterOpts {
-    /// How many kubelet nodes.
-    pub nodes: usize,
-    /// OCI archives imported into every node's containerd (the sandbox
-    /// image among them, see [`ClusterOpts::sandbox_image`]).
-    pub images: Vec<PathBuf>,
-    /// containerd's sandbox (pause) image, by name.
-    pub sandbox_image: String,
-    /// Whether the API server fronts aggregated APIs and calls webhooks at
-    /// pod IPs ([`KubeApi::start_aggregating`]; KubeVirt's virt-api).
-    pub aggregating: bool,
-    /// More paths each node keeps its own (`(dir name, standard path)`,
-    /// as [`NODE_PATHS`]): the hostPaths of a DaemonSet that would
-    /// otherwise share the machine's directory between the nodes
-    /// (KubeVirt's `/var/run/kubevirt`, say).
-    pub node_paths: Vec<(String, String)>,
-}
-
-impl ClusterOpts {
-    /// `nodes` nodes with the harness's own busybox and pause images
-    /// ([`crate::kubelet::busybox_images`], their archives written to
-    /// `dir`), nothing more.
-    pub fn busybox(nodes: usize, dir: &Path) -> ClusterOpts {
-        ClusterOpts {
-            nodes,
-            images: crate::kubelet::busybox_images(dir),
-            sandbox_image: crate::kubelet::PAUSE_IMAGE.to_string(),
-            aggregating: false,
-            node_paths: Vec::new(),
-        }
-    }
-}
 
 /// Where the clusters of every process on this machine keep track of the
 /// mount points they created (see [`MountPoints`]).
@@ -223,11 +191,15 @@ pub struct KubeNode {
     /// `node_init`'s PID as this machine sees it.
     init_pid: i32,
     containerd: Option<Child>,
+    /// containerd's sandbox (pause) image
+    /// ([`Topology::sandbox_image`](crate::topology::Topology::sandbox_image)).
+    sandbox_image: String,
     kubelet: Option<Child>,
     proxy: Option<Child>,
     // Dropped after the processes: the netns, then the dir.
     netns: Netns,
-    /// [`ClusterOpts::node_paths`].
+    /// The node's own paths beyond [`NODE_PATHS`]
+    /// ([`Topology::kubevirt`](crate::topology::Topology::kubevirt)).
     extra_paths: Vec<(String, String)>,
     dir: TempDir,
 }
@@ -240,6 +212,7 @@ impl KubeNode {
         host: u8,
         mount_points: &MountPoints,
         extra_paths: &[(String, String)],
+        sandbox_image: &str,
     ) -> KubeNode {
         let netns = Netns::new("kn");
         let underlay = fabric.attach_host(&netns, host);
@@ -296,6 +269,7 @@ impl KubeNode {
             init: Some(init),
             init_pid,
             containerd: None,
+            sandbox_image: sandbox_image.to_string(),
             kubelet: None,
             proxy: None,
             netns,
@@ -458,7 +432,9 @@ impl KubeNode {
             .expect("running ctr")
     }
 
-    fn start_containerd(&mut self, sandbox_image: &str) {
+    /// Starts containerd and waits until it answers.
+    pub fn start_containerd(&mut self) {
+        assert!(self.containerd.is_none(), "containerd already runs");
         let config = containerd_config(&ContainerdPaths {
             root: "/var/lib/containerd".into(),
             state: "/run/containerd".into(),
@@ -467,7 +443,7 @@ impl KubeNode {
             cni_conf: "/etc/cni/net.d".into(),
             runc_root: "/run/containerd/runc".into(),
         })
-        .replace(crate::kubelet::PAUSE_IMAGE, sandbox_image);
+        .replace(crate::kubelet::PAUSE_IMAGE, &self.sandbox_image);
         std::fs::write(self.path("containerd.toml"), config).expect("writing containerd's config");
         let args = vec![
             "--config".to_string(),
@@ -487,6 +463,20 @@ impl KubeNode {
             self.name,
             self.log_tail("containerd")
         );
+    }
+
+    /// Stops containerd (SIGTERM, then waits): its containers' shims and
+    /// tasks keep running, as on a real node.
+    pub fn stop_containerd(&mut self) {
+        if let Some(c) = self.containerd.take() {
+            stop_entered(c);
+        }
+    }
+
+    /// tetherd's socket as this machine sees it (the chart's default,
+    /// `/run/tether/tether.sock`, on the node).
+    pub fn tether_socket(&self) -> PathBuf {
+        self.host_path("/run/tether").join("tether.sock")
     }
 
     /// Imports an OCI archive into the node's containerd (CRI namespace).
@@ -631,13 +621,17 @@ pub struct KubeCluster {
     fabric: Fabric,
     mount_points: MountPoints,
     dir: TempDir,
+    /// Chart values over [`KubeCluster::tether_values`]' own, for every
+    /// install and upgrade ([`KubeCluster::set_chart_values`]).
+    chart_values: Value,
 }
 
 impl KubeCluster {
-    /// Starts the control plane and `opts.nodes` nodes
-    /// (containerd with the images, kubelet, kube-proxy), and waits until
-    /// every node is registered (NotReady until tether is installed).
-    pub fn start(opts: &ClusterOpts) -> KubeCluster {
+    /// Starts the control plane and `nodes` nodes (containerd with the
+    /// images, kubelet, kube-proxy), and waits until every node is
+    /// registered (NotReady until tether is installed). Through
+    /// [`Topology::kubelet`](crate::topology::Topology::kubelet).
+    pub(crate) fn start(nodes: usize, opts: Kubelet) -> KubeCluster {
         let bins = k8s_bin_dir();
         let fabric = Fabric::new();
         let api = if opts.aggregating {
@@ -656,30 +650,40 @@ impl KubeCluster {
             fabric,
             mount_points: MountPoints::hold(),
             dir: TempDir::new("kc"),
+            chart_values: Value::Null,
         };
         let admin = cluster.api.admin_kubeconfig().display().to_string();
         let d = cluster.api.dir().to_path_buf();
+        let mut kcm = vec![
+            format!("--kubeconfig={admin}"),
+            // Every default controller (Deployments, EndpointSlices,
+            // namespaces, garbage collection, service accounts, ...).
+            "--controllers=*".to_string(),
+            format!("--service-cluster-ip-range={SERVICE_CIDR}"),
+            format!(
+                "--service-account-private-key-file={}",
+                d.join("sa.key").display()
+            ),
+            "--use-service-account-credentials=true".to_string(),
+            "--leader-elect=false".to_string(),
+            format!("--cert-dir={}", d.join("kcm-certs").display()),
+            format!("--root-ca-file={}", cluster.api.ca_cert().display()),
+            // The API server's node-status grace: nodes that stop
+            // reporting become NotReady.
+            "--node-monitor-grace-period=20s".to_string(),
+        ];
+        if opts.node_cidrs {
+            kcm.extend([
+                "--allocate-node-cidrs=true".to_string(),
+                format!("--cluster-cidr={POD_CIDR}"),
+                "--node-cidr-mask-size=24".to_string(),
+            ]);
+        }
+        let kcm: Vec<&str> = kcm.iter().map(String::as_str).collect();
         cluster.controller_manager = Some(cluster.api.spawn(
             "kube-controller-manager",
             &bins.join("kube-controller-manager"),
-            &[
-                &format!("--kubeconfig={admin}"),
-                // Every default controller (Deployments, EndpointSlices,
-                // namespaces, garbage collection, service accounts, ...).
-                "--controllers=*",
-                &format!("--service-cluster-ip-range={SERVICE_CIDR}"),
-                &format!(
-                    "--service-account-private-key-file={}",
-                    d.join("sa.key").display()
-                ),
-                "--use-service-account-credentials=true",
-                "--leader-elect=false",
-                &format!("--cert-dir={}", d.join("kcm-certs").display()),
-                &format!("--root-ca-file={}", cluster.api.ca_cert().display()),
-                // The API server's node-status grace: nodes that stop
-                // reporting become NotReady.
-                "--node-monitor-grace-period=20s",
-            ],
+            &kcm,
         ));
         cluster.scheduler = Some(cluster.api.spawn(
             "kube-scheduler",
@@ -690,17 +694,26 @@ impl KubeCluster {
                 &format!("--cert-dir={}", d.join("sched-certs").display()),
             ],
         ));
-        for i in 0..opts.nodes {
+        let images_dir = cluster.dir.path().join("images");
+        std::fs::create_dir_all(&images_dir).expect("creating the images dir");
+        let mut images = crate::kubelet::busybox_images(&images_dir);
+        images.extend(opts.images.iter().cloned());
+        for i in 0..nodes {
             let host = FIRST_NODE_HOST + i as u8;
             let mut node = KubeNode::create(
                 &cluster.fabric,
                 host,
                 &cluster.mount_points,
                 &opts.node_paths,
+                &opts.sandbox_image,
             );
-            node.start_containerd(&opts.sandbox_image);
-            for image in &opts.images {
+            node.start_containerd();
+            for image in &images {
                 node.import(image);
+            }
+            if opts.kubevirt {
+                crate::kubevirt::open_tun(&node);
+                crate::kubevirt::add_repo_digests(&node);
             }
             node.start_proxy(&cluster.api);
             node.start_kubelet(&cluster.api);
@@ -730,14 +743,6 @@ impl KubeCluster {
         &self.nodes
     }
 
-    /// Stops node `i`'s kubelet and starts it again (its pods keep
-    /// running meanwhile).
-    pub fn restart_kubelet(&mut self, i: usize) {
-        let node = &mut self.nodes[i];
-        node.stop_kubelet();
-        node.start_kubelet(&self.api);
-    }
-
     /// The fabric the nodes and the control plane are on.
     pub fn fabric(&self) -> &Fabric {
         &self.fabric
@@ -763,16 +768,26 @@ impl KubeCluster {
     /// The chart's values: its default mode (the Kubernetes store), the
     /// cluster CIDR [`POD_CIDR`], the chart's default hostPaths (the nodes' own),
     /// `image` with `pullPolicy: Never`, and the Service range left out of
-    /// outbound NAT.
+    /// outbound NAT; then, over them, those of
+    /// [`KubeCluster::set_chart_values`].
     pub fn tether_values(&self, image: &str) -> Value {
         let (repository, tag) = image
             .rsplit_once(':')
             .unwrap_or_else(|| panic!("{image} has no tag"));
-        json!({
+        let mut values = json!({
             "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
             "cluster": {"cidrs": [POD_CIDR]},
             "outboundNat": {"enabled": true, "noNatTo": [SERVICE_CIDR]},
-        })
+        });
+        merge_values(&mut values, &self.chart_values);
+        values
+    }
+
+    /// Chart values for the installs and upgrades that follow, over the
+    /// harness's own (objects merged key by key, anything else replaced):
+    /// a suite's `mode` or `netconf`, say.
+    pub fn set_chart_values(&mut self, values: Value) {
+        self.chart_values = values;
     }
 
     /// `helm install` of the chart with [`KubeCluster::tether_values`],
@@ -805,13 +820,63 @@ impl KubeCluster {
         }
     }
 
+    /// `helm upgrade` of the release to `image` (the same values
+    /// otherwise) plus `sets` (`--set`).
+    pub fn upgrade_tether(&self, image: &str, sets: &[&str]) {
+        let values = self.helm.values_file("upgrade", &self.tether_values(image));
+        let values = values.display().to_string();
+        let mut args = vec![
+            "upgrade",
+            chart::RELEASE,
+            chart::CHART,
+            "--namespace",
+            chart::NAMESPACE,
+            "--values",
+            &values,
+        ];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        self.helm.run_ok(&args);
+    }
+
+    /// `helm uninstall` of the release (it does not wait for the pods).
+    pub fn uninstall_tether(&self) {
+        self.helm
+            .run_ok(&["uninstall", chart::RELEASE, "--namespace", chart::NAMESPACE]);
+    }
+
     /// Whether node `name`'s Ready condition is True.
     pub fn node_ready(&self, name: &str) -> bool {
+        self.ready_condition(name).0 == "True"
+    }
+
+    /// Node `name`'s Ready condition: its status ("True", "False",
+    /// "Unknown"; empty before the kubelet reports one) and message.
+    pub fn ready_condition(&self, name: &str) -> (String, String) {
         let node = self.api.get(&["node", name]).unwrap_or(Value::Null);
         node["status"]["conditions"]
             .as_array()
             .and_then(|cs| cs.iter().find(|c| c["type"] == "Ready"))
-            .is_some_and(|c| c["status"] == "True")
+            .map(|c| {
+                (
+                    c["status"].as_str().unwrap_or("").to_string(),
+                    c["message"].as_str().unwrap_or("").to_string(),
+                )
+            })
+            .unwrap_or_default()
+    }
+
+    /// Waits until node `name` is Ready; panics with its condition and
+    /// its kubelet's log otherwise.
+    pub fn wait_node_ready(&self, name: &str) {
+        let ok = wait_until(READY, || self.node_ready(name));
+        assert!(
+            ok,
+            "node {name} not Ready in {READY:?}: {:?}\n{}",
+            self.ready_condition(name),
+            self.node_named(name).log_tail("kubelet")
+        );
     }
 
     /// Every node's routes and tether's pods' latest log lines, for a
@@ -1055,41 +1120,9 @@ impl KubeCluster {
         ports: &[(&str, &str, u16, u16)],
         endpoints: &[IpAddr],
     ) -> Value {
-        let service_ports: Vec<Value> = ports
-            .iter()
-            .map(|(n, proto, port, target)| {
-                json!({"name": n, "protocol": proto, "port": port, "targetPort": target})
-            })
-            .collect();
-        let slice_ports: Vec<Value> = ports
-            .iter()
-            .map(|(n, proto, _, target)| json!({"name": n, "protocol": proto, "port": target}))
-            .collect();
-        let addresses: Vec<Value> = endpoints
-            .iter()
-            .map(|ip| json!({"addresses": [ip.to_string()], "conditions": {"ready": true}}))
-            .collect();
-        self.api.apply(
-            &json!({
-                "apiVersion": "v1", "kind": "Service",
-                "metadata": {"name": name, "namespace": "default"},
-                "spec": {"type": kind, "ports": service_ports},
-            })
-            .to_string(),
-        );
-        self.api.apply(
-            &json!({
-                "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-                "metadata": {"name": format!("{name}-1"), "namespace": "default",
-                             "labels": {"kubernetes.io/service-name": name}},
-                "addressType": "IPv4", "ports": slice_ports, "endpoints": addresses,
-            })
-            .to_string(),
-        );
         let svc = self
             .api
-            .get(&["-n", "default", "service", name])
-            .unwrap_or_else(|| panic!("Service {name} is not there"));
+            .service_with_endpoints(name, kind, ports, endpoints);
         let ip = svc["spec"]["clusterIP"].as_str().unwrap_or_default();
         for node in &self.nodes {
             let programmed = wait_until(Duration::from_secs(60), || {
@@ -1107,6 +1140,272 @@ impl KubeCluster {
             );
         }
         svc
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Pods, and tether's DaemonSet, through the API
+
+impl KubeCluster {
+    /// Node `i`, to stop or start its containerd or kubelet.
+    pub fn node_mut(&mut self, i: usize) -> &mut KubeNode {
+        &mut self.nodes[i]
+    }
+
+    /// Stops node `i`'s kubelet and starts it again (its pods keep
+    /// running meanwhile).
+    pub fn restart_kubelet(&mut self, i: usize) {
+        let node = &mut self.nodes[i];
+        node.stop_kubelet();
+        node.start_kubelet(&self.api);
+    }
+
+    /// Creates the pod of `manifest` ([`crate::kubelet::busybox_pod`],
+    /// [`sleeping_pod`]).
+    pub fn create_pod(&self, manifest: &Value) {
+        self.api.apply(&manifest.to_string());
+    }
+
+    /// The pod `default/name` as JSON, if it exists.
+    pub fn pod(&self, name: &str) -> Option<Value> {
+        self.api.get(&["-n", "default", "pod", name])
+    }
+
+    /// Waits until pod `default/name` runs with an IP; that IP.
+    pub fn wait_pod_ip(&self, name: &str) -> String {
+        self.wait_running(name)["status"]["podIP"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    }
+
+    /// Deletes pod `default/name` and waits until it is gone from the API
+    /// (its kubelet has stopped it and torn its sandbox down).
+    pub fn delete_pod(&self, name: &str) {
+        self.api
+            .kubectl_ok(&["-n", "default", "delete", "pod", name, "--wait=false"]);
+        let gone = wait_until(POD_RUNNING, || self.pod(name).is_none());
+        assert!(
+            gone,
+            "pod {name} not gone in {POD_RUNNING:?}\n{}",
+            self.kubelet_logs()
+        );
+    }
+
+    /// `kubectl exec` in pod `default/name` (through the API server, the
+    /// kubelet and containerd's streaming server).
+    pub fn exec(&self, name: &str, argv: &[&str]) -> Output {
+        let mut args = vec!["-n", "default", "exec", name, "--"];
+        args.extend_from_slice(argv);
+        self.api.kubectl(&args)
+    }
+
+    /// Like [`KubeCluster::exec`]; panics unless it succeeds; its stdout.
+    pub fn exec_ok(&self, name: &str, argv: &[&str]) -> String {
+        let out = self.exec(name, argv);
+        assert!(
+            out.status.success(),
+            "kubectl exec {name} -- {argv:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Waits until `kubectl exec` into pod `name` works (after a restart of
+    /// a kubelet or containerd, the kubelet must first resync the pod).
+    pub fn wait_exec(&self, name: &str) {
+        let mut last = None;
+        let ok = wait_until(POD_RUNNING, || {
+            let out = self.exec(name, &["true"]);
+            let ok = out.status.success();
+            last = Some(out);
+            ok
+        });
+        assert!(
+            ok,
+            "kubectl exec into {name} does not work: {:?}\n{}",
+            last.map(|o| String::from_utf8_lossy(&o.stderr).into_owned()),
+            self.kubelet_logs()
+        );
+    }
+
+    /// A watch on the pods of `default` ([`PodWatch::start`]).
+    pub fn watch_pods(&self) -> PodWatch {
+        PodWatch::start(&self.api)
+    }
+
+    /// Every node's kubelet log's last lines, for a failure's message.
+    pub fn kubelet_logs(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|n| format!("--- kubelet of {} ---\n{}", n.name(), n.log_tail("kubelet")))
+            .collect()
+    }
+
+    /// tether's DaemonSet pods: (name, phase, ready and not being deleted).
+    pub fn tether_pods(&self) -> Vec<(String, String, bool)> {
+        let list = self
+            .api
+            .get(&["-n", "kube-system", "pods", "-l", TETHER_SELECTOR])
+            .unwrap_or(Value::Null);
+        let items = list["items"].as_array().cloned().unwrap_or_default();
+        items
+            .iter()
+            .map(|p| {
+                let ready = p["status"]["conditions"].as_array().is_some_and(|cs| {
+                    cs.iter()
+                        .any(|c| c["type"] == "Ready" && c["status"] == "True")
+                });
+                (
+                    p["metadata"]["name"].as_str().unwrap_or("").to_string(),
+                    p["status"]["phase"].as_str().unwrap_or("").to_string(),
+                    ready && p["metadata"]["deletionTimestamp"].is_null(),
+                )
+            })
+            .collect()
+    }
+
+    /// Waits until every node runs exactly one tether pod, Ready, with
+    /// image `image`; their names, in the nodes' order.
+    pub fn wait_tether_ready(&self, image: &str) -> Vec<String> {
+        let mut names = Vec::new();
+        let ok = wait_until(READY, || {
+            let list = self
+                .api
+                .get(&["-n", "kube-system", "pods", "-l", TETHER_SELECTOR])
+                .unwrap_or(Value::Null);
+            let items = list["items"].as_array().cloned().unwrap_or_default();
+            let ready: Vec<(String, String)> = items
+                .iter()
+                .filter(|p| {
+                    p["status"]["phase"] == "Running"
+                        && p["metadata"]["deletionTimestamp"].is_null()
+                        && p["spec"]["containers"][0]["image"] == image
+                        && p["status"]["conditions"].as_array().is_some_and(|cs| {
+                            cs.iter()
+                                .any(|c| c["type"] == "Ready" && c["status"] == "True")
+                        })
+                })
+                .map(|p| {
+                    (
+                        p["spec"]["nodeName"].as_str().unwrap_or("").to_string(),
+                        p["metadata"]["name"].as_str().unwrap_or("").to_string(),
+                    )
+                })
+                .collect();
+            names = self
+                .nodes
+                .iter()
+                .filter_map(|n| {
+                    let mine: Vec<&(String, String)> =
+                        ready.iter().filter(|(node, _)| node == n.name()).collect();
+                    (mine.len() == 1).then(|| mine[0].1.clone())
+                })
+                .collect();
+            items.len() == self.nodes.len() && names.len() == self.nodes.len()
+        });
+        assert!(
+            ok,
+            "tether's DaemonSet pods not Ready with {image} in {READY:?}: {:?}\n{}\n{}\n{}",
+            self.tether_pods(),
+            self.tether_logs(),
+            self.tetherd_view(),
+            self.kubelet_logs()
+        );
+        names
+    }
+
+    /// The logs of tether's pods' containers on every node, every run of
+    /// each (the files the kubelets keep in their pod logs dirs), for a
+    /// failure's message.
+    pub fn tether_logs(&self) -> String {
+        let mut text = String::new();
+        for node in &self.nodes {
+            let pods = std::fs::read_dir(node.host_path("/var/log/pods"))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter(|p| {
+                    p.file_name()
+                        .to_string_lossy()
+                        .starts_with("kube-system_tether-")
+                });
+            for pod in pods {
+                for log in std::fs::read_dir(pod.path())
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .flat_map(|c| std::fs::read_dir(c.path()).into_iter().flatten().flatten())
+                {
+                    text.push_str(&format!("--- {} ---\n", log.path().display()));
+                    text.push_str(&crate::log_tail(&log.path(), 40));
+                    text.push('\n');
+                }
+            }
+        }
+        text
+    }
+
+    /// Each node's socket directory as the node sees it and as each
+    /// running `tetherd` container sees it (`ctr tasks exec`), and the
+    /// readiness probe run by hand in the container, for a failure's
+    /// message.
+    pub fn tetherd_view(&self) -> String {
+        let mut text = String::new();
+        for node in &self.nodes {
+            let ls = node.run(&["ls", "-la", "/run/tether"]);
+            text.push_str(&format!(
+                "--- ls -la /run/tether on {} ---\n{}",
+                node.name(),
+                String::from_utf8_lossy(&ls.stdout)
+            ));
+            let ids = node.ctr(&[
+                "containers",
+                "ls",
+                "-q",
+                "labels.\"io.kubernetes.container.name\"==tetherd",
+            ]);
+            let probe = "echo '{\"cniVersion\":\"1.1.0\",\"name\":\"diag\",\"type\":\"tether\",\"socket\":\"/run/tether/tether.sock\"}' | CNI_COMMAND=STATUS /tether/tether; echo rc=$?";
+            for (n, id) in String::from_utf8_lossy(&ids.stdout)
+                .split_whitespace()
+                .enumerate()
+            {
+                for (k, argv) in [
+                    vec!["/bin/ls", "-la", "/run/tether"],
+                    vec!["/bin/sh", "-c", probe],
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    let exec_id = format!("diag{n}x{k}");
+                    let mut args = vec!["tasks", "exec", "--exec-id", exec_id.as_str(), id];
+                    args.extend(argv.iter().copied());
+                    let out = node.ctr(&args);
+                    text.push_str(&format!(
+                        "--- in tetherd container {id} on {}: {argv:?} ---\n{}{}",
+                        node.name(),
+                        String::from_utf8_lossy(&out.stdout),
+                        String::from_utf8_lossy(&out.stderr)
+                    ));
+                }
+            }
+        }
+        text
+    }
+}
+
+/// Merges chart values `over` into `base`: objects key by key, anything
+/// else replaced (as helm merges values files).
+fn merge_values(base: &mut Value, over: &Value) {
+    match (base, over) {
+        (_, Value::Null) => {}
+        (Value::Object(b), Value::Object(o)) => {
+            for (k, v) in o {
+                merge_values(b.entry(k.clone()).or_insert(Value::Null), v);
+            }
+        }
+        (b, o) => *b = o.clone(),
     }
 }
 
@@ -1150,44 +1449,13 @@ impl KubePaths {
             .map(|i| c.adopt_pod(&format!("paths-obs{i}")))
             .collect();
         let backends = vec![c.adopt_pod("paths-back1")];
-        let vm_svc = c.expose(
-            "paths-vm",
-            "NodePort",
-            &[
-                ("tcp", "TCP", paths::VM_TCP, paths::VM_TCP),
-                ("udp", "UDP", paths::VM_UDP, paths::VM_UDP),
-            ],
-            &[vm],
-        );
         let backend_ips: Vec<IpAddr> = backends.iter().map(|b| b.ip).collect();
-        let backend_svc = c.expose(
-            "paths-backends",
-            "ClusterIP",
-            &[
-                ("tcp", "TCP", paths::BACKEND_PORT, paths::BACKEND_PORT),
-                ("udp", "UDP", paths::BACKEND_PORT, paths::BACKEND_PORT),
-            ],
+        let services = Services::create_with(
+            &|name, kind, ports, endpoints| c.expose(name, kind, ports, endpoints),
+            ("paths-vm", "paths-backends"),
+            vm,
             &backend_ips,
         );
-        let node_port = |name: &str| -> u16 {
-            vm_svc["spec"]["ports"]
-                .as_array()
-                .and_then(|ports| ports.iter().find(|p| p["name"] == name))
-                .and_then(|p| p["nodePort"].as_u64())
-                .and_then(|p| u16::try_from(p).ok())
-                .unwrap_or_else(|| panic!("no {name} NodePort: {vm_svc}"))
-        };
-        let cluster_ip = |svc: &Value| -> IpAddr {
-            svc["spec"]["clusterIP"]
-                .as_str()
-                .and_then(|s| s.parse().ok())
-                .unwrap_or_else(|| panic!("no ClusterIP: {svc}"))
-        };
-        let services = Services {
-            vm_cluster_ip: cluster_ip(&vm_svc),
-            vm_node_ports: (node_port("tcp"), node_port("udp")),
-            backend_cluster_ip: cluster_ip(&backend_svc),
-        };
         KubePaths {
             outside,
             pods,
