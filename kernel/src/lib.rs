@@ -22,6 +22,7 @@ pub mod host;
 pub mod nat;
 pub mod netlink;
 pub mod packet;
+pub mod policy;
 pub mod replay;
 
 use std::fs::File;

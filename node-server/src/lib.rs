@@ -13,7 +13,8 @@
 //! and router advertisements for the guests of tap bindings), `instance`
 //! (one daemon per state dir, socket and network namespace), `kube` (the
 //! optional Kubernetes API: the migration-target watch, IPAMClaims, the
-//! node's pod CIDRs, events), `nat` (outbound NAT), `metrics`, `api`
+//! node's pod CIDRs, events), `nat` (outbound NAT), `policy`
+//! (NetworkPolicy: what the API's objects ask of this node), `metrics`, `api`
 //! (everything that faces a caller: the CNI and admin gRPC services, the
 //! socket, and the shim's pending-DEL queue), and `daemon` (the whole
 //! daemon, built from its command line).
@@ -30,6 +31,7 @@ pub mod instance;
 pub mod kube;
 pub mod metrics;
 pub mod nat;
+pub mod policy;
 pub mod pools;
 pub mod routing;
 pub mod vm;

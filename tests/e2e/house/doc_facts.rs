@@ -381,16 +381,23 @@ fn family(name: &str) -> &str {
 }
 
 /// The names with tether's metric prefix that are not metrics: the
-/// nftables table of a migrating VM's connections (`inet tether_vm`), as
-/// the kernel crate names it.
+/// nftables tables of a migrating VM's connections (`inet tether_vm`) and
+/// of NetworkPolicy (`inet tether_policy`), as the kernel crate names
+/// them.
 fn not_metrics() -> BTreeSet<String> {
-    let source = read("kernel/src/handover.rs");
-    let table = source
-        .split_once("pub const HANDOVER_TABLE: &str = \"")
-        .and_then(|(_, rest)| rest.split_once('"'))
-        .map(|(name, _)| name.to_string())
-        .expect("kernel/src/handover.rs names HANDOVER_TABLE");
-    BTreeSet::from([table])
+    [
+        ("kernel/src/handover.rs", "HANDOVER_TABLE"),
+        ("kernel/src/policy.rs", "POLICY_TABLE"),
+    ]
+    .into_iter()
+    .map(|(file, constant)| {
+        read(file)
+            .split_once(&format!("pub const {constant}: &str = \""))
+            .and_then(|(_, rest)| rest.split_once('"'))
+            .map(|(name, _)| name.to_string())
+            .unwrap_or_else(|| panic!("{file} names {constant}"))
+    })
+    .collect()
 }
 
 #[test]
