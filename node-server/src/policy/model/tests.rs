@@ -236,48 +236,23 @@ fn ports_by_number_range_protocol_and_name_on_the_receiving_pod() {
         proto: Proto::Tcp,
         port: 81,
     }];
+    let range = |proto, first, last| PortRange { proto, first, last };
+    let numbered = vec![
+        range(Proto::Tcp, 80, 80),
+        range(Proto::Udp, 5000, 5010),
+        range(Proto::Sctp, 1, 65535),
+    ];
     let a = ingress_of(&w, "x", "a").expect("isolated");
-    let tcp = |first, last| PortRange {
-        proto: Proto::Tcp,
-        first,
-        last,
-    };
+    let mut with_name = numbered.clone();
+    with_name.push(range(Proto::Tcp, 81, 81));
     assert_eq!(
         a.allows[0].ports,
-        Ports::Ranges(vec![
-            tcp(80, 80),
-            PortRange {
-                proto: Proto::Udp,
-                first: 5000,
-                last: 5010
-            },
-            PortRange {
-                proto: Proto::Sctp,
-                first: 1,
-                last: 65535
-            },
-            tcp(81, 81),
-        ]),
+        Ports::Ranges(with_name),
         "port 0, which the API refuses, allows nothing"
     );
     // b has no port of that name: the name allows it nothing.
     let b = ingress_of(&w, "x", "b").expect("isolated");
-    assert_eq!(
-        b.allows[0].ports,
-        Ports::Ranges(vec![
-            tcp(80, 80),
-            PortRange {
-                proto: Proto::Udp,
-                first: 5000,
-                last: 5010
-            },
-            PortRange {
-                proto: Proto::Sctp,
-                first: 1,
-                last: 65535
-            }
-        ])
-    );
+    assert_eq!(b.allows[0].ports, Ports::Ranges(numbered));
 }
 
 #[test]
