@@ -28,6 +28,8 @@ use tether_e2e::{doc_files, tetherd_bin, workspace_dir, TempDir};
 /// Flags of other programs the docs name, with the program: a flag not in
 /// `tetherd --help` must be one of these.
 const OTHER_FLAGS: &[(&str, &[&str])] = &[
+    // The upstream NetworkPolicy suite's probe (docs/developer/netpol-suite.md).
+    ("agnhost connect", &["timeout", "protocol"]),
     (
         "helm",
         &[
