@@ -246,11 +246,14 @@ fn operstate_once_settled(ns: &str, ifname: &str) -> String {
     }
 }
 
+/// One echo from `ns` to `target` answered within 5 s: generous, for the
+/// TCG guest of the min-kernel run on a loaded machine (where neighbour
+/// resolution alone can take a second); an answer ends the wait at once.
 pub(super) fn pings(ns: &str, target: &str) -> bool {
     let family = if target.contains(':') { "-6" } else { "-4" };
     Command::new("nsenter")
         .arg(format!("--net={ns}"))
-        .args(["busybox", "ping", family, "-c1", "-W2", target])
+        .args(["busybox", "ping", family, "-c1", "-W5", target])
         .output()
         .map(|o| o.status.success())
         .unwrap_or(false)
