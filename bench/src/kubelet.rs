@@ -165,7 +165,7 @@ fn run(args: &Args, failures: &mut Failures) -> Samples {
             for _ in 0..args.pods {
                 n += 1;
                 let name = format!("p{n}");
-                k.create_pod(&busybox_pod(&name, node.name(), json!({}), json!({})));
+                k.create_pod(&busybox_pod(&name, node.name()));
                 let seen = watch.wait_for(&name, LIMIT, |_, _| true);
                 let running = watch.wait_for(&name, LIMIT, |phase, ip| {
                     phase == "Running" && !ip.is_empty()

@@ -41,7 +41,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use ipnet::IpNet;
-use serde_json::{json, Value};
+use serde_json::Value;
 use tether_e2e::cluster::{Cluster, NodeOpts, Overlay, Pod, Store};
 use tether_e2e::kube_cluster::POD_CIDR;
 use tether_e2e::kubelet::{busybox_pod, PodWatch};
@@ -745,7 +745,7 @@ fn ready(args: &Args, f: &mut Failures) -> PodsReady {
         let name = format!("r{n}");
         cluster
             .api
-            .apply(&busybox_pod(&name, &names[node], json!({}), json!({})).to_string());
+            .apply(&busybox_pod(&name, &names[node]).to_string());
         let seen = watch.wait_for(&name, POD_LIMIT, |_, _| true);
         let running = watch.wait_for(&name, POD_LIMIT, |phase, ip| {
             phase == "Running" && !ip.is_empty()

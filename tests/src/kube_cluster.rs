@@ -982,26 +982,6 @@ impl Drop for KubeCluster {
     }
 }
 
-/// A pod that only sleeps, on node `node`, in namespace `default`, with
-/// the harness's busybox image: an end for the connection streams (which
-/// run in its netns, see [`KubeCluster::adopt_pod`]), or, with
-/// virt-launcher's labels and annotations added, a VM's pod.
-pub fn sleeping_pod(name: &str, node: &str) -> Value {
-    json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "nodeName": node,
-            "automountServiceAccountToken": false,
-            "terminationGracePeriodSeconds": 0,
-            "containers": [{
-                "name": "c", "image": crate::kubelet::BUSYBOX_IMAGE, "imagePullPolicy": "Never",
-                "command": ["/bin/sh", "-c", "sleep 100000"],
-            }],
-        },
-    })
-}
-
 /// A running pod of a [`KubeCluster`] whose netns this machine can enter
 /// (the streams of [`crate::paths`] run there; a QEMU guest can run on
 /// its tap).
@@ -1081,6 +1061,81 @@ impl KubeCluster {
         pod
     }
 
+    /// What the nodes' and the running pods' networks look like, for a
+    /// failure's report: each node's IPv4 routes and neighbours, tether's
+    /// nft tables and its UDP flows in conntrack; each running pod's (not
+    /// kube-system's, not host-network) addresses, routes, neighbours and
+    /// UDP sockets. Best effort: what cannot be read says why.
+    pub fn network_state(&self) -> String {
+        let run = |ns: &Netns, argv: &[&str]| {
+            let out = ns.exec(argv);
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let lines: Vec<&str> = text.lines().collect();
+            let shown = lines.len().min(60);
+            let mut s = format!("$ {}\n{}\n", argv.join(" "), lines[..shown].join("\n"));
+            if lines.len() > shown {
+                s += &format!("({} more lines)\n", lines.len() - shown);
+            }
+            s
+        };
+        let mut out = String::new();
+        for node in self.nodes() {
+            out += &format!("=== node {}\n", node.name());
+            for argv in [
+                &["ip", "-4", "route"][..],
+                &["ip", "-4", "neigh"],
+                &["nft", "list", "table", "inet", "tether"],
+                &["conntrack", "-L", "-p", "udp"],
+            ] {
+                out += &run(node.netns(), argv);
+            }
+        }
+        let pods = self.api.get(&["pods", "-A"]).unwrap_or_default();
+        for pod in pods["items"].as_array().into_iter().flatten() {
+            let ns = pod["metadata"]["namespace"].as_str().unwrap_or_default();
+            let name = pod["metadata"]["name"].as_str().unwrap_or_default();
+            let node = pod["spec"]["nodeName"].as_str().unwrap_or_default();
+            let id = pod["status"]["containerStatuses"][0]["containerID"]
+                .as_str()
+                .and_then(|id| id.split_once("://"))
+                .map(|(_, id)| id.to_string());
+            if ns == "kube-system" || pod["spec"]["hostNetwork"] == true {
+                continue;
+            }
+            let Some(id) = id else { continue };
+            let Some(node) = self.nodes().iter().find(|n| n.name() == node) else {
+                continue;
+            };
+            out += &format!(
+                "=== pod {ns}/{name} on {} ({})\n",
+                node.name(),
+                pod["status"]["podIP"]
+            );
+            let netns = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                node.container_netns(&id)
+            })) {
+                Ok(netns) => netns,
+                Err(_) => {
+                    out += "(its netns could not be found)\n";
+                    continue;
+                }
+            };
+            for argv in [
+                &["ip", "-4", "addr"][..],
+                &["ip", "-4", "route"],
+                &["ip", "-4", "neigh"],
+                &["ss", "-uan"],
+            ] {
+                out += &run(&netns, argv);
+            }
+        }
+        out
+    }
+
     /// Pod `default/name` once it runs, its netns adopted
     /// ([`KubeNode::container_netns`] of its first container).
     pub fn adopt_pod(&self, name: &str) -> KubePod {
@@ -1103,9 +1158,10 @@ impl KubeCluster {
         }
     }
 
-    /// Runs a [`sleeping_pod`] `name` on `node` and adopts it.
+    /// Runs a [`crate::kubelet::busybox_pod`] `name` on `node` and adopts it.
     pub fn run_pod(&self, name: &str, node: &str) -> KubePod {
-        self.api.apply(&sleeping_pod(name, node).to_string());
+        self.api
+            .apply(&crate::kubelet::busybox_pod(name, node).to_string());
         self.adopt_pod(name)
     }
 
@@ -1160,8 +1216,7 @@ impl KubeCluster {
         node.start_kubelet(&self.api);
     }
 
-    /// Creates the pod of `manifest` ([`crate::kubelet::busybox_pod`],
-    /// [`sleeping_pod`]).
+    /// Creates the pod of `manifest` ([`crate::kubelet::busybox_pod`]).
     pub fn create_pod(&self, manifest: &Value) {
         self.api.apply(&manifest.to_string());
     }
@@ -1441,10 +1496,10 @@ impl KubePaths {
         let names: Vec<String> = c.nodes().iter().map(|n| n.name().to_string()).collect();
         for (i, node) in names.iter().enumerate() {
             c.api
-                .apply(&sleeping_pod(&format!("paths-obs{i}"), node).to_string());
+                .apply(&crate::kubelet::busybox_pod(&format!("paths-obs{i}"), node).to_string());
         }
         c.api
-            .apply(&sleeping_pod("paths-back1", &names[1]).to_string());
+            .apply(&crate::kubelet::busybox_pod("paths-back1", &names[1]).to_string());
         let pods: Vec<KubePod> = (0..names.len())
             .map(|i| c.adopt_pod(&format!("paths-obs{i}")))
             .collect();

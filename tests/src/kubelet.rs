@@ -390,13 +390,14 @@ impl Removals {
 }
 
 /// A busybox pod `default/name` on node `node` (`spec.nodeName`, no
-/// scheduler), that sleeps and exits at once on SIGTERM.
-pub fn busybox_pod(name: &str, node: &str, labels: Value, annotations: Value) -> Value {
+/// scheduler), that sleeps and exits at once on SIGTERM: the one pod
+/// manifest of the harness's suites and benchmarks. A caller that wants
+/// labels, annotations or the host's network sets them in the value.
+pub fn busybox_pod(name: &str, node: &str) -> Value {
     json!({
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default",
-                     "labels": labels, "annotations": annotations},
+        "metadata": {"name": name, "namespace": "default"},
         "spec": {
             "nodeName": node,
             "automountServiceAccountToken": false,

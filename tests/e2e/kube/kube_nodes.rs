@@ -22,26 +22,15 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use tether_e2e::kube_cluster::{KubeCluster, KubeNode};
-use tether_e2e::kubelet::BUSYBOX_IMAGE;
+use tether_e2e::kubelet::busybox_pod;
 use tether_e2e::topology::Topology;
 use tether_e2e::vm::VmPodSpec;
 use tether_e2e::{admin, require_root, wait_until};
 
 fn pod(name: &str, node: &str, host_network: bool) -> Value {
-    json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "nodeName": node,
-            "hostNetwork": host_network,
-            "automountServiceAccountToken": false,
-            "terminationGracePeriodSeconds": 0,
-            "containers": [{
-                "name": "c", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
-                "command": ["/bin/sh", "-c", "sleep 100000"],
-            }],
-        },
-    })
+    let mut p = busybox_pod(name, node);
+    p["spec"]["hostNetwork"] = json!(host_network);
+    p
 }
 
 fn wait_running(c: &KubeCluster, name: &str) -> String {

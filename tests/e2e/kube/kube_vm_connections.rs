@@ -22,7 +22,8 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tether_e2e::kube_cluster::{sleeping_pod, KubeCluster, KubePaths, KubePod};
+use tether_e2e::kube_cluster::{KubeCluster, KubePaths, KubePod};
+use tether_e2e::kubelet::busybox_pod;
 use tether_e2e::paths::{handover_state, table, PathSet};
 use tether_e2e::qemu::{
     clear_events, once_more_if_a_guest_kernel_panicked, pause, Client, Guest, GuestOptions,
@@ -43,7 +44,7 @@ const AFTER: Duration = Duration::from_secs(3);
 /// A virt-launcher-like pod of `spec` on `node`, on tether's `tap`
 /// binding (the pod annotation `tether.dev/binding`).
 fn vm_pod(spec: &VmPodSpec, node: &str) -> Value {
-    let mut p = sleeping_pod(&spec.pod_name, node);
+    let mut p = busybox_pod(&spec.pod_name, node);
     let mut labels = json!({"kubevirt.io": "virt-launcher", "vm.kubevirt.io/name": spec.vm});
     if spec.target {
         labels["kubevirt.io/migrationJobUID"] = json!("job-uid-1");

@@ -116,7 +116,10 @@ fn node(k: &KubeCluster) -> &KubeNode {
 
 /// A busybox pod `default/name` on the node.
 fn pod(k: &KubeCluster, name: &str, labels: Value, annotations: Value) -> Value {
-    busybox_pod(name, node(k).name(), labels, annotations)
+    let mut p = busybox_pod(name, node(k).name());
+    p["metadata"]["labels"] = labels;
+    p["metadata"]["annotations"] = annotations;
+    p
 }
 
 /// The node's CNI config dir (`/etc/cni/net.d`), as this machine sees it.
