@@ -114,6 +114,9 @@ pub fn run(
         .arg(format!("--report-dir={}", dir.display()))
         // Every node is schedulable and Ready before the suite starts.
         .arg("--allowed-not-ready-nodes=0")
+        // A failed spec's pods stay, so that the report can show their
+        // network ([`KubeCluster::network_state`]).
+        .arg("--delete-namespace-on-failure=false")
         .current_dir(dir)
         .stdin(Stdio::null())
         .stdout(out)

@@ -82,6 +82,15 @@ fn the_data_path_conformance_slice_passes_on_two_kubelet_nodes() {
             )
         })
         .collect();
+    if !failed.is_empty() {
+        // The failed specs' pods are kept (`conformance::run`): how the
+        // network looked after the failure.
+        eprintln!(
+            "conformance slice: the network after the failure:\n{}\ntether's logs:\n{}",
+            cluster.network_state(),
+            cluster.tether_logs()
+        );
+    }
     assert!(
         failed.is_empty() && run.success,
         "{} of {} failed:\n{}\ne2e.test's log:\n{}",
