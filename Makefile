@@ -7,8 +7,12 @@ RELEASE_DIR := target/release
 # (`make test`); `make check` leaves them out and runs as any user.
 ROOT_TESTS := tether-kernel/root-tests,tether-node-server/root-tests,tether-e2e/root-tests,tether-e2e/tools-tests,tether-e2e/cluster-tests,tether-e2e/kubelet-tests
 DEBUG_DIR := target/debug
+# Test-name filters (substrings, as libtest matches them) of the tests that
+# need a part the tools line of `make test` builds: kube-apiserver and the
+# kubelet nodes' binaries, helm, e2e.test, CoreDNS, mdBook.
+GO_SUITES := kube conformance install:: house:: node_routes routing::services vm_connections
 
-.PHONY: all setup setup-demo k8s helm e2e-bins mdbook conformance-images conformance kubevirt bench-kubevirt manifests docs reference build release demo check test unit integration lint bench clean shim-size min-kernel
+.PHONY: all setup setup-demo k8s helm e2e-bins mdbook conformance-images conformance kubevirt bench-kubevirt manifests docs reference build release demo check test unit integration lint lint-text bench clean shim-size min-kernel
 
 all: build
 
@@ -85,8 +89,19 @@ reference:
 
 ## build: debug build of every crate (the integration tests use it), with
 ## the root unit tests compiled in, as `make test` runs them.
+##
+## With LINT_BUILD=1 (as `make test` builds) clippy lints the workspace's
+## crates during the build, as `cargo clippy --features ... -- -D warnings`
+## would: clippy-driver compiles them, set the way cargo-clippy sets it
+## (RUSTC_WORKSPACE_WRAPPER, and CLIPPY_ARGS joined as cargo-clippy joins
+## them), so a lint fails the build. The dependencies are then compiled
+## once, not a second time in check mode for clippy: that second pass was
+## 11 minutes of a fresh machine's `make test`. The `cargo test` that
+## follows must see the same two variables, or it compiles the workspace
+## again.
+CLIPPY_BUILD = RUSTC_WORKSPACE_WRAPPER="$$(command -v clippy-driver || echo clippy-driver-not-found)" CLIPPY_ARGS=-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__
 build:
-	$(CARGO) build --workspace --all-targets --features $(ROOT_TESTS)
+	$(if $(LINT_BUILD),$(CLIPPY_BUILD)) $(CARGO) build --workspace --all-targets --features $(ROOT_TESTS)
 
 ## release: optimized binaries; the shim is built on its own (-p) so that it
 ## does not pick up the daemon's features.
@@ -109,13 +124,18 @@ shim-size:
 demo: setup-demo release
 	bash tests/demo.sh $(RELEASE_DIR) $(DEMO_FLAGS)
 
-## lint: formatting and clippy, as CI enforces them (with and without the
-## root tests compiled in), and the Markdown files' links and anchors
-## (tests/doc_links.py).
-lint:
-	$(CARGO) fmt --all -- --check
+## lint: formatting and clippy (with and without the root tests compiled
+## in), and the Markdown files' links and anchors (tests/doc_links.py). CI's
+## `make test` checks the same, but clippy only with the root tests compiled
+## in, within its build (LINT_BUILD).
+lint: lint-text
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --workspace --all-targets --features $(ROOT_TESTS) -- -D warnings
+
+## lint-text: the part of lint that compiles nothing: formatting and the
+## links. `make test` runs it, and clippy within its build (LINT_BUILD).
+lint-text:
+	$(CARGO) fmt --all -- --check
 	python3 tests/doc_links.py
 
 ## check: what a contributor runs before a commit, as any user, in minutes:
@@ -138,27 +158,51 @@ check:
 ## built and its links checked (docs), its runnable blocks run and its
 ## facts checked (doc_blocks, doc_facts). Root only.
 ##
+## The suites run in two parts, each test in exactly one: those whose
+## names contain none of GO_SUITES start as soon as the Rust line is done,
+## while the tools line may still be building (with TETHER_GO_PARTS=pending,
+## under which a test that asks for a Go part fails at once and says to add
+## it to GO_SUITES); those whose names contain one of them run after it.
+##
 ## Before the suites, two lines run side by side: the tools that need only
 ## the machine's Go and Rust (mdBook, then the Go parts k8s, helm,
-## e2e-bins: about 30 minutes of a fresh machine's two cores), and setup
-## then the Rust (lint, docs, build, shim-size; the build needs setup's
+## e2e-bins), and setup then the Rust (lint-text, the build with clippy's
+## lints in it (LINT_BUILD), shim-size, docs; the build needs setup's
 ## protoc). Each leaves a core idle at times (downloads, links, a last
 ## crate); side by side they fill it. mdBook goes first on the tools line:
-## the Rust line's `docs` needs it about 15 minutes in. The tools line's
+## the Rust line's `docs` needs it after the build. The tools line's
 ## output is kept in target/go-parts.log and printed after it; either line
-## failing fails `make test` before any suite runs.
+## failing fails `make test` before any suite runs. The tools line runs at
+## a lower priority (nice 15): it takes what the Rust line and then the
+## first suites leave idle, and does not starve the suites' daemons (whose
+## leases in the cluster suites last 2 s).
 test:
 	@test "$$(id -u)" = 0 || { echo "make test must run as root (it creates network namespaces)"; exit 1; }
 	@mkdir -p target; \
-	$(MAKE) --no-print-directory mdbook k8s helm e2e-bins >target/go-parts.log 2>&1 & go=$$!; \
-	$(MAKE) --no-print-directory setup lint docs build shim-size; rust=$$?; \
+	nice -n 15 $(MAKE) --no-print-directory mdbook k8s helm e2e-bins >target/go-parts.log 2>&1 & go=$$!; \
+	$(MAKE) --no-print-directory setup lint-text build shim-size docs LINT_BUILD=1; rust=$$?; \
+	if [ $$rust != 0 ]; then \
+	  wait $$go; cat target/go-parts.log; \
+	  echo "make test: setup or the Rust build failed (exit $$rust)"; exit 1; \
+	fi; \
+	echo "== make test: the suites that need no Go part, while the tools line may still build"; \
+	$(CLIPPY_BUILD) TETHER_GO_PARTS=pending TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) \
+	  $(CARGO) test --workspace --features $(ROOT_TESTS) --no-fail-fast -- --test-threads=2 \
+	  $(foreach f,$(GO_SUITES),--skip $(f)); first=$$?; \
 	wait $$go; gorc=$$?; \
 	echo "== mdBook and the Go parts, built beside setup and the Rust (target/go-parts.log):"; \
 	cat target/go-parts.log; \
-	[ $$gorc = 0 ] || echo "make test: building mdBook or the Go parts failed (exit $$gorc)"; \
-	[ $$rust = 0 ] || echo "make test: setup or the Rust build failed (exit $$rust)"; \
-	[ $$gorc = 0 ] && [ $$rust = 0 ]
-	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) test --workspace --features $(ROOT_TESTS) --no-fail-fast -- --test-threads=2
+	if [ $$gorc != 0 ]; then \
+	  [ $$first = 0 ] || echo "make test: FAILED: a suite that needs no Go part (exit $$first; its report is above)"; \
+	  echo "make test: building mdBook or the Go parts failed (exit $$gorc)"; exit 1; \
+	fi; \
+	echo "== make test: the suites that need the Go parts ($(GO_SUITES))"; \
+	$(CLIPPY_BUILD) TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) \
+	  $(CARGO) test --workspace --features $(ROOT_TESTS) --no-fail-fast -- --test-threads=2 \
+	  $(GO_SUITES); second=$$?; \
+	[ $$first = 0 ] || echo "make test: FAILED: a suite that needs no Go part (exit $$first; its report is above)"; \
+	[ $$second = 0 ] || echo "make test: FAILED: a suite that needs the Go parts (exit $$second; its report is above)"; \
+	[ $$first = 0 ] && [ $$second = 0 ]
 
 ## conformance: Kubernetes' own network conformance tests, the 47
 ## `[sig-network] ... [Conformance]` tests of e2e.test v1.37.2, on two

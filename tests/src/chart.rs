@@ -35,6 +35,7 @@ pub const MODES: [(&str, &str); 4] = [
 pub fn helm_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
+        crate::kube::go_part_wanted("helm");
         let script = workspace_dir().join("tests/k8s/helm/build.sh");
         let out = Command::new("sh")
             .arg(&script)

@@ -48,6 +48,7 @@ pub fn whereabouts_dir() -> &'static Path {
 }
 
 pub(crate) fn go_build(what: &str) -> PathBuf {
+    go_part_wanted(what);
     let script = workspace_dir().join("tests/k8s/build.sh");
     let out = Command::new("sh")
         .arg(&script)
@@ -57,6 +58,20 @@ pub(crate) fn go_build(what: &str) -> PathBuf {
         .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
     assert!(out.status.success(), "tests/k8s/build.sh {what} failed");
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
+
+/// Fails the test at once if it runs in the part of `make test` that
+/// starts before the tools line has built the Go parts
+/// (`TETHER_GO_PARTS=pending`): there it would start a second build of
+/// `what` beside the one under way, or race it. The test belongs in the
+/// Makefile's GO_SUITES, which run after the tools line.
+pub(crate) fn go_part_wanted(what: &str) {
+    if std::env::var_os("TETHER_GO_PARTS").is_some_and(|v| v == "pending") {
+        panic!(
+            "this test needs {what}, built by make test's tools line, but runs before it is \
+             done: add a part of its name to GO_SUITES in the Makefile"
+        );
+    }
 }
 
 /// A running API server (see the module doc).
