@@ -162,13 +162,32 @@ impl CniService {
             Ok(inv) => inv.conf.cni_version.as_str().to_string(),
             Err(_) => tether_cni::error_version(&req.stdin),
         };
-        let in_flight = crate::metrics::get().cni_started(verb_name(rpc));
-        let outcome = match parsed {
-            Ok(inv) => dispatch(&self.node, &inv, None).await,
-            Err(e) => Err(e),
-        };
-        in_flight.finish(outcome.as_ref().map_or_else(|e| e.code(), |_| 0));
-        self.stats.record(rpc, outcome.is_ok());
+        // The verb runs in a task of its own, which this call only waits
+        // for. A runtime that gives up on a call kills the plugin
+        // (containerd does when the kubelet's call is cancelled), and the
+        // server then drops the call's future: a verb dropped at an await
+        // would leave half an attachment (its address taken, its record
+        // written, no entry for the runtime's DEL to find). In its task it
+        // finishes, or undoes itself as a failed ADD does, and the DEL
+        // that follows finds a whole attachment or none.
+        let node = Arc::clone(&self.node);
+        let stats = Arc::clone(&self.stats);
+        let verb = tokio::spawn(async move {
+            let in_flight = crate::metrics::get().cni_started(verb_name(rpc));
+            let outcome = match parsed {
+                Ok(inv) => dispatch(&node, &inv, None).await,
+                Err(e) => Err(e),
+            };
+            in_flight.finish(outcome.as_ref().map_or_else(|e| e.code(), |_| 0));
+            stats.record(rpc, outcome.is_ok());
+            outcome
+        });
+        let outcome = verb.await.unwrap_or_else(|e| {
+            Err(Error::Internal(format!(
+                "the {} task ended without an answer: {e}",
+                verb_name(rpc)
+            )))
+        });
         let outcome = match outcome {
             Ok(bytes) => Outcome::Result(bytes),
             Err(e) => {

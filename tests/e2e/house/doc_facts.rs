@@ -111,7 +111,12 @@ const OTHER_FLAGS: &[(&str, &[&str])] = &[
     ("mdbook", &["dest-dir"]),
     (
         "the suites' tetherd_with_delays (tests/src/bin)",
-        &["hold-deletions-ms", "hold-writes-while", "hold-writes-ms"],
+        &[
+            "hold-deletions-ms",
+            "hold-wiring-ms",
+            "hold-writes-while",
+            "hold-writes-ms",
+        ],
     ),
 ];
 

@@ -1,10 +1,16 @@
 //! Attachment lifecycle edges that ordinary ADD/DEL tests do not reach:
 //! a DEL immediately followed by an ADD of the same attachment (the DEL's
-//! background veth deletion must not take the new veth with it), and the
-//! release of a previous boot's attachments at startup.
+//! background veth deletion must not take the new veth with it), an ADD
+//! whose plugin the runtime kills in the middle, and the release of a
+//! previous boot's attachments at startup.
+
+use std::time::Duration;
 
 use serde_json::Value;
-use tether_e2e::{add, check, del, require_root, tether_bin, with_prev, Daemon, DaemonOpts, Netns};
+use tether_e2e::{
+    add, check, cni_with_timeout, del, require_root, tether_bin, with_prev, CniEnv, Daemon,
+    DaemonOpts, Netns,
+};
 
 fn pod_ipv4(result: &Value) -> String {
     result["ips"]
@@ -70,6 +76,64 @@ fn del_then_immediate_add_keeps_the_new_veth() {
         pod.exec_ok(&["ping", "-c", "1", "-W", "2", &peer_ip]);
         del(&tether_bin(), &conf, "lc-c1", &pod).assert_success();
     }
+}
+
+/// A runtime that gives up on an ADD kills the plugin (containerd does,
+/// when the kubelet's call is cancelled, as on a kubelet restart) and
+/// then sends DEL. The daemon must not leave half an attachment behind:
+/// the ADD it was in the middle of either finishes, and the DEL releases
+/// it, or is undone. Before the verbs ran in tasks of their own, the
+/// killed plugin's call was dropped at its next await, and its address
+/// stayed taken with no attachment to release it: a /29's sixth pod then
+/// found the pool exhausted.
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "root tier: needs root; `make test` runs it"
+)]
+#[test]
+fn an_add_whose_plugin_is_killed_midway_leaves_nothing_after_its_del() {
+    require_root();
+    // Each wiring waits 1 s before the kernel is asked; the plugin is
+    // killed 300 ms into its call, while the daemon waits there.
+    let d = Daemon::start(DaemonOpts {
+        pod_cidrs: vec!["10.79.0.0/29".into()],
+        bin: Some(env!("CARGO_BIN_EXE_tetherd_with_delays").into()),
+        extra_args: vec!["--hold-wiring-ms".into(), "1000".into()],
+        ..DaemonOpts::default()
+    });
+    let conf = d.netconf("1.1.0", "lifecycle");
+    let pod = Netns::new("lccut");
+    let stdin = serde_json::to_vec(&conf).expect("JSON serializes");
+    let cut = cni_with_timeout(
+        &tether_bin(),
+        &CniEnv::new("ADD", "lc-cut", &pod),
+        &stdin,
+        Duration::from_millis(300),
+    );
+    assert_eq!(
+        cut.status, 137,
+        "the plugin was killed in the middle: {cut}"
+    );
+    del(&tether_bin(), &conf, "lc-cut", &pod).assert_success();
+    // Every address of the /29 is free again: six pods get one each.
+    let pods: Vec<Netns> = (0..6).map(|i| Netns::new(&format!("lcc{i}"))).collect();
+    for (i, p) in pods.iter().enumerate() {
+        let out = add(&tether_bin(), &conf, &format!("lc-c{i}"), p);
+        assert!(
+            out.success(),
+            "pod {i} of 6 in a /29 after the cut ADD's DEL: {out}\n{}",
+            d.log()
+        );
+    }
+    // And the cut ADD's veth went with its DEL.
+    let host = tether_kernel::host_ifname("lifecycle", "lc-cut", "eth0");
+    assert!(
+        tether_e2e::wait_until(Duration::from_secs(5), || !d
+            .node()
+            .link_names()
+            .contains(&host)),
+        "{host} is still there"
+    );
 }
 
 #[cfg_attr(

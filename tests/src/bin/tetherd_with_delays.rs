@@ -1,7 +1,8 @@
 //! `tetherd` with delays put into two of its seams, for the suites that
 //! must hold one of its steps back: a veth deletion (an ADD racing the
-//! deletion of its own veth name) and a write of the control store (a
-//! cutover's write arriving after the record changed under it). The
+//! deletion of its own veth name), a pod's wiring (an ADD whose plugin is
+//! killed in the middle) and a write of the control store (a cutover's
+//! write arriving after the record changed under it). The
 //! shipped `tetherd` has no such flags. This is a test double only in the
 //! delays it adds: everything else is the daemon's own library
 //! (`tetherd::daemon::run`), with `tetherd`'s flags.
@@ -34,6 +35,11 @@ struct Cli {
     #[arg(long, value_name = "MS", default_value_t = 0)]
     hold_deletions_ms: u64,
 
+    /// Holds each pod's wiring back this many ms before the kernel is
+    /// asked.
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    hold_wiring_ms: u64,
+
     /// Holds back, by --hold-writes-ms, every write of the control store
     /// begun while this file exists.
     #[arg(long, value_name = "FILE", requires = "hold_writes_ms")]
@@ -55,10 +61,13 @@ fn main() -> ExitCode {
         .with_ansi(false)
         .init();
     let mut seams = Seams::default();
-    let hold = Duration::from_millis(cli.hold_deletions_ms);
-    if !hold.is_zero() {
+    let hold = Holds {
+        deletions: Duration::from_millis(cli.hold_deletions_ms),
+        wiring: Duration::from_millis(cli.hold_wiring_ms),
+    };
+    if !hold.deletions.is_zero() || !hold.wiring.is_zero() {
         seams.kernel = Some(Box::new(move |inner| {
-            Arc::new(SlowDeletions { inner, hold }) as Arc<dyn Kernel>
+            Arc::new(Held { inner, hold }) as Arc<dyn Kernel>
         }));
     }
     if let Some(flag) = cli.hold_writes_while.clone() {
@@ -83,19 +92,28 @@ fn main() -> ExitCode {
     }
 }
 
-/// The kernel, whose background deletions (on its second socket) wait
-/// `hold` first.
-struct SlowDeletions {
+/// How long [`Held`] holds each kind of call back.
+#[derive(Clone, Copy)]
+struct Holds {
+    /// Background deletions (on the kernel's second socket).
+    deletions: Duration,
+    /// A pod's wiring.
+    wiring: Duration,
+}
+
+/// The kernel, whose background deletions and pods' wirings wait first.
+struct Held {
     inner: Arc<dyn Kernel>,
-    hold: Duration,
+    hold: Holds,
 }
 
 #[async_trait]
-impl Veths for SlowDeletions {
+impl Veths for Held {
     fn open_netns(&self, path: &std::path::Path) -> Result<PodNetns> {
         self.inner.open_netns(path)
     }
     async fn wire(&self, w: &PodWiring<'_>) -> Result<()> {
+        tokio::time::sleep(self.hold.wiring).await;
         self.inner.wire(w).await
     }
     async fn check(&self, w: &PodWiring<'_>) -> Result<()> {
@@ -108,7 +126,7 @@ impl Veths for SlowDeletions {
         self.inner.remove_tap(netns, tap, host_ifname).await
     }
     async fn delete_links(&self, host_ifnames: &[String]) -> Result<()> {
-        tokio::time::sleep(self.hold).await;
+        tokio::time::sleep(self.hold.deletions).await;
         self.inner.delete_links(host_ifnames).await
     }
     async fn remove_host_routes(&self, ips: &[std::net::IpAddr]) -> Result<()> {
@@ -133,7 +151,7 @@ impl Veths for SlowDeletions {
 }
 
 #[async_trait]
-impl NodeRoutes for SlowDeletions {
+impl NodeRoutes for Held {
     async fn sync_cluster_routes(&self, desired: &[ClusterRoute]) -> Result<Synced> {
         self.inner.sync_cluster_routes(desired).await
     }
@@ -154,9 +172,9 @@ impl NodeRoutes for SlowDeletions {
     }
 }
 
-impl Kernel for SlowDeletions {
+impl Kernel for Held {
     fn second_socket(&self) -> Result<Arc<dyn Kernel>> {
-        Ok(Arc::new(SlowDeletions {
+        Ok(Arc::new(Held {
             inner: self.inner.second_socket()?,
             hold: self.hold,
         }))
