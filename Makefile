@@ -178,30 +178,31 @@ check:
 ## leases in the cluster suites last 2 s).
 test:
 	@test "$$(id -u)" = 0 || { echo "make test must run as root (it creates network namespaces)"; exit 1; }
-	@mkdir -p target; \
+	@mkdir -p target; echo "== $$(date +%T) make test: setup and the Rust line, the tools line beside"; \
 	nice -n 15 $(MAKE) --no-print-directory mdbook k8s helm e2e-bins >target/go-parts.log 2>&1 & go=$$!; \
 	$(MAKE) --no-print-directory setup lint-text build shim-size docs LINT_BUILD=1; rust=$$?; \
 	if [ $$rust != 0 ]; then \
 	  wait $$go; cat target/go-parts.log; \
 	  echo "make test: setup or the Rust build failed (exit $$rust)"; exit 1; \
 	fi; \
-	echo "== make test: the suites that need no Go part, while the tools line may still build"; \
+	echo "== $$(date +%T) make test: the suites that need no Go part, while the tools line may still build"; \
 	$(CLIPPY_BUILD) TETHER_GO_PARTS=pending TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) \
 	  $(CARGO) test --workspace --features $(ROOT_TESTS) --no-fail-fast -- --test-threads=2 \
 	  $(foreach f,$(GO_SUITES),--skip $(f)); first=$$?; \
 	wait $$go; gorc=$$?; \
-	echo "== mdBook and the Go parts, built beside setup and the Rust (target/go-parts.log):"; \
+	echo "== $$(date +%T) mdBook and the Go parts, built beside setup and the Rust (target/go-parts.log):"; \
 	cat target/go-parts.log; \
 	if [ $$gorc != 0 ]; then \
 	  [ $$first = 0 ] || echo "make test: FAILED: a suite that needs no Go part (exit $$first; its report is above)"; \
 	  echo "make test: building mdBook or the Go parts failed (exit $$gorc)"; exit 1; \
 	fi; \
-	echo "== make test: the suites that need the Go parts ($(GO_SUITES))"; \
+	echo "== $$(date +%T) make test: the suites that need the Go parts ($(GO_SUITES))"; \
 	$(CLIPPY_BUILD) TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) \
 	  $(CARGO) test --workspace --features $(ROOT_TESTS) --no-fail-fast -- --test-threads=2 \
 	  $(GO_SUITES); second=$$?; \
 	[ $$first = 0 ] || echo "make test: FAILED: a suite that needs no Go part (exit $$first; its report is above)"; \
 	[ $$second = 0 ] || echo "make test: FAILED: a suite that needs the Go parts (exit $$second; its report is above)"; \
+	echo "== $$(date +%T) make test: done"; \
 	[ $$first = 0 ] && [ $$second = 0 ]
 
 ## conformance: Kubernetes' own network conformance tests, the 47
