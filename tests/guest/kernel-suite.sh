@@ -50,8 +50,11 @@ deadline=${TETHER_KSUITE_DEADLINE:-1200}
 #                               handover tests write
 #   nf_conntrack_netlink        conntrack entries read and written
 #                               (the flows a VM takes to its target node)
+#   nft_objref                  the NetworkPolicy table's named drop
+#                               counters (its kernel test; tetherd does not
+#                               apply the table yet)
 MODULES="veth vxlan tun dummy bridge sch_ingress cls_u32 act_mirred \
-nf_tables nft_chain_nat nft_masq nf_nat nft_ct nft_nat nf_conntrack_netlink"
+nf_tables nft_chain_nat nft_masq nf_nat nft_ct nft_nat nf_conntrack_netlink nft_objref"
 
 log=
 if [ "${1:-}" = -o ]; then

@@ -98,6 +98,7 @@ fn open_netns_accepts_a_netns_and_refuses_other_namespaces() {
 }
 
 mod handover_tests;
+mod policy_tests;
 mod tap_tests;
 
 // ---------------------------------------------------------------- harness
@@ -299,6 +300,26 @@ impl TestPod {
     fn path(&self) -> &str {
         self.ns.path.to_str().expect("utf-8 path")
     }
+}
+
+/// `nft -f -` with `script` in the calling thread's netns.
+pub(super) fn nft(script: &str) {
+    use std::io::Write;
+    let mut child = Command::new("nft")
+        .args(["-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("nft");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(script.as_bytes())
+        .expect("script");
+    assert!(
+        child.wait().expect("nft").success(),
+        "nft refused:\n{script}"
+    );
 }
 
 fn connect() -> Netlink {

@@ -36,26 +36,6 @@ fn flow(proto: u8, orig: FlowEnds, reply: FlowEnds, mark: u32) -> Flow {
     }
 }
 
-/// `nft -f -` with `script` in the calling thread's netns.
-fn nft(script: &str) {
-    use std::io::Write;
-    let mut child = Command::new("nft")
-        .args(["-f", "-"])
-        .stdin(std::process::Stdio::piped())
-        .spawn()
-        .expect("nft");
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(script.as_bytes())
-        .expect("script");
-    assert!(
-        child.wait().expect("nft").success(),
-        "nft refused:\n{script}"
-    );
-}
-
 /// A host outside the node (a netns of its own) on a veth of the node's:
 /// `uplink` (10.77.0.21/24) in the node, `eth9` (10.77.0.200/24 and
 /// `more` addresses) outside, both up.
