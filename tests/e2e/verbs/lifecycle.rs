@@ -25,6 +25,17 @@ fn pod_ipv4(result: &Value) -> String {
         .unwrap_or_else(|| panic!("no IPv4 address in {result}"))
 }
 
+/// `tetherd_with_delays` on `cidr`, holding one kind of its steps back
+/// (`hold`, one of its `--hold-*-ms` flags) `ms` milliseconds.
+fn held_daemon(cidr: &str, hold: &str, ms: u32) -> Daemon {
+    Daemon::start(DaemonOpts {
+        pod_cidrs: vec![cidr.into()],
+        bin: Some(env!("CARGO_BIN_EXE_tetherd_with_delays").into()),
+        extra_args: vec![hold.into(), ms.to_string()],
+        ..DaemonOpts::default()
+    })
+}
+
 #[cfg_attr(
     not(feature = "root-tests"),
     ignore = "root tier: needs root; `make test` runs it"
@@ -34,12 +45,7 @@ fn del_then_immediate_add_keeps_the_new_veth() {
     require_root();
     // tetherd_with_delays holds each background deletion back 300 ms, so
     // the ADD below always arrives while it is pending.
-    let d = Daemon::start(DaemonOpts {
-        pod_cidrs: vec!["10.77.0.0/24".into()],
-        bin: Some(env!("CARGO_BIN_EXE_tetherd_with_delays").into()),
-        extra_args: vec!["--hold-deletions-ms".into(), "300".into()],
-        ..DaemonOpts::default()
-    });
+    let d = held_daemon("10.77.0.0/24", "--hold-deletions-ms", 300);
     let conf = d.netconf("1.1.0", "lifecycle");
     let pod = Netns::new("lcpod");
     let peer = Netns::new("lcpeer");
@@ -95,12 +101,7 @@ fn an_add_whose_plugin_is_killed_midway_leaves_nothing_after_its_del() {
     require_root();
     // Each wiring waits 1 s before the kernel is asked; the plugin is
     // killed 300 ms into its call, while the daemon waits there.
-    let d = Daemon::start(DaemonOpts {
-        pod_cidrs: vec!["10.79.0.0/29".into()],
-        bin: Some(env!("CARGO_BIN_EXE_tetherd_with_delays").into()),
-        extra_args: vec!["--hold-wiring-ms".into(), "1000".into()],
-        ..DaemonOpts::default()
-    });
+    let d = held_daemon("10.79.0.0/29", "--hold-wiring-ms", 1000);
     let conf = d.netconf("1.1.0", "lifecycle");
     let pod = Netns::new("lccut");
     let stdin = serde_json::to_vec(&conf).expect("JSON serializes");
