@@ -8,7 +8,8 @@
 //! linked) into the test guest's initramfs.
 //!
 //!   tether-echo tcp-listen PORT        serve every connection on PORT
-//!   tether-echo udp-listen PORT        answer every datagram on PORT
+//!   tether-echo udp-listen PORT        answer every datagram on PORT (from
+//!                                      several sockets, see UDP_SOCKETS)
 //!   tether-echo tcp-connect ADDR PORT  open one connection, then answer on it
 //!   tether-echo udp-connect ADDR PORT  say hello until the far end speaks
 //!
@@ -117,22 +118,95 @@ fn tcp_listen(port: u16) -> Result<(), String> {
     Ok(())
 }
 
+/// How many sockets (each with its own thread) share the UDP port. One
+/// thread serving every stream toward the guest fell behind on a busy
+/// machine: the guest's one vCPU is shared fairly among its runnable
+/// threads (a TCP stream has a thread of its own), so a single UDP thread
+/// got one share for ten streams, its receive queue filled and most
+/// datagrams were dropped. SO_REUSEPORT spreads the peers over the
+/// sockets by their addresses, so each peer stays on one socket.
+const UDP_SOCKETS: usize = 8;
+
 fn udp_listen(port: u16) -> Result<(), String> {
-    let socket = UdpSocket::bind(("::", port))
-        .or_else(|_| UdpSocket::bind(("0.0.0.0", port)))
-        .map_err(|e| format!("binding UDP port {port}: {e}"))?;
+    let mut sockets = Vec::new();
+    for _ in 0..UDP_SOCKETS {
+        sockets.push(reuseport_udp6(port).map_err(|e| format!("binding UDP port {port}: {e}"))?);
+    }
     println!("ECHO listening udp {port}");
+    let threads: Vec<_> = sockets
+        .into_iter()
+        .map(|socket| std::thread::spawn(move || udp_serve(&socket)))
+        .collect();
+    for t in threads {
+        if let Ok(Err(e)) = t.join() {
+            return Err(format!("UDP port {port}: {e}"));
+        }
+    }
+    Ok(())
+}
+
+/// Answers every datagram on `socket`; returns only on an error.
+fn udp_serve(socket: &UdpSocket) -> Result<(), String> {
     let mut buf = [0u8; 512];
     loop {
-        let (n, from) = socket
-            .recv_from(&mut buf)
-            .map_err(|e| format!("UDP port {port}: {e}"))?;
+        let (n, from) = socket.recv_from(&mut buf).map_err(|e| e.to_string())?;
         let message = String::from_utf8_lossy(&buf[..n]);
         if let Some(reply) = answer(&message, &show(from)) {
             // A full socket buffer or an unreachable peer loses one answer,
             // which the driver counts; the stream goes on.
             let _ = socket.send_to(reply.as_bytes(), from);
         }
+    }
+}
+
+/// A UDP socket on `[::]:port` (IPv4 too, as IPv4-mapped addresses) with
+/// SO_REUSEPORT set before the bind, which std cannot do.
+fn reuseport_udp6(port: u16) -> Result<UdpSocket, String> {
+    use std::os::fd::FromRawFd;
+    const AF_INET6: i32 = 10;
+    const SOCK_DGRAM: i32 = 2;
+    const SOCK_CLOEXEC: i32 = 0o2000000;
+    const SOL_SOCKET: i32 = 1;
+    const SO_REUSEPORT: i32 = 15;
+    /// struct sockaddr_in6.
+    #[repr(C)]
+    struct SockaddrIn6 {
+        family: u16,
+        port: u16,
+        flowinfo: u32,
+        addr: [u8; 16],
+        scope_id: u32,
+    }
+    extern "C" {
+        fn socket(domain: i32, ty: i32, protocol: i32) -> i32;
+        fn setsockopt(fd: i32, level: i32, name: i32, value: *const u8, len: u32) -> i32;
+        fn bind(fd: i32, addr: *const SockaddrIn6, len: u32) -> i32;
+    }
+    // SAFETY: plain system calls on a descriptor this function owns, with
+    // buffers of the sizes given; the descriptor goes into the UdpSocket,
+    // which closes it, before any early return but the first.
+    unsafe {
+        let fd = socket(AF_INET6, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error().to_string());
+        }
+        let socket = UdpSocket::from_raw_fd(fd);
+        let one: i32 = 1;
+        let value = (&one as *const i32).cast::<u8>();
+        if setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, value, 4) != 0 {
+            return Err(format!("SO_REUSEPORT: {}", std::io::Error::last_os_error()));
+        }
+        let addr = SockaddrIn6 {
+            family: AF_INET6 as u16,
+            port: port.to_be(),
+            flowinfo: 0,
+            addr: [0; 16],
+            scope_id: 0,
+        };
+        if bind(fd, &addr, std::mem::size_of::<SockaddrIn6>() as u32) != 0 {
+            return Err(std::io::Error::last_os_error().to_string());
+        }
+        Ok(socket)
     }
 }
 

@@ -492,13 +492,25 @@ impl PathSet {
             .streams
             .iter()
             .filter(|s| !s.wait_echoes(20, Duration::from_secs(30)))
-            .map(|s| format!("{} ({:?})", s.name(), s.error()))
+            .map(Stream::state)
             .collect();
-        assert!(
-            late.is_empty(),
-            "streams with no echoes before the migration: {late:?}\nguest console:\n{}",
-            guest.console_text()
-        );
+        if !late.is_empty() {
+            // The guest's sockets (their queues and drops) tell a stuck
+            // process from a path that never delivers.
+            let sockets = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                guest.run_ok(
+                    "cat /proc/net/udp /proc/net/udp6 /proc/net/tcp /proc/net/tcp6; ps; \
+                     cat /proc/net/snmp",
+                )
+            }))
+            .unwrap_or_else(|_| "(the guest did not answer)".into());
+            panic!(
+                "streams with no echoes before the migration:\n{}\nguest sockets:\n{sockets}\n\
+                 guest console:\n{}",
+                late.join("\n"),
+                guest.console_text()
+            );
+        }
         set
     }
 

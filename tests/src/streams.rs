@@ -334,6 +334,33 @@ impl Stream {
         false
     }
 
+    /// Where the stream stands, for a failure's message: its transport,
+    /// what was sent and echoed, and TCP's own counters (whether the far
+    /// end's kernel acknowledges what its process does not answer).
+    pub fn state(&self) -> String {
+        let r = self.shared.record();
+        let mut out = format!(
+            "{} [{}]: sent {}, echoed {}, opened {}, skipped {}",
+            self.name,
+            self.proto.name(),
+            r.sent.len(),
+            r.echoes.len(),
+            if r.opened.is_some() { "yes" } else { "no" },
+            r.skipped
+        );
+        if self.proto == Proto::Tcp {
+            out.push_str(&format!(
+                ", retransmissions {}, longest wait for an ack {} ms",
+                r.tcp.last_retrans - r.tcp.first_retrans.unwrap_or(r.tcp.last_retrans),
+                r.tcp.ack_stall_ms
+            ));
+        }
+        if let Some((_, e)) = &r.error {
+            out.push_str(&format!(", error: {e}"));
+        }
+        out
+    }
+
     /// The stream's error so far, if any.
     pub fn error(&self) -> Option<String> {
         self.shared.record().error.as_ref().map(|(_, e)| e.clone())
