@@ -8,9 +8,13 @@ RELEASE_DIR := target/release
 ROOT_TESTS := tether-kernel/root-tests,tether-node-server/root-tests,tether-e2e/root-tests,tether-e2e/tools-tests,tether-e2e/cluster-tests,tether-e2e/kubelet-tests
 DEBUG_DIR := target/debug
 # Test-name filters (substrings, as libtest matches them) of the tests that
-# need a part the tools line of `make test` builds: kube-apiserver and the
-# kubelet nodes' binaries, helm, e2e.test, CoreDNS, mdBook.
-GO_SUITES := kube conformance install:: house:: node_routes routing::services vm_connections
+# need a part the tools line of `make test` builds. KUBE_SUITES need only
+# the Kubernetes binaries (`make k8s`: kube-apiserver, kube-proxy, the
+# kubelet's) and helm (which renders the chart's RBAC and CRDs for every
+# suite on the Kubernetes store); TOOL_SUITES need e2e.test or CoreDNS too.
+# A test whose name matches both runs with TOOL_SUITES.
+KUBE_SUITES := kube_api kube_client kubernetes node_routes routing::services vm_connections
+TOOL_SUITES := kube:: conformance install:: house::
 
 .PHONY: all setup setup-demo k8s helm e2e-bins mdbook conformance-images conformance kubevirt bench-kubevirt manifests docs reference build release demo check test unit integration lint lint-text bench clean shim-size min-kernel
 
@@ -158,52 +162,64 @@ check:
 ## built and its links checked (docs), its runnable blocks run and its
 ## facts checked (doc_blocks, doc_facts). Root only.
 ##
-## The suites run in two parts, each test in exactly one: those whose
-## names contain none of GO_SUITES start as soon as the Rust line is done,
-## while the tools line may still be building (with TETHER_GO_PARTS=pending,
-## under which a test that asks for a Go part fails at once and says to add
-## it to GO_SUITES); those whose names contain one of them run after it.
+## The suites run in three parts, each test in exactly one, each as soon
+## as what it needs is built: those whose names contain none of
+## KUBE_SUITES and TOOL_SUITES when the Rust line is done; those of
+## KUBE_SUITES once the tools line has built the Kubernetes binaries and
+## helm; those of TOOL_SUITES once it is done. Each part runs with TETHER_GO_PARTS
+## naming the Go parts built so far (`pending`: none), under which a test
+## that asks for another fails at once and says which list to add it to.
 ##
 ## Before the suites, two lines run side by side: the tools that need only
-## the machine's Go and Rust (mdBook, then the Go parts k8s, helm,
-## e2e-bins), and setup then the Rust (lint-text, the build with clippy's
-## lints in it (LINT_BUILD), shim-size, docs; the build needs setup's
-## protoc). Each leaves a core idle at times (downloads, links, a last
-## crate); side by side they fill it. mdBook goes first on the tools line:
-## the Rust line's `docs` needs it after the build. The tools line's
+## the machine's Go and Rust (mdBook, the Kubernetes binaries and helm,
+## then e2e-bins), and setup then the Rust (lint-text, the build with
+## clippy's lints in it (LINT_BUILD), shim-size, docs; the build needs
+## setup's protoc). Each leaves a core idle at times (downloads, links, a
+## last crate); side by side they fill it. mdBook goes first on the tools
+## line: the Rust line's `docs` needs it after the build. The tools line's
 ## output is kept in target/go-parts.log and printed after it; either line
-## failing fails `make test` before any suite runs. The tools line runs at
-## a lower priority (nice 15): it takes what the Rust line and then the
-## first suites leave idle, and does not starve the suites' daemons (whose
-## leases in the cluster suites last 2 s).
+## failing fails `make test` before any suite that needs it runs. The tools
+## line runs at a lower priority (nice 15): it takes what the Rust line
+## and then the suites leave idle, and does not starve the suites' daemons
+## (whose leases in the cluster suites last 2 s).
+TEST_RUN = $(CLIPPY_BUILD) TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) \
+	  $(CARGO) test --workspace --features $(ROOT_TESTS) --no-fail-fast -- --test-threads=2
 test:
 	@test "$$(id -u)" = 0 || { echo "make test must run as root (it creates network namespaces)"; exit 1; }
-	@mkdir -p target; echo "== $$(date +%T) make test: setup and the Rust line, the tools line beside"; \
-	nice -n 15 $(MAKE) --no-print-directory mdbook k8s helm e2e-bins >target/go-parts.log 2>&1 & go=$$!; \
+	@mkdir -p target; rm -f target/kube-helm.rc; \
+	echo "== $$(date +%T) make test: setup and the Rust line, the tools line beside"; \
+	( nice -n 15 $(MAKE) --no-print-directory mdbook k8s helm >target/go-parts.log 2>&1; rc=$$?; \
+	  echo $$rc >target/kube-helm.rc; [ $$rc = 0 ] || exit $$rc; \
+	  nice -n 15 $(MAKE) --no-print-directory e2e-bins >>target/go-parts.log 2>&1 ) & go=$$!; \
 	$(MAKE) --no-print-directory setup lint-text build shim-size docs LINT_BUILD=1; rust=$$?; \
 	if [ $$rust != 0 ]; then \
 	  wait $$go; cat target/go-parts.log; \
 	  echo "make test: setup or the Rust build failed (exit $$rust)"; exit 1; \
 	fi; \
-	echo "== $$(date +%T) make test: the suites that need no Go part, while the tools line may still build"; \
-	$(CLIPPY_BUILD) TETHER_GO_PARTS=pending TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) \
-	  $(CARGO) test --workspace --features $(ROOT_TESTS) --no-fail-fast -- --test-threads=2 \
-	  $(foreach f,$(GO_SUITES),--skip $(f)); first=$$?; \
+	echo "== $$(date +%T) make test: part 1, the suites that need no Go part, while the tools line may still build"; \
+	TETHER_GO_PARTS=pending $(TEST_RUN) \
+	  $(foreach f,$(KUBE_SUITES) $(TOOL_SUITES),--skip $(f)); first=$$?; \
+	while [ ! -s target/kube-helm.rc ]; do sleep 2; done; \
+	if [ "$$(cat target/kube-helm.rc)" = 0 ]; then \
+	  echo "== $$(date +%T) make test: part 2, the suites that need only the Kubernetes binaries and helm ($(KUBE_SUITES))"; \
+	  TETHER_GO_PARTS=kube,helm $(TEST_RUN) $(KUBE_SUITES) \
+	    $(foreach f,$(TOOL_SUITES),--skip $(f)); second=$$?; \
+	else second=1; fi; \
 	wait $$go; gorc=$$?; \
-	echo "== $$(date +%T) mdBook and the Go parts, built beside setup and the Rust (target/go-parts.log):"; \
+	echo "== $$(date +%T) mdBook and the Go parts, built beside setup, the Rust and the first parts (target/go-parts.log):"; \
 	cat target/go-parts.log; \
 	if [ $$gorc != 0 ]; then \
 	  [ $$first = 0 ] || echo "make test: FAILED: a suite that needs no Go part (exit $$first; its report is above)"; \
+	  [ $$second = 0 ] || echo "make test: FAILED: a suite that needs the Kubernetes binaries and helm, or they did not build (exit $$second)"; \
 	  echo "make test: building mdBook or the Go parts failed (exit $$gorc)"; exit 1; \
 	fi; \
-	echo "== $$(date +%T) make test: the suites that need the Go parts ($(GO_SUITES))"; \
-	$(CLIPPY_BUILD) TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) \
-	  $(CARGO) test --workspace --features $(ROOT_TESTS) --no-fail-fast -- --test-threads=2 \
-	  $(GO_SUITES); second=$$?; \
+	echo "== $$(date +%T) make test: part 3, the suites that need e2e.test or CoreDNS ($(TOOL_SUITES))"; \
+	$(TEST_RUN) $(TOOL_SUITES); third=$$?; \
 	[ $$first = 0 ] || echo "make test: FAILED: a suite that needs no Go part (exit $$first; its report is above)"; \
-	[ $$second = 0 ] || echo "make test: FAILED: a suite that needs the Go parts (exit $$second; its report is above)"; \
+	[ $$second = 0 ] || echo "make test: FAILED: a suite that needs the Kubernetes binaries and helm (exit $$second; its report is above)"; \
+	[ $$third = 0 ] || echo "make test: FAILED: a suite that needs e2e.test or CoreDNS (exit $$third; its report is above)"; \
 	echo "== $$(date +%T) make test: done"; \
-	[ $$first = 0 ] && [ $$second = 0 ]
+	[ $$first = 0 ] && [ $$second = 0 ] && [ $$third = 0 ]
 
 ## conformance: Kubernetes' own network conformance tests, the 47
 ## `[sig-network] ... [Conformance]` tests of e2e.test v1.37.2, on two

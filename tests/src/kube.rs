@@ -60,17 +60,23 @@ pub(crate) fn go_build(what: &str) -> PathBuf {
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
-/// Fails the test at once if it runs in the part of `make test` that
-/// starts before the tools line has built the Go parts
-/// (`TETHER_GO_PARTS=pending`): there it would start a second build of
-/// `what` beside the one under way, or race it. The test belongs in the
-/// Makefile's GO_SUITES, which run after the tools line.
+/// Fails the test at once if it runs in a part of `make test` that starts
+/// before the tools line has built `what`: `TETHER_GO_PARTS` names the Go
+/// parts built so far (comma-separated; `pending`: none; unset: outside
+/// `make test`, where a part is built on demand). There the test would
+/// start a second build of `what` beside the one under way, or race it. The
+/// test belongs in the Makefile's KUBE_SUITES (it needs only `kube` and
+/// `helm`) or TOOL_SUITES, which run once their parts are built.
 pub(crate) fn go_part_wanted(what: &str) {
-    if std::env::var_os("TETHER_GO_PARTS").is_some_and(|v| v == "pending") {
-        panic!(
-            "this test needs {what}, built by make test's tools line, but runs before it is \
-             done: add a part of its name to GO_SUITES in the Makefile"
-        );
+    if let Some(built) = std::env::var_os("TETHER_GO_PARTS") {
+        let built = built.to_string_lossy();
+        if !built.split(',').any(|part| part == what) {
+            panic!(
+                "this test needs {what}, built by make test's tools line, but runs before it is \
+                 built (TETHER_GO_PARTS={built}): add a part of its name to KUBE_SUITES (if it \
+                 needs only the Kubernetes binaries and helm) or TOOL_SUITES in the Makefile"
+            );
+        }
     }
 }
 

@@ -356,10 +356,25 @@ fn make_test_compiles_in_every_crates_root_unit_tests() {
         .lines()
         .find_map(|l| l.strip_prefix("ROOT_TESTS := "))
         .expect("ROOT_TESTS in the Makefile");
-    let test_recipe: Vec<&str> = makefile
+    // The recipe runs its suites through TEST_RUN: read it in its place.
+    let test_run = makefile
+        .split("\nTEST_RUN = ")
+        .nth(1)
+        .expect("TEST_RUN in the Makefile")
+        .split_inclusive('\n')
+        .scan(true, |more, l| {
+            let this = (*more).then_some(l);
+            *more = l.trim_end().ends_with('\\');
+            this
+        })
+        .collect::<String>()
+        .replace("\\\n", " ");
+    let recipe = makefile
         .split("\ntest:")
         .nth(1)
         .expect("a test target")
+        .replace("$(TEST_RUN)", &test_run);
+    let test_recipe: Vec<&str> = recipe
         .lines()
         .take_while(|l| l.starts_with('\t') || l.is_empty() || !l.contains(':'))
         .filter(|l| l.contains("cargo") || l.contains("$(CARGO)"))
