@@ -127,6 +127,14 @@ fn tcp_listen(port: u16) -> Result<(), String> {
 /// sockets by their addresses, so each peer stays on one socket.
 const UDP_SOCKETS: usize = 8;
 
+/// Each UDP socket's receive buffer (SO_RCVBUF; the kernel doubles it):
+/// small, so that a guest that falls behind drops datagrams, which the
+/// driver counts as lost, instead of answering each from the back of a
+/// long queue. With the default (about 200 KiB, some 250 datagrams)
+/// a busy guest answered every datagram tens of seconds late, and a
+/// stream that was alive looked dead.
+const UDP_RCVBUF: i32 = 16 * 1024;
+
 fn udp_listen(port: u16) -> Result<(), String> {
     let mut sockets = Vec::new();
     for _ in 0..UDP_SOCKETS {
@@ -160,7 +168,8 @@ fn udp_serve(socket: &UdpSocket) -> Result<(), String> {
 }
 
 /// A UDP socket on `[::]:port` (IPv4 too, as IPv4-mapped addresses) with
-/// SO_REUSEPORT set before the bind, which std cannot do.
+/// SO_REUSEPORT set before the bind, which std cannot do, and a receive
+/// buffer of [`UDP_RCVBUF`].
 fn reuseport_udp6(port: u16) -> Result<UdpSocket, String> {
     use std::os::fd::FromRawFd;
     const AF_INET6: i32 = 10;
@@ -168,6 +177,7 @@ fn reuseport_udp6(port: u16) -> Result<UdpSocket, String> {
     const SOCK_CLOEXEC: i32 = 0o2000000;
     const SOL_SOCKET: i32 = 1;
     const SO_REUSEPORT: i32 = 15;
+    const SO_RCVBUF: i32 = 8;
     /// struct sockaddr_in6.
     #[repr(C)]
     struct SockaddrIn6 {
@@ -195,6 +205,10 @@ fn reuseport_udp6(port: u16) -> Result<UdpSocket, String> {
         let value = (&one as *const i32).cast::<u8>();
         if setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, value, 4) != 0 {
             return Err(format!("SO_REUSEPORT: {}", std::io::Error::last_os_error()));
+        }
+        let size = (&UDP_RCVBUF as *const i32).cast::<u8>();
+        if setsockopt(fd, SOL_SOCKET, SO_RCVBUF, size, 4) != 0 {
+            return Err(format!("SO_RCVBUF: {}", std::io::Error::last_os_error()));
         }
         let addr = SockaddrIn6 {
             family: AF_INET6 as u16,
