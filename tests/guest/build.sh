@@ -18,21 +18,12 @@ set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 base=${TETHER_GUEST_DIR:-/var/tmp/tether-guest}
 
-kernel_pkg() {
-    apt-cache depends linux-image-cloud-amd64 2>/dev/null |
-        awk '/Depends: linux-image-[0-9]/ { print $2; exit }'
-}
-pkg=$(kernel_pkg)
-if [ -z "$pkg" ]; then
-    apt-get update >&2
-    pkg=$(kernel_pkg)
-fi
-[ -n "$pkg" ] || { echo "build.sh: no linux-image-cloud-amd64 in apt" >&2; exit 1; }
-kver=$(apt-cache policy "$pkg" | awk '/Candidate:/ { print $2 }')
+who=build.sh
+. "$here/kernel.sh"
 dver=$(apt-cache policy dhcpcd-base | awk '/Candidate:/ { print $2 }')
 gver=$(apt-cache policy qemu-guest-agent | awk '/Candidate:/ { print $2 }')
 command -v rustc >/dev/null || { echo "build.sh: no rustc on PATH (tether-echo is built with it)" >&2; exit 1; }
-inputs=$( (cat "$here/build.sh" "$here/init" "$here/udhcpc.script" "$here/dhcpcd.script" \
+inputs=$( (cat "$here/build.sh" "$here/kernel.sh" "$here/init" "$here/udhcpc.script" "$here/dhcpcd.script" \
     "$here/echo.rs" /bin/busybox; rustc --version; echo "$gver") | sha256sum | cut -c1-16)
 out="$base/$pkg-$kver-$dver-$inputs"
 if [ -f "$out/done" ]; then

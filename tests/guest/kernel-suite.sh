@@ -65,17 +65,8 @@ fi
 
 # ---- The kernel package, unpacked once: vmlinuz, and its modules
 # decompressed with a modules.dep made by busybox's depmod.
-kernel_pkg() {
-    apt-cache depends linux-image-cloud-amd64 2>/dev/null |
-        awk '/Depends: linux-image-[0-9]/ { print $2; exit }'
-}
-pkg=$(kernel_pkg)
-if [ -z "$pkg" ]; then
-    apt-get update >&2
-    pkg=$(kernel_pkg)
-fi
-[ -n "$pkg" ] || { echo "kernel-suite.sh: no linux-image-cloud-amd64 in apt" >&2; exit 1; }
-kver=$(apt-cache policy "$pkg" | awk '/Candidate:/ { print $2 }')
+who=kernel-suite.sh
+. "$here/kernel.sh"
 kdir="$base/kernel-$pkg-$kver"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -110,15 +110,7 @@ impl Helm {
     /// Like [`Helm::run`]; panics with helm's output unless it succeeds;
     /// its stdout.
     pub fn run_ok(&self, args: &[&str]) -> String {
-        let out = self.run(args);
-        assert!(
-            out.status.success(),
-            "helm {args:?} failed ({}):\n{}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        crate::stdout_ok(&self.run(args), format_args!("helm {args:?}"))
     }
 
     /// A values file in this helm's home, holding `values` (JSON is YAML).

@@ -96,7 +96,9 @@ pub fn debian_roots_dir() -> &'static Path {
     })
 }
 
-fn cache_base() -> PathBuf {
+/// Where the Go builds and the images are cached: `TETHER_K8S_DIR`, or
+/// /var/tmp/tether-k8s (as tests/k8s/lib.sh).
+pub(crate) fn cache_base() -> PathBuf {
     std::env::var_os("TETHER_K8S_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("/var/tmp/tether-k8s"))

@@ -80,6 +80,20 @@ pub(crate) fn go_part_wanted(what: &str) {
     }
 }
 
+/// A Service the tests write by hand, with its endpoints (no selector,
+/// no controller): [`KubeApi::service_with_endpoints`].
+#[derive(Debug, Clone, Copy)]
+pub struct ServiceSpec<'a> {
+    /// Its name, in namespace `default`.
+    pub name: &'a str,
+    /// Its type: `ClusterIP` or `NodePort`.
+    pub kind: &'a str,
+    /// One entry per port: name, protocol, port, target port.
+    pub ports: &'a [(&'a str, &'a str, u16, u16)],
+    /// Its endpoints (IPv4 addresses).
+    pub endpoints: &'a [IpAddr],
+}
+
 /// A running API server (see the module doc).
 #[derive(Debug)]
 pub struct KubeApi {
@@ -431,29 +445,51 @@ impl KubeApi {
 
     /// kubectl as the admin; panics unless it succeeds; its stdout.
     pub fn kubectl_ok(&self, args: &[&str]) -> String {
-        let out = self.kubectl(args);
-        assert!(
-            out.status.success(),
-            "kubectl {args:?} failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        crate::stdout_ok(&self.kubectl(args), format_args!("kubectl {args:?}"))
     }
 
-    /// A Service `name` in `default` of type `kind` (`ClusterIP`,
-    /// `NodePort`) with one port per entry of `ports` (name, protocol,
-    /// port, target port) and no selector, and its endpoints `endpoints`
-    /// (IPv4) written as an EndpointSlice by hand, as a controller would;
-    /// the Service as the server answers it (its ClusterIP, its
-    /// NodePorts). Nothing waits for kube-proxy here.
-    pub fn service_with_endpoints(
+    /// [`KubeApi::service_with_endpoints`], then waits until kube-proxy
+    /// on each of `proxies` (a node's name and netns) has the Service's
+    /// ClusterIP and every endpoint in its nat table; `log(i)` is the
+    /// kube-proxy log of `proxies[i]`, for a failure's message. The
+    /// Service.
+    pub fn expose_through(
         &self,
-        name: &str,
-        kind: &str,
-        ports: &[(&str, &str, u16, u16)],
-        endpoints: &[IpAddr],
+        spec: &ServiceSpec<'_>,
+        proxies: &[(&str, &Netns)],
+        log: &dyn Fn(usize) -> String,
     ) -> Value {
+        let svc = self.service_with_endpoints(spec);
+        let ip = svc["spec"]["clusterIP"].as_str().unwrap_or_default();
+        let (name, endpoints) = (spec.name, spec.endpoints);
+        for (i, (node, netns)) in proxies.iter().enumerate() {
+            let programmed = wait_until(Duration::from_secs(60), || {
+                let out = netns.exec(&["iptables-save", "-t", "nat"]);
+                let rules = String::from_utf8_lossy(&out.stdout);
+                !ip.is_empty()
+                    && rules.contains(ip)
+                    && endpoints.iter().all(|e| rules.contains(&format!("{e}:")))
+            });
+            assert!(
+                programmed,
+                "kube-proxy on {node} never programmed {name} ({ip} → {endpoints:?})\n{}",
+                log(i)
+            );
+        }
+        svc
+    }
+
+    /// The Service of `spec` in `default`, with no selector, and its
+    /// endpoints written as an EndpointSlice by hand, as a controller
+    /// would; the Service as the server answers it (its ClusterIP, its
+    /// NodePorts). Nothing waits for kube-proxy here.
+    pub fn service_with_endpoints(&self, spec: &ServiceSpec<'_>) -> Value {
+        let ServiceSpec {
+            name,
+            kind,
+            ports,
+            endpoints,
+        } = *spec;
         let service_ports: Vec<Value> = ports
             .iter()
             .map(|(n, proto, port, target)| {
@@ -524,18 +560,23 @@ impl KubeApi {
     pub fn cert_kubeconfig(&self, name: &str, subj: &str) -> PathBuf {
         let d = self.dir.path();
         sign_cert(d, name, subj, "extendedKeyUsage=clientAuth\n");
+        self.write_kubeconfig(
+            name,
+            &format!(
+                "client-certificate: {}\n    client-key: {}",
+                d.join(format!("{name}.crt")).display(),
+                d.join(format!("{name}.key")).display()
+            ),
+        )
+    }
+
+    /// Writes `<name>.kubeconfig` for this server with `user` (the
+    /// user's credentials, as kubeconfig lines); its path.
+    fn write_kubeconfig(&self, name: &str, user: &str) -> PathBuf {
         let path = self.path(&format!("{name}.kubeconfig"));
         std::fs::write(
             &path,
-            kubeconfig(
-                &self.server(),
-                &self.path("ca.crt"),
-                &format!(
-                    "client-certificate: {}\n    client-key: {}",
-                    d.join(format!("{name}.crt")).display(),
-                    d.join(format!("{name}.key")).display()
-                ),
-            ),
+            kubeconfig(&self.server(), &self.path("ca.crt"), user),
         )
         .expect("writing a kubeconfig");
         path
@@ -555,17 +596,7 @@ impl KubeApi {
     /// with the TokenRequest API, valid for an hour).
     pub fn token_kubeconfig(&self, ns: &str, name: &str) -> PathBuf {
         let token = self.kubectl_ok(&["-n", ns, "create", "token", name, "--duration=1h"]);
-        let path = self.path(&format!("{name}.kubeconfig"));
-        std::fs::write(
-            &path,
-            kubeconfig(
-                &self.server(),
-                &self.path("ca.crt"),
-                &format!("token: {}", token.trim()),
-            ),
-        )
-        .expect("writing a kubeconfig");
-        path
+        self.write_kubeconfig(name, &format!("token: {}", token.trim()))
     }
 
     /// Installs what tether's chart defines for the API: the IPAMClaim CRD

@@ -59,7 +59,7 @@ use serde_json::{json, Value};
 
 use crate::chart::{self, Helm};
 use crate::cluster::{Fabric, Underlay, GATEWAY_V4};
-use crate::kube::{k8s_bin_dir, KubeApi};
+use crate::kube::{k8s_bin_dir, KubeApi, ServiceSpec};
 use crate::kubelet::{
     containerd_config, kubelet_config, terminate, tether_image, ContainerdPaths, PodWatch,
     SavedSysctls, TETHER_SELECTOR,
@@ -884,11 +884,7 @@ impl KubeCluster {
     pub fn network_view(&self) -> String {
         let mut text = String::new();
         let mut section = |title: &str, out: Output| {
-            text.push_str(&format!(
-                "--- {title} ---\n{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            ));
+            text.push_str(&format!("--- {title} ---\n{}", crate::output_text(&out)));
         };
         for node in &self.nodes {
             let routes = node.netns().exec(&["ip", "route", "show"]);
@@ -1069,11 +1065,7 @@ impl KubeCluster {
     pub fn network_state(&self) -> String {
         let run = |ns: &Netns, argv: &[&str]| {
             let out = ns.exec(argv);
-            let text = format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
+            let text = crate::output_text(&out);
             let lines: Vec<&str> = text.lines().collect();
             let shown = lines.len().min(60);
             let mut s = format!("$ {}\n{}\n", argv.join(" "), lines[..shown].join("\n"));
@@ -1165,37 +1157,14 @@ impl KubeCluster {
         self.adopt_pod(name)
     }
 
-    /// A Service `name` in `default` of type `kind` with `ports` (name,
-    /// protocol, port, target port) and no selector, its endpoints
-    /// `endpoints` written as an EndpointSlice; waits until every node's
-    /// kube-proxy has programmed it and its endpoints. The Service.
-    pub fn expose(
-        &self,
-        name: &str,
-        kind: &str,
-        ports: &[(&str, &str, u16, u16)],
-        endpoints: &[IpAddr],
-    ) -> Value {
-        let svc = self
-            .api
-            .service_with_endpoints(name, kind, ports, endpoints);
-        let ip = svc["spec"]["clusterIP"].as_str().unwrap_or_default();
-        for node in &self.nodes {
-            let programmed = wait_until(Duration::from_secs(60), || {
-                let out = node.netns().exec(&["iptables-save", "-t", "nat"]);
-                let rules = String::from_utf8_lossy(&out.stdout);
-                !ip.is_empty()
-                    && rules.contains(ip)
-                    && endpoints.iter().all(|e| rules.contains(&format!("{e}:")))
-            });
-            assert!(
-                programmed,
-                "kube-proxy on {} never programmed {name} ({ip} → {endpoints:?})\n{}",
-                node.name(),
-                node.log_tail("kube-proxy")
-            );
-        }
-        svc
+    /// The Service of `spec` ([`KubeApi::expose_through`]), its
+    /// endpoints written by hand; waits until every node's kube-proxy has
+    /// programmed it and its endpoints. The Service.
+    pub fn expose(&self, spec: &ServiceSpec<'_>) -> Value {
+        let proxies: Vec<(&str, &Netns)> =
+            self.nodes.iter().map(|n| (n.name(), n.netns())).collect();
+        self.api
+            .expose_through(spec, &proxies, &|i| self.nodes[i].log_tail("kube-proxy"))
     }
 }
 
@@ -1257,14 +1226,10 @@ impl KubeCluster {
 
     /// Like [`KubeCluster::exec`]; panics unless it succeeds; its stdout.
     pub fn exec_ok(&self, name: &str, argv: &[&str]) -> String {
-        let out = self.exec(name, argv);
-        assert!(
-            out.status.success(),
-            "kubectl exec {name} -- {argv:?}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        crate::stdout_ok(
+            &self.exec(name, argv),
+            format_args!("kubectl exec {name} -- {argv:?}"),
+        )
     }
 
     /// Waits until `kubectl exec` into pod `name` works (after a restart of
@@ -1438,10 +1403,9 @@ impl KubeCluster {
                     args.extend(argv.iter().copied());
                     let out = node.ctr(&args);
                     text.push_str(&format!(
-                        "--- in tetherd container {id} on {}: {argv:?} ---\n{}{}",
+                        "--- in tetherd container {id} on {}: {argv:?} ---\n{}",
                         node.name(),
-                        String::from_utf8_lossy(&out.stdout),
-                        String::from_utf8_lossy(&out.stderr)
+                        crate::output_text(&out)
                     ));
                 }
             }
@@ -1506,7 +1470,7 @@ impl KubePaths {
         let backends = vec![c.adopt_pod("paths-back1")];
         let backend_ips: Vec<IpAddr> = backends.iter().map(|b| b.ip).collect();
         let services = Services::create_with(
-            &|name, kind, ports, endpoints| c.expose(name, kind, ports, endpoints),
+            &|spec| c.expose(spec),
             ("paths-vm", "paths-backends"),
             vm,
             &backend_ips,

@@ -168,12 +168,6 @@ pub fn image(component: &str) -> String {
     format!("{REGISTRY}/{component}:{VERSION}")
 }
 
-fn cache_base() -> PathBuf {
-    std::env::var_os("TETHER_K8S_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/var/tmp/tether-k8s"))
-}
-
 /// KubeVirt's images ([`COMPONENTS`]): each name with its OCI archive.
 /// Packed once and cached, keyed by the builds they are made of and this
 /// code. Root only.
@@ -196,7 +190,7 @@ fn pack_cached() -> PathBuf {
         include_str!("oci.rs"),
     );
     let key = &crate::conformance_images::sha256_of(key.as_bytes())[..16];
-    let base = cache_base();
+    let base = crate::conformance_images::cache_base();
     let out = base.join(format!("kubevirt-images-{key}"));
     if out.join("done").exists() {
         return out;
@@ -860,13 +854,10 @@ impl Drop for LogFollower {
     }
 }
 
-/// libvirt's statistics of the last migration job of VMI `vmi` as its
-/// launcher pod `pod` has them (`virsh domjobinfo --completed`, inside the
-/// pod's `compute` container, on the non-root launcher's session daemon):
-/// each `Key: value` line. On a migration's target they are the source's,
-/// sent along at the end of the migration (downtime included).
-pub fn completed_job(cluster: &KubeCluster, pod: &str, vmi: &str) -> Vec<(String, String)> {
-    let out = cluster.api.kubectl(&[
+/// `virsh args` in launcher pod `pod` (namespace `default`), in its
+/// `compute` container, against the non-root launcher's session daemon.
+pub fn virsh(cluster: &KubeCluster, pod: &str, args: &[&str]) -> std::process::Output {
+    let mut argv = vec![
         "-n",
         "default",
         "exec",
@@ -877,10 +868,22 @@ pub fn completed_job(cluster: &KubeCluster, pod: &str, vmi: &str) -> Vec<(String
         "virsh",
         "-c",
         "qemu+unix:///session?socket=/var/run/libvirt/virtqemud-sock",
-        "domjobinfo",
-        "--completed",
-        &format!("default_{vmi}"),
-    ]);
+    ];
+    argv.extend_from_slice(args);
+    cluster.api.kubectl(&argv)
+}
+
+/// libvirt's statistics of the last migration job of VMI `vmi` as its
+/// launcher pod `pod` has them (`virsh domjobinfo --completed`, inside the
+/// pod's `compute` container, on the non-root launcher's session daemon):
+/// each `Key: value` line. On a migration's target they are the source's,
+/// sent along at the end of the migration (downtime included).
+pub fn completed_job(cluster: &KubeCluster, pod: &str, vmi: &str) -> Vec<(String, String)> {
+    let out = virsh(
+        cluster,
+        pod,
+        &["domjobinfo", "--completed", &format!("default_{vmi}")],
+    );
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| l.split_once(':'))

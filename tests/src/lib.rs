@@ -256,6 +256,27 @@ pub fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
     }
 }
 
+/// A command's stdout then stderr, as text: for a failure's message.
+pub fn output_text(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// The stdout of a command that must have succeeded; else panics with
+/// `what` (the command as the message names it) and its output.
+pub fn stdout_ok(out: &std::process::Output, what: impl std::fmt::Display) -> String {
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{}",
+        out.status,
+        output_text(out)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// Panics naming the duplicates unless every item is distinct; `what`
 /// says what the items are.
 pub fn assert_distinct<T>(what: &str, items: impl IntoIterator<Item = T>)

@@ -282,10 +282,9 @@ pub fn assert_ping_within(from: &Netns, to: IpAddr, limit: Duration) {
     let fam = if to.is_ipv4() { Family::V4 } else { Family::V6 };
     let out = last.expect("pinged at least once");
     panic!(
-        "no ping reply from {to} to {} within {limit:?}:\n{}{}\nroutes there: {:?}",
+        "no ping reply from {to} to {} within {limit:?}:\n{}\nroutes there: {:?}",
         from.name(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
+        crate::output_text(&out),
         from.routes(fam)
     );
 }

@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::cluster::{assert_ping_within, Cluster, Fabric, Pod, Underlay};
+use crate::kube::ServiceSpec;
 use crate::qemu::{Guest, Pause, BOOT_TIMEOUT};
 use crate::streams::{Proto, Stream, StreamReport};
 use crate::topology::{Tetherd, Topology};
@@ -109,9 +110,8 @@ pub struct Services {
 
 /// How a cluster makes a Service with its endpoints written by hand
 /// ([`Cluster::expose`], [`crate::kube_cluster::KubeCluster::expose`]):
-/// name, type, ports (name, protocol, port, target port), endpoints; the
-/// Service as the API server answers it.
-pub type Expose<'a> = dyn Fn(&str, &str, &[(&str, &str, u16, u16)], &[IpAddr]) -> Value + 'a;
+/// the Service as the API server answers it.
+pub type Expose<'a> = dyn Fn(&ServiceSpec<'_>) -> Value + 'a;
 
 impl Services {
     /// Creates both Services on `cluster` (which runs kube-proxy): one
@@ -119,7 +119,7 @@ impl Services {
     /// ClusterIP Service with `backends` as its endpoints.
     pub fn create(cluster: &Cluster, vm: IpAddr, backends: &[IpAddr]) -> Services {
         Services::create_with(
-            &|name, kind, ports, endpoints| cluster.expose(name, kind, ports, endpoints),
+            &|spec| cluster.expose(spec),
             ("vm", "backends"),
             vm,
             backends,
@@ -136,15 +136,15 @@ impl Services {
         vm: IpAddr,
         backends: &[IpAddr],
     ) -> Services {
-        let vm_svc = expose(
-            names.0,
-            "NodePort",
-            &[
+        let vm_svc = expose(&ServiceSpec {
+            name: names.0,
+            kind: "NodePort",
+            ports: &[
                 ("tcp", "TCP", VM_TCP, VM_TCP),
                 ("udp", "UDP", VM_UDP, VM_UDP),
             ],
-            &[vm],
-        );
+            endpoints: &[vm],
+        });
         let node_port = |name: &str| -> u16 {
             vm_svc["spec"]["ports"]
                 .as_array()
@@ -153,15 +153,15 @@ impl Services {
                 .and_then(|p| u16::try_from(p).ok())
                 .unwrap_or_else(|| panic!("no {name} NodePort: {vm_svc}"))
         };
-        let backend_svc = expose(
-            names.1,
-            "ClusterIP",
-            &[
+        let backend_svc = expose(&ServiceSpec {
+            name: names.1,
+            kind: "ClusterIP",
+            ports: &[
                 ("tcp", "TCP", BACKEND_PORT, BACKEND_PORT),
                 ("udp", "UDP", BACKEND_PORT, BACKEND_PORT),
             ],
-            backends,
-        );
+            endpoints: backends,
+        });
         let ip = |svc: &Value| -> IpAddr {
             svc["spec"]["clusterIP"]
                 .as_str()
@@ -438,7 +438,7 @@ impl PathSet {
             };
             for proto in [Proto::Tcp, Proto::Udp] {
                 set.streams
-                    .push(Stream::listen(ns, &name, proto, far, port, interval));
+                    .push(Stream::listen_any(&[ns], &name, proto, far, port, interval));
                 connectors.push(connector(proto, far, port));
             }
         }

@@ -309,13 +309,8 @@ impl Guest {
         let deadline = Instant::now() + limit;
         let mut lines = self.console.lines.lock().unwrap_or_else(|e| e.into_inner());
         loop {
-            if let Some((i, l)) = lines
-                .iter()
-                .enumerate()
-                .skip(mark)
-                .find(|(_, l)| l.starts_with(prefix))
-            {
-                return (i, l.clone());
+            if let Some(found) = line_after(&lines, prefix, mark) {
+                return found;
             }
             let now = Instant::now();
             if now >= deadline {
@@ -615,6 +610,17 @@ pub fn parse_lease(line: &str) -> HashMap<String, String> {
 
 fn chmod(path: &Path, mode: &str) {
     run_ok(Command::new("chmod").arg(mode).arg(path));
+}
+
+/// The first of `lines` at or after index `mark` that starts with
+/// `prefix`, with its index.
+pub(crate) fn line_after(lines: &[String], prefix: &str, mark: usize) -> Option<(usize, String)> {
+    lines
+        .iter()
+        .enumerate()
+        .skip(mark)
+        .find(|(_, l)| l.starts_with(prefix))
+        .map(|(i, l)| (i, l.clone()))
 }
 
 fn run_ok(cmd: &mut Command) {

@@ -12,7 +12,7 @@
 //!
 //! Either end may open the connection. [`Stream::connect`] opens it from
 //! the measuring end (a pod to the VM, a client to a NodePort);
-//! [`Stream::listen`] waits for the echoing end to open it (the VM to a
+//! [`Stream::listen_any`] waits for the echoing end to open it (the VM to a
 //! host outside the cluster, the VM to a pod), which is what a connection
 //! the VM opened through outbound NAT looks like.
 //!
@@ -205,25 +205,13 @@ impl Stream {
         stream
     }
 
-    /// Waits in `ns`, on `port` of every address of `family`'s, for the
-    /// echoing end to open the connection (a UDP far end says hello
-    /// first), then streams on it.
-    pub fn listen(
-        ns: &Netns,
-        name: &str,
-        proto: Proto,
-        family: IpAddr,
-        port: u16,
-        interval: Duration,
-    ) -> Stream {
-        Stream::listen_any(&[ns], name, proto, family, port, interval)
-    }
-
-    /// [`Stream::listen`] in each of `nss` at once, streaming on the first
-    /// connection any of them gets: the backends of a Service, of which
-    /// the far end reaches one. The others keep listening (a connection
-    /// moved to another backend mid-stream meets a listener there, as it
-    /// would in a real Service, and is reset).
+    /// Waits in each of `nss` at once, on `port` of every address of
+    /// `family`'s, for the echoing end to open the connection (a UDP far
+    /// end says hello first), then streams on the first connection any of
+    /// them gets (one netns: the far end's peer; several: the backends of
+    /// a Service, of which the far end reaches one). The others keep
+    /// listening (a connection moved to another backend mid-stream meets a
+    /// listener there, as it would in a real Service, and is reset).
     pub fn listen_any(
         nss: &[&Netns],
         name: &str,

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tether_e2e::kube_cluster::{KubeCluster, KubePaths, KubePod};
 use tether_e2e::kubelet::busybox_pod;
+use tether_e2e::kubevirt::scenario::tether_record;
 use tether_e2e::paths::{handover_state, table, PathSet};
 use tether_e2e::qemu::{
     clear_events, once_more_if_a_guest_kernel_panicked, pause, Client, Guest, GuestOptions,
@@ -71,20 +72,8 @@ fn guest_in(pod: &KubePod, incoming: bool) -> Guest {
 /// The node tether's record of the VM at `vm` names active (its
 /// `VMAddress` object).
 fn active_node(c: &KubeCluster, vm: IpAddr) -> String {
-    let all = c.api.get(&["vmaddresses"]).unwrap_or(Value::Null);
-    all["items"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|r| {
-            r["spec"]["ips"].as_array().is_some_and(|ips| {
-                ips.iter().any(|a| {
-                    a.as_str()
-                        .is_some_and(|a| a.split('/').next() == Some(&vm.to_string()))
-                })
-            })
-        })
-        .and_then(|r| r["spec"]["active"]["node"].as_str())
+    tether_record(c, &vm.to_string())["spec"]["active"]["node"]
+        .as_str()
         .unwrap_or_default()
         .to_string()
 }

@@ -460,9 +460,8 @@ impl EtcdCluster {
             if Instant::now() >= deadline {
                 let out = self.etcdctl(&["endpoint", "health"]);
                 panic!(
-                    "etcd members {which:?} not healthy within {ETCD_READY_TIMEOUT:?}:\n{}{}\n{}",
-                    String::from_utf8_lossy(&out.stdout),
-                    String::from_utf8_lossy(&out.stderr),
+                    "etcd members {which:?} not healthy within {ETCD_READY_TIMEOUT:?}:\n{}\n{}",
+                    crate::output_text(&out),
                     self.log_tails()
                 );
             }

@@ -96,7 +96,7 @@ pub use etcd::EtcdCluster;
 pub use fabric::{Fabric, Underlay};
 pub use node::{Backend, ClusterNode, NodeOpts, Overlay, Pod};
 
-use crate::kube::KubeApi;
+use crate::kube::{KubeApi, ServiceSpec};
 use crate::topology::Tetherd;
 
 /// Makes each named function `fn(Store)` a test on each store: the
@@ -249,35 +249,15 @@ impl Cluster {
         }
     }
 
-    /// A Service of `kind` (`ClusterIP` or `NodePort`) named `name` in
-    /// `default`, with one port per entry of `ports` (name, protocol,
-    /// port, target port) and its endpoints `endpoints` (IPv4 addresses),
-    /// written as an EndpointSlice by hand (no controller manager runs);
-    /// returns the Service as the API server answers it (its ClusterIP,
-    /// its NodePorts). Waits until every node's kube-proxy has its rules.
-    pub fn expose(
-        &self,
-        name: &str,
-        kind: &str,
-        ports: &[(&str, &str, u16, u16)],
-        endpoints: &[IpAddr],
-    ) -> Value {
-        let svc = self
-            .kube_api()
-            .service_with_endpoints(name, kind, ports, endpoints);
-        let ip = svc["spec"]["clusterIP"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned();
-        for node in &self.nodes {
-            assert!(
-                wait_until(Duration::from_secs(30), || node.kube_proxy_has(&ip)),
-                "kube-proxy on {} never programmed {name} ({ip}): {}",
-                node.name(),
-                node.kube_proxy_log()
-            );
-        }
-        svc
+    /// The Service of `spec` ([`KubeApi::expose_through`]): written with
+    /// its endpoints by hand (no controller manager runs); returns it as
+    /// the API server answers it. Waits until every node's kube-proxy has
+    /// its rules.
+    pub fn expose(&self, spec: &ServiceSpec<'_>) -> Value {
+        let proxies: Vec<(&str, &Netns)> =
+            self.nodes.iter().map(|n| (n.name(), n.netns())).collect();
+        self.kube_api()
+            .expose_through(spec, &proxies, &|i| self.nodes[i].kube_proxy_log())
     }
 
     /// Starts one more node with the cluster's options; returns its index.

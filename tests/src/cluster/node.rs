@@ -204,11 +204,6 @@ impl ClusterNode {
         self.iptables_nat().contains("KUBE-SERVICES")
     }
 
-    /// Whether kube-proxy's rules name `ip` (a ClusterIP).
-    pub(super) fn kube_proxy_has(&self, ip: &str) -> bool {
-        !ip.is_empty() && self.iptables_nat().contains(ip)
-    }
-
     fn iptables_nat(&self) -> String {
         let out = self.netns().exec(&["iptables-save", "-t", "nat"]);
         String::from_utf8_lossy(&out.stdout).into_owned()

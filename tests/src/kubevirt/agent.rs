@@ -54,26 +54,19 @@ impl<'a> AgentShell<'a> {
     /// through the launcher's libvirt; its answer's `return`.
     pub fn agent(&self, command: &Value) -> Result<Value, String> {
         let pod = self.launcher();
-        let out = self.cluster.api.kubectl(&[
-            "-n",
-            "default",
-            "exec",
+        let out = crate::kubevirt::virsh(
+            self.cluster,
             &pod,
-            "-c",
-            "compute",
-            "--",
-            "virsh",
-            "-c",
-            "qemu+unix:///session?socket=/var/run/libvirt/virtqemud-sock",
-            "qemu-agent-command",
-            &format!("default_{}", self.vmi),
-            &command.to_string(),
-        ]);
+            &[
+                "qemu-agent-command",
+                &format!("default_{}", self.vmi),
+                &command.to_string(),
+            ],
+        );
         if !out.status.success() {
             return Err(format!(
-                "virsh qemu-agent-command {command} in {pod}: {}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
+                "virsh qemu-agent-command {command} in {pod}: {}",
+                crate::output_text(&out)
             ));
         }
         let answer: Value = serde_json::from_slice(&out.stdout).map_err(|e| {
@@ -149,13 +142,8 @@ impl GuestShell for AgentShell<'_> {
         let deadline = Instant::now() + limit;
         loop {
             let lines = self.lines();
-            if let Some((i, l)) = lines
-                .iter()
-                .enumerate()
-                .skip(mark)
-                .find(|(_, l)| l.starts_with(prefix))
-            {
-                return (i, l.clone());
+            if let Some(found) = crate::qemu::line_after(&lines, prefix, mark) {
+                return found;
             }
             assert!(
                 Instant::now() < deadline,
