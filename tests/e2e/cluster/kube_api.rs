@@ -32,28 +32,65 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tether_e2e::cluster::{Cluster, ClusterNode, Fabric, Store};
-use tether_e2e::kube::{KubeApi, TETHER_SA};
+use tether_e2e::kube::{KubeApi, API_PORT, TETHER_SA};
 use tether_e2e::topology::Topology;
 use tether_e2e::vm::{active_node, add_vm_pod, del_vm_pod, get_claimed_vm, get_vm, VmPodSpec};
-use tether_e2e::{
-    admin, cni, pb, require_root, tether_bin, wait_until, CniEnv, Daemon, DaemonOpts, Netns,
-};
+use tether_e2e::{admin, cni, pb, require_root, tether_bin, wait_until, CniEnv, Daemon, Netns};
+
+use super::{claim, claimed_ips, create_claim, status_ips, NS};
+use crate::harness::shared::node_cidr_daemon;
 
 /// The API's changes reach the daemons through watches: allow for it.
 const CONVERGE: Duration = Duration::from_secs(20);
-const NS: &str = "vms";
 
 /// A cluster of `nodes` nodes on `store` whose daemons use the API with
 /// the install's service account (on the Kubernetes store, the same API
 /// server is the store).
 fn cluster_with_api(nodes: usize, store: Store) -> Cluster {
     let cluster = Topology::tetherd(nodes).store(store).with_api(true).start();
-    let api = cluster.kube_api();
-    api.kubectl_ok(&["create", "namespace", NS]);
-    // No controller-manager runs to make it: pods need their namespace's
-    // default service account (the ServiceAccount admission plugin).
-    api.kubectl_ok(&["-n", NS, "create", "serviceaccount", "default"]);
+    create_namespace(cluster.kube_api());
     cluster
+}
+
+/// Creates [`NS`] with its default service account, which pods need (the
+/// ServiceAccount admission plugin) and no controller-manager runs here to
+/// make.
+fn create_namespace(api: &KubeApi) {
+    api.kubectl_ok(&["create", "namespace", NS]);
+    api.kubectl_ok(&["-n", NS, "create", "serviceaccount", "default"]);
+}
+
+/// What `kubectl auth can-i <verb> <rest>` answers for tether's service
+/// account: `yes` or `no`.
+fn can_i(api: &KubeApi, verb: &str, rest: &[&str]) -> String {
+    let sa = format!("--as=system:serviceaccount:{}:{}", TETHER_SA.0, TETHER_SA.1);
+    let mut args = vec!["auth", "can-i", verb, &sa];
+    args.extend(rest);
+    let out = api.kubectl(&args);
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// A node netns on `fabric` (host number `host`), its Node object with
+/// `cidrs` (the first its `podCIDR`), and tetherd in it that takes them
+/// from there with `kubeconfig`.
+fn node_from_api(
+    fabric: &Fabric,
+    api: &KubeApi,
+    host: u8,
+    cidrs: &[&str],
+    kubeconfig: &Path,
+) -> Daemon {
+    let node_ns = Netns::new("node");
+    fabric.attach_host(&node_ns, host);
+    api.apply(
+        &json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": node_ns.name()},
+            "spec": {"podCIDR": cidrs[0], "podCIDRs": cidrs},
+        })
+        .to_string(),
+    );
+    node_cidr_daemon(node_ns, kubeconfig, &[])
 }
 
 /// Creates a virt-launcher pod in the API, on `node`, as KubeVirt would
@@ -200,32 +237,6 @@ fn stop_pinger(child: std::process::Child) -> (u64, u64) {
     (count("transmitted"), count("received"))
 }
 
-/// An IPAMClaim as KubeVirt's ipam-extensions creates it: `<vm>.<network>`,
-/// the VM label, its finalizer, and only `spec.network` (its Go client
-/// sends `interface` empty).
-fn create_claim(api: &KubeApi, name: &str, vm: &str) {
-    let claim = json!({
-        "apiVersion": "k8s.cni.cncf.io/v1alpha1", "kind": "IPAMClaim",
-        "metadata": {"name": name, "namespace": NS, "labels": {"kubevirt.io/vm": vm},
-                     "finalizers": ["kubevirt.io/persistent-ipam"]},
-        "spec": {"network": tether_e2e::cluster::CLUSTER_NETWORK, "interface": ""},
-    });
-    api.apply(&claim.to_string());
-}
-
-fn claim(api: &KubeApi, name: &str) -> Option<Value> {
-    api.get(&["-n", NS, "ipamclaims.k8s.cni.cncf.io", name])
-}
-
-fn status_ips(ips: &[IpAddr]) -> Vec<String> {
-    ips.iter()
-        .map(|ip| match ip {
-            IpAddr::V4(a) => format!("{a}/32"),
-            IpAddr::V6(a) => format!("{a}/128"),
-        })
-        .collect()
-}
-
 /// Waits until the claim's status has `ips`, owner `owner` and the True
 /// condition; panics with the claim as it is otherwise.
 fn wait_claim_filled(api: &KubeApi, name: &str, ips: &[IpAddr], owner: &str) {
@@ -234,14 +245,7 @@ fn wait_claim_filled(api: &KubeApi, name: &str, ips: &[IpAddr], owner: &str) {
     let ok = wait_until(CONVERGE, || {
         last = claim(api, name).unwrap_or(Value::Null);
         let st = &last["status"];
-        let got: Vec<String> = st["ips"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|v| v.as_str().map(String::from))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let got = claimed_ips(&last);
         let cond = st["conditions"]
             .as_array()
             .and_then(|c| c.iter().find(|c| c["type"] == "IPsAllocated").cloned())
@@ -564,32 +568,17 @@ fn outage_pod_cidr_from_node_events_and_least_privilege() {
     let mut api = KubeApi::start(&fabric);
     api.install_tether();
     let kubeconfig = api.token_kubeconfig(TETHER_SA.0, TETHER_SA.1);
-    api.kubectl_ok(&["create", "namespace", NS]);
-    api.kubectl_ok(&["-n", NS, "create", "serviceaccount", "default"]);
+    create_namespace(&api);
 
     // 6. The node's pod CIDRs come from its Node object: a /29 and a /125.
-    let node_ns = Netns::new("node");
-    fabric.attach_host(&node_ns, 21);
-    let node_name = node_ns.name().to_owned();
-    api.apply(
-        &json!({
-            "apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": node_name},
-            "spec": {"podCIDR": "10.250.3.0/29", "podCIDRs": ["10.250.3.0/29", "fd00:250:3::/125"]},
-        })
-        .to_string(),
+    let daemon = node_from_api(
+        &fabric,
+        &api,
+        21,
+        &["10.250.3.0/29", "fd00:250:3::/125"],
+        &kubeconfig,
     );
-    let daemon = Daemon::start_in(
-        node_ns,
-        DaemonOpts {
-            extra_args: vec![
-                "--pod-cidr-from-node".into(),
-                "--kubeconfig".into(),
-                kubeconfig.display().to_string(),
-            ],
-            ..DaemonOpts::default()
-        },
-    );
+    let node_name = daemon.node_name().to_owned();
     assert!(
         daemon.log().contains("pod CIDRs from the Node object"),
         "{}",
@@ -637,7 +626,6 @@ fn outage_pod_cidr_from_node_events_and_least_privilege() {
     );
 
     // The service account can do what the code needs, and no more.
-    let sa = format!("--as=system:serviceaccount:{}:{}", TETHER_SA.0, TETHER_SA.1);
     for (verb, what, yes) in [
         ("watch", "pods", true),
         ("get", "nodes", true),
@@ -670,7 +658,7 @@ fn outage_pod_cidr_from_node_events_and_least_privilege() {
             false,
         ),
     ] {
-        let mut args = vec!["auth", "can-i", verb, &sa, "-A"];
+        let mut args = vec!["-A"];
         match what.split_once('/') {
             Some((resource, sub)) => {
                 args.push(resource);
@@ -682,8 +670,7 @@ fn outage_pod_cidr_from_node_events_and_least_privilege() {
             }
             None => args.push(what),
         }
-        let out = api.kubectl(&args);
-        let said = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        let said = can_i(&api, verb, &args);
         assert_eq!(said == "yes", yes, "can-i {verb} {what}: {said}");
     }
     // The nodes' Leases: in tether's namespace only.
@@ -695,16 +682,7 @@ fn outage_pod_cidr_from_node_events_and_least_privilege() {
         ("create", NS, false),
         ("create", "kube-node-lease", false),
     ] {
-        let out = api.kubectl(&[
-            "auth",
-            "can-i",
-            verb,
-            &sa,
-            "-n",
-            ns,
-            "leases.coordination.k8s.io",
-        ]);
-        let said = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        let said = can_i(&api, verb, &["-n", ns, "leases.coordination.k8s.io"]);
         assert_eq!(said == "yes", yes, "can-i {verb} leases in {ns}: {said}");
     }
     // The uninstall container's one read: tether's own DaemonSet, by name.
@@ -715,8 +693,7 @@ fn outage_pod_cidr_from_node_events_and_least_privilege() {
         ("watch", "daemonsets.apps", false),
         ("delete", "daemonsets.apps/tether", false),
     ] {
-        let out = api.kubectl(&["auth", "can-i", verb, &sa, "-n", TETHER_SA.0, what]);
-        let said = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        let said = can_i(&api, verb, &["-n", TETHER_SA.0, what]);
         assert_eq!(
             said == "yes",
             yes,
@@ -724,17 +701,8 @@ fn outage_pod_cidr_from_node_events_and_least_privilege() {
             TETHER_SA.0
         );
     }
-    let out = api.kubectl(&[
-        "auth",
-        "can-i",
-        "get",
-        &sa,
-        "-n",
-        NS,
-        "daemonsets.apps/tether",
-    ]);
     assert_eq!(
-        String::from_utf8_lossy(&out.stdout).trim(),
+        can_i(&api, "get", &["-n", NS, "daemonsets.apps/tether"]),
         "no",
         "only in its own namespace"
     );
@@ -883,11 +851,9 @@ fn a_deleted_virtualmachine_frees_its_address_once_no_pod_of_it_is_left() {
     api.install_tether();
     install_virtualmachine_crd_double(&api);
     let kubeconfig = api.token_kubeconfig(TETHER_SA.0, TETHER_SA.1);
-    api.kubectl_ok(&["create", "namespace", NS]);
-    api.kubectl_ok(&["-n", NS, "create", "serviceaccount", "default"]);
+    create_namespace(&api);
     // The chart's service account may list and watch VirtualMachines, and
     // no more.
-    let sa = format!("--as=system:serviceaccount:{}:{}", TETHER_SA.0, TETHER_SA.1);
     for (verb, yes) in [
         ("list", true),
         ("watch", true),
@@ -895,40 +861,11 @@ fn a_deleted_virtualmachine_frees_its_address_once_no_pod_of_it_is_left() {
         ("delete", false),
         ("update", false),
     ] {
-        let out = api.kubectl(&[
-            "auth",
-            "can-i",
-            verb,
-            &sa,
-            "-A",
-            "virtualmachines.kubevirt.io",
-        ]);
-        let said = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        let said = can_i(&api, verb, &["-A", "virtualmachines.kubevirt.io"]);
         assert_eq!(said == "yes", yes, "can-i {verb} virtualmachines: {said}");
     }
 
-    let node_ns = Netns::new("node");
-    fabric.attach_host(&node_ns, 22);
-    let node_name = node_ns.name().to_owned();
-    api.apply(
-        &json!({
-            "apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": node_name},
-            "spec": {"podCIDR": "10.250.4.0/28", "podCIDRs": ["10.250.4.0/28"]},
-        })
-        .to_string(),
-    );
-    let mut daemon = Daemon::start_in(
-        node_ns,
-        DaemonOpts {
-            extra_args: vec![
-                "--pod-cidr-from-node".into(),
-                "--kubeconfig".into(),
-                kubeconfig.display().to_string(),
-            ],
-            ..DaemonOpts::default()
-        },
-    );
+    let mut daemon = node_from_api(&fabric, &api, 22, &["10.250.4.0/28"], &kubeconfig);
     let served = wait_until(CONVERGE, || {
         daemon
             .log()
@@ -1065,6 +1002,14 @@ impl FakeNode {
         text
     }
 
+    /// Runs install/uninstall.sh ([`FakeNode::uninstall`]) and checks that
+    /// it says `says` and leaves `files` ([`FakeNode::files`]).
+    fn assert_uninstall(&self, api: &KubeApi, port: u16, says: &str, files: (bool, bool, bool)) {
+        let said = self.uninstall(api, port);
+        assert!(said.contains(says), "{said}");
+        assert_eq!(self.files(), files, "{said}");
+    }
+
     /// (conflist there, plugin there, portmap there).
     fn files(&self) -> (bool, bool, bool) {
         let d = self.dir.path();
@@ -1133,13 +1078,9 @@ fn plain_manifests_apply_and_the_uninstaller_removes_only_on_removal() {
 
     // The DaemonSet is there (a restart, an upgrade): everything stays.
     let node = FakeNode::new(&api);
-    let said = node.uninstall(&api, tether_e2e::kube::API_PORT);
-    assert!(said.contains("is still there"), "{said}");
-    assert_eq!(node.files(), (true, true, true), "{said}");
+    node.assert_uninstall(&api, API_PORT, "is still there", (true, true, true));
     // No answer from the API: everything stays.
-    let said = node.uninstall(&api, 1);
-    assert!(said.contains("could not tell"), "{said}");
-    assert_eq!(node.files(), (true, true, true), "{said}");
+    node.assert_uninstall(&api, 1, "could not tell", (true, true, true));
 
     // Being deleted (foreground: no garbage collector runs here, so it
     // stays, with its deletionTimestamp).
@@ -1152,7 +1093,7 @@ fn plain_manifests_apply_and_the_uninstaller_removes_only_on_removal() {
         "--cascade=foreground",
         "--wait=false",
     ]);
-    let said = node.uninstall(&api, tether_e2e::kube::API_PORT);
+    let said = node.uninstall(&api, API_PORT);
     assert!(said.contains("is being deleted"), "{said}");
     assert_eq!(node.files(), (false, false, true), "portmap stays: {said}");
     // Gone.
@@ -1172,9 +1113,7 @@ fn plain_manifests_apply_and_the_uninstaller_removes_only_on_removal() {
     });
     assert!(gone, "the DaemonSet is still there");
     let node = FakeNode::new(&api);
-    let said = node.uninstall(&api, tether_e2e::kube::API_PORT);
-    assert!(said.contains("is gone"), "{said}");
-    assert_eq!(node.files(), (false, false, true), "{said}");
+    node.assert_uninstall(&api, API_PORT, "is gone", (false, false, true));
 
     // The DaemonSet there, but its Role's binding gone (helm uninstall
     // deletes it right after the DaemonSet).
@@ -1189,26 +1128,14 @@ fn plain_manifests_apply_and_the_uninstaller_removes_only_on_removal() {
     ]);
     // The authorizer's cache of bindings follows a watch: wait until it
     // has seen the deletion.
-    let sa = format!("--as=system:serviceaccount:{}:{}", TETHER_SA.0, TETHER_SA.1);
     let denied = wait_until(CONVERGE, || {
-        let out = api.kubectl(&[
-            "auth",
-            "can-i",
-            "get",
-            &sa,
-            "-n",
-            TETHER_SA.0,
-            "daemonsets.apps/tether",
-        ]);
-        String::from_utf8_lossy(&out.stdout).trim() == "no"
+        can_i(&api, "get", &["-n", TETHER_SA.0, "daemonsets.apps/tether"]) == "no"
     });
     assert!(
         denied,
         "the RoleBinding's deletion did not reach the authorizer"
     );
-    let said = node.uninstall(&api, tether_e2e::kube::API_PORT);
-    assert!(said.contains("may no longer read"), "{said}");
-    assert_eq!(node.files(), (false, false, true), "{said}");
+    node.assert_uninstall(&api, API_PORT, "may no longer read", (false, false, true));
 
     // `kubectl delete -f` of a mode's file: the service account goes first
     // (the file's order), so the token no longer authenticates.
@@ -1227,9 +1154,7 @@ fn plain_manifests_apply_and_the_uninstaller_removes_only_on_removal() {
         refused,
         "tokens of the deleted service account still authenticate"
     );
-    let said = node.uninstall(&api, tether_e2e::kube::API_PORT);
-    assert!(said.contains("no longer knows"), "{said}");
-    assert_eq!(node.files(), (false, false, true), "{said}");
+    node.assert_uninstall(&api, API_PORT, "no longer knows", (false, false, true));
     // And that delete leaves the CRD (and so the claims).
     let file = tether_e2e::workspace_dir().join(manifest("tether-node-cidrs.yaml"));
     api.kubectl_ok(&[

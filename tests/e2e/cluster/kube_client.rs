@@ -14,50 +14,25 @@
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
-use tether_e2e::cluster::{NodeOpts, CLUSTER_NETWORK};
+use serde_json::Value;
+use tether_e2e::cluster::NodeOpts;
 use tether_e2e::kube::{KubeApi, TETHER_SA};
 use tether_e2e::topology::Topology;
 use tether_e2e::vm::{add_vm_pod, VmPodSpec};
 use tether_e2e::{admin, require_root, wait_until};
 
-const CONVERGE: Duration = Duration::from_secs(20);
-const NS: &str = "vms";
+use super::{claim, claimed_ips, create_claim, status_ips, NS};
 
-/// An IPAMClaim as KubeVirt's ipam-extensions creates it.
-fn create_claim(api: &KubeApi, name: &str, vm: &str) {
-    let claim = json!({
-        "apiVersion": "k8s.cni.cncf.io/v1alpha1", "kind": "IPAMClaim",
-        "metadata": {"name": name, "namespace": NS, "labels": {"kubevirt.io/vm": vm},
-                     "finalizers": ["kubevirt.io/persistent-ipam"]},
-        "spec": {"network": CLUSTER_NETWORK, "interface": ""},
-    });
-    api.apply(&claim.to_string());
-}
+const CONVERGE: Duration = Duration::from_secs(20);
 
 /// Waits until the claim's `status.ips` are `ips` (as /32 and /128) and
 /// its owner is `owner`; panics with the claim otherwise.
 fn wait_claim_filled(api: &KubeApi, name: &str, ips: &[IpAddr], owner: &str) {
-    let want: Vec<String> = ips
-        .iter()
-        .map(|ip| match ip {
-            IpAddr::V4(a) => format!("{a}/32"),
-            IpAddr::V6(a) => format!("{a}/128"),
-        })
-        .collect();
+    let want: Vec<String> = status_ips(ips);
     let mut last = Value::Null;
     let ok = wait_until(CONVERGE, || {
-        last = api
-            .get(&["-n", NS, "ipamclaims.k8s.cni.cncf.io", name])
-            .unwrap_or(Value::Null);
-        let got: Vec<String> = last["status"]["ips"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|v| v.as_str().map(String::from))
-                    .collect()
-            })
-            .unwrap_or_default();
+        last = claim(api, name).unwrap_or(Value::Null);
+        let got = claimed_ips(&last);
         got == want && last["status"]["ownerPod"]["name"] == owner
     });
     assert!(

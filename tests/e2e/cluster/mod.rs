@@ -12,11 +12,12 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use ipnet::IpNet;
-use serde_json::Value;
+use serde_json::{json, Value};
 use tether_e2e::admin::{self, pb};
 use tether_e2e::cluster::{
     assert_ping_within, Cluster, ClusterNode, NodeOpts, Overlay, Pod, Store, CLUSTER_NETWORK,
 };
+use tether_e2e::kube::KubeApi;
 use tether_e2e::topology::Topology;
 use tether_e2e::vm::{get_vm, reserve_vm};
 use tether_e2e::{
@@ -35,6 +36,49 @@ fn list_nodes(node: &ClusterNode) -> Vec<pb::ClusterNode> {
 
 fn get_node(node: &ClusterNode) -> pb::Node {
     admin::node(node.daemon().socket())
+}
+
+/// The namespace of the VM pods and IPAMClaims of the API server suites.
+const NS: &str = "vms";
+
+/// An IPAMClaim as KubeVirt's ipam-extensions creates it: `<vm>.<network>`,
+/// the VM label, its finalizer, and only `spec.network` (its Go client
+/// sends `interface` empty).
+fn create_claim(api: &KubeApi, name: &str, vm: &str) {
+    let claim = json!({
+        "apiVersion": "k8s.cni.cncf.io/v1alpha1", "kind": "IPAMClaim",
+        "metadata": {"name": name, "namespace": NS, "labels": {"kubevirt.io/vm": vm},
+                     "finalizers": ["kubevirt.io/persistent-ipam"]},
+        "spec": {"network": CLUSTER_NETWORK, "interface": ""},
+    });
+    api.apply(&claim.to_string());
+}
+
+/// The IPAMClaim `name`, if there is one.
+fn claim(api: &KubeApi, name: &str) -> Option<Value> {
+    api.get(&["-n", NS, "ipamclaims.k8s.cni.cncf.io", name])
+}
+
+/// `ips` as a claim's `status.ips` lists them: /32 and /128.
+fn status_ips(ips: &[IpAddr]) -> Vec<String> {
+    ips.iter()
+        .map(|ip| match ip {
+            IpAddr::V4(a) => format!("{a}/32"),
+            IpAddr::V6(a) => format!("{a}/128"),
+        })
+        .collect()
+}
+
+/// The `status.ips` of a claim (none where it has no status).
+fn claimed_ips(claim: &Value) -> Vec<String> {
+    claim["status"]["ips"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 tether_e2e::on_both_stores!(
@@ -113,6 +157,42 @@ fn ping_every_pair(pods: &[&Pod]) {
             }
         }
     }
+}
+
+/// After an outage: every node lists the three nodes alive, the routes
+/// match the blocks, no two blocks overlap, and every pair of `pods`
+/// pings.
+fn assert_all_back(cluster: &Cluster, pods: &[Pod]) {
+    for node in cluster.nodes() {
+        assert!(
+            wait_until(CONVERGE, || {
+                let l = list_nodes(node);
+                l.len() == 3 && l.iter().all(|n| n.alive)
+            }),
+            "{:?}",
+            list_nodes(node)
+        );
+    }
+    wait_routes_converge(cluster);
+    assert_no_overlap(&store_blocks(cluster));
+    ping_every_pair(&pods.iter().collect::<Vec<_>>());
+}
+
+/// Asserts that `pod`'s IPv4 address is in one of `blocks`.
+fn assert_in_blocks(pod: &Pod, blocks: &[String]) {
+    let v4 = pod.v4().unwrap_or_else(|| panic!("no IPv4"));
+    assert!(
+        blocks
+            .iter()
+            .any(|b| b.parse::<IpNet>().is_ok_and(|b| b.contains(&v4))),
+        "{v4} not in {:?}",
+        blocks
+    );
+}
+
+/// Whether `node` routes to any of `blocks`.
+fn routes_to_any(node: &ClusterNode, blocks: &[String]) -> bool {
+    node.cluster_route_dsts().iter().any(|d| blocks.contains(d))
 }
 
 fn pods_on_every_pair_ping(overlay: Overlay, store: Store) -> Cluster {
@@ -318,16 +398,7 @@ fn daemon_restart_keeps_blocks_and_pods_reachable_and_drops_stale_routes(store: 
     wait_routes_converge(&cluster);
     ping_every_pair(&pods.iter().collect::<Vec<_>>());
     // A new pod after the restart comes from the same blocks.
-    let p = cluster.add_pod(0);
-    let v4 = p.v4().unwrap_or_else(|| panic!("no IPv4"));
-    assert!(
-        after
-            .blocks
-            .iter()
-            .any(|b| b.parse::<IpNet>().is_ok_and(|b| b.contains(&v4))),
-        "{v4} not in {:?}",
-        after.blocks
-    );
+    assert_in_blocks(&cluster.add_pod(0), &after.blocks);
 }
 
 /// Small blocks, so that a few ADDs need a new one: /30 holds two pod
@@ -470,19 +541,7 @@ fn a_store_outage_stops_only_block_claims_and_they_resume_after_it(store: Store)
     assert!(wait_until(CONVERGE, || get_node(cluster.node(0))
         .store_health
         .is_some_and(|h| h.healthy)));
-    for node in cluster.nodes() {
-        assert!(
-            wait_until(CONVERGE, || {
-                let l = list_nodes(node);
-                l.len() == 3 && l.iter().all(|n| n.alive)
-            }),
-            "{:?}",
-            list_nodes(node)
-        );
-    }
-    wait_routes_converge(&cluster);
-    assert_no_overlap(&store_blocks(&cluster));
-    ping_every_pair(&pods.iter().collect::<Vec<_>>());
+    assert_all_back(&cluster, &pods);
 }
 
 fn a_node_that_goes_away_is_reaped_and_its_routes_withdrawn(store: Store) {
@@ -492,24 +551,17 @@ fn a_node_that_goes_away_is_reaped_and_its_routes_withdrawn(store: Store) {
     wait_routes_converge(&cluster);
     let gone = cluster.node(2).name().to_owned();
     let gone_blocks: Vec<String> = get_node(cluster.node(2)).blocks;
-    assert!(cluster
-        .node(0)
-        .cluster_route_dsts()
-        .iter()
-        .any(|d| gone_blocks.contains(d)));
+    assert!(routes_to_any(cluster.node(0), &gone_blocks));
 
     // The node disappears (daemon killed, netns gone): its lease expires
     // (2 s), the grace passes (3 s), a live node reaps it.
     drop(cluster.remove_node(2));
     for i in 0..2 {
         assert!(
-            wait_until(Duration::from_secs(30), || {
-                !cluster
-                    .node(i)
-                    .cluster_route_dsts()
-                    .iter()
-                    .any(|d| gone_blocks.contains(d))
-            }),
+            wait_until(Duration::from_secs(30), || !routes_to_any(
+                cluster.node(i),
+                &gone_blocks
+            )),
             "node {i} still routes to {gone}'s blocks: {:?}",
             cluster.node(i).cluster_route_dsts()
         );
@@ -549,11 +601,10 @@ fn a_node_reaped_while_away_returns_and_claims_its_blocks_back(store: Store) {
     cluster.node_mut(0).daemon_mut().kill9();
     for i in 1..3 {
         assert!(
-            wait_until(Duration::from_secs(30), || !cluster
-                .node(i)
-                .cluster_route_dsts()
-                .iter()
-                .any(|d| blocks.contains(d))),
+            wait_until(Duration::from_secs(30), || !routes_to_any(
+                cluster.node(i),
+                &blocks
+            )),
             "node {i} still routes to {name}'s blocks"
         );
     }
@@ -574,19 +625,7 @@ fn a_node_reaped_while_away_returns_and_claims_its_blocks_back(store: Store) {
         log.contains("claimed back a block this node still uses"),
         "{log}"
     );
-    for node in cluster.nodes() {
-        assert!(
-            wait_until(CONVERGE, || {
-                let l = list_nodes(node);
-                l.len() == 3 && l.iter().all(|n| n.alive)
-            }),
-            "{:?}",
-            list_nodes(node)
-        );
-    }
-    wait_routes_converge(&cluster);
-    assert_no_overlap(&store_blocks(&cluster));
-    ping_every_pair(&pods.iter().collect::<Vec<_>>());
+    assert_all_back(&cluster, &pods);
 }
 
 /// The files in a DEL queue (not its `bad/` directory).
@@ -657,16 +696,7 @@ fn a_killed_daemon_queues_dels_and_returns_with_its_id_and_blocks(store: Store) 
     wait_routes_converge(&cluster);
     ping_every_pair(&[&kept, &peer]);
     // A new pod on the node comes from its blocks.
-    let new = cluster.add_pod(0);
-    let v4 = new.v4().unwrap_or_else(|| panic!("no IPv4"));
-    assert!(
-        after
-            .blocks
-            .iter()
-            .any(|b| b.parse::<IpNet>().is_ok_and(|b| b.contains(&v4))),
-        "{v4} not in {:?}",
-        after.blocks
-    );
+    assert_in_blocks(&cluster.add_pod(0), &after.blocks);
 }
 
 fn three_nodes_times_a_hundred_concurrent_adds(store: Store) {

@@ -1,9 +1,11 @@
 //! Self-tests of the harness: mostly against Debian's reference plugins, so
 //! that they hold whatever state tetherd is in, plus one of the `Daemon`
-//! guard with the real tetherd.
+//! guard with the real tetherd. And, in `shared`, the helpers that the
+//! suites of more than one area use.
 
 mod cluster_harness;
 mod migration_tools;
+pub(crate) mod shared;
 
 use std::process::Command;
 

@@ -254,10 +254,7 @@ fn cycles(edges: &BTreeMap<String, std::collections::BTreeSet<String>>) -> Vec<V
 
 #[test]
 fn no_cycle_between_the_modules_of_a_crate() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the workspace")
-        .to_path_buf();
+    let root = tether_e2e::workspace_dir();
     let mut report = Vec::new();
     for dir in CRATE_DIRS {
         let edges = module_edges(&root.join(dir).join("src"));
@@ -324,10 +321,7 @@ fn sibling_edges(dir: &std::path::Path) -> BTreeMap<String, std::collections::BT
 
 #[test]
 fn no_cycle_between_the_modules_of_a_folder() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the workspace")
-        .to_path_buf();
+    let root = tether_e2e::workspace_dir();
     let mut report = Vec::new();
     for dir in CRATE_DIRS {
         let mut folders = vec![root.join(dir).join("src")];

@@ -19,6 +19,8 @@ use serde_json::{json, Value};
 use tether_e2e::chart::{self, Helm};
 use tether_e2e::{doc_files, ref_plugin, require_root, tether_bin, workspace_dir, TempDir};
 
+use crate::harness::shared::ticked;
+
 const CONFLIST: &str = "10-tether.conflist";
 
 fn installer() -> PathBuf {
@@ -994,13 +996,6 @@ fn the_chart_references_rbac_table_is_the_charts_rbac() {
         .split_once("## What the RBAC allows")
         .and_then(|(_, rest)| rest.split("\n## ").next())
         .expect("chart.md has a section \"What the RBAC allows\"");
-    let ticked = |cell: &str| -> Vec<String> {
-        cell.split('`')
-            .skip(1)
-            .step_by(2)
-            .map(str::to_owned)
-            .collect()
-    };
     let mut documented: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for line in section.lines().filter(|l| l.starts_with("| `")) {
         let cells: Vec<&str> = line.split('|').map(str::trim).collect();

@@ -72,21 +72,23 @@ fn macvlan_conf(daemon: &Daemon, name: &str, master: &str, pool: &str) -> Value 
     })
 }
 
-/// One call of the main plugin `conf.type` (or of `bin`), run in the node
-/// netns as a runtime runs it, for `id` with ifname net1.
+/// One call of the main plugin `conf.type`, run in the node netns as a
+/// runtime runs it, for `pod` (its name the container ID) with ifname
+/// net1.
 fn call(
     node: &Netns,
     plugins: &Path,
     command: &str,
     conf: &Value,
-    id: &str,
     pod: &Netns,
     args: Option<&str>,
 ) -> CniOutput {
     let bin = plugins.join(conf["type"].as_str().expect("a type"));
-    call_bin(node, plugins, &bin, command, conf, id, pod, args)
+    call_bin(node, plugins, &bin, command, conf, pod.name(), pod, args)
 }
 
+/// One call of `bin`, run in the node netns as a runtime runs it, for
+/// `id` with ifname net1.
 #[allow(clippy::too_many_arguments)]
 fn call_bin(
     node: &Netns,
@@ -179,15 +181,7 @@ fn macvlan_and_bridge_take_their_addresses_from_tether() {
     let pods: Vec<Netns> = (0..2).map(|_| Netns::new("pod")).collect();
     let mut results = Vec::new();
     for pod in &pods {
-        let out = call(
-            daemon.node(),
-            plugins.path(),
-            "ADD",
-            &mig,
-            pod.name(),
-            pod,
-            None,
-        );
+        let out = call(daemon.node(), plugins.path(), "ADD", &mig, pod, None);
         let r = out.result().clone();
         let addr = first(&r);
         assert_eq!(addr.prefix_len(), 24, "{r}");
@@ -233,7 +227,6 @@ fn macvlan_and_bridge_take_their_addresses_from_tether() {
         plugins.path(),
         "CHECK",
         &with_prev,
-        pods[0].name(),
         &pods[0],
         None,
     )
@@ -242,43 +235,30 @@ fn macvlan_and_bridge_take_their_addresses_from_tether() {
     // An excluded address, asked for through CNI_ARGS, is refused with 109
     // and nothing is held.
     let extra = Netns::new("pod");
-    let out = call(
-        daemon.node(),
-        plugins.path(),
-        "ADD",
-        &mig,
-        extra.name(),
-        &extra,
-        Some("IgnoreUnknown=1;IP=10.253.0.21"),
-    );
+    // ADD of `extra` asking for `ip`.
+    let add_extra = |ip: &str| {
+        let args = format!("IgnoreUnknown=1;IP={ip}");
+        call(
+            daemon.node(),
+            plugins.path(),
+            "ADD",
+            &mig,
+            &extra,
+            Some(&args),
+        )
+    };
+    let out = add_extra("10.253.0.21");
     assert_eq!(out.error_code(), Some(109), "{out}");
     assert!(out.stdout.contains("excluded"), "{out}");
     assert_eq!(used(&daemon, "mig"), 2);
     // macvlan 1.1.1 leaves its link behind when its IPAM fails (its
     // cleanup checks a shadowed error); the runtime's DEL, which follows a
     // failed ADD, removes it, and tether's part of that DEL is a no-op.
-    call(
-        daemon.node(),
-        plugins.path(),
-        "DEL",
-        &mig,
-        extra.name(),
-        &extra,
-        None,
-    )
-    .assert_success();
+    call(daemon.node(), plugins.path(), "DEL", &mig, &extra, None).assert_success();
     assert!(!extra.has_link("net1"));
     assert_eq!(used(&daemon, "mig"), 2);
     // An allowed one is given.
-    let out = call(
-        daemon.node(),
-        plugins.path(),
-        "ADD",
-        &mig,
-        extra.name(),
-        &extra,
-        Some("IgnoreUnknown=1;IP=10.253.0.77"),
-    );
+    let out = add_extra("10.253.0.77");
     assert_eq!(first(out.result()).addr().to_string(), "10.253.0.77");
 
     // bridge with tether as IPAM: isGateway puts the pool's gateway on the
@@ -292,17 +272,9 @@ fn macvlan_and_bridge_take_their_addresses_from_tether() {
     let bpods: Vec<Netns> = (0..2).map(|_| Netns::new("bpod")).collect();
     let mut baddrs = Vec::new();
     for pod in &bpods {
-        let r = call(
-            daemon.node(),
-            plugins.path(),
-            "ADD",
-            &lan,
-            pod.name(),
-            pod,
-            None,
-        )
-        .result()
-        .clone();
+        let r = call(daemon.node(), plugins.path(), "ADD", &lan, pod, None)
+            .result()
+            .clone();
         let addr = first(&r);
         assert_eq!(addrs(pod), [addr.to_string()], "{r}");
         baddrs.push(addr.addr());
@@ -343,16 +315,7 @@ fn macvlan_and_bridge_take_their_addresses_from_tether() {
     assert!(status.message().contains("119"), "{status:?}");
 
     // DEL through the main plugins releases.
-    call(
-        daemon.node(),
-        plugins.path(),
-        "DEL",
-        &lan,
-        bpods[1].name(),
-        &bpods[1],
-        None,
-    )
-    .assert_success();
+    call(daemon.node(), plugins.path(), "DEL", &lan, &bpods[1], None).assert_success();
     assert_eq!(used(&daemon, "lan"), 1);
     assert!(!bpods[1].has_link("net1"));
 
@@ -425,26 +388,8 @@ fn macvlan_and_bridge_take_their_addresses_from_tether() {
     daemon.restart();
     let mig_pool = get_pool(&daemon, "mig");
     assert_eq!((mig_pool.used, mig_pool.excluded_in_use.len()), (1, 1));
-    call(
-        daemon.node(),
-        plugins.path(),
-        "DEL",
-        &mig,
-        pods[0].name(),
-        &pods[0],
-        None,
-    )
-    .assert_success();
-    call(
-        daemon.node(),
-        plugins.path(),
-        "DEL",
-        &lan,
-        bpods[0].name(),
-        &bpods[0],
-        None,
-    )
-    .assert_success();
+    call(daemon.node(), plugins.path(), "DEL", &mig, &pods[0], None).assert_success();
+    call(daemon.node(), plugins.path(), "DEL", &lan, &bpods[0], None).assert_success();
     assert_eq!(used(&daemon, "mig") + used(&daemon, "lan"), 0);
 }
 
@@ -470,15 +415,7 @@ fn two_nodes_share_a_pool_and_their_macvlan_pods_ping(store: Store) {
         let conf = macvlan_conf(n.daemon(), "lan", &n.underlay().ifname, "lan");
         for _ in 0..2 {
             let pod = Netns::new("pod");
-            let out = call(
-                n.netns(),
-                plugins.path(),
-                "ADD",
-                &conf,
-                pod.name(),
-                &pod,
-                None,
-            );
+            let out = call(n.netns(), plugins.path(), "ADD", &conf, &pod, None);
             let addr = first(out.result());
             assert_eq!(addrs(&pod), [addr.to_string()]);
             pods.push((i, pod, addr.addr(), conf.clone()));
@@ -511,16 +448,7 @@ fn two_nodes_share_a_pool_and_their_macvlan_pods_ping(store: Store) {
     assert_ping_within(&pods[3].1, pods[1].2, Duration::from_secs(5));
     for (i, pod, _, conf) in &pods {
         let n = cluster.node(*i);
-        call(
-            n.netns(),
-            plugins.path(),
-            "DEL",
-            conf,
-            pod.name(),
-            pod,
-            None,
-        )
-        .assert_success();
+        call(n.netns(), plugins.path(), "DEL", conf, pod, None).assert_success();
     }
     for n in cluster.nodes() {
         assert_eq!(used(n.daemon(), "lan"), 0);

@@ -390,16 +390,11 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     ping(&k, "d", &ip_a);
     ping(&k, "a", &ip_d);
     // No tetherd at all: the DaemonSet selects no node for a while.
-    k.api.kubectl_ok(&[
-        "-n",
-        "kube-system",
-        "patch",
-        "daemonset",
-        "tether",
+    patch_daemonset(
+        &k,
         "--type=merge",
-        "-p",
         r#"{"spec":{"template":{"spec":{"nodeSelector":{"tether.dev/test-no-node":"true"}}}}}"#,
-    ]);
+    );
     let none = wait_until(CONVERGE, || k.tether_pods().is_empty());
     assert!(none, "the tether pod did not go: {:?}", k.tether_pods());
     k.delete_pod("d");
@@ -411,16 +406,11 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
         "d's DEL, made while no tetherd ran, is not queued"
     );
     ping_from_netns(node(&k), &netns_a, &ip_b);
-    k.api.kubectl_ok(&[
-        "-n",
-        "kube-system",
-        "patch",
-        "daemonset",
-        "tether",
+    patch_daemonset(
+        &k,
         "--type=json",
-        "-p",
         r#"[{"op":"remove","path":"/spec/template/spec/nodeSelector"}]"#,
-    ]);
+    );
     k.wait_tether_ready(&v1);
     let replayed = wait_until(CONVERGE, || attachments_of(&k, "d").is_empty());
     assert!(
@@ -704,6 +694,21 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     assert_eq!(f["status"]["phase"], "Pending", "{}", f["status"]);
     assert!(f["status"]["podIP"].is_null(), "{}", f["status"]);
     eprintln!("step 7: helm uninstall; conflist, plugin and nft tables gone; node NotReady: {message}; f: {}", why.trim());
+}
+
+/// Patches tether's DaemonSet with `patch`, of the kind `kind`
+/// (`--type=merge`, `--type=json`).
+fn patch_daemonset(k: &KubeCluster, kind: &str, patch: &str) {
+    k.api.kubectl_ok(&[
+        "-n",
+        "kube-system",
+        "patch",
+        "daemonset",
+        "tether",
+        kind,
+        "-p",
+        patch,
+    ]);
 }
 
 /// Pings `to` from the pod netns `netns` (a pin of containerd's, as

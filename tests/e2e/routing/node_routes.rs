@@ -20,9 +20,10 @@ use serde_json::json;
 use tether_e2e::cluster::{Fabric, Pod, CLUSTER_ROUTE_PROTOCOL};
 use tether_e2e::kube::{KubeApi, TETHER_SA};
 use tether_e2e::{
-    admin, assert_ping_within, cni, pb, require_root, tether_bin, wait_until, CniEnv, Daemon,
-    DaemonOpts, Netns,
+    admin, assert_ping_within, cni, pb, require_root, tether_bin, wait_until, CniEnv, Daemon, Netns,
 };
+
+use crate::harness::shared::node_cidr_daemon;
 
 /// The API's changes reach the daemons through a watch: allow for it.
 const CONVERGE: Duration = Duration::from_secs(20);
@@ -117,19 +118,7 @@ fn three_nodes(overlay: Overlay) -> (Fabric, KubeApi, PathBuf, Vec<Node>) {
             Overlay::HostGw => "none",
             Overlay::Vxlan => "vxlan",
         };
-        let daemon = Daemon::start_in(
-            ns,
-            DaemonOpts {
-                extra_args: vec![
-                    "--pod-cidr-from-node".into(),
-                    "--kubeconfig".into(),
-                    kubeconfig.display().to_string(),
-                    "--overlay".into(),
-                    flag.into(),
-                ],
-                ..DaemonOpts::default()
-            },
-        );
+        let daemon = node_cidr_daemon(ns, &kubeconfig, &["--overlay", flag]);
         nodes.push(Node { daemon, ips });
     }
     (fabric, api, kubeconfig, nodes)

@@ -25,9 +25,9 @@ use std::time::Duration;
 use serde_json::json;
 use tether_e2e::cluster::{Fabric, Underlay};
 use tether_e2e::kube::{k8s_bin_dir, KubeApi, TETHER_SA};
-use tether_e2e::{
-    cni, require_root, tether_bin, wait_until, CniEnv, Daemon, DaemonOpts, Netns, TempDir,
-};
+use tether_e2e::{cni, require_root, tether_bin, wait_until, CniEnv, Daemon, Netns, TempDir};
+
+use crate::harness::shared::node_cidr_daemon;
 
 const CONVERGE: Duration = Duration::from_secs(30);
 /// The Service's ports.
@@ -156,20 +156,8 @@ fn services_through_kube_proxy_reach_tether_pods_across_nodes_and_back_to_themse
             &json!({"status": {"addresses": [{"type": "InternalIP", "address": underlay.v4.to_string()}]}})
                 .to_string(),
         ]);
-        let daemon = Daemon::start_in(
-            ns,
-            DaemonOpts {
-                extra_args: vec![
-                    "--pod-cidr-from-node".into(),
-                    "--kubeconfig".into(),
-                    tether_kc.display().to_string(),
-                    // The service CIDR is not NATed to by tether.
-                    "--no-nat-to".into(),
-                    "10.96.0.0/16".into(),
-                ],
-                ..DaemonOpts::default()
-            },
-        );
+        // The service CIDR is not NATed to by tether.
+        let daemon = node_cidr_daemon(ns, &tether_kc, &["--no-nat-to", "10.96.0.0/16"]);
         let name = daemon.node_name().to_owned();
         // kube-proxy as a kubeadm node runs it, in iptables mode; it leaves
         // nf_conntrack_max alone (read-only in a netns).

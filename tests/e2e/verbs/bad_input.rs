@@ -14,6 +14,8 @@ use tether_e2e::{
     Netns, TempDir,
 };
 
+use super::paths_under;
+
 /// The network the fixture's attachment and most cases use.
 const NET: &str = "badnet";
 /// The container id every ADD case tries; never successfully added.
@@ -389,26 +391,7 @@ impl Snapshot {
 
 /// Every path under `dir`, relative to it.
 fn files_under(dir: &Path) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            let path = entry.path();
-            out.insert(
-                path.strip_prefix(dir)
-                    .unwrap_or(&path)
-                    .display()
-                    .to_string(),
-            );
-            if path.is_dir() {
-                stack.push(path);
-            }
-        }
-    }
-    out
+    paths_under(dir).into_iter().map(|(rel, _)| rel).collect()
 }
 
 // ---------------------------------------------------------------------------

@@ -18,6 +18,8 @@ use tether_e2e::{
     add, del, parallel, require_root, tether_bin, workspace_dir, Daemon, DaemonOpts, Netns,
 };
 
+use crate::harness::shared::ticked;
+
 const POD_CIDR: &str = "10.247.0.0/24";
 const METRICS: &str = "127.0.0.1:9654";
 const BURST: usize = 40;
@@ -284,13 +286,6 @@ fn metrics_pass_promtool_and_add_up_during_a_burst() {
         .filter(|l| l.starts_with("| `tether_"))
         .map(|l| {
             let cells: Vec<&str> = l.split('|').map(str::trim).collect();
-            let ticked = |cell: &str| -> Vec<String> {
-                cell.split('`')
-                    .skip(1)
-                    .step_by(2)
-                    .map(str::to_owned)
-                    .collect()
-            };
             let name = ticked(cells[1]).remove(0);
             let labels = ticked(cells[3]).into_iter().collect();
             (name, cells[2].to_string(), labels)

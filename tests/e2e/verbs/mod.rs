@@ -20,6 +20,7 @@ mod startup;
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -369,6 +370,34 @@ fn pool_usage(daemon: &Daemon, cidr: &str) -> (u64, u64) {
         .find(|p| p.cidr == cidr)
         .unwrap_or_else(|| panic!("no pool {cidr}: {node:?}"));
     (pool.used, pool.free)
+}
+
+// ---------------------------------------------------------------------------
+// Files
+
+/// Every path under `dir` at any depth, directories too, each with its
+/// name relative to `dir`.
+fn paths_under(dir: &Path) -> Vec<(String, PathBuf)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let rel = path
+                .strip_prefix(dir)
+                .unwrap_or(&path)
+                .display()
+                .to_string();
+            if path.is_dir() {
+                stack.push(path.clone());
+            }
+            out.push((rel, path));
+        }
+    }
+    out
 }
 
 // ---------------------------------------------------------------------------

@@ -15,6 +15,8 @@ use tether_e2e::{
     add, require_root, tether_bin, tetherd_bin, AddResult, Daemon, DaemonOpts, Netns, TempDir,
 };
 
+use super::paths_under;
+
 const CIDRS: [&str; 2] = ["10.86.0.0/24", "fd00:86::/120"];
 const NET: &str = "onedaemon";
 /// Each ping stream: this many echo requests, one every 20 ms (6 s).
@@ -123,27 +125,11 @@ impl NodeState {
 
 /// Every regular file under `dir`, relative path to bytes.
 fn file_bytes(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            let path = entry.path();
-            let rel = path
-                .strip_prefix(dir)
-                .unwrap_or(&path)
-                .display()
-                .to_string();
-            if path.is_dir() {
-                stack.push(path);
-            } else {
-                out.insert(rel, std::fs::read(&path).unwrap_or_default());
-            }
-        }
-    }
-    out
+    paths_under(dir)
+        .into_iter()
+        .filter(|(_, path)| !path.is_dir())
+        .map(|(rel, path)| (rel, std::fs::read(&path).unwrap_or_default()))
+        .collect()
 }
 
 /// A live daemon with two pods pinging each other.

@@ -377,6 +377,37 @@ fn migration_status(guest: &Guest) -> Value {
     guest.qmp(|q| q.execute("query-migrate", json!({})))
 }
 
+/// The VM `first` on `node`, its guest booted with an IPv4 lease, and a
+/// pod on `from` that pings it: (the VM's pod, its IPv4, the guest, the
+/// pod that pings).
+fn leased_and_reached(
+    node: &ClusterNode,
+    first: &VmPodSpec,
+    from: &ClusterNode,
+) -> (Pod, IpAddr, Guest, Pod) {
+    let source = add_vm_pod(node, first);
+    let ip = source.v4().expect("IPv4");
+    let guest = boot(&source, false);
+    guest.wait_line("TETHER-LEASE4", BOOT_TIMEOUT);
+    let observer = from.add_pod();
+    assert_ping_within(observer.netns(), ip, CONVERGE);
+    (source, ip, guest, observer)
+}
+
+/// Starts the migration of `source` to `target` with its stream slowed to
+/// `bytes_per_sec`, and waits up to 20 s for its first MiB copied:
+/// whether it was.
+fn start_slow_migration(source: &Guest, target: &Guest, bytes_per_sec: u64) -> bool {
+    throttle(source, bytes_per_sec);
+    source.start_migration(target);
+    wait_until(Duration::from_secs(20), || {
+        migration_status(source)["ram"]["transferred"]
+            .as_u64()
+            .unwrap_or(0)
+            > 1024 * 1024
+    })
+}
+
 #[cfg_attr(
     not(feature = "cluster-tests"),
     ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
@@ -394,25 +425,14 @@ fn a_failed_migration_leaves_the_vm_on_its_source_and_the_target_del_frees_nothi
     let cluster = Topology::tetherd(3).start();
     let (a, b, c) = (cluster.node(0), cluster.node(1), cluster.node(2));
     let first = spec("vm1", "virt-launcher-vm1-aaaaa");
-    let source = add_vm_pod(a, &first);
-    let ip = source.v4().expect("IPv4");
-    let guest_a = boot(&source, false);
-    guest_a.wait_line("TETHER-LEASE4", BOOT_TIMEOUT);
-    let observer = c.add_pod();
-    assert_ping_within(observer.netns(), ip, CONVERGE);
+    let (_source, ip, guest_a, observer) = leased_and_reached(a, &first, c);
 
     let target_spec = first.target("virt-launcher-vm1-bbbbb");
     let target = add_vm_pod(b, &target_spec);
     let mut guest_b = boot(&target, true);
     // Slow enough that the target can be killed mid-way.
-    throttle(&guest_a, 2 * 1024 * 1024);
-    guest_a.start_migration(&guest_b);
     assert!(
-        wait_until(Duration::from_secs(20), || migration_status(&guest_a)
-            ["ram"]["transferred"]
-            .as_u64()
-            .unwrap_or(0)
-            > 1024 * 1024),
+        start_slow_migration(&guest_a, &guest_b, 2 * 1024 * 1024),
         "the migration never started: {}",
         migration_status(&guest_a)
     );
@@ -456,23 +476,13 @@ fn a_migration_cuts_over_though_the_target_daemon_restarted_in_the_middle() {
 fn a_migration_cuts_over_though_the_target_daemon_restarted_in_the_middle_attempt() {
     let mut cluster = Topology::tetherd(3).start();
     let first = spec("vm1", "virt-launcher-vm1-aaaaa");
-    let source = add_vm_pod(cluster.node(0), &first);
-    let ip = source.v4().expect("IPv4");
-    let guest_a = boot(&source, false);
-    guest_a.wait_line("TETHER-LEASE4", BOOT_TIMEOUT);
-    let observer = cluster.node(2).add_pod();
-    assert_ping_within(observer.netns(), ip, CONVERGE);
+    let (_source, ip, guest_a, observer) =
+        leased_and_reached(cluster.node(0), &first, cluster.node(2));
     let target = add_vm_pod(cluster.node(1), &first.target("virt-launcher-vm1-bbbbb"));
     let guest_b = boot(&target, true);
 
-    throttle(&guest_a, 4 * 1024 * 1024);
-    guest_a.start_migration(&guest_b);
     assert!(
-        wait_until(Duration::from_secs(20), || migration_status(&guest_a)
-            ["ram"]["transferred"]
-            .as_u64()
-            .unwrap_or(0)
-            > 1024 * 1024),
+        start_slow_migration(&guest_a, &guest_b, 4 * 1024 * 1024),
         "the migration never started"
     );
     // tetherd on B restarts while QEMU copies memory.
