@@ -183,35 +183,27 @@ fn invoke(
 // ---------------------------------------------------------------------------
 // Phase 1: ADD and DEL latency, cluster mode against one node
 
-/// One side of the comparison.
+/// One side of the comparison: where it runs, and what it measured.
 struct Side<'a> {
-    label: &'static str,
     short: &'static str,
     node: &'a Netns,
     socket: PathBuf,
     netconf: Vec<u8>,
-    add: Vec<Duration>,
-    del: Vec<Duration>,
-    /// ADDs sent right after a DEL answered, its veth teardown still running.
-    add_after_del: Vec<Duration>,
-    calls: usize,
-    failures: usize,
+    row: LatencyRow,
 }
 
 impl<'a> Side<'a> {
     fn new(label: &'static str, short: &'static str, daemon: &'a Daemon, network: &str) -> Self {
         Side {
-            label,
             short,
             node: daemon.node(),
             socket: daemon.socket().to_path_buf(),
             netconf: serde_json::to_vec(&daemon.netconf("1.0.0", network))
                 .expect("a JSON value serializes"),
-            add: Vec::new(),
-            del: Vec::new(),
-            add_after_del: Vec::new(),
-            calls: 0,
-            failures: 0,
+            row: LatencyRow {
+                label,
+                ..LatencyRow::default()
+            },
         }
     }
 
@@ -224,11 +216,11 @@ impl<'a> Side<'a> {
         f: &mut Failures,
     ) -> Option<Duration> {
         let out = invoke(shim, self.node, &self.netconf, command, id, pod);
-        self.calls += 1;
+        self.row.calls += 1;
         match judge(command, &out) {
             Ok(()) => Some(out.elapsed),
             Err(e) => {
-                self.failures += 1;
+                self.row.failures += 1;
                 f.fail(format!("{}: {command} {id}: {e}", self.short));
                 None
             }
@@ -247,10 +239,14 @@ struct Latency {
     blocks: Vec<String>,
 }
 
+/// One side's row of phase 1: its timed calls, and how many calls and
+/// failures it had (warm-up included).
+#[derive(Default)]
 struct LatencyRow {
     label: &'static str,
     add: Vec<Duration>,
     del: Vec<Duration>,
+    /// ADDs sent right after a DEL answered, its veth teardown still running.
     add_after_del: Vec<Duration>,
     calls: usize,
     failures: usize,
@@ -322,9 +318,9 @@ fn latency_phase(bins: &Bins, args: &Args, f: &mut Failures) -> Latency {
                 });
                 poll_until(deadline, || again_pod.link_names(), |l| *l == ["lo"]);
                 if cycle >= args.warmup {
-                    side.add.extend(add);
-                    side.del.extend(del);
-                    side.add_after_del.extend(again);
+                    side.row.add.extend(add);
+                    side.row.del.extend(del);
+                    side.row.add_after_del.extend(again);
                 }
                 pods.push(pod);
                 pods.push(again_pod);
@@ -341,17 +337,7 @@ fn latency_phase(bins: &Bins, args: &Args, f: &mut Failures) -> Latency {
         ));
     }
     let blocks = node0.daemon().node_info().blocks;
-    let rows = sides
-        .into_iter()
-        .map(|s| LatencyRow {
-            label: s.label,
-            add: s.add,
-            del: s.del,
-            add_after_del: s.add_after_del,
-            calls: s.calls,
-            failures: s.failures,
-        })
-        .collect();
+    let rows = sides.into_iter().map(|s| s.row).collect();
     Latency {
         rows,
         claims_timed,

@@ -29,7 +29,7 @@
 //! BENCHMARKS.md]`. KubeVirt is built from source the first time (tens of
 //! minutes; cached after).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tether_e2e::kube_cluster::KubePaths;
 use tether_e2e::kubevirt::agent::AgentShell;
@@ -37,19 +37,18 @@ use tether_e2e::kubevirt::scenario::{migrate_with_paths, Measured, Medians, Setu
 use tether_e2e::kubevirt::VERSION as KUBEVIRT_VERSION;
 use tether_e2e::paths::GuestShell;
 use tether_e2e::qemu::KERNEL_PANIC;
-use tether_e2e::streams::{Proto, StreamReport};
+use tether_e2e::streams::Proto;
 
 use crate::kit::{
     guarded, release_dir, stdout_of, Benchmark, CommonArgs, Failures, Report, Run, Table,
 };
+// The paths' streams and their rows as tether-bench vm's, so that the
+// two compare.
+use crate::vm::{stall_ms, PathRow, AFTER, PATH_INTERVAL};
 
 /// The issue's target: the loss window exceeds libvirt's downtime by at
 /// most this much at the median.
 const TARGET_EXCESS_MS: f64 = 10.0;
-/// The paths' streams: a message every 20 ms each (as tether-bench vm's paths).
-const PATH_INTERVAL: Duration = Duration::from_millis(20);
-/// How long the streams run on after a migration before they are read.
-const AFTER: Duration = Duration::from_secs(2);
 
 /// `tether-bench kubevirt`'s flags.
 #[derive(Debug, clap::Args)]
@@ -228,18 +227,6 @@ struct Timed {
     streams: usize,
 }
 
-/// One path through the timed migrations.
-#[derive(Default)]
-struct PathRow {
-    name: String,
-    survived: usize,
-    runs: usize,
-    /// Its stall from each migration's start (ms).
-    stalls: Vec<f64>,
-    /// The stall less libvirt's downtime (ms).
-    over_pause: Vec<f64>,
-}
-
 /// The KubeVirt migrations: the untimed ones, then the timed ones.
 struct Runs {
     untimed: usize,
@@ -248,10 +235,17 @@ struct Runs {
     boot: String,
 }
 
-/// `r`'s longest stall from `t0` on, in ms (0 when it never stalled).
-fn stall_ms(r: &StreamReport, t0: Instant) -> f64 {
-    r.stall_within(t0, r.stopped)
-        .map_or(0.0, |(d, _)| d.as_secs_f64() * 1e3)
+impl Runs {
+    /// One figure of every timed migration that has it, in order.
+    fn col(&self, f: impl Fn(&Timed) -> Option<f64>) -> Vec<f64> {
+        self.timed.iter().filter_map(f).collect()
+    }
+
+    /// The medians of the timed migrations' measures.
+    fn medians(&self) -> Medians {
+        let measured: Vec<Measured> = self.timed.iter().map(|t| t.m.clone()).collect();
+        Medians::of(&measured)
+    }
 }
 
 fn run_kubevirt(args: &Args, failures: &mut Failures) -> Runs {
@@ -322,28 +316,10 @@ fn run_kubevirt(args: &Args, failures: &mut Failures) -> Runs {
                 .map(|r| stall_ms(r, p.started))
                 .reduce(f64::max)
         };
+        // The pause is libvirt's downtime; a stream that died was counted
+        // as a failure above.
         for r in &p.reports {
-            let name = format!("{} {}", r.name, r.proto.name());
-            let k = match rows.iter().position(|row| row.name == name) {
-                Some(k) => k,
-                None => {
-                    rows.push(PathRow {
-                        name,
-                        ..PathRow::default()
-                    });
-                    rows.len() - 1
-                }
-            };
-            let row = &mut rows[k];
-            row.runs += 1;
-            if r.survived() && r.one_address() {
-                row.survived += 1;
-            }
-            let stall = stall_ms(r, p.started);
-            row.stalls.push(stall);
-            if let Some(d) = m.downtime_ms {
-                row.over_pause.push(stall - d);
-            }
+            PathRow::count(&mut rows, r, p.started, m.downtime_ms);
         }
         timed.push(Timed {
             tcp_stall: longest(Proto::Tcp),
@@ -412,20 +388,21 @@ fn report(run: &Run, args: &Args, vm: Option<&BenchVm>, runs: Option<&Runs>) -> 
     ])
     .right_aligned_from(1);
     if let Some(runs) = runs {
-        let col = |f: &dyn Fn(&Timed) -> Option<f64>| -> Vec<f64> {
-            runs.timed.iter().filter_map(f).collect()
-        };
         t.row([
             format!(
                 "KubeVirt, {} migrations (pause: libvirt's downtime)",
                 runs.timed.len()
             ),
-            ms(median_of(&col(&|t| t.m.downtime_ms))),
-            ms(median_of(&col(&|t| t.m.loss_ms()))),
-            ms(median_of(&col(&|t| t.m.lost_ms))),
-            ratio(median_of(&col(&|t| Some(t.m.lost_ms? / t.m.downtime_ms?)))),
-            ms(median_of(&col(&|t| t.tcp_stall))),
-            ms(median_of(&col(&|t| Some(t.tcp_stall? - t.m.downtime_ms?)))),
+            ms(median_of(&runs.col(|t| t.m.downtime_ms))),
+            ms(median_of(&runs.col(|t| t.m.loss_ms()))),
+            ms(median_of(&runs.col(|t| t.m.lost_ms))),
+            ratio(median_of(
+                &runs.col(|t| Some(t.m.lost_ms? / t.m.downtime_ms?)),
+            )),
+            ms(median_of(&runs.col(|t| t.tcp_stall))),
+            ms(median_of(
+                &runs.col(|t| Some(t.tcp_stall? - t.m.downtime_ms?)),
+            )),
             format!(
                 "{}/{}",
                 runs.timed.iter().filter(|t| t.alive == t.streams).count(),
@@ -467,8 +444,7 @@ fn report(run: &Run, args: &Args, vm: Option<&BenchVm>, runs: Option<&Runs>) -> 
     ])
     .right_aligned_from(1);
     if let Some(runs) = runs {
-        let measured: Vec<Measured> = runs.timed.iter().map(|t| t.m.clone()).collect();
-        let m = Medians::of(&measured);
+        let m = runs.medians();
         t.row([
             format!(
                 "KubeVirt (libvirt's downtime), {} migrations",
@@ -505,8 +481,7 @@ fn report(run: &Run, args: &Args, vm: Option<&BenchVm>, runs: Option<&Runs>) -> 
     }
     r.table(&t);
     if let Some(runs) = runs {
-        let measured: Vec<Measured> = runs.timed.iter().map(|t| t.m.clone()).collect();
-        let m = Medians::of(&measured);
+        let m = runs.medians();
         let verdict = match m.excess_ms {
             Some(e) if e <= TARGET_EXCESS_MS => format!("met: median excess {e:.1} ms"),
             Some(e) => format!("missed: median excess {e:.1} ms"),
@@ -515,14 +490,11 @@ fn report(run: &Run, args: &Args, vm: Option<&BenchVm>, runs: Option<&Runs>) -> 
         r.paragraph(format!(
             "Target (the loss window exceeds libvirt's downtime by at most {TARGET_EXCESS_MS} ms at the median): {verdict}."
         ));
-        let col = |f: &dyn Fn(&Timed) -> Option<f64>| -> Vec<f64> {
-            runs.timed.iter().filter_map(f).collect()
-        };
         r.paragraph(format!(
             "Against issue 36's goals for the guest's pause (set for tether-bench vm's QEMU pause on the etcd store; here with libvirt's downtime as the pause): probes lost {} of the pause at the median (goal: at most half); TCP stall − pause {} ms at the median (goal: at most 50 ms); {} of {} migrations with a TCP retransmission timeout's worth of stall (over 200 ms beyond the pause).",
-            median_of(&col(&|t| Some(t.m.lost_ms? / t.m.downtime_ms?)))
+            median_of(&runs.col(|t| Some(t.m.lost_ms? / t.m.downtime_ms?)))
                 .map_or("-".to_string(), |x| format!("{:.0}%", x * 100.0)),
-            ms(median_of(&col(&|t| Some(t.tcp_stall? - t.m.downtime_ms?)))),
+            ms(median_of(&runs.col(|t| Some(t.tcp_stall? - t.m.downtime_ms?)))),
             runs.timed
                 .iter()
                 .filter(|t| t

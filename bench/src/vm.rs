@@ -78,10 +78,12 @@ const VM: &str = "vm";
 const PROBE_INTERVAL: Duration = Duration::from_millis(1);
 /// The observer's two streams: a message every 5 ms each.
 const STREAM_INTERVAL: Duration = Duration::from_millis(5);
-/// The paths' streams (30 of them through the guest): every 20 ms each.
-const PATH_INTERVAL: Duration = Duration::from_millis(20);
-/// How long the streams run on after a migration before they are read.
-const AFTER: Duration = Duration::from_secs(2);
+/// The paths' streams (30 of them through the guest): every 20 ms each
+/// (and `tether-bench kubevirt`'s, so that their rows compare).
+pub(crate) const PATH_INTERVAL: Duration = Duration::from_millis(20);
+/// How long the streams run on after a migration before they are read
+/// (here and in `tether-bench kubevirt`).
+pub(crate) const AFTER: Duration = Duration::from_secs(2);
 const CONVERGE: Duration = Duration::from_secs(15);
 const MIGRATION_LIMIT: Duration = Duration::from_secs(120);
 
@@ -189,16 +191,57 @@ fn store_name(store: Store) -> &'static str {
     }
 }
 
-/// One path through the paths' migrations.
+/// One path through the paths' migrations (here and in `tether-bench
+/// kubevirt`).
 #[derive(Default)]
-struct PathRow {
-    name: String,
-    survived: usize,
-    runs: usize,
-    /// Longest stall from the migration's start on, per migration.
-    stalls: Vec<f64>,
-    /// The stall less the guest's pause, per migration.
-    over_pause: Vec<f64>,
+pub(crate) struct PathRow {
+    /// The path's name and its stream's protocol.
+    pub(crate) name: String,
+    /// Migrations its stream lived through with one address, of `runs`.
+    pub(crate) survived: usize,
+    pub(crate) runs: usize,
+    /// Longest stall from the migration's start on, per migration (ms).
+    pub(crate) stalls: Vec<f64>,
+    /// The stall less the guest's pause (in `tether-bench kubevirt`,
+    /// libvirt's downtime), per migration (ms).
+    pub(crate) over_pause: Vec<f64>,
+}
+
+impl PathRow {
+    /// Counts `r`, a stream's report of one migration started at `t0`, in
+    /// its path's row of `rows` (added the first time): one run, one
+    /// survived if the stream lived with one address, its stall, and the
+    /// stall less `pause` (ms) when that is known. Whether it survived.
+    pub(crate) fn count(
+        rows: &mut Vec<PathRow>,
+        r: &StreamReport,
+        t0: Instant,
+        pause: Option<f64>,
+    ) -> bool {
+        let name = format!("{} {}", r.name, r.proto.name());
+        let k = match rows.iter().position(|row| row.name == name) {
+            Some(k) => k,
+            None => {
+                rows.push(PathRow {
+                    name,
+                    ..PathRow::default()
+                });
+                rows.len() - 1
+            }
+        };
+        let row = &mut rows[k];
+        row.runs += 1;
+        let alive = r.survived() && r.one_address();
+        if alive {
+            row.survived += 1;
+        }
+        let stall = stall_ms(r, t0);
+        row.stalls.push(stall);
+        if let Some(p) = pause {
+            row.over_pause.push(stall - p);
+        }
+        alive
+    }
 }
 
 /// The paths' migrations on one store.
@@ -257,7 +300,7 @@ fn ms(d: Duration) -> f64 {
 
 /// The longest stall of `r` from `t0` on, in ms (0 when it never
 /// stalled).
-fn stall_ms(r: &StreamReport, t0: Instant) -> f64 {
+pub(crate) fn stall_ms(r: &StreamReport, t0: Instant) -> f64 {
     r.stall_within(t0, r.stopped).map_or(0.0, |(d, _)| ms(d))
 }
 
@@ -429,28 +472,8 @@ fn paths(args: &Args, topology: Topology<Tetherd>, out: &mut Paths, f: &mut Fail
         out.migrations += 1;
         out.pauses.extend(gap);
         for r in &reports {
-            let name = format!("{} {}", r.name, r.proto.name());
-            let row = match out.rows.iter_mut().position(|row| row.name == name) {
-                Some(k) => &mut out.rows[k],
-                None => {
-                    out.rows.push(PathRow {
-                        name,
-                        ..PathRow::default()
-                    });
-                    out.rows.last_mut().expect("just pushed")
-                }
-            };
-            row.runs += 1;
-            let alive = r.survived() && r.one_address();
-            if alive {
-                row.survived += 1;
-            } else {
+            if !PathRow::count(&mut out.rows, r, t0, gap) {
                 f.fail(format!("paths, migration {}: {r}", i + 1));
-            }
-            let stall = stall_ms(r, t0);
-            row.stalls.push(stall);
-            if let Some(p) = gap {
-                row.over_pause.push(stall - p);
             }
         }
         let left = scene.switch(target);
