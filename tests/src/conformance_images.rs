@@ -137,25 +137,37 @@ fn build_all() -> PathBuf {
         include_str!("oci.rs"),
     );
     let key = &sha256_of(key.as_bytes())[..16];
+    let what = format!("{} images", IMAGES.len());
+    cached_pack("conformance-images", key, &what, |tmp| {
+        pack_all(tmp, e2e, coredns, roots)
+    })
+}
+
+/// The directory `<cache>/<name>-<key>` ([`cache_base`]), packed by
+/// `pack` into a work directory (whose `work/` subdirectory it may use
+/// for scratch) the first time, then moved into place whole: a pack
+/// interrupted midway is never taken for done, and a process that loses
+/// the race to another keeps the other's. Older packs of `name` go.
+/// `what` names what is packed, for the progress lines on stderr.
+pub(crate) fn cached_pack(name: &str, key: &str, what: &str, pack: impl FnOnce(&Path)) -> PathBuf {
     let base = cache_base();
-    let out = base.join(format!("conformance-images-{key}"));
+    let out = base.join(format!("{name}-{key}"));
     if out.join("done").exists() {
         return out;
     }
     std::fs::create_dir_all(&base).expect("creating the cache dir");
     let start = std::time::Instant::now();
-    let tmp = base.join(format!("conformance-images.{}", std::process::id()));
+    let tmp = base.join(format!("{name}.{}", std::process::id()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).expect("removing an old work dir");
     }
-    eprintln!(
-        "conformance_images: packing {} images (once; cached in {})",
-        IMAGES.len(),
-        out.display()
-    );
+    eprintln!("{name}: packing {what} (once; cached in {})", out.display());
     std::fs::create_dir(&tmp).expect("creating the images' work dir");
-    pack_all(&tmp, e2e, coredns, roots);
-    std::fs::remove_dir_all(tmp.join("work")).expect("removing the assembled roots");
+    pack(&tmp);
+    let work = tmp.join("work");
+    if work.exists() {
+        std::fs::remove_dir_all(&work).expect("removing the pack's scratch");
+    }
     std::fs::write(tmp.join("done"), "").expect("marking the images done");
     if let Err(e) = std::fs::rename(&tmp, &out) {
         // Another process packed them first: theirs will do.
@@ -167,16 +179,13 @@ fn build_all() -> PathBuf {
         let _ = std::fs::remove_dir_all(&tmp);
         return out;
     }
-    eprintln!(
-        "conformance_images: packed in {:.1} s",
-        start.elapsed().as_secs_f64()
-    );
+    eprintln!("{name}: packed in {:.1} s", start.elapsed().as_secs_f64());
     // Older packs are of no more use.
+    let prefix = format!("{name}-");
     if let Ok(entries) = std::fs::read_dir(&base) {
         for entry in entries.flatten() {
             let path = entry.path();
-            let name = entry.file_name();
-            if path != out && name.to_string_lossy().starts_with("conformance-images-") {
+            if path != out && entry.file_name().to_string_lossy().starts_with(&prefix) {
                 let _ = std::fs::remove_dir_all(&path);
             }
         }

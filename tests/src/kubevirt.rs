@@ -190,49 +190,9 @@ fn pack_cached() -> PathBuf {
         include_str!("oci.rs"),
     );
     let key = &crate::conformance_images::sha256_of(key.as_bytes())[..16];
-    let base = crate::conformance_images::cache_base();
-    let out = base.join(format!("kubevirt-images-{key}"));
-    if out.join("done").exists() {
-        return out;
-    }
-    let start = Instant::now();
-    let tmp = base.join(format!("kubevirt-images.{}", std::process::id()));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).expect("removing an old work dir");
-    }
-    std::fs::create_dir_all(&tmp).expect("creating the images' work dir");
-    eprintln!(
-        "kubevirt: packing KubeVirt's images (once; cached in {})",
-        out.display()
-    );
-    pack_all(&tmp, bins, roots);
-    std::fs::remove_dir_all(tmp.join("work")).expect("removing the assembled layers");
-    std::fs::write(tmp.join("done"), "").expect("marking the images done");
-    if let Err(e) = std::fs::rename(&tmp, &out) {
-        assert!(
-            out.join("done").exists(),
-            "moving the images to {}: {e}",
-            out.display()
-        );
-        let _ = std::fs::remove_dir_all(&tmp);
-        return out;
-    }
-    eprintln!("kubevirt: packed in {:.1} s", start.elapsed().as_secs_f64());
-    // Older packs are of no more use.
-    if let Ok(entries) = std::fs::read_dir(&base) {
-        for entry in entries.flatten() {
-            let path = entry.path();
-            if path != out
-                && entry
-                    .file_name()
-                    .to_string_lossy()
-                    .starts_with("kubevirt-images-")
-            {
-                let _ = std::fs::remove_dir_all(&path);
-            }
-        }
-    }
-    out
+    crate::conformance_images::cached_pack("kubevirt-images", key, "KubeVirt's images", |tmp| {
+        pack_all(tmp, bins, roots)
+    })
 }
 
 fn pack_all(tmp: &Path, bins: &Path, roots: &Path) {
