@@ -22,6 +22,10 @@ fn counted(name: &str) -> u64 {
         .unwrap_or_else(|| panic!("no counter {name} in {text}"))
 }
 
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
 #[test]
 fn an_ingress_policy_passes_its_peer_and_replies_and_drops_the_rest() {
     require_root!();
