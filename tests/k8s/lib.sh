@@ -25,6 +25,14 @@
 
 base=${TETHER_K8S_DIR:-/var/tmp/tether-k8s}
 
+# Every Go build here links with -s -w, which leaves the debug information
+# out of the binary; compiled without it in the first place, each package
+# costs less: 6 % less CPU for grpcurl's build (189 s instead of 201 s,
+# measured 2026-11-29 on the 2-core machine), on builds whose CPU sets how
+# long `make test` takes on a new machine. One setting for every builder,
+# so that the packages they share are compiled once, into Go's build cache.
+export GOFLAGS="${GOFLAGS:+$GOFLAGS }-gcflags=all=-dwarf=false"
+
 pick_go() {
     for g in "$(command -v go 2>/dev/null || true)" /usr/local/go/bin/go /opt/go/bin/go /usr/lib/go/bin/go; do
         [ -n "$g" ] && [ -x "$g" ] || continue
