@@ -77,8 +77,9 @@ docs: mdbook
 	@bin=$$(sh docs/mdbook.sh) && $$bin/mdbook build docs
 	python3 tests/book_links.py target/book
 
-## mdbook: mdBook alone, built once and cached (docs/mdbook.sh); `make
-## test` builds it on its Go line, so that the Rust line's `docs` finds it.
+## mdbook: mdBook alone, built once and cached (docs/mdbook.sh). `make
+## test` builds it on its Rust line, through `docs`: its tools line starts
+## with the Kubernetes binaries, on which the time of `make test` hangs.
 mdbook:
 	@bin=$$(sh docs/mdbook.sh) && echo "mdbook: $$($$bin/mdbook --version) in $$bin"
 
@@ -171,12 +172,12 @@ check:
 ## that asks for another fails at once and says which list to add it to.
 ##
 ## Before the suites, two lines run side by side: the tools that need only
-## the machine's Go and Rust (mdBook, the Kubernetes binaries and helm,
-## then e2e-bins), and setup then the Rust (lint-text, the build with
-## clippy's lints in it (LINT_BUILD), shim-size, docs; the build needs
-## setup's protoc). Each leaves a core idle at times (downloads, links, a
-## last crate); side by side they fill it. mdBook goes first on the tools
-## line: the Rust line's `docs` needs it after the build. The tools line's
+## the machine's Go (the Kubernetes binaries and helm, then e2e-bins), and
+## setup then the Rust (lint-text, the build with clippy's lints in it
+## (LINT_BUILD), shim-size, docs with mdBook; the build needs setup's
+## protoc). Each leaves a core idle at times (downloads, links, a last
+## crate); side by side they fill it. The Kubernetes binaries go first: the
+## machine is busy from start to end, and part 2 waits for them. The tools line's
 ## output is kept in target/go-parts.log and printed after it; either line
 ## failing fails `make test` before any suite that needs it runs. The tools
 ## line runs at a lower priority (nice 15): it takes what the Rust line
@@ -188,7 +189,7 @@ test:
 	@test "$$(id -u)" = 0 || { echo "make test must run as root (it creates network namespaces)"; exit 1; }
 	@mkdir -p target; rm -f target/kube-helm.rc; \
 	echo "== $$(date +%T) make test: setup and the Rust line, the tools line beside"; \
-	( nice -n 15 $(MAKE) --no-print-directory mdbook k8s helm >target/go-parts.log 2>&1; rc=$$?; \
+	( nice -n 15 $(MAKE) --no-print-directory k8s helm >target/go-parts.log 2>&1; rc=$$?; \
 	  echo $$rc >target/kube-helm.rc; [ $$rc = 0 ] || exit $$rc; \
 	  nice -n 15 $(MAKE) --no-print-directory e2e-bins >>target/go-parts.log 2>&1 ) & go=$$!; \
 	$(MAKE) --no-print-directory setup lint-text build shim-size docs LINT_BUILD=1; rust=$$?; \
@@ -206,12 +207,12 @@ test:
 	    $(foreach f,$(TOOL_SUITES),--skip $(f)); second=$$?; \
 	else second=1; fi; \
 	wait $$go; gorc=$$?; \
-	echo "== $$(date +%T) mdBook and the Go parts, built beside setup, the Rust and the first parts (target/go-parts.log):"; \
+	echo "== $$(date +%T) the Go parts, built beside setup, the Rust and the first parts (target/go-parts.log):"; \
 	cat target/go-parts.log; \
 	if [ $$gorc != 0 ]; then \
 	  [ $$first = 0 ] || echo "make test: FAILED: a suite that needs no Go part (exit $$first; its report is above)"; \
 	  [ $$second = 0 ] || echo "make test: FAILED: a suite that needs the Kubernetes binaries and helm, or they did not build (exit $$second)"; \
-	  echo "make test: building mdBook or the Go parts failed (exit $$gorc)"; exit 1; \
+	  echo "make test: building the Go parts failed (exit $$gorc)"; exit 1; \
 	fi; \
 	echo "== $$(date +%T) make test: part 3, the suites that need e2e.test or CoreDNS ($(TOOL_SUITES))"; \
 	$(TEST_RUN) $(TOOL_SUITES); third=$$?; \

@@ -24,8 +24,8 @@ if [ -f "$out/done" ]; then
 fi
 
 mkdir -p "$base"
-# One build at a time: `make test` starts one on its tools line, and its
-# Rust line's `make docs` waits here for it instead of building another.
+# One build at a time: two checkouts' `make docs` on one machine wait here
+# for the first one's build instead of building another.
 exec 9>"$base/mdbook.lock"
 flock 9
 if [ -f "$out/done" ]; then
