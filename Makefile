@@ -177,7 +177,11 @@ check:
 ## (LINT_BUILD), shim-size, docs with mdBook; the build needs setup's
 ## protoc). Each leaves a core idle at times (downloads, links, a last
 ## crate); side by side they fill it. The Kubernetes binaries go first: the
-## machine is busy from start to end, and part 2 waits for them. The tools line's
+## machine is busy from start to end, and part 2 waits for them. Once
+## setup has installed mmdebstrap, a third line builds the Debian roots of
+## the conformance images (tests/k8s/images.sh, mostly downloads and
+## unpacking, at nice 15; target/roots.log), which part 3's first tests
+## would otherwise build before its conformance slice can start. The tools line's
 ## output is kept in target/go-parts.log and printed after it; either line
 ## failing fails `make test` before any suite that needs it runs. The tools
 ## line runs at a lower priority (nice 15): it takes what the Rust line
@@ -192,9 +196,14 @@ test:
 	( nice -n 15 $(MAKE) --no-print-directory k8s helm >target/go-parts.log 2>&1; rc=$$?; \
 	  echo $$rc >target/kube-helm.rc; [ $$rc = 0 ] || exit $$rc; \
 	  nice -n 15 $(MAKE) --no-print-directory e2e-bins >>target/go-parts.log 2>&1 ) & go=$$!; \
-	$(MAKE) --no-print-directory setup lint-text build shim-size docs LINT_BUILD=1; rust=$$?; \
+	roots=; \
+	$(MAKE) --no-print-directory setup; rust=$$?; \
+	if [ $$rust = 0 ]; then \
+	  nice -n 15 sh tests/k8s/images.sh >target/roots.log 2>&1 & roots=$$!; \
+	  $(MAKE) --no-print-directory lint-text build shim-size docs LINT_BUILD=1; rust=$$?; \
+	fi; \
 	if [ $$rust != 0 ]; then \
-	  wait $$go; cat target/go-parts.log; \
+	  wait $$go $$roots; cat target/go-parts.log; \
 	  echo "make test: setup or the Rust build failed (exit $$rust)"; exit 1; \
 	fi; \
 	echo "== $$(date +%T) make test: part 1, the suites that need no Go part, while the tools line may still build"; \
@@ -209,6 +218,10 @@ test:
 	wait $$go; gorc=$$?; \
 	echo "== $$(date +%T) the Go parts, built beside setup, the Rust and the first parts (target/go-parts.log):"; \
 	cat target/go-parts.log; \
+	wait $$roots; rootsrc=$$?; \
+	echo "== $$(date +%T) the images' Debian roots, built beside the Rust and the first parts (target/roots.log):"; \
+	cat target/roots.log; \
+	[ $$rootsrc = 0 ] || echo "make test: building the images' Debian roots failed (exit $$rootsrc); part 3's tests try again"; \
 	if [ $$gorc != 0 ]; then \
 	  [ $$first = 0 ] || echo "make test: FAILED: a suite that needs no Go part (exit $$first; its report is above)"; \
 	  [ $$second = 0 ] || echo "make test: FAILED: a suite that needs the Kubernetes binaries and helm, or they did not build (exit $$second)"; \
