@@ -19,6 +19,7 @@ use ipnet::IpNet;
 use tokio::sync::mpsc;
 
 use super::handover::{Flow, FlowCreated, FlowEnds, Handover, Held, TapCounters};
+use super::policy::PolicyPlan;
 use super::replay::Replayed;
 use super::{
     Announcement, Announcements, ClusterRoute, GuestDhcp, GuestLease, Host, HostRoute, Kernel,
@@ -894,6 +895,14 @@ pub struct FakeHost {
     dhcp: Arc<FakeDhcp>,
     /// How many times the handover table was written.
     handover_tables: Mutex<usize>,
+    /// The NetworkPolicy table: None when there is none.
+    policy: Mutex<Option<PolicyPlan>>,
+    /// How many times the NetworkPolicy table was written or removed.
+    policy_writes: Mutex<usize>,
+    /// Whether programming the NetworkPolicy table fails.
+    no_policy: Mutex<bool>,
+    /// The NetworkPolicy table's counters: name -> (packets, bytes).
+    policy_counters: Mutex<BTreeMap<String, (u64, u64)>>,
 }
 
 /// The fake guest DHCP service: what is served where, and the router
@@ -955,6 +964,10 @@ impl Default for FakeHost {
             no_packet_sockets: Mutex::new(false),
             dhcp: Arc::default(),
             handover_tables: Mutex::new(0),
+            policy: Mutex::new(None),
+            policy_writes: Mutex::new(0),
+            no_policy: Mutex::new(false),
+            policy_counters: Mutex::new(BTreeMap::new()),
         }
     }
 }
@@ -1010,6 +1023,36 @@ impl FakeHost {
         *lock(&self.handover_tables)
     }
 
+    /// The NetworkPolicy table as last programmed; None if there is none.
+    pub fn policy(&self) -> Option<PolicyPlan> {
+        lock(&self.policy).clone()
+    }
+
+    /// How many times the NetworkPolicy table was written or removed.
+    pub fn policy_writes(&self) -> usize {
+        *lock(&self.policy_writes)
+    }
+
+    /// Leaves a NetworkPolicy table behind, as a former daemon would have.
+    pub fn set_policy(&self, plan: Option<PolicyPlan>) {
+        *lock(&self.policy) = plan;
+    }
+
+    /// Counts `packets` dropped on the NetworkPolicy table's counter
+    /// `name`, as the kernel would.
+    pub fn count_policy_drop(&self, name: &str, packets: u64) {
+        let mut c = lock(&self.policy_counters);
+        let e = c.entry(name.to_owned()).or_default();
+        e.0 += packets;
+        e.1 += packets * 100;
+    }
+
+    /// Makes programming and removing the NetworkPolicy table fail, or
+    /// work again.
+    pub fn refuse_policy(&self, refuse: bool) {
+        *lock(&self.no_policy) = refuse;
+    }
+
     /// Delivers an announcement to the daemon's listener.
     pub fn announce(&self, a: Announcement) {
         // The receiver is gone only when no listener runs any more.
@@ -1058,6 +1101,21 @@ impl Host for FakeHost {
         *lock(&self.handover_tables) += 1;
         Ok(())
     }
+
+    fn ensure_policy(&self, plan: &PolicyPlan) -> Result<()> {
+        self.write_policy(Some(plan.clone()))
+    }
+
+    fn remove_policy(&self) -> Result<()> {
+        self.write_policy(None)
+    }
+
+    fn policy_counters(&self) -> Result<Vec<(String, u64, u64)>> {
+        Ok(lock(&self.policy_counters)
+            .iter()
+            .map(|(n, (p, b))| (n.clone(), *p, *b))
+            .collect())
+    }
 }
 
 impl FakeHost {
@@ -1070,6 +1128,24 @@ impl FakeHost {
         }
         *lock(&self.nat_writes) += 1;
         *lock(&self.nat) = plan;
+        Ok(())
+    }
+
+    fn write_policy(&self, plan: Option<PolicyPlan>) -> Result<()> {
+        if *lock(&self.no_policy) {
+            return Err(KernelError::refused(
+                "programming NetworkPolicy",
+                "injected failure",
+            ));
+        }
+        *lock(&self.policy_writes) += 1;
+        // A new table's counters start from zero, as the script's do.
+        *lock(&self.policy_counters) = plan
+            .iter()
+            .flat_map(PolicyPlan::counters)
+            .map(|(_, _, name)| (name, (0, 0)))
+            .collect();
+        *lock(&self.policy) = plan;
         Ok(())
     }
 }

@@ -1,6 +1,6 @@
 //! The real [`Host`]: sysctls under /proc/sys, the boot id, the packet
-//! sockets of [`super::packet`], and outbound NAT through the system's
-//! `nft` command.
+//! sockets of [`super::packet`], and outbound NAT, the migration handover
+//! and NetworkPolicy through the system's `nft` command.
 
 use super::netlink::write_sysctl;
 use super::packet::AnnounceListener;
@@ -83,6 +83,55 @@ impl Host for LinuxHost {
             &super::handover::handover_script(),
             "programming the migration handover (nft table inet tether_vm)",
         )
+    }
+
+    fn ensure_policy(&self, plan: &super::policy::PolicyPlan) -> Result<()> {
+        run_nft(
+            &plan.script(),
+            "programming NetworkPolicy (nft table inet tether_policy)",
+        )
+    }
+
+    fn remove_policy(&self) -> Result<()> {
+        run_nft(
+            &super::policy::PolicyPlan::removal_script(),
+            "removing NetworkPolicy (nft table inet tether_policy)",
+        )
+    }
+
+    fn policy_counters(&self) -> Result<Vec<(String, u64, u64)>> {
+        let doing = "reading the NetworkPolicy counters (nft table inet tether_policy)";
+        let mut out = Err(std::io::ErrorKind::NotFound.into());
+        for nft in NFT {
+            out = Command::new(nft)
+                .args([
+                    "list",
+                    "counters",
+                    "table",
+                    super::policy::POLICY_TABLE_FAMILY,
+                    super::policy::POLICY_TABLE,
+                ])
+                .stdin(Stdio::null())
+                .output();
+            if !matches!(&out, Err(e) if e.kind() == std::io::ErrorKind::NotFound) {
+                break;
+            }
+        }
+        let out = out.map_err(|e| KernelError::refused(doing, e))?;
+        if !out.status.success() {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            // No table: nothing counted.
+            if stderr.contains("No such file or directory") {
+                return Ok(Vec::new());
+            }
+            return Err(KernelError::refused(
+                doing,
+                format!("nft failed ({}): {}", out.status, stderr.trim()),
+            ));
+        }
+        Ok(super::policy::parse_counters(&String::from_utf8_lossy(
+            &out.stdout,
+        )))
     }
 }
 

@@ -362,6 +362,17 @@ pub trait Host: Send + Sync {
     /// Writes the migration handover's nftables table anew
     /// ([`handover::handover_script`]).
     fn ensure_handover_table(&self) -> Result<()>;
+
+    /// Makes the NetworkPolicy table exactly `plan`, in one transaction
+    /// ([`policy::PolicyPlan::script`]).
+    fn ensure_policy(&self, plan: &policy::PolicyPlan) -> Result<()>;
+
+    /// Removes the NetworkPolicy table; no table is success.
+    fn remove_policy(&self) -> Result<()>;
+
+    /// The NetworkPolicy table's drop counters as the kernel has them:
+    /// (counter name, packets, bytes); none without the table.
+    fn policy_counters(&self) -> Result<Vec<(String, u64, u64)>>;
 }
 
 /// Counters of the guest DHCP service since the daemon started.

@@ -268,6 +268,26 @@ impl PolicyPlan {
     }
 }
 
+/// The named counters of `nft list counters` output: (name, packets,
+/// bytes), in the order listed.
+pub fn parse_counters(listing: &str) -> Vec<(String, u64, u64)> {
+    let mut out = Vec::new();
+    let mut name: Option<String> = None;
+    for line in listing.lines().map(str::trim) {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["counter", n, "{"] => name = Some((*n).to_owned()),
+            ["packets", p, "bytes", b, ..] => {
+                if let (Some(n), Ok(p), Ok(b)) = (name.take(), p.parse(), b.parse()) {
+                    out.push((n, p, b));
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
 /// The nft rules (without their verdict) of one allow, for a pod's
 /// ingress (`peers` are sources) or egress (destinations): one per family
 /// and protocol it needs, none when it allows nothing.
@@ -510,6 +530,19 @@ mod tests {
         let counters = PolicyPlan::new([p, q]).counters();
         assert_eq!(counters.len(), 2, "{counters:?}");
         assert_ne!(counters[0].2, counters[1].2);
+    }
+
+    #[test]
+    fn the_counters_are_read_from_nfts_listing() {
+        let listing = "table inet tether_policy {\n\tcounter in_00000000000000aa {\n\t\tpackets 3 bytes 252\n\t}\n\tcounter out_00000000000000bb {\n\t\tpackets 0 bytes 0\n\t}\n}\n";
+        assert_eq!(
+            parse_counters(listing),
+            vec![
+                ("in_00000000000000aa".to_string(), 3, 252),
+                ("out_00000000000000bb".to_string(), 0, 0)
+            ]
+        );
+        assert!(parse_counters("").is_empty());
     }
 
     #[test]

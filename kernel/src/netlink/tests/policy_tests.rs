@@ -1,7 +1,8 @@
 //! The policy table (`crate::policy`) loaded into a real kernel: three
 //! pods wired on a throwaway node netns, one of them isolated for ingress
 //! with only one peer allowed; what passes and what is dropped, the
-//! drop counter, and the removal.
+//! drop counter as `nft` and the real [`crate::Host`] read it, and the
+//! removal.
 
 use super::*;
 use crate::policy::{
@@ -53,7 +54,8 @@ fn an_ingress_policy_passes_its_peer_and_replies_and_drops_the_rest() {
             }),
             egress: None,
         }]);
-        nft(&plan.script());
+        let host = crate::LinuxHost::new(std::sync::Arc::new(crate::fake::FakeDhcp::default()));
+        crate::Host::ensure_policy(&host, &plan).expect("the table");
         let drops = PolicyPlan::counter_name(policy, true);
 
         // The allowed peer passes; the stranger is dropped and counted.
@@ -64,6 +66,13 @@ fn an_ingress_policy_passes_its_peer_and_replies_and_drops_the_rest() {
             "the stranger passed"
         );
         assert!(counted(&drops) >= 1, "the drop was not counted");
+        let listed = crate::Host::policy_counters(&host).expect("the counters");
+        assert!(
+            listed
+                .iter()
+                .any(|(n, p, b)| *n == drops && *p >= 1 && *b > 0),
+            "the host's reading of the counters: {listed:?}"
+        );
         // Egress is not isolated: the isolated pod reaches the stranger,
         // whose reply passes as part of that connection.
         assert!(
@@ -74,9 +83,13 @@ fn an_ingress_policy_passes_its_peer_and_replies_and_drops_the_rest() {
         // Loaded again (a change), then removed: everything passes.
         nft(&plan.script());
         assert!(!pings(stranger.path(), "10.244.0.32"), "after a reload");
-        nft(&PolicyPlan::removal_script());
+        crate::Host::remove_policy(&host).expect("removed");
         assert!(pings(stranger.path(), "10.244.0.32"), "after the removal");
-        // Removing what is not there is no error.
-        nft(&PolicyPlan::removal_script());
+        // Removing what is not there is no error, and it counts nothing.
+        crate::Host::remove_policy(&host).expect("removed again");
+        assert_eq!(
+            crate::Host::policy_counters(&host).expect("no table"),
+            Vec::new()
+        );
     });
 }
