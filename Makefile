@@ -13,7 +13,7 @@ DEBUG_DIR := target/debug
 # kubelet's) and helm (which renders the chart's RBAC and CRDs for every
 # suite on the Kubernetes store); TOOL_SUITES need e2e.test or CoreDNS too.
 # A test whose name matches both runs with TOOL_SUITES.
-KUBE_SUITES := kube_api kube_client kubernetes node_routes routing::services vm_connections
+KUBE_SUITES := kube_api kube_client kubernetes network_policy node_routes routing::services vm_connections
 TOOL_SUITES := kube:: conformance install:: house::
 
 .PHONY: all setup setup-demo k8s helm e2e-bins mdbook conformance-images conformance kubevirt bench-kubevirt manifests docs reference build release demo check test unit integration lint lint-text bench clean shim-size min-kernel

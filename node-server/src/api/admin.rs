@@ -118,6 +118,47 @@ fn pool_pb(u: &PoolUsage, holders: Option<&[Attachment]>) -> pb::NamedPool {
     p
 }
 
+/// One direction of a pod's isolation, for the admin API.
+fn direction_pb(d: &tether_kernel::policy::Direction) -> pb::PolicyDirection {
+    use tether_kernel::policy::{Peers, Ports};
+    pb::PolicyDirection {
+        policies: d.policies.iter().cloned().collect(),
+        allows: d
+            .allows
+            .iter()
+            .map(|a| {
+                let (any_peer, peers) = match &a.peers {
+                    Peers::Any => (true, Vec::new()),
+                    Peers::Nets(nets) => (false, nets.iter().map(|n| n.to_string()).collect()),
+                };
+                let (any_port, ports) = match &a.ports {
+                    Ports::Any => (true, Vec::new()),
+                    Ports::Ranges(ranges) => (
+                        false,
+                        ranges
+                            .iter()
+                            .map(|r| {
+                                let proto = r.proto.nft().to_uppercase();
+                                if r.first == r.last {
+                                    format!("{proto}/{}", r.first)
+                                } else {
+                                    format!("{proto}/{}-{}", r.first, r.last)
+                                }
+                            })
+                            .collect(),
+                    ),
+                };
+                pb::PolicyAllow {
+                    any_peer,
+                    peers,
+                    any_port,
+                    ports,
+                }
+            })
+            .collect(),
+    }
+}
+
 fn to_status(e: Error) -> Status {
     let text = format!("{e} (code {})", e.code());
     match e {
@@ -553,5 +594,33 @@ impl admin_server::Admin for AdminService {
         }
         pool.blocks.sort_by(|a, b| a.cidr.cmp(&b.cidr));
         Ok(Response::new(pool))
+    }
+
+    async fn get_pod_policy(
+        &self,
+        r: Request<pb::GetPodPolicyRequest>,
+    ) -> Result<Response<pb::PodPolicy>, Status> {
+        let r = r.into_inner();
+        let Some(enforcer) = self.node.policy() else {
+            return Err(Status::failed_precondition(
+                "this daemon enforces no NetworkPolicy (--network-policy=false, or no Kubernetes API)",
+            ));
+        };
+        let (policy, local) = enforcer
+            .pod_policy(&r.namespace, &r.name)
+            .map_err(Status::failed_precondition)?
+            .ok_or_else(|| {
+                Status::not_found(format!(
+                    "no pod {}/{} in the API, as this node's watch sees it",
+                    r.namespace, r.name
+                ))
+            })?;
+        Ok(Response::new(pb::PodPolicy {
+            pod: policy.pod.clone(),
+            ips: policy.ips.iter().map(|ip| ip.to_string()).collect(),
+            local,
+            ingress: policy.ingress.as_ref().map(direction_pb),
+            egress: policy.egress.as_ref().map(direction_pb),
+        }))
     }
 }

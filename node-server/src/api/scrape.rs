@@ -1,7 +1,8 @@
 //! What a Prometheus scrape of `--metrics-address` reads: the process's
 //! event metrics ([`crate::metrics`]) and the node's state, read from the
 //! [`Node`] at every scrape (pool usage, the DEL queue, the guest DHCP
-//! counters); and the HTTP endpoint that serves them with `/readyz`.
+//! counters, NetworkPolicy's drop counters, which `nft` reads from the
+//! kernel); and the HTTP endpoint that serves them with `/readyz`.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -49,6 +50,12 @@ struct ReasonLabel {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct EventLabel {
     event: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PolicyLabels {
+    policy: String,
+    direction: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -251,6 +258,28 @@ impl Collector for NodeCollector {
             "Packets a migrating guest missed while paused, by outcome: sent (again, to its new node) or skipped (no longer held, larger than the MTU, or not IP).",
             &[(event("sent"), h.replayed), (event("skipped"), h.replay_skipped)],
         )?;
+        if let Some(p) = self.node.policy() {
+            let drops: Vec<(PolicyLabels, u64)> = p
+                .drops()
+                .into_iter()
+                .map(|(policy, ingress, n)| {
+                    let direction = if ingress { "ingress" } else { "egress" };
+                    (
+                        PolicyLabels {
+                            policy,
+                            direction: direction.into(),
+                        },
+                        n,
+                    )
+                })
+                .collect();
+            counters(
+                &mut encoder,
+                "tether_network_policy_dropped_packets",
+                "Packets NetworkPolicy dropped on this node, by policy (namespace/name) and direction (ingress: to a pod the policy isolates; egress: from one).",
+                &drops,
+            )?;
+        }
         gauges(
             &mut encoder,
             "tether_build_info",

@@ -159,6 +159,22 @@ impl Node {
             pools,
             ipam_only: false,
         };
+        // Isolated before it is wired: no packet reaches or leaves the pod
+        // before what its NetworkPolicies allow is in the kernel.
+        if let Err(e) = self.admit_to_policy(&attachment).await {
+            let made = Made {
+                placement: placement.as_ref(),
+                stored: false,
+                wired: false,
+            };
+            if let Err(undo) = self
+                .teardown(std::slice::from_ref(&attachment), Teardown::FailedAdd(made))
+                .await
+            {
+                tracing::error!(%key, error = %undo, "the rollback of an ADD that NetworkPolicy held back left something behind");
+            }
+            return Err(e);
+        }
         let wiring = wiring(&attachment, mac, &netns, routed);
         let store = self.store.clone();
         let record = attachment.clone();

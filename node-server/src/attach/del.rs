@@ -148,6 +148,11 @@ impl Node {
                 attachments.remove(&a.key);
             }
         }
+        if let Some(p) = self.policy.get() {
+            for a in list {
+                p.forget(&a.key.to_string());
+            }
+        }
         // A plain pod's addresses are its own; a VM pod's may still be held
         // by its record or by the VM's other pod here.
         let (vm_pods, plain): (Vec<&Attachment>, Vec<&Attachment>) =

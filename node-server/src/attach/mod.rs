@@ -126,6 +126,9 @@ pub struct Node {
     kube: std::sync::OnceLock<Arc<crate::kube::KubeLink>>,
     /// The cutover-notice sockets, once opened (cluster peers and a port).
     notice_bus: std::sync::OnceLock<Arc<notices::NoticeBus>>,
+    /// The NetworkPolicy enforcer (`--network-policy`, with the API):
+    /// every ADD of a pod waits for its isolation to be in the kernel.
+    policy: std::sync::OnceLock<Arc<crate::policy::enforcer::Enforcer>>,
     /// The MTU of pod interfaces a netconf does not set: `--mtu`, else
     /// [`DEFAULT_POD_MTU`], or in VXLAN mode the VXLAN device's (known once
     /// the device is made, before the node serves).
@@ -326,6 +329,7 @@ impl Node {
             named,
             kube: std::sync::OnceLock::new(),
             notice_bus: std::sync::OnceLock::new(),
+            policy: std::sync::OnceLock::new(),
             pod_mtu: AtomicU32::new(config_mtu),
             handovers,
         };
@@ -425,6 +429,49 @@ impl Node {
         self.set_kube(link.clone());
         crate::kube::pods::start(client, self.vms.clone(), self.clone());
         link
+    }
+
+    /// Starts enforcing NetworkPolicy (once; later calls are ignored): the
+    /// enforcer learns this node's pods as they are (those wired before a
+    /// restart too), follows the API's policies, namespaces and pods, and
+    /// from then on every ADD of a pod waits for its isolation. Returns at
+    /// once; the first table is written when the three lists are in.
+    pub fn start_policy(&self, client: ::kube::Client) {
+        use crate::policy::enforcer::Enforcer;
+        let enforcer = Enforcer::new(
+            self.host.clone(),
+            Arc::new(crate::kube::policy_watch::ApiPods(client.clone())),
+            crate::policy::enforcer::ADMIT_TIMEOUT,
+        );
+        for a in lock(&self.attachments).values() {
+            if let (Some(ns), Some(name), false) = (&a.pod_namespace, &a.pod_name, a.ipam_only) {
+                enforcer.remember(&a.key.to_string(), ns, name, &a.ips);
+            }
+        }
+        if self.policy.set(enforcer.clone()).is_ok() {
+            enforcer.start();
+            crate::kube::policy_watch::start(client, enforcer);
+        }
+    }
+
+    /// The NetworkPolicy enforcer, once started.
+    pub fn policy(&self) -> Option<&Arc<crate::policy::enforcer::Enforcer>> {
+        self.policy.get()
+    }
+
+    /// ADD: `attachment`'s pod isolated as its policies say before it is
+    /// wired; a pod without a name (no Kubernetes pod) or a daemon without
+    /// the enforcer passes at once.
+    pub(crate) async fn admit_to_policy(&self, attachment: &Attachment) -> Result<()> {
+        let (Some(p), Some(ns), Some(name)) = (
+            self.policy.get(),
+            &attachment.pod_namespace,
+            &attachment.pod_name,
+        ) else {
+            return Ok(());
+        };
+        p.admit(&attachment.key.to_string(), ns, name, &attachment.ips)
+            .await
     }
 
     /// The Kubernetes API link, if the daemon has one.

@@ -227,6 +227,12 @@ pub async fn run(opts: Options, seams: Seams) -> Result<(), Fatal> {
         opts.no_nat_to.clone(),
     ));
     nat.apply(&config.pools)?;
+    if !opts.network_policy {
+        // A table left by an earlier run with the flag on goes.
+        if let Err(e) = tether_kernel::Host::remove_policy(host.as_ref()) {
+            tracing::warn!(error = %e, "cannot remove the NetworkPolicy table of an earlier run");
+        }
+    }
     if let (Some(peers), true) = (&node_peers, opts.outbound_nat) {
         nat.clone().follow_peers(peers.clone());
     }
@@ -241,6 +247,13 @@ pub async fn run(opts: Options, seams: Seams) -> Result<(), Fatal> {
     node.handovers().set_replay(opts.migration_replay);
     node.start_vm_tasks();
     node.start_notices(opts.cutover_port);
+    match (&kube, opts.network_policy) {
+        (Some((client, _)), true) => node.start_policy(client.clone()),
+        (None, true) => tracing::warn!(
+            "--network-policy needs the Kubernetes API (--kubeconfig, or in a pod): no NetworkPolicy is enforced"
+        ),
+        (_, false) => {}
+    }
     if let Some((client, _)) = kube {
         node.start_kube(client);
     }

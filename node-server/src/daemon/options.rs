@@ -220,6 +220,15 @@ pub struct Options {
     #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
     pub outbound_nat: bool,
 
+    /// Kubernetes NetworkPolicy, enforced for this node's pods (nft table
+    /// inet tether_policy), from the API's NetworkPolicies, namespaces and
+    /// pods; an ADD returns only once its pod's isolation is in the kernel.
+    /// Needs the Kubernetes API (--kubeconfig, or in a pod). The chart turns
+    /// it on; false (the default, for clusters whose policy engine is
+    /// another) removes the table.
+    #[arg(long, value_name = "BOOL", default_value_t = false, action = clap::ArgAction::Set)]
+    pub network_policy: bool,
+
     /// A destination range never NATed to, besides the pod ranges and the
     /// named pools: the service CIDR, or in --pod-cidr mode the whole
     /// cluster's pod range. Repeatable, or comma-separated.

@@ -2,21 +2,26 @@
 //! in-cluster service account): the migration-target watch on this node's
 //! pods ([`pods`]), IPAMClaims ([`claims`]), KubeVirt's VirtualMachines,
 //! whose deletion frees their VMs' addresses ([`vms`]), the node's pod
-//! CIDRs ([`node_cidrs`]) and the other nodes' ([`node_peers`]), and
-//! events on pods ([`events`]).
+//! CIDRs ([`node_cidrs`]) and the other nodes' ([`node_peers`]), events on
+//! pods ([`events`]), and what NetworkPolicy reads ([`policy_watch`]).
 //!
-//! None of it stands between a CNI call and its answer. ADD and DEL answer
-//! from the node's own state; what they learn from the API comes from
-//! watch caches, and what they tell it (events, claim status) goes through
-//! queues that tasks drain in the background. While the API server is
-//! down, the watches back off and relist when it is back (also on `410
-//! Gone`), and the CNI calls go on as before.
+//! Only NetworkPolicy stands between a CNI call and its answer: an ADD
+//! waits until its pod's isolation is in the kernel, which needs the
+//! policies listed, and the pod read from the API when the watch has not
+//! brought it yet. Otherwise ADD and DEL answer from the node's own state;
+//! what they learn from the API comes from watch caches, and what they
+//! tell it (events, claim status) goes through queues that tasks drain in
+//! the background. While the API server is down, the watches back off and
+//! relist when it is back (also on `410 Gone`), and the CNI calls go on as
+//! before (an ADD of a pod NetworkPolicy has not seen yet excepted: it
+//! fails, to be tried again, rather than leave the pod open).
 
 pub mod claims;
 pub mod events;
 pub mod node_cidrs;
 pub mod node_peers;
 pub mod pods;
+pub mod policy_watch;
 #[cfg(test)]
 mod test_api;
 pub mod vms;

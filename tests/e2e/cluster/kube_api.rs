@@ -636,6 +636,12 @@ fn outage_pod_cidr_from_node_events_and_least_privilege() {
         ("update", "nodes", false),
         ("get", "secrets", false),
         ("update", "ipamclaims.k8s.cni.cncf.io", false),
+        // NetworkPolicy (the chart's default): the policies and the
+        // namespaces' labels, read, never written.
+        ("watch", "networkpolicies.networking.k8s.io", true),
+        ("list", "namespaces", true),
+        ("create", "networkpolicies.networking.k8s.io", false),
+        ("update", "namespaces", false),
         // Mode kubernetes (the chart's default): tether's records, each
         // kind with the verbs --store kubernetes calls and no other.
         ("watch", "tethernodes.tether.dev", true),

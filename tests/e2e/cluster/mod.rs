@@ -6,6 +6,7 @@
 
 mod kube_api;
 mod kube_client;
+mod network_policy;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;

@@ -385,6 +385,7 @@ fn each_mode_renders_its_flags_and_only_flags_tetherd_knows() {
     ];
     let nat_pools = [
         "--no-nat-to=10.96.0.0/12,fd00:10:96::/112",
+        "--network-policy=true",
         "--pools=/etc/tether/pools/pools.json",
     ];
     // Cutover notices need other nodes: every mode but singleNode.
@@ -454,6 +455,7 @@ fn each_mode_renders_its_flags_and_only_flags_tetherd_knows() {
         "mode=singleNode",
         "podCidrs={10.1.0.0/24,fd00:1::/64}",
         "outboundNat.enabled=false",
+        "networkPolicy.enabled=false",
         "metrics.address=",
         "metrics.port=9700",
         "hostPaths.runDir=/var/run/t",
@@ -464,6 +466,7 @@ fn each_mode_renders_its_flags_and_only_flags_tetherd_knows() {
         "--pod-cidr=10.1.0.0/24",
         "--pod-cidr=fd00:1::/64",
         "--outbound-nat=false",
+        "--network-policy=false",
         "--metrics-address=:9700",
         "--socket=/var/run/t/tether.sock",
         "--mtu=1450",
@@ -799,6 +802,9 @@ fn the_defaults_render_a_versioned_image_and_nothing_optional() {
             {"apiGroups": ["k8s.cni.cncf.io"], "resources": ["ipamclaims/status"], "verbs": ["patch"]},
             // Names only: a deleted VirtualMachine frees its VM's addresses.
             {"apiGroups": ["kubevirt.io"], "resources": ["virtualmachines"], "verbs": ["list", "watch"]},
+            // NetworkPolicy (on by default): read, never written.
+            {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["list", "watch"]},
+            {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
             {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
             // Mode kubernetes (the default): tether's own records.
             {"apiGroups": ["tether.dev"], "resources": ["tethernodes"], "verbs": ["get", "list", "watch", "create", "update", "delete"]},
@@ -822,6 +828,13 @@ fn the_defaults_render_a_versioned_image_and_nothing_optional() {
     ]));
     let rules = chart::find(&etcd, "ClusterRole", "tether")["rules"].to_string();
     assert!(!rules.contains("tether.dev"), "{rules}");
+    // Without NetworkPolicy, neither its policies nor the namespaces.
+    let off = chart::objects(&chart::template(&["networkPolicy.enabled=false"]));
+    let rules = chart::find(&off, "ClusterRole", "tether")["rules"].to_string();
+    assert!(
+        !rules.contains("networkpolicies") && !rules.contains("namespaces"),
+        "{rules}"
+    );
     assert!(!etcd
         .iter()
         .any(|o| o["metadata"]["name"] == "tether-leases"));
