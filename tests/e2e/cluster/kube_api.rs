@@ -919,10 +919,12 @@ fn a_deleted_virtualmachine_frees_its_address_once_no_pod_of_it_is_left() {
         daemon.log()
     );
     eprintln!("last pod's DEL to the record freed: {:?}", t.elapsed());
+    // The daemon logs the release once it is done, just after the record
+    // is gone.
     assert!(
-        daemon
+        wait_until(CONVERGE, || daemon
             .log()
-            .contains("VirtualMachine deleted: its addresses are freed"),
+            .contains("VirtualMachine deleted: its addresses are freed")),
         "{}",
         daemon.log()
     );

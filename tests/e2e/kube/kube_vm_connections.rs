@@ -186,14 +186,23 @@ fn every_path_survives_a_vms_live_migration_between_two_kubelet_nodes_attempt() 
     );
     // The source pod's deletion cost nothing: no stream stalled after it
     // began (as long as a migration's own stall, allowing for a busy
-    // machine).
+    // machine). A stall that began before the deletion (the migration's,
+    // drawn out by TCP's backoff) is the migration's, reported above.
+    let ms = |at: Instant| at.saturating_duration_since(t0).as_secs_f64() * 1e3;
     let stalled: Vec<String> = reports
         .iter()
-        .filter(|r| {
-            r.stall_within(cleanup, r.stopped)
-                .is_some_and(|(d, _)| d > Duration::from_secs(1))
+        .filter_map(|r| {
+            let (d, from) = r.stall_within(cleanup, r.stopped)?;
+            (d > Duration::from_secs(1) && from >= cleanup).then(|| {
+                format!(
+                    "{}\n    stalled {:.0} ms from +{:.0} ms; the deletion began at +{:.0} ms",
+                    r.line(),
+                    d.as_secs_f64() * 1e3,
+                    ms(from),
+                    ms(cleanup)
+                )
+            })
         })
-        .map(|r| r.line())
         .collect();
     assert!(
         stalled.is_empty(),
