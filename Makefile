@@ -16,7 +16,7 @@ DEBUG_DIR := target/debug
 KUBE_SUITES := kube_api kube_client kubernetes network_policy node_routes routing::services vm_connections
 TOOL_SUITES := kube:: conformance install:: house::
 
-.PHONY: all setup setup-demo k8s helm e2e-bins mdbook conformance-images conformance kubevirt bench-kubevirt manifests docs reference build release demo check test unit integration lint lint-text bench clean shim-size min-kernel
+.PHONY: all setup setup-demo k8s helm e2e-bins mdbook conformance-images conformance netpol kubevirt bench-kubevirt manifests docs reference build release demo check test unit integration lint lint-text bench clean shim-size min-kernel
 
 all: build
 
@@ -246,6 +246,16 @@ test:
 conformance: setup k8s helm e2e-bins build
 	@test "$$(id -u)" = 0 || { echo "make conformance must run as root (it creates namespaces)"; exit 1; }
 	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) run -p tether-e2e --bin conformance -- --faults --write CONFORMANCE.md
+
+## netpol: Kubernetes' own NetworkPolicy tests, every `[sig-network] Netpol`
+## test of e2e.test v1.37.2 (the `[Feature:NetworkPolicy]` tests and the two
+## API tests) but the three that need SCTP in the kernel, on the cluster
+## `make conformance` uses, tether installed by its chart (NetworkPolicy on,
+## its default), with the same two faults; writes NETPOL.md, the SCTP tests
+## listed there with their reason. Root only.
+netpol: setup k8s helm e2e-bins build
+	@test "$$(id -u)" = 0 || { echo "make netpol must run as root (it creates namespaces)"; exit 1; }
+	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) run -p tether-e2e --bin conformance -- --suite netpol --faults --write NETPOL.md
 
 ## kubevirt: KubeVirt itself on tether (tests/e2e/kube/kubevirt.rs):
 ## KubeVirt v1.7.0 built from its Go module (tests/k8s/kubevirt/build.sh,

@@ -20,6 +20,11 @@ use crate::kube_cluster::KubeCluster;
 /// The focus of the whole sig-network Conformance set.
 pub const FOCUS_ALL: &str = r"\[sig-network\].*\[Conformance\]";
 
+/// The skip of the tests that need SCTP in the kernel (this machine's has
+/// none): only these three NetworkPolicy tests carry the label. Two
+/// others have SCTP in their names but probe TCP, and run.
+pub const SKIP_SCTP: &str = r"\[Feature:SCTPConnectivity\]";
+
 static STOP: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_signal(_: libc::c_int) {
@@ -78,13 +83,14 @@ pub struct Run {
     pub log: PathBuf,
 }
 
-/// Runs `e2e.test` with `focus` against `cluster`, `e2e.test` and its
-/// report under `dir`, with `faults` injected while it runs; panics only if
-/// it cannot be started or leaves no report.
+/// Runs `e2e.test` with `focus` (less the specs `skip` matches) against
+/// `cluster`, `e2e.test` and its report under `dir`, with `faults` injected
+/// while it runs; panics only if it cannot be started or leaves no report.
 pub fn run(
     cluster: &mut KubeCluster,
     e2e: &Path,
     focus: &str,
+    skip: Option<&str>,
     dir: &Path,
     faults: &mut Faults,
 ) -> Run {
@@ -108,6 +114,7 @@ pub fn run(
             crate::kube::k8s_bin_dir().join("kubectl").display()
         ))
         .arg(format!("--ginkgo.focus={focus}"))
+        .args(skip.map(|s| format!("--ginkgo.skip={s}")))
         .arg(format!("--ginkgo.json-report={}", report.display()))
         .arg("--ginkgo.timeout=3h")
         .arg("--ginkgo.v")
@@ -393,6 +400,10 @@ pub fn outcomes(report: &Value) -> Vec<Outcome> {
 /// What `CONFORMANCE.md` says about where and with what the run was made.
 #[derive(Debug)]
 pub struct Context {
+    /// The report's heading.
+    pub title: String,
+    /// The command that writes the report.
+    pub command: String,
     /// The machine (`/work/.library/env`'s words, or `uname`).
     pub machine: String,
     /// The date of the run (UTC).
@@ -407,6 +418,9 @@ pub struct Context {
     /// The faults injected during the run and what was seen of them
     /// ([`Faults::log`] and [`Faults::problems`]).
     pub faults: Vec<String>,
+    /// The specs of the suite left out of the run (the skip), each with
+    /// why it cannot run on this machine.
+    pub not_run: Vec<(String, String)>,
 }
 
 /// `CONFORMANCE.md`: the context, the total, every spec with its result and
@@ -419,13 +433,11 @@ pub fn markdown(run: &Run, ctx: &Context) -> String {
         .collect();
     let passed = ran.iter().filter(|o| o.passed()).count();
     let mut md = String::new();
+    let _ = writeln!(md, "# {}\n", ctx.title);
     let _ = writeln!(
         md,
-        "# Kubernetes network conformance (sig-network, Conformance)\n"
-    );
-    let _ = writeln!(
-        md,
-        "Written by `make conformance` (`tests/src/bin/conformance.rs`); do not edit by hand.\n"
+        "Written by `{}` (`tests/src/bin/conformance.rs`); do not edit by hand.\n",
+        ctx.command
     );
     let _ = writeln!(
         md,
@@ -463,6 +475,14 @@ pub fn markdown(run: &Run, ctx: &Context) -> String {
             o.seconds
         );
     }
+    if !ctx.not_run.is_empty() {
+        let _ = writeln!(md, "\n## Not run on this machine\n");
+        let _ = writeln!(md, "| Test | Why |");
+        let _ = writeln!(md, "|---|---|");
+        for (name, why) in &ctx.not_run {
+            let _ = writeln!(md, "| {} | {why} |", name.replace('|', "\\|"));
+        }
+    }
     let failed: Vec<&&Outcome> = ran.iter().filter(|o| !o.passed()).collect();
     if !failed.is_empty() {
         let _ = writeln!(md, "\n## Failures\n");
@@ -479,4 +499,110 @@ pub fn markdown(run: &Run, ctx: &Context) -> String {
         }
     }
     md
+}
+
+/// A slice of upstream's tests, as `make test` runs it: which tests, and
+/// when the two faults strike.
+#[derive(Debug, Clone, Copy)]
+pub struct Slice<'a> {
+    /// What the messages call it.
+    pub name: &'a str,
+    /// The ginkgo focus.
+    pub focus: &'a str,
+    /// The ginkgo skip, if any.
+    pub skip: Option<&'a str>,
+    /// How many tests the focus selects (less the skip).
+    pub tests: usize,
+    /// When, after `e2e.test`'s start, the last node's tetherd is killed
+    /// and the first node's kubelet restarted ([`Faults::at`]).
+    pub faults: (Duration, Duration),
+}
+
+/// Runs `slice` on two kubelet nodes wired by tether (installed by its
+/// chart), with CoreDNS and the conformance images, and panics with every
+/// failed test's message and output, and the network after the failure,
+/// unless every test passed, the focus selected the slice's count, and
+/// both faults were injected and recovered from.
+pub fn judge_slice(slice: Slice) {
+    use crate::conformance_images::{conformance_images, e2e_dir, COREDNS, PAUSE};
+    let images = conformance_images();
+    let mut cluster = crate::topology::Topology::kubelet(2)
+        .images(images.iter().map(|(_, a)| a.clone()))
+        .sandbox_image(PAUSE)
+        .start();
+    let tether = cluster.build_tether_image("1");
+    cluster.install_tether(&tether);
+    cluster.deploy_coredns(COREDNS);
+    let out = crate::TempDir::new("conf");
+    let name = slice.name;
+    let mut faults = Faults::at(slice.faults.0, slice.faults.1);
+    let run = run(
+        &mut cluster,
+        &e2e_dir().join("e2e.test"),
+        slice.focus,
+        slice.skip,
+        out.path(),
+        &mut faults,
+    );
+    for line in &faults.log {
+        eprintln!("{name}: fault: {line}");
+    }
+    let ran: Vec<_> = run
+        .outcomes
+        .iter()
+        .filter(|o| o.state != "skipped")
+        .collect();
+    for o in &ran {
+        eprintln!("{name}: {} {} ({:.1} s)", o.state, o.name, o.seconds);
+    }
+    let failed: Vec<String> = ran
+        .iter()
+        .filter(|o| !o.passed())
+        .map(|o| {
+            // The spec's own output: its steps and the commands it ran,
+            // with what they printed (the last 120 lines).
+            let output = o.output.as_deref().unwrap_or_default();
+            let lines: Vec<&str> = output.lines().collect();
+            let tail = lines[lines.len().saturating_sub(120)..].join("\n");
+            format!(
+                "{}: {}\n--- its output ---\n{tail}",
+                o.name,
+                o.failure.as_deref().unwrap_or("?")
+            )
+        })
+        .collect();
+    if !failed.is_empty() {
+        // The failed specs' pods are kept (`run`): how the network looked
+        // after the failure.
+        eprintln!(
+            "{name}: the network after the failure:\n{}\ntether's logs:\n{}",
+            cluster.network_state(),
+            cluster.tether_logs()
+        );
+    }
+    assert!(
+        failed.is_empty() && run.success,
+        "{name}: {} of {} failed:\n{}\ne2e.test's log:\n{}",
+        failed.len(),
+        ran.len(),
+        failed.join("\n"),
+        crate::log_tail(&run.log, 80)
+    );
+    assert_eq!(
+        ran.len(),
+        slice.tests,
+        "{name}: the focus selected {} tests",
+        ran.len()
+    );
+    assert!(
+        faults.problems.is_empty(),
+        "{name}: the faults were not injected or not recovered from: {:?}\n{:?}",
+        faults.problems,
+        faults.log
+    );
+    eprintln!(
+        "{name}: {} passed in {:.0} s",
+        ran.len(),
+        run.elapsed.as_secs_f64()
+    );
 }

@@ -1,14 +1,22 @@
-//! `make conformance`: Kubernetes' sig-network Conformance tests (the
+//! `make conformance` and `make netpol`: Kubernetes' own tests (the
 //! upstream `e2e.test` of k8s.io/kubernetes v1.37.2) on a cluster of
-//! kubelet nodes wired by tether (tests/src/kube_cluster.rs), and the results as
-//! `CONFORMANCE.md`.
+//! kubelet nodes wired by tether (tests/src/kube_cluster.rs), and the
+//! results as `CONFORMANCE.md` or `NETPOL.md`.
 //!
-//! Usage: `conformance [--nodes 2] [--focus REGEX] [--faults] [--write CONFORMANCE.md]`
+//! Usage: `conformance [--suite conformance|netpol] [--nodes 2] [--focus REGEX] [--faults] [--write FILE]`
 //!
 //! It starts the cluster with the tests' images imported into every node,
 //! installs tether with its chart, deploys CoreDNS, runs `e2e.test` with
-//! the focus (default: every `[sig-network] ... [Conformance]` test), and
-//! writes the report (or prints it). It exits non-zero if a test failed.
+//! the suite's focus and skip, and writes the report (or prints it). It
+//! exits non-zero if a test failed. The suites:
+//! - `conformance` (the default): every `[sig-network] ... [Conformance]`
+//!   test;
+//! - `netpol`: every `[sig-network] Netpol` test (the NetworkPolicy tests
+//!   and the two API tests) but the three `[Feature:SCTPConnectivity]`
+//!   ones, which need SCTP in the kernel; the report lists them with that
+//!   reason. Two tests with SCTP in their names run: they probe TCP only.
+//!
+//! `--focus` replaces the suite's focus (its skip stays).
 //!
 //! With `--faults` (as `make conformance` runs it), the run also takes two
 //! faults while the tests run, and the report lists them: the last node's
@@ -22,14 +30,15 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use tether_e2e::conformance::{self, Context, Faults, FOCUS_ALL};
+use tether_e2e::conformance::{self, Context, Faults, FOCUS_ALL, SKIP_SCTP};
 use tether_e2e::conformance_images::{conformance_images, e2e_dir, COREDNS, PAUSE};
 use tether_e2e::kube_cluster::{CLUSTER_DNS, POD_CIDR, SERVICE_CIDR};
 use tether_e2e::machine::{stdout_of, Machine};
 use tether_e2e::topology::Topology;
 use tether_e2e::{require_root, workspace_dir, TempDir};
 
-const USAGE: &str = "usage: conformance [--nodes N] [--focus REGEX] [--faults] [--write FILE]";
+const USAGE: &str = "usage: conformance [--suite conformance|netpol] [--nodes N] [--focus REGEX] \
+                     [--faults] [--write FILE]";
 /// When `--faults` kills the last node's tetherd, after `e2e.test`'s start.
 const KILL_TETHERD_AT: Duration = Duration::from_secs(90);
 /// When `--faults` restarts the first node's kubelet.
@@ -39,17 +48,54 @@ const RESTART_KUBELET_AT: Duration = Duration::from_secs(180);
 /// would make it pass. Empty: every test is expected to pass.
 const KNOWN: &[(&str, &str)] = &[];
 
+/// A set of upstream tests and its report.
+struct Suite {
+    /// The report's heading.
+    title: &'static str,
+    /// The make target that writes the report.
+    command: &'static str,
+    /// The ginkgo focus.
+    focus: &'static str,
+    /// The ginkgo skip: the suite's tests that cannot run here.
+    skip: Option<&'static str>,
+    /// What the skipped tests' names contain, all of it, and why they
+    /// cannot run here (the report lists them).
+    not_run: Option<(&'static [&'static str], &'static str)>,
+}
+
+const CONFORMANCE: Suite = Suite {
+    title: "Kubernetes network conformance (sig-network, Conformance)",
+    command: "make conformance",
+    focus: FOCUS_ALL,
+    skip: None,
+    not_run: None,
+};
+
+const NETPOL: Suite = Suite {
+    title: "Kubernetes NetworkPolicy tests (sig-network Netpol)",
+    command: "make netpol",
+    focus: r"\[sig-network\] Netpol ",
+    skip: Some(SKIP_SCTP),
+    not_run: Some((
+        &["[sig-network] Netpol ", "[Feature:SCTPConnectivity]"],
+        "needs SCTP, which this machine's kernel lacks (`CONFIG_IP_SCTP` is not set): its \
+         probes cannot open an SCTP socket. A kernel with SCTP would run it.",
+    )),
+};
+
 struct Args {
+    suite: &'static Suite,
     nodes: usize,
-    focus: String,
+    focus: Option<String>,
     faults: bool,
     write: Option<PathBuf>,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
+        suite: &CONFORMANCE,
         nodes: 2,
-        focus: FOCUS_ALL.to_string(),
+        focus: None,
         faults: false,
         write: None,
     };
@@ -62,7 +108,14 @@ fn parse_args() -> Result<Args, String> {
                     .parse()
                     .map_err(|e| format!("--nodes: {e}\n{USAGE}"))?
             }
-            "--focus" => args.focus = value()?,
+            "--suite" => {
+                args.suite = match value()?.as_str() {
+                    "conformance" => &CONFORMANCE,
+                    "netpol" => &NETPOL,
+                    other => return Err(format!("--suite: no suite {other}\n{USAGE}")),
+                }
+            }
+            "--focus" => args.focus = Some(value()?),
             "--faults" => args.faults = true,
             "--write" => args.write = Some(PathBuf::from(value()?)),
             _ => return Err(format!("unknown argument {flag}\n{USAGE}")),
@@ -100,9 +153,14 @@ fn main() -> ExitCode {
     let tether = cluster.build_tether_image("1");
     cluster.install_tether(&tether);
     cluster.deploy_coredns(COREDNS);
+    let suite = args.suite;
+    let focus = args.focus.as_deref().unwrap_or(suite.focus);
     eprintln!(
-        "conformance: cluster ready; running e2e.test --ginkgo.focus='{}'",
-        args.focus
+        "conformance: cluster ready; running e2e.test --ginkgo.focus='{focus}'{}",
+        suite
+            .skip
+            .map(|s| format!(" --ginkgo.skip='{s}'"))
+            .unwrap_or_default()
     );
     let out = TempDir::new("conf");
     let mut faults = if args.faults {
@@ -110,12 +168,33 @@ fn main() -> ExitCode {
     } else {
         Faults::none()
     };
-    let run = conformance::run(&mut cluster, &e2e, &args.focus, out.path(), &mut faults);
+    let run = conformance::run(
+        &mut cluster,
+        &e2e,
+        focus,
+        suite.skip,
+        out.path(),
+        &mut faults,
+    );
     if conformance::stopped() {
         eprintln!("conformance: stopped; nothing written");
         return ExitCode::FAILURE;
     }
+    // The suite's skipped tests, as e2e.test lists them (every spec it
+    // has is in its report, those outside the focus as skipped).
+    let not_run = suite
+        .not_run
+        .map(|(parts, why)| {
+            run.outcomes
+                .iter()
+                .filter(|o| o.state == "skipped" && parts.iter().all(|p| o.name.contains(p)))
+                .map(|o| (o.name.clone(), why.to_string()))
+                .collect()
+        })
+        .unwrap_or_default();
     let ctx = Context {
+        title: suite.title.to_string(),
+        command: suite.command.to_string(),
         machine: machine.one_line(),
         date: date.trim().to_string(),
         versions: versions(),
@@ -154,6 +233,7 @@ fn main() -> ExitCode {
             .cloned()
             .chain(faults.problems.iter().map(|p| format!("**Problem:** {p}")))
             .collect(),
+        not_run,
     };
     let mut md = conformance::markdown(&run, &ctx);
     md.push_str(&format!(
