@@ -1,7 +1,8 @@
-//! Kubernetes' own network conformance tests on a [`KubeCluster`]: the
-//! upstream `e2e.test` (built from k8s.io/kubernetes by
-//! `tests/k8s/build.sh e2e`) with a ginkgo focus, its JSON report read
-//! back, and the results written as `CONFORMANCE.md`.
+//! Kubernetes' own sig-network tests on a [`KubeCluster`]: the upstream
+//! `e2e.test` (built from k8s.io/kubernetes by `tests/k8s/build.sh e2e`)
+//! with a ginkgo focus and skip, its JSON report read back, and the
+//! results written as a report (`CONFORMANCE.md`, `NETPOL.md`), or judged
+//! as one of `make test`'s slices ([`judge_slice`]).
 //!
 //! `e2e.test` runs in the API server's netns (it reaches the server, and
 //! the nodes' addresses for the tests that call them, over the fabric),
@@ -397,7 +398,7 @@ pub fn outcomes(report: &Value) -> Vec<Outcome> {
     all
 }
 
-/// What `CONFORMANCE.md` says about where and with what the run was made.
+/// What a report says about where and with what the run was made.
 #[derive(Debug)]
 pub struct Context {
     /// The report's heading.
@@ -423,8 +424,9 @@ pub struct Context {
     pub not_run: Vec<(String, String)>,
 }
 
-/// `CONFORMANCE.md`: the context, the total, every spec with its result and
-/// time, and every failure's message.
+/// A report (`CONFORMANCE.md`, `NETPOL.md`): the context, the total, every
+/// spec with its result and time, the suite's specs not run here and why,
+/// and every failure's message.
 pub fn markdown(run: &Run, ctx: &Context) -> String {
     let ran: Vec<&Outcome> = run
         .outcomes
