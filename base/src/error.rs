@@ -148,6 +148,11 @@ pub enum Error {
     /// or cannot serve this network.
     #[error("unknown pool: {0}")]
     UnknownPool(String),
+    /// A pod says it is a VM's (its annotations) but the API does not
+    /// show it is that VM's launcher (its VirtualMachineInstance does not
+    /// control it) (120).
+    #[error("not the VM's launcher: {0}")]
+    NotLauncher(String),
     /// No VM record of that key (admin calls).
     #[error("no VM record {0}")]
     UnknownVm(String),
@@ -204,6 +209,7 @@ impl Error {
             Error::VmState(_) => 108,
             Error::AddressExcluded(_) => 109,
             Error::UnknownPool(_) => 119,
+            Error::NotLauncher(_) => 120,
             Error::Check { kind, .. } => kind.code(),
             Error::Internal(_) => 199,
             Error::Several(all) => all.first().map_or(199, Error::code),
@@ -231,6 +237,7 @@ impl Error {
             Error::AddressNotInPool(_) => "address outside the pools",
             Error::AddressExcluded(_) => "address excluded",
             Error::UnknownPool(_) => "unknown pool",
+            Error::NotLauncher(_) => "not the VM's launcher",
             Error::UnknownVm(_) => "unknown VM",
             Error::VmState(_) => "VM record not ready",
             Error::Check { .. } => "check failed",

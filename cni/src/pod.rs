@@ -22,6 +22,9 @@ use tether_base::net::Family;
 pub struct VmPod {
     /// (namespace, VM, interface).
     pub key: VmKey,
+    /// The VM's name (`kubevirt.io/domain`: its VirtualMachineInstance's),
+    /// whatever keys its addresses.
+    pub domain: String,
     /// The pod is a migration's target (`kubevirt.io/migrationJobName`).
     pub target: bool,
     /// The target pod is marked ready
@@ -75,6 +78,7 @@ pub fn vm_pod(inv: &Invocation) -> Result<Option<VmPod>> {
     }
     Ok(Some(VmPod {
         key,
+        domain: domain.to_owned(),
         target: set(MIGRATION_JOB_ANNOTATION),
         ready: set(TARGET_READY_ANNOTATION),
         guest,

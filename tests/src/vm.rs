@@ -6,12 +6,14 @@
 
 use std::net::IpAddr;
 use std::path::Path;
+use std::time::Duration;
 
 use serde_json::{json, Value};
 
 use crate::admin::{pb, with_client};
 use crate::cluster::{ClusterNode, Pod};
 use crate::cni::CniOutput;
+use crate::kube::KubeApi;
 use crate::netns::Netns;
 use crate::qemu::{Client, Guest, GuestOptions};
 
@@ -108,6 +110,34 @@ impl VmPodSpec {
             .to_string());
         }
         annotations
+    }
+
+    /// The labels virt-launcher gives its pods (a migration's target has
+    /// its job's too): NetworkPolicies select VM pods by them.
+    pub fn labels(&self) -> Value {
+        let mut labels = json!({"kubevirt.io": "virt-launcher", "vm.kubevirt.io/name": self.vm});
+        if self.target {
+            labels["kubevirt.io/migrationJobUID"] = json!("job-uid-1");
+        }
+        labels
+    }
+
+    /// Makes `pod` (a pod manifest) this VM's launcher as virt-controller
+    /// makes one: its labels and annotations, and controlled by the VM's
+    /// VirtualMachineInstance, made first if there is none yet
+    /// ([`virtual_machine_instance`]). tetherd (`--check-vm-launchers`)
+    /// gives the VM's addresses only to such a pod.
+    pub fn launcher(&self, api: &KubeApi, mut pod: Value) -> Value {
+        let uid = virtual_machine_instance(api, &self.namespace, &self.vm);
+        let meta = &mut pod["metadata"];
+        meta["namespace"] = json!(self.namespace);
+        meta["labels"] = self.labels();
+        meta["annotations"] = self.annotations();
+        meta["ownerReferences"] = json!([{
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+            "name": self.vm, "uid": uid, "controller": true, "blockOwnerDeletion": true,
+        }]);
+        pod
     }
 
     /// CNI_ARGS as containerd sends them, plus the extras.
@@ -291,4 +321,78 @@ pub fn active_node(vm: &pb::Vm) -> &str {
 /// The node of a record's alternate pod ("" when none).
 pub fn alternate_node(vm: &pb::Vm) -> &str {
     vm.alternate.as_ref().map_or("", |p| p.node.as_str())
+}
+
+/// Installs a test double of KubeVirt's CRD of `kind` (`plural`) in
+/// `kubevirt.io/v1`, namespaced, with no schema and no controller behind
+/// it, and waits until discovery serves it. It proves what tetherd does
+/// with such objects (reads them, through the chart's RBAC); not what
+/// KubeVirt does with them (`make kubevirt` runs KubeVirt itself).
+pub fn install_kubevirt_crd_double(api: &KubeApi, kind: &str, plural: &str) {
+    let crd = format!("{plural}.kubevirt.io");
+    api.apply(
+        &json!({
+            "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+            "metadata": {"name": crd},
+            "spec": {
+                "group": "kubevirt.io", "scope": "Namespaced",
+                "names": {"kind": kind, "plural": plural,
+                          "singular": kind.to_lowercase(), "listKind": format!("{kind}List")},
+                "versions": [{"name": "v1", "served": true, "storage": true,
+                              "schema": {"openAPIV3Schema": {"type": "object",
+                                         "x-kubernetes-preserve-unknown-fields": true}}}],
+            },
+        })
+        .to_string(),
+    );
+    api.kubectl_ok(&[
+        "wait",
+        "--for=condition=Established",
+        "--timeout=30s",
+        &format!("crd/{crd}"),
+    ]);
+    // Established is not yet served by discovery.
+    let discovered = crate::wait_until(Duration::from_secs(30), || {
+        let out = api.kubectl(&["get", "--raw", "/apis/kubevirt.io/v1"]);
+        String::from_utf8_lossy(&out.stdout).contains(&format!("\"{plural}\""))
+    });
+    assert!(discovered, "discovery never served kubevirt.io/v1 {plural}");
+}
+
+/// The uid of VirtualMachineInstance `namespace/name`, made (with the
+/// CRD's test double, [`install_kubevirt_crd_double`], when the cluster
+/// has none) if it is not there: the owner of the VM's launcher pods. No
+/// controller runs it; it stands for the instance virt-controller makes.
+pub fn virtual_machine_instance(api: &KubeApi, namespace: &str, name: &str) -> String {
+    let get = || {
+        let out = api.kubectl(&[
+            "-n",
+            namespace,
+            "get",
+            "virtualmachineinstances.kubevirt.io",
+            name,
+            "-o",
+            "jsonpath={.metadata.uid}",
+        ]);
+        let uid = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        (out.status.success() && !uid.is_empty()).then_some(uid)
+    };
+    if let Some(uid) = get() {
+        return uid;
+    }
+    let served = api
+        .kubectl(&["get", "--raw", "/apis/kubevirt.io/v1"])
+        .stdout;
+    if !String::from_utf8_lossy(&served).contains("\"virtualmachineinstances\"") {
+        install_kubevirt_crd_double(api, "VirtualMachineInstance", "virtualmachineinstances");
+    }
+    api.apply(
+        &json!({
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"domain": {"devices": {}}},
+        })
+        .to_string(),
+    );
+    get().unwrap_or_else(|| panic!("VirtualMachineInstance {namespace}/{name} has no uid"))
 }

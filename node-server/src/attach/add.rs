@@ -73,6 +73,31 @@ impl Node {
         }
     }
 
+    /// With the API and `--check-vm-launchers`: `pod`, about to take its
+    /// VM's addresses or become its migration's target, must be the VM's
+    /// launcher ([`crate::kube::launchers`]).
+    async fn check_launcher(&self, inv: &Invocation, pod: &VmPod) -> Result<()> {
+        let Some(launchers) = self.kube.get().and_then(|k| k.launchers.clone()) else {
+            return Ok(());
+        };
+        let (Some(namespace), Some(name)) = (&inv.args.pod_namespace, &inv.args.pod_name) else {
+            return Err(Error::InvalidEnv {
+                var: "CNI_ARGS",
+                reason: format!(
+                    "the pod of KubeVirt VM {} has no K8S_POD_NAME to check it is the VM's launcher by",
+                    pod.domain
+                ),
+            });
+        };
+        let who = crate::kube::launchers::Claimant {
+            namespace,
+            pod: name,
+            uid: inv.args.pod_uid.as_deref(),
+            vm: &pod.domain,
+        };
+        launchers.verify(&who).await
+    }
+
     async fn add_here(&self, inv: &Invocation, vm_pod: Result<Option<VmPod>>) -> Result<Vec<u8>> {
         if inv.conf.ipam.is_some() {
             return self.add_ipam_only(inv).await;
@@ -118,6 +143,7 @@ impl Node {
         // pools.
         let (ips, mac, placement) = match &vm_pod {
             Some(pod) => {
+                self.check_launcher(inv, pod).await?;
                 let p = self
                     .vms
                     .place(self, self.vms.this_attachment(inv), pod, &requested)

@@ -424,8 +424,12 @@ impl Node {
     /// Starts everything that follows the API: the event writer, the
     /// IPAMClaims watch and status writer, and then, once the node holds
     /// the link, the watch on this node's pods. Returns at once.
-    pub fn start_kube(self: &Arc<Self>, client: ::kube::Client) -> Arc<crate::kube::KubeLink> {
-        let link = crate::kube::start(&self.vms, client.clone());
+    pub fn start_kube(
+        self: &Arc<Self>,
+        client: ::kube::Client,
+        check_launchers: bool,
+    ) -> Arc<crate::kube::KubeLink> {
+        let link = crate::kube::start(&self.vms, client.clone(), check_launchers);
         self.set_kube(link.clone());
         crate::kube::pods::start(client, self.vms.clone(), self.clone());
         link

@@ -254,8 +254,14 @@ pub async fn run(opts: Options, seams: Seams) -> Result<(), Fatal> {
         ),
         (_, false) => {}
     }
-    if let Some((client, _)) = kube {
-        node.start_kube(client);
+    match kube {
+        Some((client, _)) => {
+            node.start_kube(client, opts.check_vm_launchers);
+        }
+        None if opts.check_vm_launchers => tracing::info!(
+            "without the Kubernetes API a VM pod is taken on its annotations' word: --check-vm-launchers needs the API"
+        ),
+        None => {}
     }
     match opts.pools_file.clone() {
         Some(path) => upkeep::reload_pools_on_sighup(

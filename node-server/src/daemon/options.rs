@@ -229,6 +229,17 @@ pub struct Options {
     #[arg(long, value_name = "BOOL", default_value_t = false, action = clap::ArgAction::Set)]
     pub network_policy: bool,
 
+    /// KubeVirt VM pods: before a pod takes a VM's addresses or becomes
+    /// its migration's target, check through the Kubernetes API that it
+    /// is the VM's launcher (controlled by the VirtualMachineInstance its
+    /// kubevirt.io/domain names), and refuse it (code 120) if not: a pod
+    /// that copies a VM's annotations gets neither. Without the API there
+    /// is nothing to check against, and a VM pod is taken on its
+    /// annotations' word. false: no check (VM pods that KubeVirt does not
+    /// make).
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
+    pub check_vm_launchers: bool,
+
     /// A destination range never NATed to, besides the pod ranges and the
     /// named pools: the service CIDR, or in --pod-cidr mode the whole
     /// cluster's pod range. Repeatable, or comma-separated.

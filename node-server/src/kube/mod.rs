@@ -18,6 +18,7 @@
 
 pub mod claims;
 pub mod events;
+pub mod launchers;
 pub mod node_cidrs;
 pub mod node_peers;
 pub mod pods;
@@ -168,21 +169,29 @@ pub struct KubeLink {
     /// The names of KubeVirt's VirtualMachines, whose deletion frees their
     /// VMs' addresses.
     pub virtual_machines: Arc<vms::VirtualMachines>,
+    /// Whether a VM pod is its VM's launcher (`--check-vm-launchers`);
+    /// `None`: not checked.
+    pub launchers: Option<Arc<dyn launchers::Launchers>>,
 }
 
 /// Starts the event writer, the IPAMClaims watch and status writer, and
 /// the VirtualMachines watch for the records of `vms`. Returns at once.
 /// The watch on this node's pods ([`pods::start`]) is started by the
 /// caller once the node holds the link, so that what it triggers can be
-/// told to the API.
-pub fn start(vms: &Arc<Vms>, client: ::kube::Client) -> Arc<KubeLink> {
+/// told to the API. With `check_launchers`, VM pods are checked to be
+/// their VMs' launchers ([`launchers`]).
+pub fn start(vms: &Arc<Vms>, client: ::kube::Client, check_launchers: bool) -> Arc<KubeLink> {
     let events = events::start(client.clone(), vms.node_name().to_owned());
     let claims = claims::start(client.clone(), vms.clone());
+    let launchers = check_launchers.then(|| {
+        Arc::new(launchers::ApiLaunchers(client.clone())) as Arc<dyn launchers::Launchers>
+    });
     let virtual_machines = vms::start(client, vms.clone());
     Arc::new(KubeLink {
         events,
         claims,
         virtual_machines,
+        launchers,
     })
 }
 

@@ -181,6 +181,7 @@ fn vm_key() -> VmKey {
 fn pod(target: bool) -> VmPod {
     VmPod {
         key: vm_key(),
+        domain: "vm1".into(),
         target,
         ready: false,
         guest: None,

@@ -31,10 +31,13 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tether_e2e::cluster::{Cluster, ClusterNode, Fabric, Store};
+use tether_e2e::cluster::{Cluster, ClusterNode, Fabric, NodeOpts, Store};
 use tether_e2e::kube::{KubeApi, API_PORT, TETHER_SA};
 use tether_e2e::topology::Topology;
-use tether_e2e::vm::{active_node, add_vm_pod, del_vm_pod, get_claimed_vm, get_vm, VmPodSpec};
+use tether_e2e::vm::{
+    active_node, add_vm_pod, alternate_node, del_vm_pod, get_claimed_vm, get_vm,
+    install_kubevirt_crd_double, try_add_vm_pod, VmPodSpec,
+};
 use tether_e2e::{admin, cni, pb, require_root, tether_bin, wait_until, CniEnv, Daemon, Netns};
 
 use super::{claim, claimed_ips, create_claim, status_ips, NS};
@@ -97,19 +100,27 @@ fn node_from_api(
 /// (labels, annotations; a target's markers), marks it Running (no kubelet
 /// runs here), and returns the spec for its CNI calls, with the API's UID.
 fn api_pod(api: &KubeApi, node: &str, spec: &VmPodSpec) -> VmPodSpec {
-    let mut labels = json!({"kubevirt.io": "virt-launcher", "vm.kubevirt.io/name": spec.vm});
-    if spec.target {
-        labels["kubevirt.io/migrationJobUID"] = json!(format!("uid-{}", spec.pod_name));
-    }
-    // The same annotations as its CNI calls carry.
-    let annotations = spec.annotations();
-    let pod = json!({
+    let mut pod = launcher_manifest(node, spec);
+    // The same labels and annotations as virt-launcher's and its CNI
+    // calls'.
+    pod["metadata"]["labels"] = spec.labels();
+    pod["metadata"]["annotations"] = spec.annotations();
+    running_pod(api, spec, pod)
+}
+
+/// A pod manifest of `spec` on `node`, without labels or annotations.
+fn launcher_manifest(node: &str, spec: &VmPodSpec) -> Value {
+    json!({
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": spec.pod_name, "namespace": spec.namespace,
-                     "labels": labels, "annotations": annotations},
+        "metadata": {"name": spec.pod_name, "namespace": spec.namespace},
         "spec": {"nodeName": node, "automountServiceAccountToken": false,
                  "containers": [{"name": "compute", "image": "virt-launcher"}]},
-    });
+    })
+}
+
+/// Creates `pod` (of `spec`), marks it Running, and returns the spec with
+/// the API's UID.
+fn running_pod(api: &KubeApi, spec: &VmPodSpec, pod: Value) -> VmPodSpec {
     api.apply(&pod.to_string());
     api.kubectl_ok(&[
         "-n",
@@ -774,46 +785,6 @@ fn outage_pod_cidr_from_node_events_and_least_privilege() {
     let _ = (&source_ns, &target_ns);
 }
 
-/// KubeVirt's VirtualMachine CRD, as a test double: the same group,
-/// version, kind and plural (`virtualmachines.kubevirt.io/v1`, namespaced)
-/// with no schema and no controller behind it. It proves what tetherd does
-/// with VirtualMachines' names (their watch, the list that confirms a
-/// deletion, the chart's RBAC for both); not what KubeVirt does with a
-/// VirtualMachine (`make kubevirt` runs KubeVirt itself).
-fn install_virtualmachine_crd_double(api: &KubeApi) {
-    api.apply(
-        &json!({
-            "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-            "metadata": {"name": "virtualmachines.kubevirt.io"},
-            "spec": {
-                "group": "kubevirt.io", "scope": "Namespaced",
-                "names": {"kind": "VirtualMachine", "plural": "virtualmachines",
-                          "singular": "virtualmachine", "listKind": "VirtualMachineList"},
-                "versions": [{"name": "v1", "served": true, "storage": true,
-                              "schema": {"openAPIV3Schema": {"type": "object",
-                                         "x-kubernetes-preserve-unknown-fields": true}}}],
-            },
-        })
-        .to_string(),
-    );
-    api.kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        "--timeout=30s",
-        "crd/virtualmachines.kubevirt.io",
-    ]);
-    // Established is not yet served by discovery, which is what tetherd
-    // asks (again only a minute later when it is not there yet).
-    let discovered = wait_until(Duration::from_secs(30), || {
-        let out = api.kubectl(&["get", "--raw", "/apis/kubevirt.io/v1"]);
-        String::from_utf8_lossy(&out.stdout).contains("\"virtualmachines\"")
-    });
-    assert!(
-        discovered,
-        "discovery never served kubevirt.io/v1 virtualmachines"
-    );
-}
-
 /// A VirtualMachine object named `name` in [`NS`] (stopped: no controller
 /// runs here to start it).
 fn create_virtual_machine(api: &KubeApi, name: &str) {
@@ -855,7 +826,7 @@ fn a_deleted_virtualmachine_frees_its_address_once_no_pod_of_it_is_left() {
     let fabric = Fabric::new();
     let api = KubeApi::start(&fabric);
     api.install_tether();
-    install_virtualmachine_crd_double(&api);
+    install_kubevirt_crd_double(&api, "VirtualMachine", "virtualmachines");
     let kubeconfig = api.token_kubeconfig(TETHER_SA.0, TETHER_SA.1);
     create_namespace(&api);
     // The chart's service account may list and watch VirtualMachines, and
@@ -1175,4 +1146,101 @@ fn plain_manifests_apply_and_the_uninstaller_removes_only_on_removal() {
     assert!(api
         .get(&["-n", TETHER_SA.0, "daemonset", "tether"])
         .is_none());
+}
+
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root and kube-apiserver; `make test` runs it"
+)]
+#[test]
+fn only_a_vms_own_launcher_takes_its_address_or_its_migration() {
+    require_root();
+    let cluster = Topology::tetherd(2)
+        .store(Store::Kubernetes)
+        .node(NodeOpts {
+            check_vm_launchers: true,
+            ..NodeOpts::default()
+        })
+        .start();
+    let api = cluster.kube_api();
+    create_namespace(api);
+    let (a, b) = (cluster.node(0), cluster.node(1));
+    let refused = |node: &ClusterNode, spec: &VmPodSpec, why: &str| {
+        let (out, _ns, _id) = try_add_vm_pod(node, spec);
+        assert_eq!(out.error_code(), Some(120), "{}: {out}", spec.pod_name);
+        let text = out.to_string();
+        assert!(
+            text.contains(&format!(
+                "pod {NS}/{} (kubevirt.io/domain vm1) is not the launcher of VM {NS}/vm1",
+                spec.pod_name
+            )) && text.contains(why),
+            "{}'s refusal does not say {why:?}: {text}",
+            spec.pod_name
+        );
+    };
+    let no_record =
+        || matches!(get_vm(socket(a), NS, "vm1"), Err(s) if s.code() == tonic::Code::NotFound);
+
+    // Look-alikes before the VM runs: each copies vm1's labels and
+    // annotations, and none takes its address (no record is made).
+    let bare = api_pod(api, a.name(), &VmPodSpec::new(NS, "vm1", "lookalike-bare"));
+    refused(a, &bare, "it has no controlling owner");
+    let mut spec = VmPodSpec::new(NS, "vm1", "lookalike-made-up-owner");
+    let mut pod = spec.launcher(api, launcher_manifest(a.name(), &spec));
+    pod["metadata"]["ownerReferences"][0]["uid"] = json!("made-up-uid");
+    spec = running_pod(api, &spec, pod);
+    refused(a, &spec, "with uid made-up-uid, but that instance's uid is");
+    let mut spec = VmPodSpec::new(NS, "vm1", "lookalike-other-vm");
+    let mut other = VmPodSpec::new(NS, "vm2", "lookalike-other-vm");
+    other.pod_name = spec.pod_name.clone();
+    let pod = other.launcher(api, launcher_manifest(a.name(), &spec));
+    // vm2's launcher, which says it is vm1's.
+    let mut pod = pod;
+    pod["metadata"]["annotations"] = spec.annotations();
+    spec = running_pod(api, &spec, pod);
+    refused(a, &spec, "its controller is VirtualMachineInstance vm2");
+    // Not in the API at all (a container that is no pod).
+    refused(
+        a,
+        &VmPodSpec::new(NS, "vm1", "lookalike-nowhere"),
+        "the API has no such pod",
+    );
+    assert!(no_record(), "a look-alike made vm1's record");
+
+    // The launcher: its instance controls it. It gets the VM's address.
+    let real = VmPodSpec::new(NS, "vm1", "virt-launcher-vm1-aaaaa");
+    let real = running_pod(
+        api,
+        &real,
+        real.launcher(api, launcher_manifest(a.name(), &real)),
+    );
+    let source = add_vm_pod(a, &real);
+    let vm = get_vm(socket(a), NS, "vm1").expect("vm1's record");
+    assert_eq!(active_node(&vm), a.name());
+
+    // A look-alike migration target on B: refused, and the record has no
+    // alternate (no cutover can move the VM's routes to it).
+    let fake = api_pod(api, b.name(), &real.target("lookalike-target"));
+    refused(b, &fake, "it has no controlling owner");
+    let vm = get_vm(socket(a), NS, "vm1").expect("vm1's record");
+    assert_eq!(
+        alternate_node(&vm),
+        "",
+        "a look-alike became the target: {vm:?}"
+    );
+    // The real target: accepted, with the VM's address.
+    let target = real.target("virt-launcher-vm1-bbbbb");
+    let target = running_pod(
+        api,
+        &target,
+        target.launcher(api, launcher_manifest(b.name(), &target)),
+    );
+    let moved = add_vm_pod(b, &target);
+    assert_eq!(
+        moved.ips(),
+        source.ips(),
+        "the target has the VM's addresses"
+    );
+    let vm = get_vm(socket(a), NS, "vm1").expect("vm1's record");
+    assert_eq!(alternate_node(&vm), b.name());
 }

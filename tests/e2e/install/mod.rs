@@ -386,6 +386,7 @@ fn each_mode_renders_its_flags_and_only_flags_tetherd_knows() {
     let nat_pools = [
         "--no-nat-to=10.96.0.0/12,fd00:10:96::/112",
         "--network-policy=true",
+        "--check-vm-launchers=true",
         "--pools=/etc/tether/pools/pools.json",
     ];
     // Cutover notices need other nodes: every mode but singleNode.
@@ -456,6 +457,7 @@ fn each_mode_renders_its_flags_and_only_flags_tetherd_knows() {
         "podCidrs={10.1.0.0/24,fd00:1::/64}",
         "outboundNat.enabled=false",
         "networkPolicy.enabled=false",
+        "checkVmLaunchers=false",
         "metrics.address=",
         "metrics.port=9700",
         "hostPaths.runDir=/var/run/t",
@@ -467,6 +469,7 @@ fn each_mode_renders_its_flags_and_only_flags_tetherd_knows() {
         "--pod-cidr=fd00:1::/64",
         "--outbound-nat=false",
         "--network-policy=false",
+        "--check-vm-launchers=false",
         "--metrics-address=:9700",
         "--socket=/var/run/t/tether.sock",
         "--mtu=1450",
@@ -802,6 +805,8 @@ fn the_defaults_render_a_versioned_image_and_nothing_optional() {
             {"apiGroups": ["k8s.cni.cncf.io"], "resources": ["ipamclaims/status"], "verbs": ["patch"]},
             // Names only: a deleted VirtualMachine frees its VM's addresses.
             {"apiGroups": ["kubevirt.io"], "resources": ["virtualmachines"], "verbs": ["list", "watch"]},
+            // One by name: is a VM pod its instance's launcher?
+            {"apiGroups": ["kubevirt.io"], "resources": ["virtualmachineinstances"], "verbs": ["get"]},
             // NetworkPolicy (on by default): read, never written.
             {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["list", "watch"]},
             {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
@@ -835,6 +840,10 @@ fn the_defaults_render_a_versioned_image_and_nothing_optional() {
         !rules.contains("networkpolicies") && !rules.contains("namespaces"),
         "{rules}"
     );
+    // Without the launcher check, no VirtualMachineInstance.
+    let off = chart::objects(&chart::template(&["checkVmLaunchers=false"]));
+    let rules = chart::find(&off, "ClusterRole", "tether")["rules"].to_string();
+    assert!(!rules.contains("virtualmachineinstances"), "{rules}");
     assert!(!etcd
         .iter()
         .any(|o| o["metadata"]["name"] == "tether-leases"));

@@ -138,16 +138,10 @@ fn cluster() -> KubeCluster {
     c
 }
 
-/// A virt-launcher-like pod of `spec` on `node`.
-fn vm_pod(spec: &VmPodSpec, node: &str) -> Value {
-    let mut p = pod(&spec.pod_name, node, false);
-    let mut labels = json!({"kubevirt.io": "virt-launcher", "vm.kubevirt.io/name": spec.vm});
-    if spec.target {
-        labels["kubevirt.io/migrationJobUID"] = json!("job-uid-1");
-    }
-    p["metadata"]["labels"] = labels;
-    p["metadata"]["annotations"] = spec.annotations();
-    p
+/// A virt-launcher-like pod of `spec` on `node`, controlled by its
+/// VirtualMachineInstance.
+fn vm_pod(c: &KubeCluster, spec: &VmPodSpec, node: &str) -> Value {
+    spec.launcher(&c.api, pod(&spec.pod_name, node, false))
 }
 
 /// tether's attachment of pod `default/name` on `node`.
@@ -274,7 +268,7 @@ fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping
 
     // The VM on A.
     let vm = VmPodSpec::new("default", "vm1", "virt-launcher-vm1-aaaaa");
-    c.api.apply(&vm_pod(&vm, a.name()).to_string());
+    c.api.apply(&vm_pod(&c, &vm, a.name()).to_string());
     let vm_ip = wait_running(&c, &vm.pod_name);
     let src = attachment(a, &vm.pod_name);
     let vm_mac = src.mac.clone();
@@ -285,7 +279,7 @@ fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping
     // Its migration target on B: the same IP and MAC; nothing moves until
     // the target is ready.
     let t1 = vm.target("virt-launcher-vm1-bbbbb");
-    c.api.apply(&vm_pod(&t1, b.name()).to_string());
+    c.api.apply(&vm_pod(&c, &t1, b.name()).to_string());
     assert_eq!(
         wait_running(&c, &t1.pod_name),
         vm_ip,
@@ -326,7 +320,7 @@ fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping
 
     // Back to A, cut over by the RARP the target's QEMU would send.
     let t2 = vm.target("virt-launcher-vm1-ccccc");
-    c.api.apply(&vm_pod(&t2, a.name()).to_string());
+    c.api.apply(&vm_pod(&c, &t2, a.name()).to_string());
     assert_eq!(wait_running(&c, &t2.pod_name), vm_ip);
     let back = attachment(a, &t2.pod_name);
     assert_eq!(back.mac, vm_mac);
@@ -352,7 +346,7 @@ fn a_vm_pod_migrates_between_two_kubelet_nodes_and_restarts_on_the_other_keeping
     // The VM stops, and starts again in a new pod on B.
     delete_pod(&c, &t2.pod_name);
     let again = VmPodSpec::new("default", "vm1", "virt-launcher-vm1-ddddd");
-    c.api.apply(&vm_pod(&again, b.name()).to_string());
+    c.api.apply(&vm_pod(&c, &again, b.name()).to_string());
     assert_eq!(
         wait_running(&c, &again.pod_name),
         vm_ip,

@@ -42,18 +42,12 @@ const MIGRATION_LIMIT: Duration = Duration::from_secs(120);
 /// How long the streams go on after each step before the next.
 const AFTER: Duration = Duration::from_secs(3);
 
-/// A virt-launcher-like pod of `spec` on `node`, on tether's `tap`
-/// binding (the pod annotation `tether.dev/binding`).
-fn vm_pod(spec: &VmPodSpec, node: &str) -> Value {
-    let mut p = busybox_pod(&spec.pod_name, node);
-    let mut labels = json!({"kubevirt.io": "virt-launcher", "vm.kubevirt.io/name": spec.vm});
-    if spec.target {
-        labels["kubevirt.io/migrationJobUID"] = json!("job-uid-1");
-    }
-    p["metadata"]["labels"] = labels;
-    let mut annotations = spec.annotations();
-    annotations["tether.dev/binding"] = json!("tap");
-    p["metadata"]["annotations"] = annotations;
+/// A virt-launcher-like pod of `spec` on `node`, controlled by its
+/// VirtualMachineInstance, on tether's `tap` binding (the pod annotation
+/// `tether.dev/binding`).
+fn vm_pod(c: &KubeCluster, spec: &VmPodSpec, node: &str) -> Value {
+    let mut p = spec.launcher(&c.api, busybox_pod(&spec.pod_name, node));
+    p["metadata"]["annotations"]["tether.dev/binding"] = json!("tap");
     p
 }
 
@@ -108,7 +102,7 @@ fn every_path_survives_a_vms_live_migration_between_two_kubelet_nodes_attempt() 
 
     // The VM on A: its pod, and the guest on the pod's tap.
     let spec = VmPodSpec::new("default", "vm1", "virt-launcher-vm1-aaaaa");
-    c.api.apply(&vm_pod(&spec, a).to_string());
+    c.api.apply(&vm_pod(&c, &spec, a).to_string());
     let source = c.adopt_pod(&spec.pod_name);
     let vm = source.ip;
     let guest = guest_in(&source, false);
@@ -121,7 +115,7 @@ fn every_path_survives_a_vms_live_migration_between_two_kubelet_nodes_attempt() 
 
     // The migration's target on B, its QEMU waiting.
     let target_spec = spec.target("virt-launcher-vm1-bbbbb");
-    c.api.apply(&vm_pod(&target_spec, b).to_string());
+    c.api.apply(&vm_pod(&c, &target_spec, b).to_string());
     let target = c.adopt_pod(&target_spec.pod_name);
     assert_eq!(target.ip, vm, "the target pod has the VM's address");
     assert_eq!(

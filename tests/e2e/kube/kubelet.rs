@@ -430,14 +430,10 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
 
     // 5. VM pods.
     let vm = VmPodSpec::new("default", "vm1", "virt-launcher-vm1-aaaaa");
-    let labels = |spec: &VmPodSpec| {
-        let mut l = json!({"kubevirt.io": "virt-launcher", "vm.kubevirt.io/name": spec.vm});
-        if spec.target {
-            l["kubevirt.io/migrationJobUID"] = json!("job-uid-1");
-        }
-        l
-    };
-    k.create_pod(&pod(&k, &vm.pod_name, labels(&vm), vm.annotations()));
+    // Each a launcher its VirtualMachineInstance controls, as tether checks.
+    let launcher =
+        |spec: &VmPodSpec| spec.launcher(&k.api, busybox_pod(&spec.pod_name, node(&k).name()));
+    k.create_pod(&launcher(&vm));
     let vm_ip = k.wait_pod_ip(&vm.pod_name);
     assert_in(&cidr, &vm_ip);
     let src = attachment(&k, &vm.pod_name, &vm_ip);
@@ -468,12 +464,7 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     // The migration's target, on this node: same address and MAC; the
     // route stays with the source until the target is ready.
     let target = vm.target("virt-launcher-vm1-bbbbb");
-    k.create_pod(&pod(
-        &k,
-        &target.pod_name,
-        labels(&target),
-        target.annotations(),
-    ));
+    k.create_pod(&launcher(&target));
     assert_eq!(
         k.wait_pod_ip(&target.pod_name),
         vm_ip,
@@ -515,12 +506,7 @@ fn the_kubelet_wires_pods_and_vm_pods_through_tether() {
     // The VM stops and starts again in a new pod: same address and MAC.
     k.delete_pod(&target.pod_name);
     let again = VmPodSpec::new("default", "vm1", "virt-launcher-vm1-ccccc");
-    k.create_pod(&pod(
-        &k,
-        &again.pod_name,
-        labels(&again),
-        again.annotations(),
-    ));
+    k.create_pod(&launcher(&again));
     assert_eq!(
         k.wait_pod_ip(&again.pod_name),
         vm_ip,

@@ -52,6 +52,9 @@ pub struct NodeOpts {
     pub bin: Option<PathBuf>,
     /// Appended to the command line as they are.
     pub extra_args: Vec<String>,
+    /// `--check-vm-launchers` ([`DaemonOpts::check_vm_launchers`]): off
+    /// unless set. The kubelet clusters run the chart's default (on).
+    pub check_vm_launchers: bool,
 }
 
 impl Default for NodeOpts {
@@ -69,6 +72,7 @@ impl Default for NodeOpts {
             log_level: None,
             bin: None,
             extra_args: Vec::new(),
+            check_vm_launchers: false,
         }
     }
 }
@@ -153,6 +157,7 @@ impl ClusterNode {
                 log_level: opts.log_level.clone(),
                 bin: opts.bin.clone(),
                 extra_args: opts.daemon_args(backend, &underlay),
+                check_vm_launchers: opts.check_vm_launchers,
             },
         );
         ClusterNode {
