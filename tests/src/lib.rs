@@ -56,6 +56,7 @@ mod cni;
 pub mod conformance;
 pub mod conformance_images;
 mod daemon;
+pub mod denied;
 pub mod kube;
 pub mod kube_cluster;
 pub mod kubelet;

@@ -395,11 +395,29 @@ impl PathSet {
     /// each sending every `interval`, and waits until every stream has
     /// echoes; panics naming the streams that never did.
     pub fn start(guest: &dyn GuestShell, ends: &Ends, interval: Duration) -> PathSet {
+        PathSet::start_of(guest, ends, interval, true)
+    }
+
+    /// Like [`PathSet::start`], with only the streams the VM opens (to the
+    /// outside host, to the peer pod, to the ClusterIP of pods): what a VM
+    /// has when a policy keeps every other connection to it out.
+    pub fn start_opened_by_vm(guest: &dyn GuestShell, ends: &Ends, interval: Duration) -> PathSet {
+        PathSet::start_of(guest, ends, interval, false)
+    }
+
+    fn start_of(
+        guest: &dyn GuestShell,
+        ends: &Ends,
+        interval: Duration,
+        toward_vm: bool,
+    ) -> PathSet {
         let mut set = PathSet::default();
         let vms: Vec<IpAddr> = std::iter::once(ends.vm.0).chain(ends.vm.1).collect();
         start_listeners(guest);
         for (i, pod) in ends.pods.iter().enumerate() {
-            let Some(pod) = pod else { continue };
+            let Some(pod) = pod.filter(|_| toward_vm) else {
+                continue;
+            };
             for vm in &vms {
                 for (proto, port) in [(Proto::Tcp, VM_TCP), (Proto::Udp, VM_UDP)] {
                     let name = format!("pod@{} -> VM {}", ROLES[i], family(*vm));
@@ -452,6 +470,7 @@ impl PathSet {
                 .enumerate()
                 .rev()
                 .find_map(|(i, p)| Some((i, (*p)?)))
+                .filter(|_| toward_vm)
             {
                 for (proto, port) in [(Proto::Tcp, VM_TCP), (Proto::Udp, VM_UDP)] {
                     set.streams.push(Stream::connect(
@@ -464,13 +483,15 @@ impl PathSet {
                 }
             }
             for (i, node) in ends.nodes.iter().enumerate() {
-                let Some(node) = node else { continue };
+                let Some(node) = node.filter(|_| toward_vm) else {
+                    continue;
+                };
                 for (proto, port) in [(Proto::Tcp, tcp_np), (Proto::Udp, udp_np)] {
                     set.streams.push(Stream::connect(
                         ends.outside.netns,
                         &format!("outside -> NodePort@{} -> VM", ROLES[i]),
                         proto,
-                        SocketAddr::new(*node, port),
+                        SocketAddr::new(node, port),
                         interval,
                     ));
                 }
@@ -512,6 +533,17 @@ impl PathSet {
             );
         }
         set
+    }
+
+    /// Adds a stream the test started itself, to be stopped and reported
+    /// with the others.
+    pub fn push(&mut self, stream: Stream) {
+        self.streams.push(stream);
+    }
+
+    /// Waits up to `limit` until every stream has had `n` echoes.
+    pub fn wait_echoes(&self, n: u64, limit: Duration) -> bool {
+        self.streams.iter().all(|s| s.wait_echoes(n, limit))
     }
 
     /// Stops every stream; their reports, in the order they started.

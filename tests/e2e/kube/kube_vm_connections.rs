@@ -17,20 +17,28 @@
 //! through a QMP live migration A → B and the source pod's deletion
 //! (its CNI DEL) after it; every stream must survive with the far end
 //! seeing one address throughout.
+//!
+//! The second test does the same move under a NetworkPolicy that denies
+//! the VM every ingress and leaves its egress open: the connections the
+//! VM opened keep working on B (B has never seen them; the flows the
+//! source hands over let their replies in), and new connections to the VM,
+//! tried throughout from a pod on each node and through a NodePort of B,
+//! never pass, before, during or after the cutover.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use tether_e2e::denied::Denied;
 use tether_e2e::kube_cluster::{KubeCluster, KubePaths, KubePod};
 use tether_e2e::kubelet::busybox_pod;
 use tether_e2e::kubevirt::scenario::tether_record;
-use tether_e2e::paths::{handover_state, table, PathSet};
+use tether_e2e::paths::{handover_state, table, PathSet, VM_TCP, VM_UDP};
 use tether_e2e::qemu::{
     clear_events, once_more_if_a_guest_kernel_panicked, pause, Client, Guest, GuestOptions,
     BOOT_TIMEOUT,
 };
-use tether_e2e::streams::StreamReport;
+use tether_e2e::streams::{Proto, Stream, StreamReport};
 use tether_e2e::topology::Topology;
 use tether_e2e::vm::VmPodSpec;
 use tether_e2e::{require_root, wait_until};
@@ -205,6 +213,241 @@ fn every_path_survives_a_vms_live_migration_between_two_kubelet_nodes_attempt() 
     );
     eprintln!(
         "kube_vm_connections: {:.0} s in all",
+        started.elapsed().as_secs_f64()
+    );
+}
+
+/// How often each denied flow is tried.
+const DENIED_INTERVAL: Duration = Duration::from_millis(100);
+/// How long a policy takes to reach both nodes (through their watches).
+const CONVERGE: Duration = Duration::from_secs(30);
+/// A probe that has not got through for this long is denied.
+const QUIET: Duration = Duration::from_secs(2);
+/// The port of the VM's streams to the pod on the source node.
+const SOURCE_POD_PORT: u16 = 9002;
+
+#[cfg_attr(
+    not(feature = "kubelet-tests"),
+    ignore = "kubelet tier: root and kubelet nodes built from Kubernetes' source; `make test` runs it"
+)]
+#[test]
+fn a_vms_own_connections_survive_its_migration_under_a_default_deny_ingress_policy() {
+    require_root();
+    once_more_if_a_guest_kernel_panicked(
+        "a_vms_own_connections_survive_its_migration_under_a_default_deny_ingress_policy",
+        policy_attempt,
+    );
+}
+
+fn policy_attempt() {
+    let started = Instant::now();
+    let c = Topology::kubelet(2).start();
+    let image = c.build_tether_image("1");
+    c.install_tether(&image);
+    let (a, b) = (c.nodes()[0].name(), c.nodes()[1].name());
+
+    let spec = VmPodSpec::new("default", "vm1", "virt-launcher-vm1-aaaaa");
+    c.api.apply(&vm_pod(&c, &spec, a).to_string());
+    let source = c.adopt_pod(&spec.pod_name);
+    let vm = source.ip;
+    let guest = guest_in(&source, false);
+    let lease = guest.wait_line("TETHER-LEASE4", BOOT_TIMEOUT);
+    assert!(
+        lease.contains(&format!("ip={vm} ")),
+        "the guest did not lease its pod's address {vm}: {lease}"
+    );
+    let paths = KubePaths::start(&c, vm);
+    // The VM's own connections, opened before any policy.
+    let mut set = PathSet::start_opened_by_vm(&guest, &paths.ends(&c, vm, 0), STREAM_INTERVAL);
+    // And to the pod on A, which B never forwarded a packet of: after the
+    // move its far end's messages reach B as strangers, unless B was
+    // handed the flows (the paths' peer pod is on B, which saw them).
+    let local = &paths.pods[0];
+    let mut connectors = Vec::new();
+    for proto in [Proto::Tcp, Proto::Udp] {
+        let stream = Stream::listen_any(
+            &[local.netns()],
+            "VM -> pod on the source node",
+            proto,
+            local.ip,
+            SOURCE_POD_PORT,
+            STREAM_INTERVAL,
+        );
+        connectors.push(format!(
+            "tether-echo {}-connect {} {SOURCE_POD_PORT} >/dev/console 2>&1 &",
+            proto.name(),
+            local.ip
+        ));
+        set.push(stream);
+    }
+    guest.run_ok(&connectors.join(" "));
+    assert!(
+        set.wait_echoes(20, Duration::from_secs(30)),
+        "the VM's streams to the pod on {a} got no echoes"
+    );
+
+    // New connections to the VM, tried from the start: they pass until
+    // the policy is in force (so the probes can see a pass).
+    let (tcp_np, udp_np) = paths.services.vm_node_ports;
+    let node_b = IpAddr::V4(c.nodes()[1].underlay().v4);
+    let probes = [
+        Denied::start(
+            paths.pods[0].netns(),
+            &format!("pod on {a} -> VM"),
+            SocketAddr::new(vm, VM_TCP),
+            SocketAddr::new(vm, VM_UDP),
+            DENIED_INTERVAL,
+        ),
+        Denied::start(
+            paths.pods[1].netns(),
+            &format!("pod on {b} -> VM"),
+            SocketAddr::new(vm, VM_TCP),
+            SocketAddr::new(vm, VM_UDP),
+            DENIED_INTERVAL,
+        ),
+        Denied::start(
+            paths.outside.netns(),
+            &format!("outside -> NodePort of {b} -> VM"),
+            SocketAddr::new(node_b, tcp_np),
+            SocketAddr::new(node_b, udp_np),
+            DENIED_INTERVAL,
+        ),
+    ];
+    let before = Instant::now();
+    let open = wait_until(CONVERGE, || {
+        probes.iter().all(|p| {
+            let (tcp, udp) = p.passed_since(before);
+            tcp > 0 && udp > 0
+        })
+    });
+    let seen: Vec<String> = probes
+        .iter()
+        .map(|p| {
+            format!(
+                "{}: {:?} (TCP, UDP) of {}",
+                p.name(),
+                p.passed_since(before),
+                p.tries()
+            )
+        })
+        .collect();
+    assert!(
+        open,
+        "before any policy, every probe must reach the VM over TCP and UDP:\n{}",
+        seen.join("\n")
+    );
+
+    // Deny the VM every ingress; its egress stays open.
+    c.api.apply(
+        &json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                "metadata": {"namespace": "default", "name": "vm1-no-ingress"},
+                "spec": {"podSelector": {"matchLabels": {"vm.kubevirt.io/name": "vm1"}},
+                         "policyTypes": ["Ingress"]}})
+        .to_string(),
+    );
+    let applied = Instant::now();
+    let quiet = wait_until(CONVERGE, || {
+        let since = Instant::now() - QUIET;
+        since > applied && probes.iter().all(|p| p.passed_since(since) == (0, 0))
+    });
+    assert!(
+        quiet,
+        "the policy was not in force {CONVERGE:?} after its creation: {:?}",
+        probes
+            .iter()
+            .map(|p| p.passed_since(applied))
+            .collect::<Vec<_>>()
+    );
+    let enforced = Instant::now();
+
+    // The target pod, made while the policy is in force: its ADD returns
+    // once B's table holds it.
+    let target_spec = spec.target("virt-launcher-vm1-bbbbb");
+    c.api.apply(&vm_pod(&c, &target_spec, b).to_string());
+    let target = c.adopt_pod(&target_spec.pod_name);
+    assert_eq!(target.ip, vm, "the target pod has the VM's address");
+    let incoming = guest_in(&target, true);
+
+    clear_events(&guest);
+    clear_events(&incoming);
+    let t0 = Instant::now();
+    let m = guest.migrate_to(&incoming, MIGRATION_LIMIT);
+    assert_eq!(m.status, "completed", "{m:?}\n{}", incoming.console_text());
+    let moved = wait_until(Duration::from_secs(30), || active_node(&c, vm) == b);
+    std::thread::sleep(AFTER);
+    let gap = pause(&guest, &incoming);
+    drop(guest);
+    c.api.kubectl_ok(&[
+        "-n",
+        "default",
+        "delete",
+        "pod",
+        &spec.pod_name,
+        "--wait=true",
+    ]);
+    drop(source);
+    std::thread::sleep(AFTER);
+
+    let reports = set.stop();
+    let denied: Vec<_> = probes.into_iter().map(Denied::stop).collect();
+    let text = table(&reports, t0, gap);
+    let ms = |at: Instant| at.saturating_duration_since(t0).as_secs_f64() * 1e3;
+    let probe_lines: Vec<String> = denied
+        .iter()
+        .map(|r| {
+            let after = r.passed_since(enforced);
+            format!(
+                "{}: {} rounds, {} passed once the policy was in force{}{}",
+                r.name,
+                r.tries,
+                after.len(),
+                after
+                    .iter()
+                    .map(|p| format!(" ({} at +{:.0} ms)", p.proto.name(), ms(p.at)))
+                    .collect::<String>(),
+                if r.errors.is_empty() {
+                    String::new()
+                } else {
+                    format!("; errors: {}", r.errors.join("; "))
+                }
+            )
+        })
+        .collect();
+    eprintln!(
+        "live migration under a default-deny ingress policy: QEMU total {:?} ms, downtime {:?} ms\n{text}\ndenied flows (+ms from the migration's start):\n{}",
+        m.total_ms,
+        m.downtime_ms,
+        probe_lines.join("\n")
+    );
+    let bad = dead_or_moved(&reports);
+    if !bad.is_empty() {
+        eprintln!(
+            "{}\n{}",
+            handover_state(c.nodes().iter().map(|n| (n.name(), n.netns()))),
+            c.network_view()
+        );
+    }
+    assert!(
+        moved,
+        "tether's record of vm1 is not active on {b} after the migration: {}",
+        active_node(&c, vm)
+    );
+    assert!(
+        denied
+            .iter()
+            .all(|r| r.errors.is_empty() && r.passed_since(enforced).is_empty()),
+        "a flow the policy denies passed (or a probe failed):\n{}",
+        probe_lines.join("\n")
+    );
+    assert!(
+        bad.is_empty(),
+        "{} of {} of the VM's own connections did not survive the migration under the policy:\n{}\n\nall:\n{text}",
+        bad.len(),
+        reports.len(),
+        bad.join("\n")
+    );
+    eprintln!(
+        "kube_vm_connections (policy): {:.0} s in all",
         started.elapsed().as_secs_f64()
     );
 }
