@@ -16,7 +16,11 @@
 //!   the admin API's `GetPodPolicy` says which policy isolates a pod and
 //!   what it allows;
 //! - a killed daemon leaves the table enforcing, and a policy deleted
-//!   while it was away is applied when it is back.
+//!   while it was away is applied when it is back;
+//! - a node cut off from the API server (its packets to it dropped in its
+//!   netns; its store, etcd, still reachable) keeps enforcing the last
+//!   table, and a policy deleted meanwhile is applied once it reaches the
+//!   API server again.
 
 use std::net::IpAddr;
 use std::time::Duration;
@@ -24,7 +28,7 @@ use std::time::Duration;
 use serde_json::json;
 use tether_e2e::admin::{admin, pb};
 use tether_e2e::cluster::{ClusterNode, NodeOpts, Pod, Store};
-use tether_e2e::kube::KubeApi;
+use tether_e2e::kube::{KubeApi, API_PORT};
 use tether_e2e::topology::Topology;
 use tether_e2e::{require_root, wait_until, Netns};
 
@@ -278,4 +282,74 @@ fn network_policy_isolates_pods_across_nodes_from_their_add_and_through_a_restar
         "the deny deleted while the daemon was away",
     );
     settles(&web_b, &late, true, "and the later pod");
+}
+
+/// Drops (`on`) or passes again every packet between `node` and the API
+/// server's port, both ways (a watch's events come in on a connection the
+/// node opened), in the node's own netns: the node is cut off from the API
+/// server while the test still reaches it.
+fn cut_off_from_the_api(node: &ClusterNode, on: bool) {
+    let script = if on {
+        format!(
+            "add table inet test_api_cut; \
+             add chain inet test_api_cut out {{ type filter hook output priority 0; }}; \
+             add rule inet test_api_cut out tcp dport {API_PORT} drop; \
+             add chain inet test_api_cut in {{ type filter hook input priority 0; }}; \
+             add rule inet test_api_cut in tcp sport {API_PORT} drop"
+        )
+    } else {
+        "delete table inet test_api_cut".to_owned()
+    };
+    let out = node.netns().exec(&["nft", &script]);
+    assert!(
+        out.status.success(),
+        "nft {script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
+#[test]
+fn a_policy_deleted_while_a_node_cannot_reach_the_api_server_is_applied_when_it_can() {
+    require_root();
+    let cluster = Topology::tetherd(2)
+        .store(Store::Etcd)
+        .with_api(true)
+        .node(NodeOpts {
+            extra_args: vec!["--network-policy=true".into()],
+            ..NodeOpts::default()
+        })
+        .start();
+    let api = cluster.kube_api();
+    namespace(api, "np-a", "a");
+    let db = pod(api, cluster.node(0), "np-a", "db", "db");
+    let web = pod(api, cluster.node(1), "np-a", "web", "web");
+    settles(&web, &db, true, "no policy");
+    apply_policy(
+        api,
+        "np-a",
+        "deny-db",
+        json!({"podSelector": {"matchLabels": {"app": "db"}}, "policyTypes": ["Ingress"]}),
+    );
+    settles(&web, &db, false, "db denied every ingress");
+
+    // Node 0 loses the API server; the deny is deleted meanwhile.
+    cut_off_from_the_api(cluster.node(0), true);
+    api.kubectl_ok(&["-n", "np-a", "delete", "networkpolicy", "deny-db"]);
+    std::thread::sleep(Duration::from_secs(5));
+    let still = !web.ping(v4(&db));
+    cut_off_from_the_api(cluster.node(0), false);
+    assert!(
+        still,
+        "db opened while its node could not have seen the deletion"
+    );
+    settles(
+        &web,
+        &db,
+        true,
+        "the deny deleted while db's node could not reach the API server",
+    );
 }
