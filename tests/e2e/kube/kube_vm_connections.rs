@@ -36,7 +36,7 @@ use tether_e2e::kubevirt::scenario::tether_record;
 use tether_e2e::paths::{handover_state, table, PathSet, VM_TCP, VM_UDP};
 use tether_e2e::qemu::{
     clear_events, once_more_if_a_guest_kernel_panicked, pause, Client, Guest, GuestOptions,
-    BOOT_TIMEOUT,
+    Migration, Pause, BOOT_TIMEOUT,
 };
 use tether_e2e::streams::{Proto, Stream, StreamReport};
 use tether_e2e::topology::Topology;
@@ -80,6 +80,94 @@ fn active_node(c: &KubeCluster, vm: IpAddr) -> String {
         .to_string()
 }
 
+/// A two-kubelet-node cluster with tether installed by its chart, and VM
+/// `vm1` on its first node: its launcher pod, and a guest on the pod's
+/// tap that leased the pod's address.
+fn cluster_with_a_vm() -> (KubeCluster, VmPodSpec, KubePod, Guest) {
+    let c = Topology::kubelet(2).start();
+    let image = c.build_tether_image("1");
+    c.install_tether(&image);
+    let spec = VmPodSpec::new("default", "vm1", "virt-launcher-vm1-aaaaa");
+    c.api
+        .apply(&vm_pod(&c, &spec, c.nodes()[0].name()).to_string());
+    let source = c.adopt_pod(&spec.pod_name);
+    let vm = source.ip;
+    let guest = guest_in(&source, false);
+    let lease = guest.wait_line("TETHER-LEASE4", BOOT_TIMEOUT);
+    assert!(
+        lease.contains(&format!("ip={vm} ")),
+        "the guest did not lease its pod's address {vm}: {lease}"
+    );
+    (c, spec, source, guest)
+}
+
+/// The migration's target pod of `spec`'s VM (at `vm`) on `node`, with
+/// the VM's address, and its QEMU waiting for the guest.
+fn target_on(c: &KubeCluster, spec: &VmPodSpec, node: &str, vm: IpAddr) -> (KubePod, Guest) {
+    let target_spec = spec.target("virt-launcher-vm1-bbbbb");
+    c.api.apply(&vm_pod(c, &target_spec, node).to_string());
+    let target = c.adopt_pod(&target_spec.pod_name);
+    assert_eq!(target.ip, vm, "the target pod has the VM's address");
+    let incoming = guest_in(&target, true);
+    (target, incoming)
+}
+
+/// What [`migrate_and_clean_up`] saw.
+struct Moved {
+    /// QEMU's account of the migration.
+    m: Migration,
+    /// tether's record names the target's node active.
+    moved: bool,
+    /// The guest's pause.
+    gap: Option<Pause>,
+    /// When the migration began.
+    t0: Instant,
+    /// When the source's cleanup began.
+    cleanup: Instant,
+}
+
+/// Migrates `guest` to `incoming` (its target on node `to`) by QMP, waits
+/// until tether's record names `to`, and then does KubeVirt's cleanup of
+/// the source: its QEMU ends, then its pod goes (the kubelet's CNI DEL),
+/// [`AFTER`] after each step, whatever the streams are doing.
+fn migrate_and_clean_up(
+    c: &KubeCluster,
+    guest: Guest,
+    incoming: &Guest,
+    spec: &VmPodSpec,
+    source: KubePod,
+    to: &str,
+) -> Moved {
+    let vm = source.ip;
+    clear_events(&guest);
+    clear_events(incoming);
+    let t0 = Instant::now();
+    let m = guest.migrate_to(incoming, MIGRATION_LIMIT);
+    assert_eq!(m.status, "completed", "{m:?}\n{}", incoming.console_text());
+    let moved = wait_until(Duration::from_secs(30), || active_node(c, vm) == to);
+    std::thread::sleep(AFTER);
+    let gap = pause(&guest, incoming);
+    let cleanup = Instant::now();
+    drop(guest);
+    c.api.kubectl_ok(&[
+        "-n",
+        &spec.namespace,
+        "delete",
+        "pod",
+        &spec.pod_name,
+        "--wait=true",
+    ]);
+    drop(source);
+    std::thread::sleep(AFTER);
+    Moved {
+        m,
+        moved,
+        gap,
+        t0,
+        cleanup,
+    }
+}
+
 fn dead_or_moved(reports: &[StreamReport]) -> Vec<String> {
     reports
         .iter()
@@ -103,60 +191,27 @@ fn every_path_survives_a_vms_live_migration_between_two_kubelet_nodes() {
 
 fn every_path_survives_a_vms_live_migration_between_two_kubelet_nodes_attempt() {
     let started = Instant::now();
-    let c = Topology::kubelet(2).start();
-    let image = c.build_tether_image("1");
-    c.install_tether(&image);
-    let (a, b) = (c.nodes()[0].name(), c.nodes()[1].name());
-
-    // The VM on A: its pod, and the guest on the pod's tap.
-    let spec = VmPodSpec::new("default", "vm1", "virt-launcher-vm1-aaaaa");
-    c.api.apply(&vm_pod(&c, &spec, a).to_string());
-    let source = c.adopt_pod(&spec.pod_name);
+    let (c, spec, source, guest) = cluster_with_a_vm();
+    let b = c.nodes()[1].name();
     let vm = source.ip;
-    let guest = guest_in(&source, false);
-    let lease = guest.wait_line("TETHER-LEASE4", BOOT_TIMEOUT);
-    assert!(
-        lease.contains(&format!("ip={vm} ")),
-        "the guest did not lease its pod's address {vm}: {lease}"
-    );
     let paths = KubePaths::start(&c, vm);
 
     // The migration's target on B, its QEMU waiting.
-    let target_spec = spec.target("virt-launcher-vm1-bbbbb");
-    c.api.apply(&vm_pod(&c, &target_spec, b).to_string());
-    let target = c.adopt_pod(&target_spec.pod_name);
-    assert_eq!(target.ip, vm, "the target pod has the VM's address");
+    let (target, incoming) = target_on(&c, &spec, b, vm);
     assert_eq!(
         target.eth0_mac(),
         source.eth0_mac(),
         "the target pod has the VM's MAC"
     );
-    let incoming = guest_in(&target, true);
 
     let set = PathSet::start(&guest, &paths.ends(&c, vm, 0), STREAM_INTERVAL);
-    clear_events(&guest);
-    clear_events(&incoming);
-    let t0 = Instant::now();
-    let m = guest.migrate_to(&incoming, MIGRATION_LIMIT);
-    assert_eq!(m.status, "completed", "{m:?}\n{}", incoming.console_text());
-    let moved = wait_until(Duration::from_secs(30), || active_node(&c, vm) == b);
-    std::thread::sleep(AFTER);
-    let gap = pause(&guest, &incoming);
-
-    // KubeVirt's cleanup of the source: its QEMU ends, then its pod goes
-    // (the kubelet's CNI DEL on A), the streams still running.
-    let cleanup = Instant::now();
-    drop(guest);
-    c.api.kubectl_ok(&[
-        "-n",
-        "default",
-        "delete",
-        "pod",
-        &spec.pod_name,
-        "--wait=true",
-    ]);
-    drop(source);
-    std::thread::sleep(AFTER);
+    let Moved {
+        m,
+        moved,
+        gap,
+        t0,
+        cleanup,
+    } = migrate_and_clean_up(&c, guest, &incoming, &spec, source, b);
 
     let reports = set.stop();
     let text = table(&reports, t0, gap);
@@ -241,21 +296,9 @@ fn a_vms_own_connections_survive_its_migration_under_a_default_deny_ingress_poli
 
 fn policy_attempt() {
     let started = Instant::now();
-    let c = Topology::kubelet(2).start();
-    let image = c.build_tether_image("1");
-    c.install_tether(&image);
+    let (c, spec, source, guest) = cluster_with_a_vm();
     let (a, b) = (c.nodes()[0].name(), c.nodes()[1].name());
-
-    let spec = VmPodSpec::new("default", "vm1", "virt-launcher-vm1-aaaaa");
-    c.api.apply(&vm_pod(&c, &spec, a).to_string());
-    let source = c.adopt_pod(&spec.pod_name);
     let vm = source.ip;
-    let guest = guest_in(&source, false);
-    let lease = guest.wait_line("TETHER-LEASE4", BOOT_TIMEOUT);
-    assert!(
-        lease.contains(&format!("ip={vm} ")),
-        "the guest did not lease its pod's address {vm}: {lease}"
-    );
     let paths = KubePaths::start(&c, vm);
     // The VM's own connections, opened before any policy.
     let mut set = PathSet::start_opened_by_vm(&guest, &paths.ends(&c, vm, 0), STREAM_INTERVAL);
@@ -362,31 +405,10 @@ fn policy_attempt() {
 
     // The target pod, made while the policy is in force: its ADD returns
     // once B's table holds it.
-    let target_spec = spec.target("virt-launcher-vm1-bbbbb");
-    c.api.apply(&vm_pod(&c, &target_spec, b).to_string());
-    let target = c.adopt_pod(&target_spec.pod_name);
-    assert_eq!(target.ip, vm, "the target pod has the VM's address");
-    let incoming = guest_in(&target, true);
-
-    clear_events(&guest);
-    clear_events(&incoming);
-    let t0 = Instant::now();
-    let m = guest.migrate_to(&incoming, MIGRATION_LIMIT);
-    assert_eq!(m.status, "completed", "{m:?}\n{}", incoming.console_text());
-    let moved = wait_until(Duration::from_secs(30), || active_node(&c, vm) == b);
-    std::thread::sleep(AFTER);
-    let gap = pause(&guest, &incoming);
-    drop(guest);
-    c.api.kubectl_ok(&[
-        "-n",
-        "default",
-        "delete",
-        "pod",
-        &spec.pod_name,
-        "--wait=true",
-    ]);
-    drop(source);
-    std::thread::sleep(AFTER);
+    let (_target, incoming) = target_on(&c, &spec, b, vm);
+    let Moved {
+        m, moved, gap, t0, ..
+    } = migrate_and_clean_up(&c, guest, &incoming, &spec, source, b);
 
     let reports = set.stop();
     let denied: Vec<_> = probes.into_iter().map(Denied::stop).collect();
