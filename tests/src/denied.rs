@@ -96,23 +96,12 @@ impl Denied {
             .name(format!("denied-{name}"))
             .spawn({
                 let shared = shared.clone();
-                move || {
-                    let entered = std::fs::File::open(&path).and_then(|f| {
-                        use std::os::fd::AsRawFd;
-                        // SAFETY: a valid open fd and a namespace type;
-                        // setns only moves this thread, made for it.
-                        match unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } {
-                            0 => Ok(()),
-                            _ => Err(std::io::Error::last_os_error()),
-                        }
-                    });
-                    match entered {
-                        Ok(()) => tries(tcp, udp, interval, &shared),
-                        Err(e) => shared
-                            .record()
-                            .errors
-                            .push(format!("entering netns {ns_name}: {e}")),
-                    }
+                move || match crate::netns::enter_at(&path) {
+                    Ok(()) => tries(tcp, udp, interval, &shared),
+                    Err(e) => shared
+                        .record()
+                        .errors
+                        .push(format!("entering netns {ns_name}: {e}")),
                 }
             })
             .expect("spawning a probe thread");

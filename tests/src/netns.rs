@@ -169,18 +169,7 @@ impl Netns {
     /// in this netns, which is how the reference plugins are made to create
     /// their host-side objects in a node netns rather than the machine's.
     pub fn enter_current_thread(&self) {
-        let file = File::open(&self.path)
-            .unwrap_or_else(|e| panic!("opening {}: {e}", self.path.display()));
-        // SAFETY: a valid open fd and a namespace type; setns only changes
-        // this thread's network namespace.
-        let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
-        if rc != 0 {
-            panic!(
-                "setns into {}: {}",
-                self.name,
-                std::io::Error::last_os_error()
-            );
-        }
+        enter_at(&self.path).unwrap_or_else(|e| panic!("entering netns {}: {e}", self.name));
     }
 
     /// Runs `f` on a fresh thread that first entered this netns, and returns
@@ -194,6 +183,19 @@ impl Netns {
             .join()
             .unwrap_or_else(|p| std::panic::resume_unwind(p))
         })
+    }
+}
+
+/// Moves the calling thread into the netns at `path` (a
+/// [`Netns::path`]), as [`Netns::enter_current_thread`] does: for a thread
+/// that outlives the borrow of its [`Netns`].
+pub fn enter_at(path: &Path) -> std::io::Result<()> {
+    let file = File::open(path)?;
+    // SAFETY: a valid open fd and a namespace type; setns only changes
+    // this thread's network namespace.
+    match unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
     }
 }
 
