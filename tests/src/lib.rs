@@ -64,6 +64,7 @@ pub mod kubevirt;
 pub mod machine;
 pub mod migration;
 mod netns;
+pub mod netpol;
 pub mod oci;
 pub mod paths;
 pub mod qemu;
@@ -80,7 +81,7 @@ pub use cni::{
 };
 pub use cni::{CNI_TIMEOUT, REF_PLUGIN_DIR};
 pub use daemon::{Daemon, DaemonOpts, DEFAULT_LOG_LEVEL};
-pub use netns::{assert_ping_within, ping, ping_output, Family, Netns};
+pub use netns::{assert_ping_within, enter_at as enter_netns_at, ping, ping_output, Family, Netns};
 pub use view::{
     assert_pod_holds, assert_tether_links_settle, expected_routes, is_tether_link, wait_link_gone,
     AddResult, LINK_SETTLE, ROUTE_PROTOCOL,

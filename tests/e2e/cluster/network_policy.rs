@@ -30,63 +30,16 @@ use tether_e2e::admin::{admin, pb};
 use tether_e2e::cluster::{ClusterNode, NodeOpts, Pod, Store};
 use tether_e2e::kube::{KubeApi, API_PORT};
 use tether_e2e::topology::Topology;
-use tether_e2e::{require_root, wait_until, Netns};
+use tether_e2e::{netpol, require_root, wait_until};
 
 /// Policy changes reach the nodes through watches: allow for it.
 const CONVERGE: Duration = Duration::from_secs(20);
 /// Where each daemon serves its metrics, in its node netns.
 const METRICS: &str = "127.0.0.1:9654";
 
-/// Creates namespace `ns` labelled `team=<team>`, with the default service
-/// account pods need.
+/// Creates namespace `ns` labelled `team=<team>`.
 fn namespace(api: &KubeApi, ns: &str, team: &str) {
-    api.apply(
-        &json!({"apiVersion": "v1", "kind": "Namespace",
-                "metadata": {"name": ns, "labels": {"team": team}}})
-        .to_string(),
-    );
-    api.kubectl_ok(&["-n", ns, "create", "serviceaccount", "default"]);
-}
-
-/// A pod `ns/name` labelled `app=<app>` in the API, on `node`, wired there
-/// through the plugin with its name in CNI_ARGS, and its addresses then
-/// written to its status as its kubelet would.
-fn pod(api: &KubeApi, node: &ClusterNode, ns: &str, name: &str, app: &str) -> Pod {
-    api.apply(
-        &json!({"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"namespace": ns, "name": name, "labels": {"app": app}},
-                "spec": {"nodeName": node.name(), "automountServiceAccountToken": false,
-                         "containers": [{"name": "c", "image": "busybox"}]}})
-        .to_string(),
-    );
-    let netns = Netns::new("pod");
-    let id = netns.name().to_owned();
-    let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE={ns};K8S_POD_NAME={name}");
-    let out = node.call_with("ADD", &netns, &id, &node.netconf(), Some(&args));
-    assert!(
-        out.success(),
-        "ADD of {ns}/{name} on {}: {out}",
-        node.name()
-    );
-    let pod = Pod::from_output(netns, id, node.name(), &out);
-    let ips: Vec<_> = pod
-        .ips()
-        .iter()
-        .map(|ip| json!({"ip": ip.to_string()}))
-        .collect();
-    let status = json!({"status": {"phase": "Running", "podIP": ips[0]["ip"], "podIPs": ips}});
-    api.kubectl_ok(&[
-        "-n",
-        ns,
-        "patch",
-        "pod",
-        name,
-        "--subresource=status",
-        "--type=merge",
-        "-p",
-        &status.to_string(),
-    ]);
-    pod
+    netpol::namespace(api, ns, json!({ "team": team }));
 }
 
 fn v4(p: &Pod) -> IpAddr {
@@ -126,14 +79,6 @@ fn dropped(node: &ClusterNode, policy: &str, direction: &str) -> f64 {
         .unwrap_or_else(|| panic!("no {series} in the scrape:\n{text}"))
 }
 
-fn apply_policy(api: &KubeApi, ns: &str, name: &str, spec: serde_json::Value) {
-    api.apply(
-        &json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-                "metadata": {"namespace": ns, "name": name}, "spec": spec})
-        .to_string(),
-    );
-}
-
 #[cfg_attr(
     not(feature = "cluster-tests"),
     ignore = "cluster tier: root, kube-apiserver and helm; `make test` runs it"
@@ -154,17 +99,17 @@ fn network_policy_isolates_pods_across_nodes_from_their_add_and_through_a_restar
     let api = cluster.kube_api();
     namespace(api, "np-a", "a");
     namespace(api, "np-b", "b");
-    let db = pod(api, cluster.node(0), "np-a", "db", "db");
-    let web_a = pod(api, cluster.node(1), "np-a", "web", "web");
-    let web_b = pod(api, cluster.node(1), "np-b", "web", "web");
-    let other_a = pod(api, cluster.node(1), "np-a", "other", "other");
+    let db = netpol::api_pod(api, cluster.node(0), "np-a", "db", "db");
+    let web_a = netpol::api_pod(api, cluster.node(1), "np-a", "web", "web");
+    let web_b = netpol::api_pod(api, cluster.node(1), "np-b", "web", "web");
+    let other_a = netpol::api_pod(api, cluster.node(1), "np-a", "other", "other");
     // No policy: everyone reaches everyone.
     for from in [&web_a, &web_b, &other_a] {
         settles(from, &db, true, "no policy");
     }
 
     // 1. Only app=web of np-a may reach db.
-    apply_policy(
+    netpol::apply_policy(
         api,
         "np-a",
         "db-from-web",
@@ -218,7 +163,7 @@ fn network_policy_isolates_pods_across_nodes_from_their_add_and_through_a_restar
     settles(&db, &web_b, true, "db's egress");
 
     // 2. And namespace team=b too.
-    apply_policy(
+    netpol::apply_policy(
         api,
         "np-a",
         "db-from-team-b",
@@ -241,7 +186,7 @@ fn network_policy_isolates_pods_across_nodes_from_their_add_and_through_a_restar
 
     // 4. Egress: web of np-a may start nothing; what db starts still gets
     //    web's replies.
-    apply_policy(
+    netpol::apply_policy(
         api,
         "np-a",
         "web-no-egress",
@@ -253,9 +198,9 @@ fn network_policy_isolates_pods_across_nodes_from_their_add_and_through_a_restar
 
     // 5. A default deny of ingress in np-a holds for a pod from the moment
     //    its ADD returns: the first ping to it fails.
-    apply_policy(api, "np-a", "deny-all", json!({"podSelector": {}}));
+    netpol::apply_policy(api, "np-a", "deny-all", json!({"podSelector": {}}));
     settles(&web_b, &db, false, "default deny");
-    let late = pod(api, cluster.node(0), "np-a", "late", "late");
+    let late = netpol::api_pod(api, cluster.node(0), "np-a", "late", "late");
     assert!(
         !web_b.ping(v4(&late)),
         "a pod added under a default deny was reachable right after its ADD"
@@ -325,10 +270,10 @@ fn a_policy_deleted_while_a_node_cannot_reach_the_api_server_is_applied_when_it_
         .start();
     let api = cluster.kube_api();
     namespace(api, "np-a", "a");
-    let db = pod(api, cluster.node(0), "np-a", "db", "db");
-    let web = pod(api, cluster.node(1), "np-a", "web", "web");
+    let db = netpol::api_pod(api, cluster.node(0), "np-a", "db", "db");
+    let web = netpol::api_pod(api, cluster.node(1), "np-a", "web", "web");
     settles(&web, &db, true, "no policy");
-    apply_policy(
+    netpol::apply_policy(
         api,
         "np-a",
         "deny-db",
