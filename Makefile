@@ -298,11 +298,12 @@ min-kernel: setup
 ## 10, 30 and 100 nodes on each control store (claims, 100 simultaneous
 ## migrations, the store's load, a node's start-up with 1,000 VM records);
 ## pod to pod across two nodes (iperf3 throughput and sockperf round
-## trips, tether host-gw and VXLAN beside two netns joined by a bare veth)
-## and pod-ready latency on two kubelet nodes.
+## trips, tether host-gw (without and with 1,000 NetworkPolicies) and VXLAN
+## beside two netns joined by a bare veth) and pod-ready latency on two
+## kubelet nodes; NetworkPolicy's creation to enforcement and its ADD cost.
 bench: setup k8s release
 	$(CARGO) build --release -p tether-bench
-	@set -e; for b in cni cluster migration vm ipam kubelet scale nodes; do \
+	@set -e; for b in cni cluster migration vm ipam kubelet scale nodes policy; do \
 	  echo "tether-bench $$b"; \
 	  TETHER_BIN_DIR=$(CURDIR)/$(RELEASE_DIR) $(RELEASE_DIR)/tether-bench $$b --write BENCHMARKS.md; \
 	done

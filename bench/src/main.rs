@@ -21,6 +21,7 @@ mod kubelet;
 mod kubevirt;
 mod migration;
 mod nodes;
+mod policy;
 mod scale;
 mod vm;
 
@@ -67,6 +68,10 @@ enum Bench {
     /// KubeVirt's own live migrations over tether, beside `vm`'s QEMU
     /// migrations.
     Kubevirt(kubevirt::Args),
+    /// NetworkPolicy: creation to enforcement with 1, 100 and 1,000
+    /// policies and 5,000 pod addresses, and ADD latency with it on
+    /// against off.
+    Policy(policy::Args),
 }
 
 fn main() -> ExitCode {
@@ -83,6 +88,7 @@ fn main() -> ExitCode {
         Bench::Scale(b) => kit::run(b, line),
         Bench::Nodes(b) => kit::run(b, line),
         Bench::Kubevirt(b) => kit::run(b, line),
+        Bench::Policy(b) => kit::run(b, line),
     }
 }
 

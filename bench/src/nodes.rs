@@ -3,22 +3,26 @@
 //! 1. **The data path.** TCP throughput (Debian's `iperf3`, one stream)
 //!    and TCP request/response latency (Debian's `sockperf ping-pong`,
 //!    small messages) from a pod on one node to a pod on another, over
-//!    three paths built side by side:
+//!    four paths built side by side:
 //!    - the ceiling: two network namespaces joined directly by one veth
 //!      pair (addresses of [`CEILING_ADDRS`], only inside those two);
 //!    - tether host-gw: a 2-node [`Cluster`] (real `tetherd`s, each in its
 //!      node netns on a fabric bridge; `--overlay none`), one pod on each
 //!      node, added through the real plugin;
+//!    - tether host-gw with NetworkPolicy: the same with the API and
+//!      `--network-policy`, and [`POLICIES`] policies isolating the
+//!      receiver, the sender allowed by the last rule its chain tries
+//!      (issue 39: a packet's cost with 1,000 policies against none);
 //!    - tether VXLAN: the same with `--overlay vxlan`, whose pods get the
 //!      VXLAN device's MTU by default (the bench checks it).
 //!
-//!    Both clusters keep their records in a one-member etcd: the store
+//!    The clusters keep their records in a one-member etcd: the store
 //!    decides which routes exist, not how packets travel. Each path must
 //!    first answer a ping between its two pods, or it counts as a failure
 //!    and gets no numbers. The servers run in the receiving pod's netns and
 //!    the clients in the sender's, through `ip netns exec` (the servers
 //!    ended by their PID), each side pinned to a CPU of its own
-//!    ([`CLIENT_CPU`], [`SERVER_CPU`]). Rounds interleave the three paths, the order
+//!    ([`CLIENT_CPU`], [`SERVER_CPU`]). Rounds interleave the four paths, the order
 //!    rotating, so that background noise falls on all of them; every
 //!    iperf3 sample also checks, from the sending node's counters, that
 //!    its bytes left through the device the route names (the veth, the
@@ -41,12 +45,12 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use ipnet::IpNet;
-use serde_json::Value;
+use serde_json::{json, Value};
 use tether_e2e::cluster::{Cluster, NodeOpts, Overlay, Pod, Store};
 use tether_e2e::kube_cluster::POD_CIDR;
 use tether_e2e::kubelet::{busybox_pod, PodWatch};
 use tether_e2e::topology::Topology;
-use tether_e2e::{bin_dir, ping, ping_output, wait_until, Netns};
+use tether_e2e::{bin_dir, netpol, ping, ping_output, wait_until, Netns};
 
 use crate::kit::{
     cargo_build_release, first_lines, guarded, percentile, release_dir, stdout_of, strip_ansi,
@@ -79,6 +83,15 @@ const SERVER_CPU: &str = "1";
 const PATH_WAIT: Duration = Duration::from_secs(30);
 /// How long a server may take to listen.
 const LISTEN_WAIT: Duration = Duration::from_secs(10);
+/// The policies isolating the receiver on the policy path: each allows
+/// one address that is no pod's, and the last (by name) the sender, so
+/// that a new connection's first packet passes every rule before the one
+/// that lets it in. The label of [`PathKind::HostGwPolicies`] says 1,000.
+const POLICIES: usize = 1000;
+/// The policy path's namespace.
+const POLICY_NS: &str = "bench-nodes";
+/// How long the receiver's node may take to write its table.
+const POLICY_WAIT: Duration = Duration::from_secs(120);
 /// How long a pod may take to show up, and then to run.
 const POD_LIMIT: Duration = Duration::from_secs(90);
 
@@ -191,21 +204,30 @@ fn node_init(build: bool) -> Result<(), String> {
 // ---------------------------------------------------------------------------
 // Part 1: the data path
 
-/// One of the three paths.
+/// One of the four paths.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum PathKind {
     Ceiling,
     HostGw,
+    /// host-gw with NetworkPolicy on and [`POLICIES`] policies isolating
+    /// the receiver.
+    HostGwPolicies,
     Vxlan,
 }
 
 impl PathKind {
-    const ALL: [PathKind; 3] = [PathKind::Ceiling, PathKind::HostGw, PathKind::Vxlan];
+    const ALL: [PathKind; 4] = [
+        PathKind::Ceiling,
+        PathKind::HostGw,
+        PathKind::HostGwPolicies,
+        PathKind::Vxlan,
+    ];
 
     fn label(self) -> &'static str {
         match self {
             PathKind::Ceiling => "veth between two netns (ceiling)",
             PathKind::HostGw => "tether host-gw",
+            PathKind::HostGwPolicies => "tether host-gw, 1,000 policies on the receiver",
             PathKind::Vxlan => "tether VXLAN",
         }
     }
@@ -264,6 +286,71 @@ impl Carrier {
             .start();
         let pods = [cluster.add_pod(0), cluster.add_pod(1)];
         Carrier::Tether(Box::new(TetherPair { pods, cluster }))
+    }
+
+    /// A 2-node host-gw cluster as [`Carrier::tether`]'s, with the API
+    /// and `--network-policy`: the two pods are API objects, and `n`
+    /// policies isolate the receiver (see [`POLICIES`]). Waits until the
+    /// receiver's node has written all of them.
+    fn tether_with_policies(tetherd: &Path, n: usize) -> Result<Carrier, String> {
+        let cluster = Topology::tetherd(2)
+            .store(Store::Etcd)
+            .etcd_members(1)
+            .with_api(true)
+            .node(NodeOpts {
+                overlay: Overlay::HostGw,
+                lease_ttl_secs: 15,
+                node_grace_secs: 600,
+                log_level: Some("info".to_owned()),
+                bin: Some(tetherd.to_path_buf()),
+                extra_args: vec!["--network-policy=true".to_owned()],
+                ..NodeOpts::default()
+            })
+            .start();
+        let api = cluster.kube_api();
+        netpol::namespace(api, POLICY_NS, json!({}));
+        let pods = [
+            netpol::api_pod(api, cluster.node(0), POLICY_NS, "sender", "send"),
+            netpol::api_pod(api, cluster.node(1), POLICY_NS, "receiver", "recv"),
+        ];
+        let receiver = json!({"matchLabels": {"app": "recv"}});
+        let mut items: Vec<Value> = (0..n)
+            .map(|i| {
+                let block = format!("10.99.{}.{}/32", i / 250, i % 250 + 1);
+                netpol::policy(
+                    POLICY_NS,
+                    &format!("p{i:05}"),
+                    json!({"podSelector": receiver, "policyTypes": ["Ingress"],
+                           "ingress": [{"from": [{"ipBlock": {"cidr": block}}]}]}),
+                )
+            })
+            .collect();
+        items.push(netpol::policy(
+            POLICY_NS,
+            "zz-sender",
+            json!({"podSelector": receiver, "policyTypes": ["Ingress"],
+                   "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "send"}}}]}]}),
+        ));
+        api.apply(&netpol::list(items).to_string());
+        let node = cluster.node(1).netns();
+        let rules = || {
+            let out = node.exec(&["nft", "list", "table", "inet", "tether_policy"]);
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .filter(|l| l.trim_end().ends_with(" return"))
+                .count()
+        };
+        // One rule per ipBlock, and the sender's (one per family of its
+        // addresses).
+        let want = n + pods[0].ips().len();
+        if !wait_until(POLICY_WAIT, || rules() == want) {
+            return Err(format!(
+                "the receiver's node wrote {} of the {want} rules of the {} policies in {POLICY_WAIT:?}",
+                rules(),
+                n + 1
+            ));
+        }
+        Ok(Carrier::Tether(Box::new(TetherPair { pods, cluster })))
     }
 
     fn sender(&self) -> &Netns {
@@ -396,6 +483,7 @@ impl Lane {
             PathKind::Ceiling => Carrier::veth(),
             PathKind::HostGw => Carrier::tether(Overlay::HostGw, tetherd),
             PathKind::Vxlan => Carrier::tether(Overlay::Vxlan, tetherd),
+            PathKind::HostGwPolicies => Carrier::tether_with_policies(tetherd, POLICIES)?,
         };
         let target = carrier.target()?;
         if !wait_until(PATH_WAIT, || ping(carrier.sender(), target)) {
@@ -673,7 +761,9 @@ fn podnet(dir: &Path, args: &Args, f: &mut Failures) -> Vec<PathResult> {
          this machine has {cpus}"
     );
     let tetherd = dir.join("tetherd");
-    eprintln!("{BENCH}: part 1: the ceiling, tether host-gw and tether VXLAN, side by side");
+    eprintln!(
+        "{BENCH}: part 1: the ceiling, tether host-gw (without and with policies) and tether VXLAN, side by side"
+    );
     let mut lanes = Vec::new();
     let mut broken = Vec::new();
     for kind in PathKind::ALL {
@@ -837,14 +927,20 @@ fn report(
 fn podnet_report(r: &mut Report, args: &Args, results: Option<&[PathResult]>) {
     r.paragraph("### TCP throughput and request/response latency");
     r.paragraph(format!(
-        "From a pod on one node to a pod on the other, IPv4, over three paths built side \
+        "From a pod on one node to a pod on the other, IPv4, over four paths built side \
          by side: **the ceiling**, two netns joined directly by one veth pair ({} and {}); \
          **tether host-gw**, a 2-node cluster (real `tetherd`s in their node netns on a \
          fabric bridge, `--overlay none`), a pod added on each node through the real plugin, \
          so a packet crosses the pod's veth, node 0's routes, node 0's uplink veth, the \
          fabric's bridge, node 1's uplink veth and node 1's routes to the other pod's veth; \
+         **tether host-gw with 1,000 policies**, the same with the Kubernetes API and \
+         `--network-policy`, both pods API objects, and {POLICIES} NetworkPolicies isolating \
+         the receiver, each allowing one address that is no pod's and the last the sender, \
+         so that the first packet of each connection passes every other rule of the \
+         receiver's chain before the one that lets it in (the packets after it are \
+         `established`, which the table lets pass before any rule); \
          **tether VXLAN**, the same with `--overlay vxlan`, whose pods get the VXLAN \
-         device's MTU ({VXLAN_POD_MTU}) by default. Both clusters keep their records in \
+         device's MTU ({VXLAN_POD_MTU}) by default. The clusters keep their records in \
          a one-member etcd, which decides which routes exist, not how packets travel. Each \
          path first had to answer a ping between its two pods. Servers run in the receiving \
          pod's netns on CPU {SERVER_CPU}, clients in the sender's on CPU {CLIENT_CPU} (`ip \
