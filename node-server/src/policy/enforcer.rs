@@ -301,10 +301,8 @@ impl Enforcer {
     /// addresses by pod.
     fn world(s: &State) -> (World, BTreeMap<&str, Vec<IpAddr>>) {
         let i = &s.inputs;
-        let policies: Vec<NetworkPolicy> = i.policies.values().cloned().collect();
-        let namespaces: Vec<Namespace> = i.namespaces.values().cloned().collect();
-        let pods: Vec<Pod> = i.pods.values().cloned().collect();
-        let mut world = World::from_k8s(&policies, &namespaces, &pods);
+        let mut world =
+            World::from_k8s(i.policies.values(), i.namespaces.values(), i.pods.values());
         let mut ips: BTreeMap<&str, Vec<IpAddr>> = BTreeMap::new();
         for l in s.local.values() {
             ips.entry(l.pod.as_str()).or_default().extend(&l.ips);

@@ -392,12 +392,18 @@ pub struct World {
 }
 
 impl World {
-    /// The world of the API's objects.
-    pub fn from_k8s(policies: &[NetworkPolicy], namespaces: &[Namespace], pods: &[Pod]) -> World {
+    /// The world of the API's objects, read where they are (the
+    /// enforcer's watches hold thousands of pods: they are not copied
+    /// whole, only what the model keeps of each).
+    pub fn from_k8s<'a>(
+        policies: impl IntoIterator<Item = &'a NetworkPolicy>,
+        namespaces: impl IntoIterator<Item = &'a Namespace>,
+        pods: impl IntoIterator<Item = &'a Pod>,
+    ) -> World {
         World {
-            policies: policies.iter().map(Policy::from_k8s).collect(),
+            policies: policies.into_iter().map(Policy::from_k8s).collect(),
             namespaces: namespaces
-                .iter()
+                .into_iter()
                 .map(|n| {
                     (
                         n.metadata.name.clone().unwrap_or_default(),
@@ -405,7 +411,7 @@ impl World {
                     )
                 })
                 .collect(),
-            pods: pods.iter().map(PodView::from_k8s).collect(),
+            pods: pods.into_iter().map(PodView::from_k8s).collect(),
         }
     }
 
