@@ -4,12 +4,13 @@
 //! the one-pod read an ADD makes when the watch has not delivered its pod
 //! yet.
 //!
-//! Each watch replaces its kind whole when it (re)lists, which it does at
+//! Each object is turned into the model's form as it arrives (the
+//! enforcer keeps no API object). Each watch replaces its kind whole when
+//! it (re)lists, which it does at
 //! start, on `410 Gone` and after the API server was away: a policy
 //! changed meanwhile is applied then. Until all three have listed once,
 //! the enforcer writes nothing and ADDs wait.
 
-use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::sync::Arc;
 
@@ -23,7 +24,8 @@ use kube::{Api, Resource};
 use serde::de::DeserializeOwned;
 use tether_base::error::{Error, Result};
 
-use crate::policy::enforcer::{Enforcer, Inputs, PodSource};
+use crate::policy::enforcer::{Change, Enforcer, Kind, PodSource};
+use crate::policy::model::{namespace_labels, PodView, Policy};
 
 /// Reads pods from the API.
 pub struct ApiPods(pub kube::Client);
@@ -39,17 +41,40 @@ impl PodSource for ApiPods {
     }
 }
 
+/// A kind the enforcer follows, in the model's form.
+trait Followed: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static {
+    /// Which kind it is.
+    const KIND: Kind;
+    /// The change of this object (`None`: deleted).
+    fn change(o: Option<&Self>) -> Change;
+}
+
+impl Followed for NetworkPolicy {
+    const KIND: Kind = Kind::Policies;
+    fn change(o: Option<&Self>) -> Change {
+        Change::Policy(o.map(Policy::from_k8s))
+    }
+}
+
+impl Followed for Namespace {
+    const KIND: Kind = Kind::Namespaces;
+    fn change(o: Option<&Self>) -> Change {
+        Change::Namespace(o.map(|n| namespace_labels(n).1))
+    }
+}
+
+impl Followed for Pod {
+    const KIND: Kind = Kind::Pods;
+    fn change(o: Option<&Self>) -> Change {
+        Change::Pod(o.map(PodView::from_k8s))
+    }
+}
+
 /// Starts the three watches. They run as long as the daemon.
 pub fn start(client: kube::Client, enforcer: Arc<Enforcer>) {
-    follow::<NetworkPolicy>(&client, enforcer.clone(), "NetworkPolicies", 0, |i| {
-        &mut i.policies
-    });
-    follow::<Namespace>(&client, enforcer.clone(), "namespaces", 1, |i| {
-        &mut i.namespaces
-    });
-    follow::<Pod>(&client, enforcer, "pods (for NetworkPolicy)", 2, |i| {
-        &mut i.pods
-    });
+    follow::<NetworkPolicy>(&client, enforcer.clone(), "NetworkPolicies");
+    follow::<Namespace>(&client, enforcer.clone(), "namespaces");
+    follow::<Pod>(&client, enforcer, "pods (for NetworkPolicy)");
 }
 
 /// `namespace/name`, or the name of a cluster-scoped object.
@@ -62,14 +87,9 @@ fn key_of<K: Resource>(o: &K) -> String {
     }
 }
 
-fn follow<K>(
-    client: &kube::Client,
-    enforcer: Arc<Enforcer>,
-    what: &'static str,
-    index: usize,
-    map: fn(&mut Inputs) -> &mut BTreeMap<String, K>,
-) where
-    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+fn follow<K>(client: &kube::Client, enforcer: Arc<Enforcer>, what: &'static str)
+where
+    K: Followed,
     K::DynamicType: Default,
 {
     let api: Api<K> = Api::all(client.clone());
@@ -78,14 +98,12 @@ fn follow<K>(
             .backoff(super::WatchBackoff::default())
             .boxed();
         let mut failing = false;
-        // A relist's objects, until it is done.
-        let mut relist: BTreeMap<String, K> = BTreeMap::new();
+        // A relist's objects, in the model's form, until it is done.
+        let mut relist: Vec<(String, Change)> = Vec::new();
         while let Some(item) = stream.next().await {
             match item {
                 Ok(Event::Init) => relist.clear(),
-                Ok(Event::InitApply(o)) => {
-                    relist.insert(key_of(&o), o);
-                }
+                Ok(Event::InitApply(o)) => relist.push((key_of(&o), K::change(Some(&o)))),
                 Ok(Event::InitDone) => {
                     if failing {
                         tracing::info!("the watch on {what} is back");
@@ -93,17 +111,10 @@ fn follow<K>(
                     failing = false;
                     let all = std::mem::take(&mut relist);
                     tracing::debug!(count = all.len(), "listed {what}");
-                    enforcer.update(|i| {
-                        *map(i) = all;
-                        i.listed[index] = true;
-                    });
+                    enforcer.relisted(K::KIND, all);
                 }
-                Ok(Event::Apply(o)) => enforcer.update(|i| {
-                    map(i).insert(key_of(&o), o);
-                }),
-                Ok(Event::Delete(o)) => enforcer.update(|i| {
-                    map(i).remove(&key_of(&o));
-                }),
+                Ok(Event::Apply(o)) => enforcer.change(&key_of(&o), K::change(Some(&o))),
+                Ok(Event::Delete(o)) => enforcer.change(&key_of(&o), K::change(None)),
                 Err(e) => {
                     super::note_gone(what, &e);
                     if !failing {

@@ -4,7 +4,7 @@
 //! table ([`tether_kernel::policy`]).
 //!
 //! - The API's objects come from watches (`crate::kube::policy_watch`),
-//!   through [`Enforcer::update`]. Nothing is written before all three
+//!   through [`Enforcer::change`] and [`Enforcer::relisted`]. Nothing is written before all three
 //!   kinds have been listed whole: a table made from half the pods would
 //!   open or close the wrong ones.
 //! - This node's pods come from the daemon's ADD ([`Enforcer::admit`]) and
@@ -13,30 +13,42 @@
 //!   pod must be isolated before that (an ADD returns only once the table
 //!   that holds its pod is in the kernel). A pod the watch has not seen
 //!   yet is read from the API at once ([`PodSource`]).
-//! - Every change bumps a generation; the loop writes the table from the
-//!   newest state, so a burst of changes is one write, and tells every
-//!   waiting ADD the generation it wrote (or why it could not).
+//! - The watches' objects are kept in the model's small form
+//!   ([`World`]), each converted once, when it arrives.
+//! - Every change bumps a generation and marks the node's pods it may
+//!   concern, to be planned again:
+//!   - a pod's change, or an ADD or teardown giving a pod addresses or
+//!     taking them, marks that pod, and the node's pods whose rules name
+//!     pods (it may be their peer);
+//!   - a policy marks the node's pods it selects, before or after;
+//!   - a namespace's labels mark the node's pods whose rules name pods;
+//!   - a relist marks every pod of the node.
+//!
+//!   The loop plans the marked pods (a burst of changes is one pass),
+//!   writes the table only when a pod's part of it changed, and tells
+//!   every waiting ADD the generation it reached (or why it could not).
+//!   So an ADD costs the planning of its own pod (and of the node's pods
+//!   whose rules name pods), not of the cluster.
 //!
 //! The table stays in the kernel when the daemon stops: a restarted daemon
 //! keeps enforcing the last table until its own first write, which is made
 //! from a full listing (so a policy changed while the daemon or the API
 //! server was away is applied then).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use k8s_openapi::api::core::v1::{Namespace, Pod};
-use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::core::v1::Pod;
 use tether_base::error::{Error, Result};
 use tether_base::sync::lock;
 use tether_kernel::policy::{PodPolicy, PolicyPlan};
 use tether_kernel::Host;
 use tokio::sync::{watch, Notify};
 
-use super::model::World;
+use super::model::{Isolation, Labels, PodView, Policy, World};
 
 /// How long an ADD waits for its pod's table before it fails with a
 /// try-again error (the runtime retries the ADD).
@@ -54,24 +66,26 @@ pub trait PodSource: Send + Sync {
     fn pod<'a>(&'a self, namespace: &'a str, name: &'a str) -> BoxFuture<'a, Result<Option<Pod>>>;
 }
 
-/// The API's objects, as the watches last saw them, by `namespace/name`
-/// (a namespace by its name).
-#[derive(Debug, Default)]
-pub struct Inputs {
-    /// The NetworkPolicies.
-    pub policies: BTreeMap<String, NetworkPolicy>,
-    /// The namespaces.
-    pub namespaces: BTreeMap<String, Namespace>,
-    /// The pods, of every node.
-    pub pods: BTreeMap<String, Pod>,
-    /// Whether each kind was listed whole: policies, namespaces, pods.
-    pub listed: [bool; 3],
+/// A change a watch saw, in the model's form (`None`: deleted).
+#[derive(Debug, Clone)]
+pub enum Change {
+    /// A NetworkPolicy.
+    Policy(Option<Policy>),
+    /// A namespace's labels.
+    Namespace(Option<Labels>),
+    /// A pod.
+    Pod(Option<PodView>),
 }
 
-impl Inputs {
-    fn complete(&self) -> bool {
-        self.listed.iter().all(|l| *l)
-    }
+/// The kinds of objects the watches list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// NetworkPolicies.
+    Policies = 0,
+    /// Namespaces.
+    Namespaces = 1,
+    /// Pods.
+    Pods = 2,
 }
 
 /// One of this node's attachments, as the enforcer knows it.
@@ -81,13 +95,206 @@ struct Local {
     ips: Vec<IpAddr>,
 }
 
-#[derive(Debug, Default)]
+/// What the enforcer knows, and what it planned of it.
+#[derive(Debug)]
 struct State {
-    inputs: Inputs,
+    /// The API's objects as the watches last saw them, and the addresses
+    /// this node gave its pods.
+    world: World,
+    /// Whether each [`Kind`] was listed whole.
+    listed: [bool; 3],
     /// This node's attachments of pods, by attachment key.
     local: BTreeMap<String, Local>,
+    /// This node's pods as last planned, by pod key (those the world has
+    /// and that can be isolated).
+    planned: BTreeMap<String, Isolation>,
+    /// The node's pods to plan again.
+    marked: BTreeSet<String>,
+    /// Whether every pod of the node is to be planned again (a relist).
+    all_marked: bool,
+    /// Whether the next pass writes the table even if no pod's part of it
+    /// changed: at start (the kernel may hold an older daemon's table) and
+    /// after a write failed.
+    rewrite: bool,
     /// Bumped by every change.
     generation: u64,
+    /// Pods planned since the start (for the tests of what a change
+    /// costs).
+    plannings: u64,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        State {
+            world: World::default(),
+            listed: [false; 3],
+            local: BTreeMap::new(),
+            planned: BTreeMap::new(),
+            marked: BTreeSet::new(),
+            all_marked: true,
+            rewrite: true,
+            generation: 0,
+            plannings: 0,
+        }
+    }
+}
+
+impl State {
+    fn complete(&self) -> bool {
+        self.listed.iter().all(|l| *l)
+    }
+
+    /// Marks the planned pods whose rules name other pods.
+    fn mark_users_of_others(&mut self) {
+        for (key, i) in &self.planned {
+            if i.uses_others {
+                self.marked.insert(key.clone());
+            }
+        }
+    }
+
+    /// Applies one watched change.
+    fn change(&mut self, key: &str, change: Change) {
+        match change {
+            Change::Policy(new) => {
+                let old = match &new {
+                    Some(p) => self.world.policies.insert(key.to_owned(), p.clone()),
+                    None => self.world.policies.remove(key),
+                };
+                if old == new {
+                    return;
+                }
+                // The node's pods that either selects.
+                for pod in self.world.given.keys() {
+                    let Some(view) = self.world.pods.get(pod) else {
+                        continue;
+                    };
+                    let selects = |p: &Option<Policy>| {
+                        p.as_ref().is_some_and(|p| {
+                            p.namespace == view.namespace && p.selector.matches(&view.labels)
+                        })
+                    };
+                    if selects(&old) || selects(&new) {
+                        self.marked.insert(pod.clone());
+                    }
+                }
+            }
+            Change::Namespace(new) => {
+                let old = match &new {
+                    Some(l) => self.world.namespaces.insert(key.to_owned(), l.clone()),
+                    None => self.world.namespaces.remove(key),
+                };
+                if old != new {
+                    self.mark_users_of_others();
+                }
+            }
+            Change::Pod(new) => {
+                let old = match &new {
+                    Some(p) => self.world.pods.insert(key.to_owned(), p.clone()),
+                    None => self.world.pods.remove(key),
+                };
+                if old != new {
+                    self.marked.insert(key.to_owned());
+                    self.mark_users_of_others();
+                }
+            }
+        }
+        self.generation += 1;
+    }
+
+    /// Replaces kind `kind` whole with `all`, as a relist does.
+    fn relisted(&mut self, kind: Kind, all: Vec<(String, Change)>) {
+        let w = &mut self.world;
+        match kind {
+            Kind::Policies => w.policies.clear(),
+            Kind::Namespaces => w.namespaces.clear(),
+            Kind::Pods => w.pods.clear(),
+        }
+        // Every pod is planned again: nothing to mark one by one.
+        for (key, change) in all {
+            match change {
+                Change::Policy(Some(p)) => {
+                    w.policies.insert(key, p);
+                }
+                Change::Namespace(Some(l)) => {
+                    w.namespaces.insert(key, l);
+                }
+                Change::Pod(Some(p)) => {
+                    w.pods.insert(key, p);
+                }
+                Change::Policy(None) | Change::Namespace(None) | Change::Pod(None) => {}
+            }
+        }
+        self.listed[kind as usize] = true;
+        self.all_marked = true;
+        self.generation += 1;
+    }
+
+    /// The addresses the node's attachments of pod `pod` have: the pod's
+    /// addresses in the world.
+    fn give(&mut self, pod: &str) {
+        let ips: Vec<IpAddr> = self
+            .local
+            .values()
+            .filter(|l| l.pod == pod)
+            .flat_map(|l| l.ips.iter().copied())
+            .collect();
+        let old = if self.local.values().any(|l| l.pod == pod) {
+            self.world.given.insert(pod.to_owned(), ips.clone())
+        } else {
+            self.world.given.remove(pod)
+        };
+        self.marked.insert(pod.to_owned());
+        if old.as_ref() != Some(&ips) {
+            self.mark_users_of_others();
+        }
+        self.generation += 1;
+    }
+
+    /// Plans the marked pods again. The table to write when a pod's part
+    /// of it changed (or a rewrite is due), and the generation it is of;
+    /// `None` until the lists are complete.
+    fn plan(&mut self) -> Option<(u64, Option<PolicyPlan>)> {
+        if !self.complete() {
+            return None;
+        }
+        let marked: Vec<String> = if std::mem::take(&mut self.all_marked) {
+            self.marked.clear();
+            self.planned
+                .keys()
+                .chain(self.world.given.keys())
+                .cloned()
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect()
+        } else {
+            std::mem::take(&mut self.marked).into_iter().collect()
+        };
+        let mut changed = std::mem::take(&mut self.rewrite);
+        for key in marked {
+            let now = if self.world.given.contains_key(&key) {
+                self.plannings += 1;
+                self.world.isolation(&key)
+            } else {
+                None
+            };
+            let old = match now {
+                Some(i) => self.planned.insert(key.clone(), i),
+                None => self.planned.remove(&key),
+            };
+            changed |= isolated(old.as_ref()) != isolated(self.planned.get(&key));
+        }
+        let table =
+            changed.then(|| PolicyPlan::new(self.planned.values().map(|i| i.policy.clone())));
+        Some((self.generation, table))
+    }
+}
+
+/// The pod's policy, if it isolates the pod in a direction (the table
+/// has only those pods).
+fn isolated(i: Option<&Isolation>) -> Option<&PodPolicy> {
+    i.map(|i| &i.policy)
+        .filter(|p| p.ingress.is_some() || p.egress.is_some())
 }
 
 /// What the loop last did: the generation its table was made from, and
@@ -153,19 +360,23 @@ impl Enforcer {
         tokio::spawn(async move { me.run().await });
     }
 
-    /// Changes the API's objects as a watch saw them.
-    pub fn update(&self, change: impl FnOnce(&mut Inputs)) {
-        {
-            let mut s = lock(&self.state);
-            change(&mut s.inputs);
-            s.generation += 1;
-        }
+    /// Applies a change a watch saw to the object `key` (`namespace/name`,
+    /// a namespace by its name).
+    pub fn change(&self, key: &str, change: Change) {
+        lock(&self.state).change(key, change);
+        self.wake.notify_one();
+    }
+
+    /// Replaces kind `kind` whole with what a (re)list gave, and notes it
+    /// listed.
+    pub fn relisted(&self, kind: Kind, all: Vec<(String, Change)>) {
+        lock(&self.state).relisted(kind, all);
         self.wake.notify_one();
     }
 
     /// Whether the three kinds have been listed whole.
     pub fn listed(&self) -> bool {
-        lock(&self.state).inputs.complete()
+        lock(&self.state).complete()
     }
 
     /// ADD: attachment `attachment` of pod `namespace/name` has `ips`.
@@ -182,7 +393,7 @@ impl Enforcer {
         ips: &[IpAddr],
     ) -> Result<()> {
         let key = pod_key(namespace, name);
-        let known = lock(&self.state).inputs.pods.contains_key(&key);
+        let known = lock(&self.state).world.pods.contains_key(&key);
         if !known {
             let pod = self.pods.pod(namespace, name).await.map_err(|e| {
                 Error::TryAgain(format!(
@@ -190,12 +401,11 @@ impl Enforcer {
                 ))
             })?;
             if let Some(pod) = pod {
+                let mut s = lock(&self.state);
                 // The watch's copy, should it come meanwhile, is as new.
-                lock(&self.state)
-                    .inputs
-                    .pods
-                    .entry(key.clone())
-                    .or_insert(pod);
+                if !s.world.pods.contains_key(&key) {
+                    s.change(&key, Change::Pod(Some(PodView::from_k8s(&pod))));
+                }
             }
         }
         let generation = {
@@ -207,7 +417,7 @@ impl Enforcer {
                     ips: ips.to_vec(),
                 },
             );
-            s.generation += 1;
+            s.give(&key);
             s.generation
         };
         self.wake.notify_one();
@@ -217,15 +427,16 @@ impl Enforcer {
     /// An attachment wired before the enforcer started (a restart): as
     /// [`Enforcer::admit`], without reading the API or waiting.
     pub fn remember(&self, attachment: &str, namespace: &str, name: &str, ips: &[IpAddr]) {
+        let key = pod_key(namespace, name);
         let mut s = lock(&self.state);
         s.local.insert(
             attachment.to_owned(),
             Local {
-                pod: pod_key(namespace, name),
+                pod: key.clone(),
                 ips: ips.to_vec(),
             },
         );
-        s.generation += 1;
+        s.give(&key);
     }
 
     /// Teardown: attachment `attachment` is gone. Its pod leaves the table
@@ -233,11 +444,11 @@ impl Enforcer {
     pub fn forget(&self, attachment: &str) {
         let removed = {
             let mut s = lock(&self.state);
-            let removed = s.local.remove(attachment).is_some();
-            if removed {
-                s.generation += 1;
+            let removed = s.local.remove(attachment);
+            if let Some(l) = &removed {
+                s.give(&l.pod);
             }
-            removed
+            removed.is_some()
         };
         if removed {
             self.wake.notify_one();
@@ -281,52 +492,20 @@ impl Enforcer {
         name: &str,
     ) -> std::result::Result<Option<(PodPolicy, bool)>, String> {
         let s = lock(&self.state);
-        if !s.inputs.complete() {
+        if !s.complete() {
             return Err(
                 "the NetworkPolicies, namespaces and pods have not all been listed yet".into(),
             );
         }
         let key = pod_key(namespace, name);
-        let (world, ips) = Self::world(&s);
-        let local = ips.contains_key(key.as_str());
-        Ok(world
-            .pods
-            .iter()
-            .find(|p| p.key() == key)
-            .map(|p| (world.pod_policy(p), local)))
+        let local = s.world.given.contains_key(&key);
+        Ok(s.world.pod_policy(&key).map(|p| (p, local)))
     }
 
-    /// The world of the current state, this node's pods with the addresses
-    /// tether gave them (the API has them only after their ADD), and those
-    /// addresses by pod.
-    fn world(s: &State) -> (World, BTreeMap<&str, Vec<IpAddr>>) {
-        let i = &s.inputs;
-        let mut world =
-            World::from_k8s(i.policies.values(), i.namespaces.values(), i.pods.values());
-        let mut ips: BTreeMap<&str, Vec<IpAddr>> = BTreeMap::new();
-        for l in s.local.values() {
-            ips.entry(l.pod.as_str()).or_default().extend(&l.ips);
-        }
-        for p in &mut world.pods {
-            if let Some(mine) = ips.get(p.key().as_str()) {
-                p.ips = mine.clone();
-            }
-        }
-        (world, ips)
-    }
-
-    /// The table for the current state, and the generation it is of;
-    /// `None` until the lists are complete.
-    fn plan(&self) -> Option<(u64, PolicyPlan)> {
-        let s = lock(&self.state);
-        if !s.inputs.complete() {
-            return None;
-        }
-        let (world, ips) = Self::world(&s);
-        Some((
-            s.generation,
-            world.plan(|p| ips.contains_key(p.key().as_str())),
-        ))
+    /// The table to write, if any, and the generation the enforcer
+    /// reached; `None` until the lists are complete.
+    fn plan(&self) -> Option<(u64, Option<PolicyPlan>)> {
+        lock(&self.state).plan()
     }
 
     /// Packets dropped since the daemon started, per policy
@@ -378,45 +557,46 @@ impl Enforcer {
     }
 
     async fn run(self: Arc<Self>) {
-        let mut last: Option<PolicyPlan> = None;
         loop {
             self.wake.notified().await;
-            let Some((generation, plan)) = self.plan() else {
+            let Some((generation, table)) = self.plan() else {
                 continue;
             };
-            let error = if last.as_ref() == Some(&plan) {
-                None
-            } else {
-                let me = self.clone();
-                let table = plan.clone();
-                let wrote = tokio::task::spawn_blocking(move || me.write(&table))
-                    .await
-                    .map_err(|e| e.to_string())
-                    .and_then(|r| r);
-                match wrote {
-                    Ok(()) => {
-                        tracing::debug!(
-                            generation,
-                            pods = plan.pods().len(),
-                            "NetworkPolicy table written"
-                        );
-                        last = Some(plan);
-                        None
-                    }
-                    Err(e) => {
-                        tracing::warn!(generation, error = %e, "the NetworkPolicy table could not be written; trying again");
-                        last = None;
-                        let me = self.clone();
-                        tokio::spawn(async move {
-                            tokio::time::sleep(RETRY).await;
-                            me.wake.notify_one();
-                        });
-                        Some(e)
+            let error = match table {
+                None => None,
+                Some(plan) => {
+                    let me = self.clone();
+                    let pods = plan.pods().len();
+                    let wrote = tokio::task::spawn_blocking(move || me.write(&plan))
+                        .await
+                        .map_err(|e| e.to_string())
+                        .and_then(|r| r);
+                    match wrote {
+                        Ok(()) => {
+                            tracing::debug!(generation, pods, "NetworkPolicy table written");
+                            None
+                        }
+                        Err(e) => {
+                            tracing::warn!(generation, error = %e, "the NetworkPolicy table could not be written; trying again");
+                            lock(&self.state).rewrite = true;
+                            let me = self.clone();
+                            tokio::spawn(async move {
+                                tokio::time::sleep(RETRY).await;
+                                me.wake.notify_one();
+                            });
+                            Some(e)
+                        }
                     }
                 }
             };
             self.written.send_replace(Written { generation, error });
         }
+    }
+
+    /// Pods planned since the start.
+    #[cfg(test)]
+    fn plannings(&self) -> u64 {
+        lock(&self.state).plannings
     }
 }
 

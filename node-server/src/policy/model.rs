@@ -134,6 +134,25 @@ pub struct Rule {
     pub ports: Option<Vec<PortSpec>>,
 }
 
+impl Rule {
+    /// Whether its peers name pods (whose labels, addresses and
+    /// namespaces then decide what it allows).
+    fn names_pods(&self) -> bool {
+        self.peers
+            .iter()
+            .flatten()
+            .any(|p| matches!(p, Peer::Pods { .. }))
+    }
+
+    /// Whether a port of it is named (on egress: each peer pod's own).
+    fn names_ports(&self) -> bool {
+        self.ports
+            .iter()
+            .flatten()
+            .any(|p| matches!(p, PortSpec::Named(..)))
+    }
+}
+
 /// A NetworkPolicy, as far as it decides traffic.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Policy {
@@ -363,14 +382,6 @@ impl PodView {
         format!("{}/{}", self.namespace, self.name)
     }
 
-    fn is_peer(&self) -> bool {
-        !self.host_network && !self.finished && !self.ips.is_empty()
-    }
-
-    fn nets(&self) -> Vec<IpNet> {
-        self.ips.iter().map(|ip| IpNet::from(*ip)).collect()
-    }
-
     fn named(&self, proto: Proto, name: &str) -> Option<u16> {
         self.ports
             .iter()
@@ -380,85 +391,154 @@ impl PodView {
 }
 
 /// The cluster as policy sees it: every policy, namespace (its labels)
-/// and pod.
+/// and pod, each by its key (`namespace/name`; a namespace by its name),
+/// and the addresses this node gave its own pods.
 #[derive(Debug, Clone, Default)]
 pub struct World {
     /// The policies.
-    pub policies: Vec<Policy>,
-    /// The namespaces' labels, by name.
+    pub policies: BTreeMap<String, Policy>,
+    /// The namespaces' labels.
     pub namespaces: BTreeMap<String, Labels>,
     /// The pods.
-    pub pods: Vec<PodView>,
+    pub pods: BTreeMap<String, PodView>,
+    /// The addresses this node gave its pods, by pod: they stand for the
+    /// pod's `status.podIPs`, which the API has only after the pod's ADD
+    /// returned (and the pod must be isolated before).
+    pub given: BTreeMap<String, Vec<IpAddr>>,
+}
+
+/// What NetworkPolicy does to one pod, and whether that depends on other
+/// pods (a rule that names pods, or an egress port by name, which is each
+/// peer pod's own): when another pod or a namespace changes, only the
+/// pods that depend on others need planning again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Isolation {
+    /// The pod's policy (isolated in neither direction: both `None`).
+    pub policy: PodPolicy,
+    /// Whether other pods' labels, addresses or ports, or namespaces'
+    /// labels, are part of it.
+    pub uses_others: bool,
 }
 
 impl World {
-    /// The world of the API's objects, read where they are (the
-    /// enforcer's watches hold thousands of pods: they are not copied
-    /// whole, only what the model keeps of each).
+    /// The world of `policies`, `namespaces` (name, labels) and `pods`,
+    /// with no address given.
+    pub fn new(
+        policies: impl IntoIterator<Item = Policy>,
+        namespaces: impl IntoIterator<Item = (String, Labels)>,
+        pods: impl IntoIterator<Item = PodView>,
+    ) -> World {
+        World {
+            policies: policies.into_iter().map(|p| (p.key(), p)).collect(),
+            namespaces: namespaces.into_iter().collect(),
+            pods: pods.into_iter().map(|p| (p.key(), p)).collect(),
+            given: BTreeMap::new(),
+        }
+    }
+
+    /// The world of the API's objects.
     pub fn from_k8s<'a>(
         policies: impl IntoIterator<Item = &'a NetworkPolicy>,
         namespaces: impl IntoIterator<Item = &'a Namespace>,
         pods: impl IntoIterator<Item = &'a Pod>,
     ) -> World {
-        World {
-            policies: policies.into_iter().map(Policy::from_k8s).collect(),
-            namespaces: namespaces
-                .into_iter()
-                .map(|n| {
-                    (
-                        n.metadata.name.clone().unwrap_or_default(),
-                        n.metadata.labels.clone().unwrap_or_default(),
-                    )
-                })
-                .collect(),
-            pods: pods.into_iter().map(PodView::from_k8s).collect(),
-        }
+        World::new(
+            policies.into_iter().map(Policy::from_k8s),
+            namespaces.into_iter().map(namespace_labels),
+            pods.into_iter().map(PodView::from_k8s),
+        )
+    }
+
+    /// The addresses of pod `key` as policy takes them: those this node
+    /// gave it, else the API's.
+    fn ips<'a>(&'a self, key: &str, pod: &'a PodView) -> &'a [IpAddr] {
+        self.given.get(key).map_or(&pod.ips, |ips| ips)
+    }
+
+    fn is_peer(&self, key: &str, pod: &PodView) -> bool {
+        !pod.host_network && !pod.finished && !self.ips(key, pod).is_empty()
+    }
+
+    fn nets(&self, key: &str, pod: &PodView) -> Vec<IpNet> {
+        self.ips(key, pod)
+            .iter()
+            .map(|ip| IpNet::from(*ip))
+            .collect()
     }
 
     /// The policies that select `pod` (those of its namespace whose
     /// selector matches its labels).
     pub fn selecting<'a>(&'a self, pod: &'a PodView) -> impl Iterator<Item = &'a Policy> + 'a {
         self.policies
-            .iter()
+            .values()
             .filter(move |p| p.namespace == pod.namespace && p.selector.matches(&pod.labels))
     }
 
-    /// The pods `peer` of a policy of namespace `namespace` names.
-    fn peer_pods<'a>(&'a self, namespace: &'a str, peer: &'a Peer) -> Vec<&'a PodView> {
-        let Peer::Pods { namespaces, pods } = peer else {
-            return Vec::new();
+    /// The pods (key, view) `peer` of a policy of namespace `namespace`
+    /// names.
+    fn peer_pods<'a>(
+        &'a self,
+        namespace: &'a str,
+        peer: &'a Peer,
+    ) -> impl Iterator<Item = (&'a String, &'a PodView)> + 'a {
+        let wanted = match peer {
+            Peer::Pods { namespaces, pods } => Some((namespaces, pods)),
+            Peer::Block(_) => None,
         };
         let empty = Labels::new();
-        self.pods
-            .iter()
-            .filter(|p| p.is_peer() && pods.matches(&p.labels))
-            .filter(|p| match namespaces {
-                None => p.namespace == namespace,
-                Some(sel) => sel.matches(self.namespaces.get(&p.namespace).unwrap_or(&empty)),
-            })
-            .collect()
+        self.pods.iter().filter(move |(k, p)| {
+            let Some((namespaces, pods)) = wanted else {
+                return false;
+            };
+            self.is_peer(k, p)
+                && pods.matches(&p.labels)
+                && match namespaces {
+                    None => p.namespace == namespace,
+                    Some(sel) => sel.matches(self.namespaces.get(&p.namespace).unwrap_or(&empty)),
+                }
+        })
     }
 
     /// What this node enforces for its pods (those `local` says are its
-    /// own).
-    pub fn plan(&self, local: impl Fn(&PodView) -> bool) -> PolicyPlan {
+    /// own), planned whole.
+    pub fn plan(&self, local: impl Fn(&str, &PodView) -> bool) -> PolicyPlan {
         PolicyPlan::new(
             self.pods
                 .iter()
-                .filter(|p| !p.host_network && !p.finished && !p.ips.is_empty() && local(p))
-                .map(|p| self.pod_policy(p)),
+                .filter(|(k, p)| local(k, p))
+                .filter_map(|(k, _)| self.isolation(k))
+                .map(|i| i.policy),
         )
     }
 
-    /// What is enforced for `pod`.
-    pub fn pod_policy(&self, pod: &PodView) -> PodPolicy {
+    /// What is enforced for pod `key`, if the world has it and it can be
+    /// isolated (not on the host's network, not finished, with an
+    /// address).
+    pub fn isolation(&self, key: &str) -> Option<Isolation> {
+        let pod = self.pods.get(key)?;
+        if !self.is_peer(key, pod) {
+            return None;
+        }
+        Some(self.isolation_of(key, pod))
+    }
+
+    /// What is enforced for pod `key`, whatever its state (for the admin
+    /// API); `None` when the world has no such pod.
+    pub fn pod_policy(&self, key: &str) -> Option<PodPolicy> {
+        let pod = self.pods.get(key)?;
+        Some(self.isolation_of(key, pod).policy)
+    }
+
+    fn isolation_of(&self, key: &str, pod: &PodView) -> Isolation {
         let mut ingress: Option<Direction> = None;
         let mut egress: Option<Direction> = None;
+        let mut uses_others = false;
         for policy in self.selecting(pod) {
             if let Some(rules) = &policy.ingress {
                 let d = ingress.get_or_insert_with(Direction::default);
                 d.policies.insert(policy.key());
                 for r in rules {
+                    uses_others |= r.names_pods();
                     d.allows.extend(self.ingress_allows(policy, r, pod));
                 }
             }
@@ -466,15 +546,19 @@ impl World {
                 let d = egress.get_or_insert_with(Direction::default);
                 d.policies.insert(policy.key());
                 for r in rules {
+                    uses_others |= r.names_pods() || r.names_ports();
                     d.allows.extend(self.egress_allows(policy, r));
                 }
             }
         }
-        PodPolicy {
-            pod: pod.key(),
-            ips: pod.ips.clone(),
-            ingress,
-            egress,
+        Isolation {
+            policy: PodPolicy {
+                pod: key.to_owned(),
+                ips: self.ips(key, pod).to_vec(),
+                ingress,
+                egress,
+            },
+            uses_others,
         }
     }
 
@@ -488,8 +572,8 @@ impl World {
             match peer {
                 Peer::Block(ranges) => nets.extend(ranges.iter().copied()),
                 Peer::Pods { .. } => {
-                    for p in self.peer_pods(&policy.namespace, peer) {
-                        nets.extend(p.nets());
+                    for (k, p) in self.peer_pods(&policy.namespace, peer) {
+                        nets.extend(self.nets(k, p));
                     }
                 }
             }
@@ -557,19 +641,20 @@ impl World {
             };
             // The pods the rule's peers cover: selected pods, or any pod
             // whose address an ipBlock (or no peer at all) covers.
-            for pod in self.pods.iter().filter(|p| p.is_peer()) {
+            for (key, pod) in self.pods.iter().filter(|(k, p)| self.is_peer(k, p)) {
                 let Some(port) = pod.named(*proto, name) else {
                     continue;
                 };
                 let covered = match &peers {
                     Peers::Any => true,
-                    Peers::Nets(nets) => {
-                        pod.ips.iter().any(|ip| nets.iter().any(|n| n.contains(ip)))
-                    }
+                    Peers::Nets(nets) => self
+                        .ips(key, pod)
+                        .iter()
+                        .any(|ip| nets.iter().any(|n| n.contains(ip))),
                 };
                 if covered {
                     allows.push(Allow {
-                        peers: Peers::Nets(pod.nets()),
+                        peers: Peers::Nets(self.nets(key, pod)),
                         ports: Ports::Ranges(vec![PortRange {
                             proto: *proto,
                             first: port,
@@ -581,6 +666,14 @@ impl World {
         }
         allows
     }
+}
+
+/// A namespace's name and labels.
+pub fn namespace_labels(n: &Namespace) -> (String, Labels) {
+    (
+        n.metadata.name.clone().unwrap_or_default(),
+        n.metadata.labels.clone().unwrap_or_default(),
+    )
 }
 
 fn all_ports(proto: Proto) -> PortRange {

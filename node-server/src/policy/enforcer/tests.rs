@@ -2,6 +2,9 @@
 //! watches' changes and the node's ADDs, and when an ADD may return.
 
 use super::*;
+use crate::policy::model::namespace_labels;
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use serde_json::{json, Value};
 use tether_kernel::fake::FakeHost;
 
@@ -61,24 +64,63 @@ struct Setup {
 /// (app=db) and `web` (app=web), and `policies`.
 fn listed(policies: Vec<NetworkPolicy>) -> Setup {
     let s = unlisted();
-    s.enforcer.update(|i| {
-        i.namespaces.insert("x".into(), namespace("x"));
-        for p in [
+    list(
+        &s.enforcer,
+        vec![
             pod("x", "db", json!({"app": "db"})),
             pod("x", "web", json!({"app": "web"})),
-        ] {
-            i.pods.insert(
-                pod_key("x", p.metadata.name.as_deref().unwrap_or_default()),
-                p,
-            );
-        }
-        for p in policies {
-            let key = pod_key("x", p.metadata.name.as_deref().unwrap_or_default());
-            i.policies.insert(key, p);
-        }
-        i.listed = [true; 3];
-    });
+        ],
+        policies,
+    );
     s
+}
+
+/// The watches list namespace `x`, `pods` and `policies`.
+fn list(e: &Enforcer, pods: Vec<Pod>, policies: Vec<NetworkPolicy>) {
+    e.relisted(
+        Kind::Namespaces,
+        vec![(
+            "x".into(),
+            Change::Namespace(Some(namespace_labels(&namespace("x")).1)),
+        )],
+    );
+    e.relisted(
+        Kind::Pods,
+        pods.iter()
+            .map(|p| (pod_key_of(p), Change::Pod(Some(PodView::from_k8s(p)))))
+            .collect(),
+    );
+    e.relisted(
+        Kind::Policies,
+        policies
+            .iter()
+            .map(|p| (policy_key(p), Change::Policy(Some(Policy::from_k8s(p)))))
+            .collect(),
+    );
+}
+
+fn pod_key_of(p: &Pod) -> String {
+    pod_key(
+        p.metadata.namespace.as_deref().unwrap_or_default(),
+        p.metadata.name.as_deref().unwrap_or_default(),
+    )
+}
+
+fn policy_key(p: &NetworkPolicy) -> String {
+    pod_key(
+        p.metadata.namespace.as_deref().unwrap_or_default(),
+        p.metadata.name.as_deref().unwrap_or_default(),
+    )
+}
+
+/// A watch sees pod `p` (new or changed).
+fn set_pod(e: &Enforcer, p: &Pod) {
+    e.change(&pod_key_of(p), Change::Pod(Some(PodView::from_k8s(p))));
+}
+
+/// A watch sees policy `p` (new or changed).
+fn set_policy(e: &Enforcer, p: &NetworkPolicy) {
+    e.change(&policy_key(p), Change::Policy(Some(Policy::from_k8s(p))));
 }
 
 fn unlisted() -> Setup {
@@ -159,14 +201,10 @@ async fn a_policy_added_later_isolates_a_running_pod_and_its_deletion_opens_it()
         .await
         .expect("admitted");
     assert!(isolated(&s.host).is_empty());
-    s.enforcer.update(|i| {
-        i.policies.insert("x/deny-db".into(), deny_db("x"));
-    });
+    set_policy(&s.enforcer, &deny_db("x"));
     let host = s.host.clone();
     wait(|| isolated(&host).len() == 1).await;
-    s.enforcer.update(|i| {
-        i.policies.remove("x/deny-db");
-    });
+    s.enforcer.change("x/deny-db", Change::Policy(None));
     wait(|| isolated(&host).is_empty()).await;
 }
 
@@ -237,13 +275,11 @@ async fn an_add_waiting_for_the_lists_returns_once_they_are_complete() {
     });
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(!add.is_finished(), "the ADD waits for the lists");
-    s.enforcer.update(|i| {
-        i.namespaces.insert("x".into(), namespace("x"));
-        i.pods
-            .insert("x/db".into(), pod("x", "db", json!({"app": "db"})));
-        i.policies.insert("x/deny-db".into(), deny_db("x"));
-        i.listed = [true; 3];
-    });
+    list(
+        &s.enforcer,
+        vec![pod("x", "db", json!({"app": "db"}))],
+        vec![deny_db("x")],
+    );
     add.await.expect("joined").expect("admitted");
     assert_eq!(
         isolated(&s.host),
@@ -287,10 +323,7 @@ async fn drops_are_counted_per_policy_and_direction_across_new_tables() {
     assert_eq!(s.enforcer.drops(), vec![("x/deny-db".to_string(), true, 3)]);
     // Another pod the policy selects: a new table, whose counters start
     // from zero; the 3 are carried over.
-    s.enforcer.update(|i| {
-        i.pods
-            .insert("x/db2".into(), pod("x", "db2", json!({"app": "db"})));
-    });
+    set_pod(&s.enforcer, &pod("x", "db2", json!({"app": "db"})));
     let writes = s.host.policy_writes();
     s.enforcer
         .admit("c2/eth0", "x", "db2", &[ip("10.0.0.7")])
@@ -309,4 +342,279 @@ async fn wait(mut done: impl FnMut() -> bool) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("the table never became what was expected");
+}
+
+/// `n` pods of namespace `x` that live on another node, each with an
+/// address and label `group=g<i mod 10>`.
+fn elsewhere(n: usize) -> Vec<Pod> {
+    (0..n)
+        .map(|i| {
+            let mut p = pod(
+                "x",
+                &format!("m{i}"),
+                json!({"group": format!("g{}", i % 10)}),
+            );
+            p.status = Some(
+                serde_json::from_value(json!({"phase": "Running",
+                    "podIPs": [{"ip": format!("10.9.{}.{}", i / 250, i % 250 + 1)}]}))
+                .expect("a status"),
+            );
+            p
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn an_add_plans_its_own_pod_alone_whatever_the_cluster_holds() {
+    let s = unlisted();
+    // 1,000 pods elsewhere, 100 policies on them, and a deny-all on the
+    // node's pods labelled app=db (which names no pods).
+    let mut policies: Vec<NetworkPolicy> = (0..100)
+        .map(|i| {
+            serde_json::from_value(json!({
+                "metadata": {"namespace": "x", "name": format!("bg{i}")},
+                "spec": {"podSelector": {"matchLabels": {"group": format!("g{}", i % 10)}},
+                         "ingress": [{"from": [{"podSelector": {"matchLabels":
+                             {"group": format!("g{}", (i + 1) % 10)}}}]}]},
+            }))
+            .expect("a NetworkPolicy")
+        })
+        .collect();
+    policies.push(deny_db("x"));
+    let mut pods = elsewhere(1000);
+    pods.extend((0..20).map(|i| pod("x", &format!("db{i}"), json!({"app": "db"}))));
+    pods.push(pod("x", "web", json!({"app": "web"})));
+    list(&s.enforcer, pods, policies);
+    for i in 0..20 {
+        s.enforcer
+            .admit(
+                &format!("c{i}/eth0"),
+                "x",
+                &format!("db{i}"),
+                &[ip(&format!("10.0.0.{}", i + 1))],
+            )
+            .await
+            .expect("admitted");
+    }
+    assert_eq!(isolated(&s.host).len(), 20);
+    let before = s.enforcer.plannings();
+    s.enforcer
+        .admit("cw/eth0", "x", "web", &[ip("10.0.0.99")])
+        .await
+        .expect("admitted");
+    assert_eq!(
+        s.enforcer.plannings() - before,
+        1,
+        "no pod of the node names others: the ADD plans its own pod alone"
+    );
+    // A pod elsewhere changes: nothing of the node's depends on it.
+    let before = s.enforcer.plannings();
+    let mut moved = elsewhere(1).remove(0);
+    moved.metadata.labels = Some([("group".to_string(), "g5".to_string())].into());
+    set_pod(&s.enforcer, &moved);
+    s.enforcer
+        .admit("cw/eth0", "x", "web", &[ip("10.0.0.99")])
+        .await
+        .expect("admitted again");
+    assert_eq!(
+        s.enforcer.plannings() - before,
+        1,
+        "the change of a pod elsewhere plans none of the node's"
+    );
+}
+
+#[tokio::test]
+async fn a_pod_whose_rules_name_pods_follows_its_peers_and_their_namespaces() {
+    let s = unlisted();
+    let web_from_db: NetworkPolicy = serde_json::from_value(json!({
+        "metadata": {"namespace": "x", "name": "web"},
+        "spec": {"podSelector": {"matchLabels": {"app": "web"}},
+                 "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"team": "blue"}},
+                                        "podSelector": {"matchLabels": {"app": "db"}}}]}]},
+    }))
+    .expect("a NetworkPolicy");
+    let mut peer = elsewhere(1).remove(0);
+    peer.metadata.labels = Some([("app".to_string(), "db".to_string())].into());
+    list(
+        &s.enforcer,
+        vec![pod("x", "web", json!({"app": "web"})), peer.clone()],
+        vec![web_from_db],
+    );
+    s.enforcer
+        .admit("c1/eth0", "x", "web", &[ip("10.0.0.5")])
+        .await
+        .expect("admitted");
+    let peers = |host: &FakeHost| -> Vec<String> {
+        host.policy()
+            .and_then(|p| p.pods().first().cloned())
+            .and_then(|p| p.ingress)
+            .map(|d| d.allows.iter().map(|a| format!("{:?}", a.peers)).collect())
+            .unwrap_or_default()
+    };
+    assert_eq!(peers(&s.host), ["Nets([])"], "x is not team=blue yet");
+    // The namespace gets the label: the peer is in.
+    s.enforcer.change(
+        "x",
+        Change::Namespace(Some(
+            [
+                ("kubernetes.io/metadata.name".to_string(), "x".to_string()),
+                ("team".to_string(), "blue".to_string()),
+            ]
+            .into(),
+        )),
+    );
+    let host = s.host.clone();
+    wait(|| peers(&host) == ["Nets([10.9.0.1/32])"]).await;
+    // The peer loses its label: out again.
+    peer.metadata.labels = Some([("app".to_string(), "cache".to_string())].into());
+    set_pod(&s.enforcer, &peer);
+    wait(|| peers(&host) == ["Nets([])"]).await;
+}
+
+/// A small deterministic generator (xorshift), for the sequences below.
+struct Dice(u64);
+
+impl Dice {
+    fn roll(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as usize
+    }
+
+    fn pick<'a>(&mut self, from: &[&'a str]) -> &'a str {
+        from[self.roll(from.len())]
+    }
+}
+
+/// One of a few policies, each exercising a part of the model: selection
+/// alone, pod and namespace peers, named ports both ways, ipBlocks.
+fn some_policy(d: &mut Dice) -> NetworkPolicy {
+    let ns = d.pick(&["x", "y"]);
+    let app = d.pick(&["a", "b", "c"]);
+    let other = d.pick(&["a", "b", "c"]);
+    let spec = match d.roll(6) {
+        0 => json!({"podSelector": {}}),
+        1 => json!({"podSelector": {"matchLabels": {"app": app}},
+                    "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": other}}}]}]}),
+        2 => json!({"podSelector": {"matchLabels": {"app": app}},
+                    "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"team": "blue"}}}],
+                                 "ports": [{"port": "web"}]}]}),
+        3 => json!({"podSelector": {"matchExpressions": [{"key": "app", "operator": "In",
+                                                          "values": [app, other]}]},
+                    "policyTypes": ["Egress"],
+                    "egress": [{"to": [{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.0.1.0/24"]}}],
+                                "ports": [{"port": "web"}, {"port": 53, "protocol": "UDP"}]}]}),
+        4 => json!({"podSelector": {"matchLabels": {"app": app}},
+                    "ingress": [{"from": [{"namespaceSelector": {},
+                                           "podSelector": {"matchLabels": {"app": other}}}]}],
+                    "egress": [{"to": [{"podSelector": {}}]}]}),
+        _ => json!({"podSelector": {"matchLabels": {"app": app}},
+                    "ingress": [{"from": [{"ipBlock": {"cidr": "10.0.0.0/16"}}]}]}),
+    };
+    serde_json::from_value(json!({
+        "metadata": {"namespace": ns, "name": format!("p{}", d.roll(5))},
+        "spec": spec,
+    }))
+    .expect("a NetworkPolicy")
+}
+
+fn some_pod(d: &mut Dice) -> Pod {
+    let ns = d.pick(&["x", "y"]);
+    let name = d.pick(&["p0", "p1", "p2", "p3", "p4", "p5"]);
+    let mut p = pod(ns, name, json!({"app": d.pick(&["a", "b", "c"])}));
+    if d.roll(2) == 0 {
+        p = serde_json::from_value(json!({
+            "metadata": {"namespace": ns, "name": name,
+                         "labels": {"app": d.pick(&["a", "b", "c"])}},
+            "spec": {"nodeName": "n1", "hostNetwork": d.roll(8) == 0,
+                     "containers": [{"name": "c", "ports": [
+                         {"name": "web", "containerPort": 8000 + d.roll(3) as i32}]}]},
+            "status": {"phase": d.pick(&["Running", "Running", "Running", "Succeeded"]),
+                       "podIPs": [{"ip": format!("10.0.{}.{}", d.roll(3), d.roll(9) + 1)}]},
+        }))
+        .expect("a Pod");
+    }
+    p
+}
+
+/// Whatever the order of the watches' changes and the node's ADDs and
+/// teardowns, the table planned pod by pod is the one planned whole.
+#[test]
+fn planning_only_the_pods_a_change_marks_gives_the_table_planned_whole() {
+    for seed in 1..=20u64 {
+        let mut d = Dice(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let mut s = State::default();
+        let mut table: Option<PolicyPlan> = None;
+        for step in 0..400 {
+            match d.roll(10) {
+                0 | 1 => {
+                    let p = some_pod(&mut d);
+                    s.change(&pod_key_of(&p), Change::Pod(Some(PodView::from_k8s(&p))));
+                }
+                2 => {
+                    let key = format!("{}/{}", d.pick(&["x", "y"]), d.pick(&["p0", "p1", "p2"]));
+                    s.change(&key, Change::Pod(None));
+                }
+                3 | 4 => {
+                    let p = some_policy(&mut d);
+                    s.change(&policy_key(&p), Change::Policy(Some(Policy::from_k8s(&p))));
+                }
+                5 => {
+                    let key = format!("{}/p{}", d.pick(&["x", "y"]), d.roll(5));
+                    s.change(&key, Change::Policy(None));
+                }
+                6 => {
+                    let ns = d.pick(&["x", "y"]);
+                    let team = d.pick(&["blue", "red"]);
+                    s.change(
+                        ns,
+                        Change::Namespace(Some([("team".to_string(), team.to_string())].into())),
+                    );
+                }
+                7 | 8 => {
+                    let pod = format!(
+                        "{}/{}",
+                        d.pick(&["x", "y"]),
+                        d.pick(&["p0", "p1", "p2", "p3"])
+                    );
+                    let attachment = format!("{pod}/{}", d.pick(&["eth0", "net1"]));
+                    let ips = vec![ip(&format!("10.1.{}.{}", d.roll(3), d.roll(9) + 1))];
+                    s.local.insert(
+                        attachment,
+                        Local {
+                            pod: pod.clone(),
+                            ips,
+                        },
+                    );
+                    s.give(&pod);
+                }
+                _ => {
+                    let keys: Vec<String> = s.local.keys().cloned().collect();
+                    if !keys.is_empty() {
+                        let gone = s.local.remove(&keys[d.roll(keys.len())]);
+                        if let Some(l) = gone {
+                            s.give(&l.pod);
+                        }
+                    }
+                }
+            }
+            if step == 5 {
+                for kind in [Kind::Policies, Kind::Namespaces, Kind::Pods] {
+                    s.listed[kind as usize] = true;
+                }
+            }
+            if let Some((_, written)) = s.plan() {
+                if let Some(t) = written {
+                    table = Some(t);
+                }
+                let whole = s.world.plan(|k, _| s.world.given.contains_key(k));
+                assert_eq!(
+                    table.as_ref(),
+                    Some(&whole),
+                    "seed {seed}, step {step}: the table differs from the whole plan"
+                );
+            }
+        }
+    }
 }

@@ -41,29 +41,29 @@ fn nets(list: &[&str]) -> Vec<IpNet> {
 /// Namespaces x (team=x) and y (team=y); pods a (app=a) and b (app=b) in
 /// each.
 fn world(policies: Vec<Policy>) -> World {
-    World {
+    World::new(
         policies,
-        namespaces: [
+        [
             ("x".to_string(), labels(json!({"team": "x"}))),
             ("y".to_string(), labels(json!({"team": "y"}))),
-        ]
-        .into(),
-        pods: vec![
+        ],
+        [
             pod("x", "a", json!({"app": "a"}), &["10.0.1.1", "fd00::1:1"]),
             pod("x", "b", json!({"app": "b"}), &["10.0.1.2"]),
             pod("y", "a", json!({"app": "a"}), &["10.0.2.1"]),
             pod("y", "b", json!({"app": "b"}), &["10.0.2.2"]),
         ],
-    }
+    )
+}
+
+fn pod_mut<'a>(w: &'a mut World, key: &str) -> &'a mut PodView {
+    w.pods.get_mut(key).expect("the pod")
 }
 
 fn ingress_of(w: &World, ns: &str, name: &str) -> Option<Direction> {
-    let p = w
-        .pods
-        .iter()
-        .find(|p| p.namespace == ns && p.name == name)
-        .expect("the pod");
-    w.pod_policy(p).ingress
+    w.pod_policy(&format!("{ns}/{name}"))
+        .expect("the pod")
+        .ingress
 }
 
 #[test]
@@ -231,7 +231,7 @@ fn ports_by_number_range_protocol_and_name_on_the_receiving_pod() {
             {"port": 0},
         ]}]}),
     ))]);
-    w.pods[0].ports = vec![NamedPort {
+    pod_mut(&mut w, "x/a").ports = vec![NamedPort {
         name: "serve-81".into(),
         proto: Proto::Tcp,
         port: 81,
@@ -264,13 +264,15 @@ fn an_egress_named_port_is_each_peer_pods_own() {
                "egress": [{"to": [{"namespaceSelector": {}}],
                            "ports": [{"port": "dns", "protocol": "UDP"}, {"port": 443}]}]}),
     ))]);
-    w.pods[3].ports = vec![NamedPort {
+    pod_mut(&mut w, "y/b").ports = vec![NamedPort {
         name: "dns".into(),
         proto: Proto::Udp,
         port: 5353,
     }];
-    let a = &w.pods[0];
-    let e = w.pod_policy(a).egress.expect("isolated for egress");
+    let e = w
+        .pod_policy("x/a")
+        .and_then(|p| p.egress)
+        .expect("isolated for egress");
     assert_eq!(e.allows.len(), 2, "{e:?}");
     assert_eq!(
         e.allows[1],
@@ -319,16 +321,16 @@ fn host_network_and_finished_pods_are_neither_isolated_nor_peers() {
         "p",
         json!({"podSelector": {}, "ingress": [{"from": [{"podSelector": {}}]}]}),
     ))]);
-    w.pods[1].host_network = true;
+    pod_mut(&mut w, "x/b").host_network = true;
     let mut done = pod("x", "c", json!({}), &["10.0.1.3"]);
     done.finished = true;
-    w.pods.push(done);
+    w.pods.insert(done.key(), done);
     let d = ingress_of(&w, "x", "a").expect("isolated");
     assert_eq!(
         d.allows[0].peers,
         Peers::Nets(nets(&["10.0.1.1/32", "fd00::1:1/128"]))
     );
-    let plan = w.plan(|_| true);
+    let plan = w.plan(|_, _| true);
     assert_eq!(
         plan.pods()
             .iter()
@@ -342,8 +344,8 @@ fn host_network_and_finished_pods_are_neither_isolated_nor_peers() {
 #[test]
 fn a_node_plans_only_its_own_pods() {
     let mut w = world(vec![policy(np("x", "deny", json!({"podSelector": {}})))]);
-    w.pods[1].node = "n2".into();
-    let plan = w.plan(|p| p.node == "n1");
+    pod_mut(&mut w, "x/b").node = "n2".into();
+    let plan = w.plan(|_, p| p.node == "n1");
     assert_eq!(plan.pods().len(), 1);
     assert_eq!(plan.pods()[0].pod, "x/a");
 }
