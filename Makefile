@@ -265,7 +265,9 @@ netpol: setup k8s helm e2e-bins build
 ## and live-migrated through KubeVirt's API: the guest runs
 ## qemu-guest-agent (the VMI shows tether's IP from it, before and after
 ## each migration), and a stream on every path to or from the VM, through
-## kube-proxy, is held through each migration. Not part of `make test` (the
+## kube-proxy, is held through each migration; a VM migrated under a
+## NetworkPolicy that denies it new connections keeps its own, and the
+## denied ones never pass. Not part of `make test` (the
 ## KubeVirt build alone takes tens of minutes the first time). Root only.
 kubevirt: setup k8s helm build
 	@test "$$(id -u)" = 0 || { echo "make kubevirt must run as root (it creates namespaces)"; exit 1; }

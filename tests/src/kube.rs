@@ -430,6 +430,11 @@ impl KubeApi {
         )
     }
 
+    /// The server's address on the fabric (its netns's).
+    pub fn address(&self) -> Ipv4Addr {
+        self.address
+    }
+
     /// The netns the server runs in.
     pub fn netns(&self) -> &Netns {
         &self.netns
