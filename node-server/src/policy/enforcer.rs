@@ -230,8 +230,9 @@ impl State {
         self.generation += 1;
     }
 
-    /// The addresses the node's attachments of pod `pod` have: the pod's
-    /// addresses in the world.
+    /// Makes the addresses of this node's attachments of pod `pod` the
+    /// pod's addresses in the world (none left: the API's again), and
+    /// marks what that concerns.
     fn give(&mut self, pod: &str) {
         let ips: Vec<IpAddr> = self
             .local

@@ -436,19 +436,6 @@ impl World {
         }
     }
 
-    /// The world of the API's objects.
-    pub fn from_k8s<'a>(
-        policies: impl IntoIterator<Item = &'a NetworkPolicy>,
-        namespaces: impl IntoIterator<Item = &'a Namespace>,
-        pods: impl IntoIterator<Item = &'a Pod>,
-    ) -> World {
-        World::new(
-            policies.into_iter().map(Policy::from_k8s),
-            namespaces.into_iter().map(namespace_labels),
-            pods.into_iter().map(PodView::from_k8s),
-        )
-    }
-
     /// The addresses of pod `key` as policy takes them: those this node
     /// gave it, else the API's.
     fn ips<'a>(&'a self, key: &str, pod: &'a PodView) -> &'a [IpAddr] {
