@@ -74,6 +74,15 @@ const TCP_FLAG_BE_LIBERAL: u8 = 0x08;
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
 /// How much of a dump one read takes.
 const RECV_BUF: usize = 1 << 16;
+/// The most set elements one nftables batch carries. A pin of a VM that
+/// thousands of NodePort tries reached has an element per try: in one
+/// datagram they were too long for the socket (`EMSGSIZE` at 4,000), or
+/// their acknowledgements overran its receive buffer (`ENOBUFS` at 1,500).
+const ELEMENTS_PER_BATCH: usize = 256;
+/// How long one read of the netfilter socket may wait: an answer the
+/// kernel dropped must fail the operation, not hold the socket (and every
+/// operation after it) for ever.
+const RECV_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A netlink attribute, in the kernel's layout: length and type in host
 /// order, the value, padding to 4 bytes.
@@ -227,6 +236,9 @@ fn flow_of(attrs: &[ConntrackAttribute]) -> Option<Flow> {
 struct NfSocket {
     socket: Socket,
     seq: u32,
+    /// Whether a send or a read failed: answers may be missing or left
+    /// over, so the socket is not used again.
+    broken: bool,
 }
 
 /// What one exchange on the socket returned.
@@ -239,7 +251,14 @@ impl NfSocket {
         let mut socket = Socket::new(protocols::NETLINK_NETFILTER)?;
         socket.bind_auto()?;
         socket.connect(&NetlinkAddr::new(0, 0))?;
-        Ok(NfSocket { socket, seq: 0 })
+        let timeout = nix::sys::time::TimeVal::new(RECV_TIMEOUT.as_secs() as _, 0);
+        nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::ReceiveTimeout, &timeout)
+            .map_err(std::io::Error::from)?;
+        Ok(NfSocket {
+            socket,
+            seq: 0,
+            broken: false,
+        })
     }
 
     /// Sends `messages` in one datagram and reads until every one that asks
@@ -267,9 +286,10 @@ impl NfSocket {
                 mark_nested(&mut buf[start..], &[CTA_NAT_DST, CTA_NAT_SRC]);
             }
         }
-        self.socket
-            .send(&buf, 0)
-            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+        if let Err(e) = self.socket.send(&buf, 0) {
+            self.broken = true;
+            return Err(e.raw_os_error().unwrap_or(libc::EIO));
+        }
         let mut answer = Answer {
             messages: Vec::new(),
         };
@@ -277,10 +297,13 @@ impl NfSocket {
         let mut rbuf: Vec<u8> = Vec::with_capacity(RECV_BUF);
         while !waiting.is_empty() {
             rbuf.clear();
-            let n = self
-                .socket
-                .recv(&mut rbuf, 0)
-                .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+            let n = match self.socket.recv(&mut rbuf, 0) {
+                Ok(n) => n,
+                Err(e) => {
+                    self.broken = true;
+                    return Err(e.raw_os_error().unwrap_or(libc::EIO));
+                }
+            };
             let mut at = 0;
             while at + 16 <= n {
                 let len = u32::from_ne_bytes([rbuf[at], rbuf[at + 1], rbuf[at + 2], rbuf[at + 3]])
@@ -453,29 +476,29 @@ fn set_of(ip: IpAddr, v4: &'static str, v6: &'static str) -> &'static str {
     }
 }
 
-/// Applies element changes in one batch: one nftables transaction, whose
-/// commit costs about the same for one element as for hundreds (pinning
-/// 250 flows, one transaction per element took 4.2 s here, in one batch
-/// 65 to 114 ms in all). A batch is all or nothing, so should one change in
-/// it fail for its element alone (ENOENT: a removal of one not there, or
-/// that lapsed; EEXIST: one there already), they are applied again one
-/// batch each, each failing only itself.
+/// Applies element changes in batches of [`ELEMENTS_PER_BATCH`]: each one
+/// nftables transaction, whose commit costs about the same for one element
+/// as for hundreds (pinning 250 flows, one transaction per element took
+/// 4.2 s here, in one batch 65 to 114 ms in all). A batch is all or
+/// nothing, so should one change in it fail for its element alone
+/// (ENOENT: a removal of one not there, or that lapsed; EEXIST: one there
+/// already), that batch's changes are applied again one batch each, each
+/// failing only itself.
 fn apply_elements(
     s: &mut NfSocket,
     changes: Vec<NetlinkMessage<NetfilterMessage>>,
 ) -> std::result::Result<(), i32> {
-    if changes.is_empty() {
-        return Ok(());
-    }
-    match s.exchange(batch(changes.clone())) {
-        Ok(_) => return Ok(()),
-        Err(libc::ENOENT) | Err(libc::EEXIST) => {}
-        Err(e) => return Err(e),
-    }
-    for change in changes {
-        match s.exchange(batch(vec![change])) {
-            Ok(_) | Err(libc::ENOENT) | Err(libc::EEXIST) => {}
+    for chunk in changes.chunks(ELEMENTS_PER_BATCH) {
+        match s.exchange(batch(chunk.to_vec())) {
+            Ok(_) => continue,
+            Err(libc::ENOENT) | Err(libc::EEXIST) => {}
             Err(e) => return Err(e),
+        }
+        for change in chunk {
+            match s.exchange(batch(vec![change.clone()])) {
+                Ok(_) | Err(libc::ENOENT) | Err(libc::EEXIST) => {}
+                Err(e) => return Err(e),
+            }
         }
     }
     Ok(())
@@ -793,7 +816,12 @@ impl LinuxHandover {
             let Some(socket) = slot.as_mut() else {
                 return Err(KernelError::Internal("no netfilter socket".into()));
             };
-            work(socket).map_err(|e| {
+            let done = work(socket);
+            if socket.broken {
+                // The next operation opens a fresh socket.
+                *slot = None;
+            }
+            done.map_err(|e| {
                 KernelError::refused(doing2.clone(), std::io::Error::from_raw_os_error(e))
             })
         })

@@ -983,3 +983,51 @@ fn many_translated_flows_are_pinned_each_and_none_left_frozen() {
         }
     });
 }
+
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
+#[test]
+fn more_translated_flows_than_one_batch_holds_are_pinned() {
+    require_root!();
+    in_node_netns(|| async {
+        nft(&handover_script());
+        let h = handover();
+        // As thousands of NodePort tries toward a VM leave them: each its
+        // own source port at the node, so each answer direction its own
+        // element of the freeze set. In one batch, 1,500 overran the
+        // socket's receive buffer with their acknowledgements (ENOBUFS),
+        // and the socket was left with answers missing.
+        let made: Vec<Flow> = (0..1500u16)
+            .map(|i| {
+                flow(
+                    UDP,
+                    ends(&format!("10.77.0.200:{}", 20000 + i), "10.77.0.21:31000"),
+                    ends("10.244.0.7:7000", &format!("10.77.0.21:{}", 30000 + i)),
+                    0,
+                )
+            })
+            .collect();
+        for f in &made {
+            h.create_flow(f, false).await.expect("create");
+        }
+        let vm: [IpAddr; 1] = ["10.244.0.7".parse().unwrap()];
+        let pinned = h.pin_translations(&vm).await.expect("pin");
+        assert_eq!(pinned as usize, made.len());
+        let read = h.flows_of(vm[0]).await.expect("the socket still answers");
+        assert_eq!(read.len(), made.len());
+        let listed = run_in(
+            &node_ns_path(),
+            &[
+                "nft",
+                "list",
+                "set",
+                "inet",
+                crate::handover::HANDOVER_TABLE,
+                "frozen_v4",
+            ],
+        );
+        assert!(!listed.contains("elements"), "left frozen:\n{listed}");
+    });
+}
