@@ -591,6 +591,16 @@ fn family(ip: IpAddr) -> &'static str {
     }
 }
 
+/// The report lines of the streams that died, or whose far end saw this
+/// end's address change (a translation that did not hold).
+pub fn dead_or_moved(reports: &[StreamReport]) -> Vec<String> {
+    reports
+        .iter()
+        .filter(|r| !r.survived() || !r.one_address())
+        .map(|r| r.line())
+        .collect()
+}
+
 /// The table of `reports`: per stream, survived or not, the longest stall
 /// (against the guest's `pause` when known), loss and the addresses the
 /// far end saw; `t0` is when the migration started.

@@ -33,12 +33,12 @@ use tether_e2e::denied::Denied;
 use tether_e2e::kube_cluster::{KubeCluster, KubePaths, KubePod};
 use tether_e2e::kubelet::busybox_pod;
 use tether_e2e::kubevirt::scenario::tether_record;
-use tether_e2e::paths::{handover_state, table, PathSet, VM_TCP, VM_UDP};
+use tether_e2e::paths::{dead_or_moved, handover_state, table, PathSet, VM_TCP, VM_UDP};
 use tether_e2e::qemu::{
     clear_events, once_more_if_a_guest_kernel_panicked, pause, Client, Guest, GuestOptions,
     Migration, Pause, BOOT_TIMEOUT,
 };
-use tether_e2e::streams::{Proto, Stream, StreamReport};
+use tether_e2e::streams::{Proto, Stream};
 use tether_e2e::topology::Topology;
 use tether_e2e::vm::VmPodSpec;
 use tether_e2e::{require_root, wait_until};
@@ -166,14 +166,6 @@ fn migrate_and_clean_up(
         t0,
         cleanup,
     }
-}
-
-fn dead_or_moved(reports: &[StreamReport]) -> Vec<String> {
-    reports
-        .iter()
-        .filter(|r| !r.survived() || !r.one_address())
-        .map(|r| r.line())
-        .collect()
 }
 
 #[cfg_attr(

@@ -46,7 +46,7 @@ use tether_e2e::kubevirt::scenario::{
 };
 use tether_e2e::kubevirt::{describe, kernel_has_dummy_links, vm_manifest};
 use tether_e2e::migration::Prober;
-use tether_e2e::paths::{table, PathSet, VM_TCP, VM_UDP};
+use tether_e2e::paths::{dead_or_moved, table, PathSet, VM_TCP, VM_UDP};
 use tether_e2e::{require_root, wait_until};
 
 /// One message per stream every 20 ms (as the QEMU suites send them).
@@ -485,11 +485,7 @@ fn kubevirt_vm_keeps_its_own_connections_through_a_migration_while_a_policy_deni
         "a flow the policy denies passed (or a probe failed):\n{}",
         probe_lines.join("\n")
     );
-    let bad: Vec<String> = reports
-        .iter()
-        .filter(|r| !r.survived() || !r.one_address())
-        .map(|r| r.line())
-        .collect();
+    let bad = dead_or_moved(&reports);
     assert!(
         bad.is_empty(),
         "{} of {} of the VM's own connections did not survive the migration under the policy:\n{}\n\nall:\n{text}",

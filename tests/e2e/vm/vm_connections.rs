@@ -124,11 +124,7 @@ impl Drop for Events {
 /// Fails naming every stream that did not survive, or whose far end saw
 /// this end's address change (a translation that did not hold).
 fn assert_all_survived(reports: &[StreamReport], what: &str, table: &str) {
-    let bad: Vec<String> = reports
-        .iter()
-        .filter(|r| !r.survived() || !r.one_address())
-        .map(|r| r.line())
-        .collect();
+    let bad = tether_e2e::paths::dead_or_moved(reports);
     assert!(
         bad.is_empty(),
         "{what}: {} of {} streams did not survive with their addresses:\n{}\n\nall:\n{table}",

@@ -768,11 +768,7 @@ impl PathsMigration {
     /// The streams that did not survive, or whose far end saw this end's
     /// address change, one line each.
     pub fn failed(&self) -> Vec<String> {
-        self.reports
-            .iter()
-            .filter(|r| !r.survived() || !r.one_address())
-            .map(|r| r.line())
-            .collect()
+        crate::paths::dead_or_moved(&self.reports)
     }
 }
 
