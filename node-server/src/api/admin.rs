@@ -275,6 +275,22 @@ impl admin_server::Admin for AdminService {
             pending_del_link_target: std::fs::read_link(pending_del::queue_link(&self.socket))
                 .map(|t| t.display().to_string())
                 .unwrap_or_default(),
+            waiting_leaves: self
+                .node
+                .vms()
+                .waiting_leaves()
+                .into_iter()
+                .map(|l| pb::WaitingLeave {
+                    vm: Some(pb::VmRef {
+                        namespace: l.vm.namespace.clone(),
+                        vm: l.vm.vm.clone(),
+                        interface: l.vm.interface.clone(),
+                    }),
+                    container_id: l.attachment.container_id,
+                    ifname: l.attachment.ifname,
+                    since: l.queued_unix_ms.to_string(),
+                })
+                .collect(),
             ..Default::default()
         };
         let started = std::time::Instant::now();

@@ -95,7 +95,7 @@ impl Node {
                 (None, _) if a.ipam_only => {}
                 (None, Teardown::Release(_)) => ips.extend(a.ips.iter().copied()),
                 (Some(vm), Teardown::Release(policy)) => {
-                    match self.vms.leave_vm_record(a, vm, *policy).await {
+                    match self.vms.leave_vm_record(&a.key, vm, *policy).await {
                         Ok(true) => ips.extend(a.ips.iter().copied()),
                         Ok(false) => {}
                         Err(e) => failed.push(e),

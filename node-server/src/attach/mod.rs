@@ -306,7 +306,8 @@ impl Node {
         let attachments = loaded.into_iter().map(|a| (a.key.clone(), a)).collect();
         let routes = Routes::new(kernel.clone());
         let config_mtu = config.mtu.unwrap_or(DEFAULT_POD_MTU);
-        let vms = Arc::new(Vms::new(config.name.clone(), vms, kernel.clone()));
+        let leaves = crate::vm::leaving::Leaves::open(Some(&config.state_dir))?;
+        let vms = Arc::new(Vms::new(config.name.clone(), vms, kernel.clone(), leaves));
         let handovers = Arc::new(crate::handover::Handovers::new(
             config.name.clone(),
             kernel.handover(),

@@ -301,6 +301,7 @@ async fn serve(
         pools = ?node.pool_usage().iter().map(|p| p.0.to_string()).collect::<Vec<_>>(),
         "serving"
     );
+    let leaves = tokio::spawn(node.vms().clone().make_waiting_leaves_forever());
     let drainer = upkeep::drain_pending_dels_every(
         node.clone(),
         stats.clone(),
@@ -320,6 +321,7 @@ async fn serve(
     )
     .await;
     drainer.abort();
+    leaves.abort();
     node.quiesce(Duration::from_secs(5)).await;
     if let Err(e) = std::fs::remove_file(&opts.socket) {
         tracing::warn!(error = %e, "cannot remove the socket");

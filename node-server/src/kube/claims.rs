@@ -738,7 +738,12 @@ mod writer_tests {
             records.cached(&rec.key).is_some(),
             "the record never showed"
         );
-        let vms = Arc::new(Vms::new("node-a", records, Arc::new(FakeKernel::new())));
+        let vms = Arc::new(Vms::new(
+            "node-a",
+            records,
+            Arc::new(FakeKernel::new()),
+            crate::vm::leaving::Leaves::open(None).expect("in memory"),
+        ));
         (vms, dir)
     }
 

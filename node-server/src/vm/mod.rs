@@ -27,6 +27,7 @@
 
 pub mod admin;
 pub mod cutover;
+pub mod leaving;
 pub mod notices;
 pub mod placement;
 pub mod promotion;
@@ -164,11 +165,19 @@ pub struct Vms {
     stats: Mutex<VmStats>,
     /// Promotions other nodes announced whose records have not settled.
     notices: Mutex<notices::NoticeTable>,
+    /// Pods' leaves of their records that wait for the control store.
+    leaves: leaving::Leaves,
 }
 
 impl Vms {
-    /// The component of node `node`, which has seen no VM yet.
-    pub fn new(node: impl Into<String>, records: Arc<VmRegistry>, kernel: Arc<dyn Kernel>) -> Self {
+    /// The component of node `node`, which has seen no VM yet but may
+    /// have `leaves` waiting from a former run.
+    pub fn new(
+        node: impl Into<String>,
+        records: Arc<VmRegistry>,
+        kernel: Arc<dyn Kernel>,
+        leaves: leaving::Leaves,
+    ) -> Self {
         Self {
             node: node.into(),
             kernel,
@@ -177,7 +186,13 @@ impl Vms {
             pending: Mutex::default(),
             stats: Mutex::default(),
             notices: Mutex::default(),
+            leaves,
         }
+    }
+
+    /// The pods' leaves of their records that wait for the control store.
+    pub fn waiting_leaves(&self) -> Vec<leaving::Leave> {
+        self.leaves.all()
     }
 
     /// This node's name.

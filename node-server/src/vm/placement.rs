@@ -2,14 +2,17 @@
 //! restart, migration target), undoing that when its wiring fails, and
 //! taking it out again on DEL. Control-store writes only: no kernel calls.
 
+use super::leaving::Leave;
 use super::records::{CreateRefused, Origin, VmAttachment, VmRecord};
 use super::{same, NodeSide, Placement, Role, Vms};
 use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
 use tether_base::error::{Error, Result};
 use tether_base::keys::VmKey;
 use tether_base::time::UnixMillis;
 use tether_cni::{Invocation, Requested, VmAddressPolicy, VmPod};
-use tether_store::store::Attachment;
+use tether_store::store::{Attachment, AttachmentKey};
 /// Removes `this` from the record's attachments; true if it was there.
 pub(super) fn remove_attachment(r: &mut VmRecord, this: &VmAttachment) -> bool {
     let mut changed = false;
@@ -105,6 +108,9 @@ impl Vms {
         pod: &VmPod,
         req: &Requested,
     ) -> Result<Placement> {
+        // A pod of this VM that left here while the store was away leaves
+        // the record first, so that the record this pod meets is true.
+        self.make_waiting_leaves(Some(&pod.key)).await?;
         for _attempt in 0..8 {
             let Some((mut rec, rev)) = self.records.read(&pod.key).await? else {
                 match self.create_record(side, pod, req, &this).await? {
@@ -277,18 +283,59 @@ impl Vms {
     /// is `ephemeral` and it was the VM's last pod. Returns whether the
     /// node should withdraw the pod's host routes (the VM now runs
     /// nowhere; otherwise the routes follow the record).
+    ///
+    /// When the control store does not answer, the change waits in the
+    /// node's list of leaves ([`super::leaving`]) and the DEL goes on: the
+    /// answer is then read from the record as this node last saw it.
     pub(crate) async fn leave_vm_record(
         &self,
-        a: &Attachment,
+        a: &AttachmentKey,
         vm: &VmKey,
         policy: VmAddressPolicy,
+    ) -> Result<bool> {
+        let ephemeral = policy == VmAddressPolicy::Ephemeral;
+        let why = match self.leave_now(a, vm, ephemeral, None).await {
+            Err(Error::TryAgain(why)) => why,
+            other => return other,
+        };
+        let runs_nowhere = match self.records.cached(vm) {
+            None => true,
+            Some((r, _)) => r
+                .active
+                .as_ref()
+                .is_none_or(|x| x.is(&self.node, &a.network, &a.container_id, &a.ifname)),
+        };
+        let leave = Leave {
+            vm: vm.clone(),
+            attachment: a.clone(),
+            ephemeral,
+            queued_unix_ms: UnixMillis::now(),
+        };
+        self.leaves.push(leave).map_err(|e| {
+            Error::TryAgain(format!(
+                "{why}; and the change could not wait for the store either: {e}"
+            ))
+        })?;
+        tracing::warn!(vm = %vm, attachment = %a, reason = %why, "the control store did not answer: the VM pod's DEL goes on, and its leave of the record waits for the store");
+        Ok(runs_nowhere)
+    }
+
+    /// The leave itself. `queued`: when a DEL queued it, if it waited; an
+    /// ephemeral VM's record created after that is another VM's, and is
+    /// not deleted.
+    async fn leave_now(
+        &self,
+        a: &AttachmentKey,
+        vm: &VmKey,
+        ephemeral: bool,
+        queued: Option<UnixMillis>,
     ) -> Result<bool> {
         let me = self.node.clone();
         let this = VmAttachment {
             node: me,
-            network: a.key.network.clone(),
-            container_id: a.key.container_id.clone(),
-            ifname: a.key.ifname.clone(),
+            network: a.network.clone(),
+            container_id: a.container_id.clone(),
+            ifname: a.ifname.clone(),
             pod_name: None,
             pod_uid: None,
             since_unix_ms: UnixMillis::EPOCH,
@@ -305,12 +352,13 @@ impl Vms {
             Err(e) => return Err(e),
         };
         if rev.is_some() {
-            tracing::info!(vm = %vm, attachment = %a.key, generation = rec.generation, "VM pod left its record");
+            tracing::info!(vm = %vm, attachment = %a, generation = rec.generation, "VM pod left its record");
         }
         // A claim's addresses go with the claim only.
-        if policy == VmAddressPolicy::Ephemeral
+        if ephemeral
             && vm.claim_name().is_none()
             && rec.attachments().next().is_none()
+            && queued.is_none_or(|q| rec.created_unix_ms <= q)
         {
             let rev = match rev {
                 Some(r) => Some(r),
@@ -323,5 +371,55 @@ impl Vms {
             }
         }
         Ok(rec.active.is_none())
+    }
+
+    /// Makes the leaves that wait for the store (of `vm` only, if given),
+    /// oldest first. Stops at the first failure and returns it: the store
+    /// is still away, or refuses.
+    pub(crate) async fn make_waiting_leaves(&self, vm: Option<&VmKey>) -> Result<()> {
+        let waiting = match vm {
+            Some(vm) => self.leaves.of(vm),
+            None => self.leaves.all(),
+        };
+        for l in waiting {
+            self.leave_now(&l.attachment, &l.vm, l.ephemeral, Some(l.queued_unix_ms))
+                .await?;
+            let waited_ms = UnixMillis::now()
+                .as_millis()
+                .saturating_sub(l.queued_unix_ms.as_millis());
+            tracing::info!(vm = %l.vm, attachment = %l.attachment, waited_ms, "a VM pod's leave that waited for the control store is made");
+            self.leaves.done(&l);
+        }
+        Ok(())
+    }
+
+    /// Makes the waiting leaves as soon as the store takes them: tried a
+    /// second after one is queued (and at once after a start that found
+    /// some), then every 1, 2, 4... up to 30 s while the store fails.
+    pub async fn make_waiting_leaves_forever(self: Arc<Self>) {
+        const FIRST: Duration = Duration::from_secs(1);
+        const MOST: Duration = Duration::from_secs(30);
+        let mut wait = Duration::ZERO;
+        let mut failing = false;
+        loop {
+            if self.leaves.all().is_empty() {
+                self.leaves.pushed().await;
+                wait = FIRST;
+            }
+            tokio::time::sleep(wait).await;
+            match self.make_waiting_leaves(None).await {
+                Ok(()) => {
+                    failing = false;
+                    wait = FIRST;
+                }
+                Err(e) => {
+                    if !failing {
+                        tracing::warn!(error = %e, waiting = self.leaves.all().len(), "VM pods' leaves still wait for the control store");
+                    }
+                    failing = true;
+                    wait = (wait * 2).clamp(FIRST, MOST);
+                }
+            }
+        }
     }
 }

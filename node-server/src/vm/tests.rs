@@ -152,7 +152,12 @@ async fn two_on(control: Arc<dyn ControlStore>) -> (One, One) {
             .expect("the records");
         let kernel = FakeKernel::new();
         nodes.push(One {
-            vms: Arc::new(Vms::new(name, records, Arc::new(kernel.clone()))),
+            vms: Arc::new(Vms::new(
+                name,
+                records,
+                Arc::new(kernel.clone()),
+                crate::vm::leaving::Leaves::open(None).expect("in memory"),
+            )),
             kernel,
             side: Side::new("10.9.0.0/24"),
         });

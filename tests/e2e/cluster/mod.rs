@@ -20,7 +20,7 @@ use tether_e2e::cluster::{
 };
 use tether_e2e::kube::KubeApi;
 use tether_e2e::topology::Topology;
-use tether_e2e::vm::{get_vm, reserve_vm};
+use tether_e2e::vm::{add_vm_pod, del_vm_pod, get_vm, reserve_vm, try_add_vm_pod, VmPodSpec};
 use tether_e2e::{
     assert_distinct, cni, parallel, require_root, tether_bin, wait_until, CniEnv, CniOutput, Netns,
 };
@@ -86,7 +86,7 @@ tether_e2e::on_both_stores!(
     host_gw_pods_on_every_pair_of_nodes_reach_each_other,
     vxlan_pods_on_every_pair_of_nodes_reach_each_other,
     daemon_restart_keeps_blocks_and_pods_reachable_and_drops_stale_routes,
-    a_store_outage_stops_only_block_claims_and_they_resume_after_it,
+    a_store_outage_stops_only_block_claims_and_vm_placements_until_it_ends,
     a_node_that_goes_away_is_reaped_and_its_routes_withdrawn,
     a_node_reaped_while_away_returns_and_claims_its_blocks_back,
     a_killed_daemon_queues_dels_and_returns_with_its_id_and_blocks,
@@ -425,9 +425,11 @@ fn add(node: &ClusterNode) -> (Netns, CniOutput) {
 /// The store goes away (on etcd, first one member, the leader, with no
 /// effect at all; then every member; on the Kubernetes store, the API
 /// server): ADDs from the blocks held go on, a claim fails with 11 saying
-/// why, STATUS says the node cannot serve, traffic is untouched; and when
-/// the store is back, claims work again without a restart.
-fn a_store_outage_stops_only_block_claims_and_they_resume_after_it(store: Store) {
+/// why, STATUS says the node cannot serve, traffic is untouched; a VM
+/// pod's DEL succeeds, its record's change waiting for the store, and the
+/// VM's next pod is refused with 11; and when the store is back, claims
+/// and placements work again without a restart, and the record follows.
+fn a_store_outage_stops_only_block_claims_and_vm_placements_until_it_ends(store: Store) {
     require_root();
     let mut cluster = Topology::tetherd(3)
         .store(store)
@@ -456,6 +458,13 @@ fn a_store_outage_stops_only_block_claims_and_they_resume_after_it(store: Store)
     if let Some(leader) = leader {
         cluster.etcd_mut().start_member(leader);
     }
+
+    // A VM's pod on node 0, whose DEL comes while the store is away.
+    let vm = VmPodSpec::new("default", "vm-outage", "virt-launcher-vm-outage-a");
+    let vm_pod = add_vm_pod(cluster.node(0), &vm);
+    let vm_ips = get_vm(cluster.node(0).daemon().socket(), "default", "vm-outage")
+        .unwrap_or_else(|e| panic!("no record of vm-outage: {e}"))
+        .ips;
 
     // The whole store down, with one address of each family free on node
     // 0 (its first pod deleted). That ADD succeeds...
@@ -518,6 +527,32 @@ fn a_store_outage_stops_only_block_claims_and_they_resume_after_it(store: Store)
     // Traffic between existing pods is untouched.
     ping_every_pair(&pods.iter().collect::<Vec<_>>());
 
+    // A VM pod's DEL tears down what is local and succeeds; its leave of
+    // the VM's record waits for the store, and the record keeps the VM's
+    // addresses meanwhile (nobody can be given them).
+    let deleted = del_vm_pod(cluster.node(0), &vm, &vm_pod);
+    assert!(
+        deleted.success(),
+        "the DEL of a VM pod failed with the store down: {deleted}"
+    );
+    let waiting = get_node(cluster.node(0)).waiting_leaves;
+    assert_eq!(waiting.len(), 1, "{waiting:?}");
+    assert_eq!(waiting[0].container_id, vm_pod.id());
+    assert!(
+        wait_until(CONVERGE, || !vm_pod
+            .netns()
+            .exec(&["ip", "link", "show", "eth0"])
+            .status
+            .success()),
+        "the VM pod's eth0 is still there after its DEL"
+    );
+    // Placing a VM pod needs the store (its record must hold its addresses
+    // cluster-wide): the VM's next pod is refused with 11, naming it.
+    let next = VmPodSpec::new("default", "vm-outage", "virt-launcher-vm-outage-b");
+    let (refused, _next_netns, _) = try_add_vm_pod(cluster.node(0), &next);
+    assert_eq!(refused.error_code(), Some(11), "{refused}");
+    assert!(refused.to_string().contains(named), "{refused}");
+
     // The store returns: claims work again without restarting anything.
     match store {
         Store::Etcd => cluster.etcd_mut().start_all(),
@@ -542,6 +577,17 @@ fn a_store_outage_stops_only_block_claims_and_they_resume_after_it(store: Store)
     assert!(wait_until(CONVERGE, || get_node(cluster.node(0))
         .store_health
         .is_some_and(|h| h.healthy)));
+    // ...and the VM pod's leave reaches the record: the VM runs nowhere,
+    // and keeps its addresses.
+    let socket = cluster.node(0).daemon().socket().to_owned();
+    let left = || get_vm(&socket, "default", "vm-outage");
+    assert!(
+        wait_until(CONVERGE, || left().is_ok_and(|v| v.active.is_none())
+            && get_node(cluster.node(0)).waiting_leaves.is_empty()),
+        "the VM pod's leave did not reach the record after the store returned: {:?}",
+        left()
+    );
+    assert_eq!(left().map(|v| v.ips).ok(), Some(vm_ips));
     assert_all_back(&cluster, &pods);
 }
 

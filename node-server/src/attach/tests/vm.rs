@@ -1177,3 +1177,108 @@ async fn a_promoted_target_that_goes_away_gives_the_vm_back_to_its_source() {
     let again = record(&a, "vm1").await.expect("a record");
     assert!(is(&again.active, "node-a", "c1"), "{again:?}");
 }
+
+// ---- DEL while the control store does not answer ------------------------------
+
+/// Node A on a store that fails on command, with vm1's pod c1 added under
+/// `conf`'s network (its `vmAddressPolicy`).
+async fn a_vm_on_a_flaky_store(conf: fn(Call) -> Call) -> (TestNode, Arc<FaultyControl>, VmRecord) {
+    let flaky = FaultyControl::new();
+    let a = TestNode::with(Options {
+        control: Some(flaky.clone()),
+        ..Default::default()
+    })
+    .await;
+    add(&a, conf(vm_call(&a, "c1", "vm1"))).await.expect("ADD");
+    let rec = record(&a, "vm1").await.expect("a record");
+    (a, flaky, rec)
+}
+
+#[tokio::test]
+async fn a_vm_pods_del_while_the_store_does_not_answer_succeeds_and_the_record_follows_later() {
+    let (a, flaky, rec) = a_vm_on_a_flaky_store(|c| c).await;
+    flaky.fail_next(usize::MAX, Failure::Unanswered);
+    del(&a, Call::new("DEL", "c1"))
+        .await
+        .expect("the DEL goes on without the store");
+    assert!(flaky.failed() >= 1, "the DEL did try the store");
+    a.eventually("the veth is deleted", |t| {
+        !t.kernel.links().contains_key(&host("c1"))
+    })
+    .await;
+    nothing_left(&a, "c1", None).await;
+    for ip in &rec.ips {
+        assert_eq!(a.kernel.route_to(*ip), None, "the VM ran here only");
+    }
+    // The record still holds the pod, and the VM's addresses: no pod of
+    // this node's pools may have them meanwhile.
+    assert_eq!(record(&a, "vm1").await, Some(rec.clone()));
+    assert_eq!(used(&a), 2, "the record's addresses stay taken");
+    let waiting = a.node.vms().waiting_leaves();
+    assert_eq!(waiting.len(), 1, "{waiting:?}");
+    assert_eq!(waiting[0].attachment.container_id, "c1");
+    // A DEL again (the runtime may repeat it) changes nothing.
+    del(&a, Call::new("DEL", "c1")).await.expect("DEL again");
+    assert_eq!(a.node.vms().waiting_leaves().len(), 1);
+
+    // Placing the VM needs the store: its next pod waits for it, and so
+    // does the leave.
+    let err = add(&a, vm_call(&a, "c2", "vm1"))
+        .await
+        .expect_err("no placement without the store");
+    assert_eq!(err.code(), 11, "{err}");
+    assert!(a.node.vms().make_waiting_leaves(None).await.is_err());
+    assert_eq!(record(&a, "vm1").await, Some(rec.clone()));
+
+    // The store answers: the leave is made, once.
+    flaky.fail_next(0, Failure::Unanswered);
+    a.node
+        .vms()
+        .make_waiting_leaves(None)
+        .await
+        .expect("the store takes it");
+    let after = record(&a, "vm1")
+        .await
+        .expect("a persistent VM keeps its record");
+    assert!(
+        after.active.is_none() && after.alternate.is_none(),
+        "{after:?}"
+    );
+    assert_eq!(after.ips, rec.ips);
+    assert_eq!(after.generation, rec.generation + 1);
+    assert!(a.node.vms().waiting_leaves().is_empty());
+}
+
+#[tokio::test]
+async fn a_waiting_leave_outlives_a_restart_and_goes_before_the_vms_next_pod() {
+    let ephemeral = |c: Call| c.conf("vmAddressPolicy", json!("ephemeral"));
+    let (a, flaky, rec) = a_vm_on_a_flaky_store(ephemeral).await;
+    flaky.fail_next(usize::MAX, Failure::Unanswered);
+    del(&a, ephemeral(Call::new("DEL", "c1")))
+        .await
+        .expect("the DEL goes on without the store");
+    assert_eq!(record(&a, "vm1").await, Some(rec.clone()), "not freed yet");
+
+    // The daemon restarts while the store is still away: the leave is read
+    // back from the state dir.
+    let (a, _) = a.restart(|_| {}).await.expect("restarted");
+    let waiting = a.node.vms().waiting_leaves();
+    assert_eq!(waiting.len(), 1, "{waiting:?}");
+    assert!(waiting[0].ephemeral);
+
+    // The store is back and the VM starts again here: its old pod's leave
+    // goes first, which frees the ephemeral VM's record; the new pod then
+    // makes a new one, active, with nothing of the old pod left in it.
+    flaky.fail_next(0, Failure::Unanswered);
+    add(&a, ephemeral(vm_call(&a, "c2", "vm1")))
+        .await
+        .expect("ADD once the store answers");
+    assert!(a.node.vms().waiting_leaves().is_empty());
+    let now = record(&a, "vm1").await.expect("a record");
+    assert!(is(&now.active, "node-a", "c2"), "{now:?}");
+    assert!(now.alternate.is_none(), "{now:?}");
+    assert!(
+        now.created_unix_ms >= rec.created_unix_ms,
+        "a new record: {now:?}"
+    );
+}
