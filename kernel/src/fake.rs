@@ -48,6 +48,7 @@ pub enum Call {
     LinkIndex,
     SyncClusterRoutes,
     SyncVmRoutes,
+    ChangeVmRoutes,
     EnsureVxlan,
     SyncVxlanPeers,
     DeleteVxlan,
@@ -566,6 +567,34 @@ impl NodeRoutes for FakeKernel {
         let dsts: Vec<IpNet> = desired.iter().map(|r| r.dst).collect();
         self.enter(Call::SyncVmRoutes, join(&dsts))?;
         Ok(self.state().sync_protocol(VM_ROUTE_PROTOCOL, desired))
+    }
+
+    async fn change_vm_routes(
+        &self,
+        put: &[ClusterRoute],
+        gone: &[ClusterRoute],
+    ) -> Result<Synced> {
+        let dsts: Vec<IpNet> = put.iter().chain(gone).map(|r| r.dst).collect();
+        self.enter(Call::ChangeVmRoutes, join(&dsts))?;
+        let mut s = self.state();
+        let route = |r: &ClusterRoute| FakeRoute {
+            protocol: VM_ROUTE_PROTOCOL,
+            dev: r.onlink_dev.clone(),
+            via: Some(r.via),
+        };
+        let mut done = Synced::default();
+        for r in gone {
+            if s.routes.get(&r.dst.trunc()) == Some(&route(r)) {
+                s.routes.remove(&r.dst.trunc());
+                done.removed += 1;
+            }
+        }
+        for r in put {
+            if s.routes.insert(r.dst.trunc(), route(r)) != Some(route(r)) {
+                done.added += 1;
+            }
+        }
+        Ok(done)
     }
 
     async fn ensure_vxlan(&self, cfg: &VxlanConfig) -> Result<()> {

@@ -310,6 +310,14 @@ pub trait NodeRoutes: Send + Sync {
     /// host route to the same address in one change.
     async fn sync_vm_routes(&self, desired: &[ClusterRoute]) -> Result<Synced>;
 
+    /// Adds or replaces the proto-203 routes `put`, and deletes the
+    /// proto-203 routes `gone` (each as it was programmed: destination,
+    /// gateway and device, so that a route put in its place survives), in
+    /// one batch and without reading the table: the pass over the VMs whose
+    /// records changed. A route of `gone` that is not there is success.
+    async fn change_vm_routes(&self, put: &[ClusterRoute], gone: &[ClusterRoute])
+        -> Result<Synced>;
+
     /// Creates the VXLAN device, or makes the existing one match `cfg`.
     async fn ensure_vxlan(&self, cfg: &VxlanConfig) -> Result<()>;
 

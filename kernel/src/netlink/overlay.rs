@@ -395,6 +395,71 @@ impl NodeRoutes for Netlink {
         self.sync_routes(VM_ROUTE_PROTOCOL, desired).await
     }
 
+    async fn change_vm_routes(
+        &self,
+        put: &[ClusterRoute],
+        gone: &[ClusterRoute],
+    ) -> Result<Synced> {
+        let put = normalized_routes(put)?;
+        let gone = normalized_routes(gone)?;
+        if put.is_empty() && gone.is_empty() {
+            return Ok(Synced::default());
+        }
+        let devices: BTreeSet<&str> = put
+            .iter()
+            .chain(&gone)
+            .filter_map(|r| r.onlink_dev.as_deref())
+            .collect();
+        let mut indexes = HashMap::with_capacity(devices.len());
+        for dev in devices {
+            match self.link_index(dev).await? {
+                Some(index) => {
+                    indexes.insert(dev, index);
+                }
+                // A route to delete through a device that is gone went
+                // with it; one to add cannot be.
+                None if put.iter().all(|r| r.onlink_dev.as_deref() != Some(dev)) => {}
+                None => {
+                    return Err(KernelError::refused(
+                        format!("adding VM routes via {dev}"),
+                        "no such device",
+                    ))
+                }
+            }
+        }
+        let oif = |r: &ClusterRoute| {
+            r.onlink_dev
+                .as_deref()
+                .and_then(|d| indexes.get(d).copied())
+        };
+        let mut steps = Vec::with_capacity(put.len() + gone.len());
+        for r in gone
+            .iter()
+            .filter(|r| r.onlink_dev.is_none() || oif(r).is_some())
+        {
+            steps.push(
+                Step::new(
+                    RouteNetlinkMessage::DelRoute(route_selector(r, oif(r), VM_ROUTE_PROTOCOL)),
+                    ACKED,
+                    format!("deleting VM route {}", route_text(r)),
+                )
+                .tolerating(libc::ESRCH),
+            );
+        }
+        for r in &put {
+            steps.push(Step::new(
+                RouteNetlinkMessage::NewRoute(cluster_route(r, oif(r), VM_ROUTE_PROTOCOL)),
+                REPLACE,
+                format!("adding VM route {}", route_text(r)),
+            ));
+        }
+        messages::batch(&self.handle, steps).await?;
+        Ok(Synced {
+            added: put.len(),
+            removed: gone.len(),
+        })
+    }
+
     /// Creates tether.vxlan, or fixes it: a VNI, port, local address, MAC or
     /// learning setting that differs means deleting and recreating it
     /// (which drops its FDB, neighbours and routes: callers sync peers and
@@ -708,6 +773,30 @@ fn cluster_route(route: &ClusterRoute, onlink_oif: Option<u32>, protocol: u8) ->
         .push(RouteAttribute::Gateway(RouteAddress::from(route.via)));
     if let Some(oif) = onlink_oif {
         msg.header.flags |= RouteFlags::Onlink;
+        msg.attributes.push(RouteAttribute::Oif(oif));
+    }
+    msg
+}
+
+/// Deletes exactly `route` as it was programmed (destination, gateway and
+/// device, of `protocol`), so that another route to its destination
+/// survives.
+fn route_selector(route: &ClusterRoute, oif: Option<u32>, protocol: u8) -> RouteMessage {
+    let mut msg = RouteMessage::default();
+    msg.header.address_family = family_of(route.dst.addr());
+    msg.header.destination_prefix_length = route.dst.prefix_len();
+    msg.header.table = RouteHeader::RT_TABLE_MAIN;
+    msg.header.protocol = RouteProtocol::Other(protocol);
+    // RT_SCOPE_NOWHERE is the kernel's "any scope" for deletions.
+    msg.header.scope = RouteScope::NoWhere;
+    msg.header.kind = RouteType::Unspec;
+    msg.attributes
+        .push(RouteAttribute::Destination(RouteAddress::from(
+            route.dst.addr(),
+        )));
+    msg.attributes
+        .push(RouteAttribute::Gateway(RouteAddress::from(route.via)));
+    if let Some(oif) = oif {
         msg.attributes.push(RouteAttribute::Oif(oif));
     }
     msg

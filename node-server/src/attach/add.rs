@@ -245,7 +245,7 @@ impl Node {
                 // before the pod was in the table ("not routed here"): a
                 // fresh pass sees the pod, so that a later takeover
                 // elsewhere withdraws the route the wiring added.
-                self.force_vm_resync();
+                self.routes.resync_vm(&pod.key);
             }
             _ => {
                 lock(&self.attachments).insert(key, attachment);

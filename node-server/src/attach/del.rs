@@ -164,7 +164,9 @@ impl Node {
             let vm_ips: Vec<IpAddr> = vm_pods.iter().flat_map(|a| a.ips.clone()).collect();
             self.vms.free_ips(self, &vm_ips);
             if release {
-                self.force_vm_resync();
+                for vm in vm_pods.iter().filter_map(|a| a.vm.as_ref()) {
+                    self.routes.resync_vm(vm);
+                }
             }
         }
         for a in list.iter().filter(|a| !a.ipam_only) {

@@ -64,6 +64,22 @@ impl Node {
         Ok(())
     }
 
+    /// Every `every`, makes the next route pass a full one (the kernel's
+    /// routes read back and repaired); between them, passes change only
+    /// what the views changed.
+    pub fn spawn_route_repair(self: &Arc<Self>, every: Duration) -> tokio::task::JoinHandle<()> {
+        let node = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                node.routes.force_repair();
+            }
+        })
+    }
+
     /// Starts the background tasks of the VMs: the listener for migrated
     /// VMs' announcements and the loop that keeps routes and reservations
     /// in step with the records. Without the listener (no CAP_NET_RAW),
@@ -140,7 +156,9 @@ impl Node {
                     tokio::select! {
                         r = rx.changed() => if r.is_err() { return },
                         changed = cluster_changed => cluster_dirty |= changed,
-                        () = node.routes.resync_asked() => {},
+                        () = node.routes.resync_asked() => {
+                            cluster_dirty |= node.routes.take_cluster_forced();
+                        },
                         () = retry => cluster_dirty |= cluster_failing,
                     }
                 }

@@ -78,8 +78,8 @@ impl NodeSide for Node {
         Node::welcome_guest(self, a);
     }
 
-    fn resync_routes(&self) {
-        self.force_vm_resync();
+    fn resync_routes(&self, vm: &VmKey) {
+        self.routes.resync_vm(vm);
     }
 
     fn pod_event(&self, pod: PodRef, event: PodEvent) {

@@ -302,6 +302,7 @@ async fn serve(
         "serving"
     );
     let leaves = tokio::spawn(node.vms().clone().make_waiting_leaves_forever());
+    let repair = node.spawn_route_repair(Duration::from_secs(opts.route_repair_interval));
     let drainer = upkeep::drain_pending_dels_every(
         node.clone(),
         stats.clone(),
@@ -322,6 +323,7 @@ async fn serve(
     .await;
     drainer.abort();
     leaves.abort();
+    repair.abort();
     node.quiesce(Duration::from_secs(5)).await;
     if let Err(e) = std::fs::remove_file(&opts.socket) {
         tracing::warn!(error = %e, "cannot remove the socket");

@@ -155,6 +155,13 @@ pub struct Options {
     #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
     pub lease_ttl: u64,
 
+    /// How often, in seconds, the routes to other nodes and to VMs are read
+    /// back from the kernel and repaired (a route deleted by hand). Between
+    /// these passes, a change of the cluster or of a VM record changes only
+    /// its own routes, without reading the kernel.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub route_repair_interval: u64,
+
     /// How long, in seconds, a node's lease must have been gone before the
     /// other nodes delete its record and blocks and withdraw its routes.
     /// Keep it well above a daemon restart.

@@ -24,11 +24,16 @@ pub struct Routes {
     /// The VM routes as last programmed, per VM; `None` after a failed
     /// pass. A pass that wants the same skips the kernel.
     vm_applied: Mutex<Option<HashMap<VmKey, Want>>>,
-    /// The next pass must touch the kernel even if it wants the same (a
-    /// route may have been removed under it). Kept apart from
-    /// `vm_applied`, so that the pass still knows which VMs' routes it
-    /// changes, for the route-update timings.
+    /// The next pass must be a full one: read the kernel's VM routes back
+    /// and make them exactly what it wants (a route may have been removed
+    /// under it). Kept apart from `vm_applied`, so that the pass still
+    /// knows which VMs' routes it changes, for the route-update timings.
     vm_forced: AtomicBool,
+    /// VMs whose routes the next pass programs again even if it wants
+    /// the same for them (a local pod of theirs came or went).
+    vm_dirty: Mutex<HashSet<VmKey>>,
+    /// The next pass reads the routes to other nodes' blocks back too.
+    cluster_forced: AtomicBool,
     /// Wakes the loop for a pass.
     resync: Notify,
     /// The first pass over the cluster routes, at start-up, failed: the
@@ -45,16 +50,41 @@ impl Routes {
             kernel,
             vm_applied: Mutex::new(None),
             vm_forced: AtomicBool::new(false),
+            vm_dirty: Mutex::default(),
+            cluster_forced: AtomicBool::new(false),
             resync: Notify::new(),
             cluster_failed: AtomicBool::new(false),
             block_routes: Mutex::default(),
         }
     }
 
-    /// Makes the next VM pass touch the kernel even if the records did not
-    /// change (a route may have been removed under it), and wakes the loop.
+    /// Makes the next VM pass a full one, which reads the kernel's VM
+    /// routes back and repairs them (a route may have been removed under
+    /// it), and wakes the loop.
     pub fn force_vm_resync(&self) {
         self.vm_forced.store(true, Ordering::SeqCst);
+        self.resync.notify_one();
+    }
+
+    /// Makes the next pass a full one for every route, to other nodes'
+    /// blocks and to VMs: the periodic repair of what was changed under
+    /// tether (a route deleted by hand).
+    pub fn force_repair(&self) {
+        self.cluster_forced.store(true, Ordering::SeqCst);
+        self.force_vm_resync();
+    }
+
+    /// Whether a repair of the routes to other nodes' blocks was asked
+    /// since the last call; clears it.
+    pub fn take_cluster_forced(&self) -> bool {
+        self.cluster_forced.swap(false, Ordering::SeqCst)
+    }
+
+    /// Makes the next VM pass program `vm`'s routes even if the records
+    /// did not change (a local pod of the VM came or went), and wakes the
+    /// loop.
+    pub fn resync_vm(&self, vm: &VmKey) {
+        lock(&self.vm_dirty).insert(vm.clone());
         self.resync.notify_one();
     }
 
@@ -64,9 +94,13 @@ impl Routes {
         self.resync.notify_one();
     }
 
-    /// Whether a pass was forced since the last call; clears it.
-    pub fn take_forced(&self) -> bool {
-        self.vm_forced.swap(false, Ordering::SeqCst)
+    /// What was forced since the last call (a full pass, VMs to program
+    /// again); clears it.
+    pub fn take_forced(&self) -> Forced {
+        Forced {
+            full: self.vm_forced.swap(false, Ordering::SeqCst),
+            vms: std::mem::take(&mut *lock(&self.vm_dirty)),
+        }
     }
 
     /// Waits for [`Routes::force_vm_resync`].
@@ -91,45 +125,37 @@ impl Routes {
     }
 
     /// Programs the VM routes the plan `wants` for the records of `view`,
-    /// given the local VM pods `local`, unless they are what was programmed
-    /// last and no pass was `forced`. Returns the timings of the route
-    /// updates of the VMs whose routes changed here, the most recently
-    /// cut-over one last.
+    /// given the local VM pods `local`. A full pass (the first, one after a
+    /// failure, or one `forced`) reads the kernel's VM routes back and makes
+    /// them exactly what is wanted; any other pass changes only the routes
+    /// of the VMs whose wants differ from the last pass's (or that were
+    /// forced), without reading the kernel, and does nothing when none
+    /// does. Returns the timings of the route updates of the VMs whose
+    /// routes changed here, the most recently cut-over one last.
     pub async fn apply_vm_routes(
         &self,
         view: &VmView,
         local: &HashMap<AttachmentKey, Attachment>,
         wants: HashMap<VmKey, Want>,
-        forced: bool,
+        forced: Forced,
     ) -> Result<Vec<RouteUpdateTiming>> {
         let previous = lock(&self.vm_applied).clone();
-        if !forced && previous.as_ref() == Some(&wants) {
-            return Ok(Vec::new());
-        }
-        let mut via: Vec<ClusterRoute> = wants.values().flat_map(|w| w.via.clone()).collect();
-        via.sort();
-        // First the routes to other nodes: on a migration's source they
-        // replace the pod's host route in one change.
-        self.kernel.sync_vm_routes(&via).await?;
-        let mut here_ips = HashSet::new();
-        for rec in view.records.values().map(|(r, _)| r) {
-            if let Some(host) = wants.get(&rec.key).and_then(|w| w.here.as_ref()) {
-                self.kernel.ensure_host_routes(host, &rec.ips).await?;
-                here_ips.extend(rec.ips.iter().copied());
+        match previous.as_ref().filter(|_| !forced.full) {
+            Some(prev) => {
+                let changed: HashSet<&VmKey> = wants
+                    .keys()
+                    .chain(prev.keys())
+                    .chain(forced.vms.iter())
+                    .filter(|k| prev.get(*k) != wants.get(*k) || forced.vms.contains(*k))
+                    .collect();
+                if changed.is_empty() {
+                    return Ok(Vec::new());
+                }
+                self.apply_changed(view, local, prev, &wants, &changed)
+                    .await?;
             }
+            None => self.apply_all(view, local, &wants).await?,
         }
-        // Then the host routes of local VM pods that must not receive the
-        // VM's traffic (a target before the cutover has none; a source
-        // after it had its route replaced above).
-        let via_dsts: HashSet<IpAddr> = via.iter().map(|r| r.dst.addr()).collect();
-        let withdraw: Vec<IpAddr> = local
-            .values()
-            .flat_map(|a| a.ips.iter().copied())
-            .filter(|ip| !here_ips.contains(ip) && !via_dsts.contains(ip))
-            .collect::<HashSet<_>>()
-            .into_iter()
-            .collect();
-        self.kernel.remove_host_routes(&withdraw).await?;
 
         // Timings, for the records whose routes changed here.
         let done = UnixNanos::now();
@@ -160,6 +186,96 @@ impl Routes {
         Ok(updates)
     }
 
+    /// The full pass: every VM's routes, the kernel's read back.
+    async fn apply_all(
+        &self,
+        view: &VmView,
+        local: &HashMap<AttachmentKey, Attachment>,
+        wants: &HashMap<VmKey, Want>,
+    ) -> Result<()> {
+        let mut via: Vec<ClusterRoute> = wants.values().flat_map(|w| w.via.clone()).collect();
+        via.sort();
+        // First the routes to other nodes: on a migration's source they
+        // replace the pod's host route in one change.
+        self.kernel.sync_vm_routes(&via).await?;
+        let mut here_ips = HashSet::new();
+        for rec in view.records.values().map(|(r, _)| r) {
+            if let Some(host) = wants.get(&rec.key).and_then(|w| w.here.as_ref()) {
+                self.kernel.ensure_host_routes(host, &rec.ips).await?;
+                here_ips.extend(rec.ips.iter().copied());
+            }
+        }
+        // Then the host routes of local VM pods that must not receive the
+        // VM's traffic (a target before the cutover has none; a source
+        // after it had its route replaced above).
+        self.withdraw(local.values(), &here_ips, &via).await
+    }
+
+    /// The pass over the VMs `changed` since the last pass (`prev`): their
+    /// wanted routes to other nodes put in place (replacing a host route in
+    /// one change, as in the full pass), those no longer wanted deleted,
+    /// their host routes here ensured, and their local pods' host routes
+    /// withdrawn where they must not receive the VM's traffic.
+    async fn apply_changed(
+        &self,
+        view: &VmView,
+        local: &HashMap<AttachmentKey, Attachment>,
+        prev: &HashMap<VmKey, Want>,
+        wants: &HashMap<VmKey, Want>,
+        changed: &HashSet<&VmKey>,
+    ) -> Result<()> {
+        let via_of = |m: &HashMap<VmKey, Want>, k: &VmKey| -> Vec<ClusterRoute> {
+            m.get(k).map(|w| w.via.clone()).unwrap_or_default()
+        };
+        let mut put = Vec::new();
+        let mut gone = Vec::new();
+        for k in changed {
+            let now = via_of(wants, k);
+            gone.extend(
+                via_of(prev, k)
+                    .into_iter()
+                    .filter(|r| !now.iter().any(|n| n.dst == r.dst)),
+            );
+            put.extend(now);
+        }
+        put.sort();
+        gone.sort();
+        self.kernel.change_vm_routes(&put, &gone).await?;
+        let mut here_ips = HashSet::new();
+        for k in changed {
+            let host = wants.get(*k).and_then(|w| w.here.as_ref());
+            if let (Some(host), Some((rec, _))) = (host, view.records.get(*k)) {
+                self.kernel.ensure_host_routes(host, &rec.ips).await?;
+                here_ips.extend(rec.ips.iter().copied());
+            }
+        }
+        let theirs = local
+            .values()
+            .filter(|a| a.vm.as_ref().is_some_and(|v| changed.contains(v)));
+        self.withdraw(theirs, &here_ips, &put).await
+    }
+
+    /// Removes the host routes of the local VM pods `pods` whose addresses
+    /// are neither routed here nor to another node by `via`.
+    async fn withdraw<'a>(
+        &self,
+        pods: impl Iterator<Item = &'a Attachment>,
+        here_ips: &HashSet<IpAddr>,
+        via: &[ClusterRoute],
+    ) -> Result<()> {
+        let via_dsts: HashSet<IpAddr> = via.iter().map(|r| r.dst.addr()).collect();
+        let withdraw: Vec<IpAddr> = pods
+            .flat_map(|a| a.ips.iter().copied())
+            .filter(|ip| !here_ips.contains(ip) && !via_dsts.contains(ip))
+            .collect::<HashSet<_>>()
+            .into_iter()
+            .collect();
+        if !withdraw.is_empty() {
+            self.kernel.remove_host_routes(&withdraw).await?;
+        }
+        Ok(())
+    }
+
     /// Notes the routes to other nodes' blocks a successful pass left in
     /// place: each destination not in place after the previous pass is
     /// timed now.
@@ -186,6 +302,15 @@ impl Routes {
     pub fn recent_block_routes(&self) -> Vec<BlockRouteTiming> {
         lock(&self.block_routes).added.iter().cloned().collect()
     }
+}
+
+/// What the next VM pass must do even if the records did not change.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Forced {
+    /// A full pass: read the kernel's VM routes back and repair them.
+    pub full: bool,
+    /// VMs whose routes are programmed again.
+    pub vms: HashSet<VmKey>,
 }
 
 /// When a route to another node's block was first in place here.
@@ -316,6 +441,77 @@ mod tests {
         // Withdrawn and back: in place again, timed again.
         routes.note_cluster_routes(&[net("10.244.0.4/30"), net("10.244.0.8/30")]);
         assert_eq!(routes.recent_block_routes().len(), 3);
+    }
+
+    #[tokio::test]
+    async fn a_pass_changes_only_the_vms_that_changed_and_a_repair_reads_the_kernel_back() {
+        use tether_kernel::fake::{Call, FakeKernel};
+        let kernel = FakeKernel::new();
+        let routes = Routes::new(Arc::new(kernel.clone()));
+        let vm = |i: usize| VmKey::new("ns", &format!("vm{i}"), "eth0").expect("a key");
+        let ip = |i: usize| -> IpAddr { format!("10.1.0.{i}").parse().expect("an address") };
+        let via = |i: usize, node: u8| ClusterRoute {
+            dst: IpNet::from(ip(i)),
+            via: IpAddr::from([192, 168, 0, node]),
+            onlink_dev: None,
+        };
+        let want = |r: ClusterRoute| Want {
+            here: None,
+            via: vec![r],
+        };
+        let (view, local) = (VmView::default(), HashMap::new());
+        let mut wants: HashMap<VmKey, Want> = (0..100).map(|i| (vm(i), want(via(i, 2)))).collect();
+        let pass = |wants: &HashMap<VmKey, Want>, forced: Forced| {
+            routes.apply_vm_routes(&view, &local, wants.clone(), forced)
+        };
+
+        // The first pass is full: it reads the kernel's VM routes back.
+        pass(&wants, Forced::default()).await.expect("applied");
+        assert_eq!(kernel.calls(Call::SyncVmRoutes), 1);
+        assert_eq!(kernel.routes().len(), 100);
+
+        // vm3 moves to another node and vm5's record goes; meanwhile
+        // someone deletes vm7's route by hand. The pass changes vm3's and
+        // vm5's routes alone, without reading the kernel.
+        kernel.clear_log();
+        kernel.drop_route(ip(7));
+        wants.insert(vm(3), want(via(3, 3)));
+        wants.remove(&vm(5));
+        pass(&wants, Forced::default()).await.expect("applied");
+        assert_eq!(
+            kernel.log(),
+            [(Call::ChangeVmRoutes, "10.1.0.3/32,10.1.0.5/32".to_string())]
+        );
+        let via_of = |i: usize| kernel.route_to(ip(i)).and_then(|r| r.via);
+        assert_eq!(via_of(3), Some(IpAddr::from([192, 168, 0, 3])));
+        assert_eq!(via_of(5), None);
+        assert_eq!(via_of(7), None, "not read back: not repaired yet");
+        assert_eq!(via_of(8), Some(IpAddr::from([192, 168, 0, 2])));
+
+        // Nothing changed: nothing touches the kernel.
+        kernel.clear_log();
+        pass(&wants, Forced::default()).await.expect("applied");
+        assert!(kernel.log().is_empty(), "{:?}", kernel.log());
+
+        // A VM forced (a local pod of it came) has its routes put again,
+        // alone.
+        routes.resync_vm(&vm(9));
+        pass(&wants, routes.take_forced()).await.expect("applied");
+        assert_eq!(
+            kernel.log(),
+            [(Call::ChangeVmRoutes, "10.1.0.9/32".to_string())]
+        );
+
+        // The repair is a full pass: vm7's route is back.
+        kernel.clear_log();
+        routes.force_repair();
+        assert!(routes.take_cluster_forced());
+        let forced = routes.take_forced();
+        assert!(forced.full);
+        pass(&wants, forced).await.expect("applied");
+        assert_eq!(kernel.calls(Call::SyncVmRoutes), 1);
+        assert_eq!(via_of(7), Some(IpAddr::from([192, 168, 0, 2])));
+        assert_eq!(kernel.routes().len(), 99);
     }
 
     #[test]

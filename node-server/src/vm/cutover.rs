@@ -233,7 +233,7 @@ impl Vms {
             if !active_here {
                 retract(side, announced);
                 if only.is_some() {
-                    side.resync_routes();
+                    side.resync_routes(vm);
                 }
             }
             return Ok(rec);

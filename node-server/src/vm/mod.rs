@@ -125,9 +125,9 @@ pub trait NodeSide: Send + Sync {
     /// The guest of `a` has just arrived here: tell it its router now.
     fn welcome_guest(&self, a: &Attachment);
 
-    /// The next route pass touches the kernel even if the records did not
-    /// change.
-    fn resync_routes(&self);
+    /// The next route pass programs `vm`'s routes even if the records did
+    /// not change.
+    fn resync_routes(&self, vm: &VmKey);
 
     /// Queues an event on a pod.
     fn pod_event(&self, pod: PodRef, event: PodEvent);

@@ -149,7 +149,7 @@ impl Vms {
         // Timed from the decision to the record committed: the source's
         // node routes it when its watch sees the record.
         crate::metrics::get().cutover(Trigger::TargetFailed.name(), started.elapsed());
-        side.resync_routes();
+        side.resync_routes(&r.vm);
         if let Some(act) = rec.active.as_ref() {
             pod_event(
                 side,

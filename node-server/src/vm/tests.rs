@@ -106,7 +106,7 @@ impl NodeSide for Side {
         lock(&self.welcomed).push(a.host_ifname.clone());
     }
 
-    fn resync_routes(&self) {
+    fn resync_routes(&self, _vm: &VmKey) {
         self.resyncs.fetch_add(1, Ordering::SeqCst);
     }
 

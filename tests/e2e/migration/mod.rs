@@ -655,3 +655,78 @@ fn the_targets_notice_repoints_the_others_before_the_commit_and_a_refusal_brings
     assert!(observer.ping(ip), "the VM answers on A");
     assert_eq!(tether_e2e::admin::stats(socket(b)).vm_cutovers, 0);
 }
+
+/// The routes tether programs, one line each (`ip route show proto
+/// <proto>`, IPv4 and IPv6), sorted.
+fn routes_of(node: &ClusterNode, proto: &str) -> Vec<String> {
+    let mut lines: Vec<String> = ["-4", "-6"]
+        .iter()
+        .flat_map(|family| {
+            node.netns()
+                .exec_ok(&["ip", family, "route", "show", "proto", proto])
+                .lines()
+                .map(|l| l.trim().to_owned())
+                .filter(|l| !l.is_empty())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    lines.sort();
+    lines
+}
+
+/// Routes changed under tether come back with the periodic repair
+/// (`--route-repair-interval`, 2 s here; 60 s by default): a VM's route to
+/// the node it moved to (proto 203) and a route to another node's block
+/// (proto 202), deleted by hand on a node where nothing else changes.
+/// Between repairs, a pass changes only the routes of the VMs whose
+/// records changed, without reading the kernel back (the route manager's
+/// unit test shows that).
+#[test]
+#[cfg_attr(
+    not(feature = "cluster-tests"),
+    ignore = "cluster tier: root, etcd and kube-apiserver; `make test` runs it"
+)]
+fn routes_deleted_by_hand_come_back_with_the_periodic_repair() {
+    require_root();
+    let cluster = Topology::tetherd(2)
+        .store(Store::Etcd)
+        .node(NodeOpts {
+            extra_args: vec!["--route-repair-interval".into(), "2".into()],
+            ..NodeOpts::default()
+        })
+        .start();
+    let (a, b) = (cluster.node(0), cluster.node(1));
+    // A VM of A's block runs on B: A routes its addresses via B.
+    let spec = VmPodSpec::new("tenant", "vm1", "virt-launcher-vm1-aaaaa");
+    let source = add_vm_pod(a, &spec);
+    let _target = add_vm_pod(b, &spec.target("virt-launcher-vm1-bbbbb"));
+    cutover(socket(b), "tenant", "vm1").expect("admin cutover to B");
+    let ip = source.v4().expect("an IPv4 address");
+    assert!(
+        wait_until(CONVERGE, || hop(a, ip) == toward(a, b)),
+        "A does not route the VM via B: {}",
+        hop(a, ip)
+    );
+    let vm_routes = routes_of(a, "203");
+    let block_routes = routes_of(a, "202");
+    assert_eq!(vm_routes.len(), 2, "one per family: {vm_routes:?}");
+    assert!(!block_routes.is_empty(), "A routes B's blocks");
+
+    // By hand: every VM route and every block route of A goes.
+    for line in vm_routes.iter().chain(&block_routes) {
+        let family = if line.contains(':') { "-6" } else { "-4" };
+        let dst = line.split_whitespace().next().unwrap_or_default();
+        a.netns().exec_ok(&["ip", family, "route", "del", dst]);
+    }
+    assert!(routes_of(a, "203").is_empty() && routes_of(a, "202").is_empty());
+
+    // The repair puts them back, as they were.
+    assert!(
+        wait_until(CONVERGE, || routes_of(a, "203") == vm_routes
+            && routes_of(a, "202") == block_routes),
+        "A's routes did not come back: VM {:?} (was {vm_routes:?}), blocks {:?} (was {block_routes:?})",
+        routes_of(a, "203"),
+        routes_of(a, "202")
+    );
+    assert_eq!(hop(a, ip), toward(a, b));
+}

@@ -1138,3 +1138,80 @@ fn underlay_mtu_follows_the_route() {
         assert_eq!(mtu("198.51.100.1"), None);
     });
 }
+
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
+#[test]
+fn vm_routes_change_one_by_one_without_touching_the_others() {
+    require_root!();
+    isolated(|| {
+        let a = &Node::new();
+        let b = &Node::new();
+        underlay(a, b);
+        let vm = |i: u8, node: &str| route(&format!("10.244.5.{i}/32"), node, None);
+        let rows = || route_rows(a.path(), &["-4", "route", "show", "proto", "203"]);
+        // Ten VMs on B, in place by a full sync, and the host route of a
+        // local VM pod (proto 201).
+        let all: Vec<ClusterRoute> = (1..=10).map(|i| vm(i, "192.0.2.2")).collect();
+        a.run(|dp| async move {
+            dp.sync_vm_routes(&all).await.expect("sync");
+        });
+        assert_eq!(rows().len(), 10);
+        run_in(
+            a.path(),
+            &[
+                "ip", "link", "add", "pod0", "type", "veth", "peer", "name", "pod1",
+            ],
+        );
+        run_in(a.path(), &["ip", "link", "set", "pod0", "up"]);
+        run_in(
+            a.path(),
+            &[
+                "ip",
+                "route",
+                "add",
+                "10.244.5.20/32",
+                "dev",
+                "pod0",
+                "proto",
+                "201",
+            ],
+        );
+
+        a.run(|dp| async move {
+            // VM 3 leaves for another node, VM 4's record goes, VM 20 (the
+            // local pod's, after its migration away) is routed to B in
+            // place of its host route, and the deletion of a route that is
+            // not there (VM 11) is no error.
+            let put = vec![vm(3, "192.0.2.3"), vm(20, "192.0.2.2")];
+            let gone = vec![vm(4, "192.0.2.2"), vm(11, "192.0.2.2")];
+            dp.change_vm_routes(&put, &gone).await.expect("change");
+            // A deletion names the route as it was programmed: VM 3's old
+            // route is not VM 3's route now, which stays.
+            dp.change_vm_routes(&[], &[vm(3, "192.0.2.2")])
+                .await
+                .expect("change");
+        });
+        let now = rows();
+        assert!(
+            now.contains(&row("10.244.5.3", "192.0.2.3", "ul0", false)),
+            "{now:?}"
+        );
+        assert!(
+            now.contains(&row("10.244.5.20", "192.0.2.2", "ul0", false)),
+            "{now:?}"
+        );
+        assert!(!now.iter().any(|r| r.0 == "10.244.5.4"), "{now:?}");
+        assert_eq!(now.len(), 10, "{now:?}");
+        let host = route_rows(a.path(), &["-4", "route", "show", "proto", "201"]);
+        assert!(host.is_empty(), "the host route was replaced: {host:?}");
+        for i in [1, 2, 5, 6, 7, 8, 9, 10] {
+            assert!(
+                now.contains(&row(&format!("10.244.5.{i}"), "192.0.2.2", "ul0", false)),
+                "VM {i}'s route was touched: {now:?}"
+            );
+        }
+    });
+}
