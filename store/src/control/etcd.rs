@@ -301,7 +301,17 @@ impl ControlStore for EtcdStore {
         Box::pin(async move {
             let ttl = self
                 .call("renew the node lease", |c| async move {
-                    let (mut keeper, mut stream) = c.lease_client().keep_alive(id).await?;
+                    // An expired lease: the client says so by an error, which
+                    // is no failure to reach etcd; the caller grants a new
+                    // lease (as an answer with TTL 0 would have it do).
+                    let (mut keeper, mut stream) = match c.lease_client().keep_alive(id).await {
+                        Err(etcd_client::Error::LeaseKeepAliveError(why))
+                            if why == "lease not found" =>
+                        {
+                            return Ok(0);
+                        }
+                        other => other?,
+                    };
                     keeper.keep_alive().await?;
                     let resp = stream.message().await?;
                     Ok::<_, etcd_client::Error>(resp.map(|r| r.ttl()).unwrap_or(0))
