@@ -299,6 +299,7 @@ impl admin_server::Admin for AdminService {
                 let me = c.me();
                 node.node_id = me.id;
                 node.blocks = c.my_blocks().iter().map(|b| b.to_string()).collect();
+                node.liveness = c.role().to_string();
                 node.ipam_mode = "cluster".into();
                 node.cluster_cidrs = c
                     .config()
@@ -348,6 +349,15 @@ impl admin_server::Admin for AdminService {
         };
         let view = c.view();
         let me = c.me();
+        // Only the reaper's view holds every node's liveness; any other
+        // node lists the alive keys for the answer.
+        let alive = match self.node.cluster() {
+            Some(cluster) => cluster
+                .alive_now()
+                .await
+                .map_err(|e| Status::unavailable(e.to_string()))?,
+            None => view.alive.clone(),
+        };
         let nodes = view
             .nodes
             .values()
@@ -355,7 +365,7 @@ impl admin_server::Admin for AdminService {
                 name: n.name.clone(),
                 id: n.id,
                 node_ip: join(&n.node_ips),
-                alive: view.alive.contains(&n.name),
+                alive: alive.contains(&n.name),
                 blocks: view
                     .blocks_of(&n.name)
                     .iter()

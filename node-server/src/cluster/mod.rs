@@ -15,12 +15,14 @@
 //! - `v1/blocks/<v4|v6>/<network>-<prefix length>`: the block's holder
 //!   ([`BlockRecord`], JSON). Permanent until the holder is reaped.
 //!
-//! Liveness: a node whose alive key has been missing for longer than the
-//! grace period is dead; the first live node to notice deletes its blocks,
-//! its ID and its record (`reaper`: one key at a time, the record last),
-//! and every node withdraws the routes to those blocks.
+//! Liveness: each node watches one other node's alive key, and one node,
+//! the reaper, watches them all (`liveness`). A node whose alive key has
+//! been missing for longer than the grace period is dead; the reaper
+//! deletes its blocks, its ID and its record (`reaper`: one key at a time,
+//! the record last), and every node withdraws the routes to those blocks.
 
 mod blocks;
+pub mod liveness;
 mod membership;
 mod peers;
 mod reaper;
@@ -228,6 +230,8 @@ pub struct Cluster {
     /// The parts of the view whose watch is broken (the view is synced
     /// when none is).
     stale: Mutex<BTreeSet<Part>>,
+    /// What this node watches of the others' liveness.
+    role: Mutex<liveness::Role>,
     /// The blocks this node holds as far as this process knows: those the
     /// control plane showed at join, and every claim since (known before
     /// the watch reports it). If the node is reaped while it cannot reach
@@ -261,6 +265,7 @@ impl Cluster {
             dead_since: Mutex::new(HashMap::new()),
             claims: Mutex::new((0, Duration::ZERO)),
             stale: Mutex::new(Part::ALL.into_iter().collect()),
+            role: Mutex::new(liveness::Role::Choosing),
             held: Mutex::new(BTreeSet::new()),
         });
         // The first listings before anything else: startup reconciles the
@@ -273,7 +278,9 @@ impl Cluster {
         }
         let mine = cluster.view().blocks_of(&cluster.me().name);
         lock(&cluster.held).extend(mine);
-        for (part, revision) in revisions {
+        // The alive keys are followed by the liveness task, as this node's
+        // role says: one key, or all of them on the reaper.
+        for (part, revision) in revisions.into_iter().filter(|(p, _)| *p != Part::Alive) {
             tokio::spawn(control::follow(
                 cluster.store.clone(),
                 part.prefix(&cluster.keys),
@@ -285,6 +292,7 @@ impl Cluster {
             ));
         }
         tokio::spawn(cluster.clone().lease_loop());
+        tokio::spawn(cluster.clone().liveness_loop());
         tokio::spawn(cluster.clone().reaper_loop());
         Ok(cluster)
     }

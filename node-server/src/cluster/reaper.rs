@@ -1,5 +1,7 @@
 //! The reaper of dead nodes: a node whose alive key has been gone for
-//! `--node-grace` loses its record, ID and blocks.
+//! `--node-grace` loses its record, ID and blocks. Only the node whose
+//! role is the reaper's reaps (`liveness`); were two to reap at once,
+//! every step below is a compare-and-swap that the second fails.
 //!
 //! One key at a time (no store has to offer more), in an order that a
 //! crash or a returning node can interrupt anywhere:
@@ -27,7 +29,8 @@ impl Cluster {
         loop {
             tokio::time::sleep(tick).await;
             let view = self.view();
-            if !view.synced {
+            // Only the reaper sees every alive key (`liveness`).
+            if !view.synced || self.role() != super::liveness::Role::Reaper {
                 continue;
             }
             let me = self.me().name;

@@ -88,6 +88,8 @@ tether_e2e::on_both_stores!(
     daemon_restart_keeps_blocks_and_pods_reachable_and_drops_stale_routes,
     a_store_outage_stops_only_block_claims_and_vm_placements_until_it_ends,
     a_node_that_goes_away_is_reaped_and_its_routes_withdrawn,
+    the_reaper_that_goes_away_is_reaped_by_the_next_node,
+    a_daemon_paused_past_its_lease_is_alive_again_when_it_resumes,
     a_node_reaped_while_away_returns_and_claims_its_blocks_back,
     a_killed_daemon_queues_dels_and_returns_with_its_id_and_blocks,
     three_nodes_times_a_hundred_concurrent_adds,
@@ -628,6 +630,133 @@ fn a_node_that_goes_away_is_reaped_and_its_routes_withdrawn(store: Store) {
     assert!(!store_blocks(&cluster).values().any(|n| *n == gone));
     wait_routes_converge(&cluster);
     ping_every_pair(&pods.iter().collect::<Vec<_>>());
+}
+
+/// Liveness costs each node one other node's heartbeat: node IDs order the
+/// nodes, each watches the next live ID below its own, and the lowest, the
+/// reaper, watches them all and reaps. When the reaper goes away, the node
+/// that watched it takes its role and reaps it.
+fn the_reaper_that_goes_away_is_reaped_by_the_next_node(store: Store) {
+    require_root();
+    let mut cluster = Topology::tetherd(3).store(store).start();
+    let pods: Vec<Pod> = (1..3).map(|i| cluster.add_pod(i)).collect();
+    wait_routes_converge(&cluster);
+    let mut by_id: Vec<(u32, String, usize)> = (0..3)
+        .map(|i| {
+            let n = get_node(cluster.node(i));
+            (n.node_id, n.name, i)
+        })
+        .collect();
+    by_id.sort();
+    let roles = |cluster: &Cluster| -> Vec<String> {
+        by_id
+            .iter()
+            .map(|(_, name, _)| {
+                cluster
+                    .nodes()
+                    .iter()
+                    .find(|n| n.name() == name)
+                    .map_or_else(|| "gone".to_owned(), |n| get_node(n).liveness)
+            })
+            .collect()
+    };
+    let want = vec![
+        "reaper".to_owned(),
+        format!("watching {}", by_id[0].1),
+        format!("watching {}", by_id[1].1),
+    ];
+    assert!(
+        wait_until(CONVERGE, || roles(&cluster) == want),
+        "roles {:?}, not {want:?}",
+        roles(&cluster)
+    );
+
+    // The reaper disappears (daemon killed, netns gone).
+    let (_, gone, index) = by_id[0].clone();
+    let gone_blocks: Vec<String> = get_node(cluster.node(index)).blocks;
+    drop(cluster.remove_node(index));
+    let want = vec![
+        "gone".to_owned(),
+        "reaper".to_owned(),
+        format!("watching {}", by_id[1].1),
+    ];
+    assert!(
+        wait_until(Duration::from_secs(30), || roles(&cluster) == want),
+        "roles {:?}, not {want:?}",
+        roles(&cluster)
+    );
+    for i in 0..2 {
+        assert!(
+            wait_until(Duration::from_secs(30), || !routes_to_any(
+                cluster.node(i),
+                &gone_blocks
+            )),
+            "node {i} still routes to {gone}'s blocks: {:?}",
+            cluster.node(i).cluster_route_dsts()
+        );
+        assert!(
+            wait_until(CONVERGE, || list_nodes(cluster.node(i))
+                .iter()
+                .all(|n| n.name != gone && n.alive)),
+            "node {i} still lists {gone}, or a node not alive: {:?}",
+            list_nodes(cluster.node(i))
+        );
+    }
+    wait_routes_converge(&cluster);
+    ping_every_pair(&pods.iter().collect::<Vec<_>>());
+}
+
+/// A daemon that stops answering for longer than its lease's TTL (here
+/// SIGSTOP for 3 s: the TTL is 2 s, the grace 3 s) loses its lease, and
+/// must take a new one when it resumes, before the grace runs out: it is
+/// alive again and never reaped. On etcd, the renewal of an expired lease
+/// used to fail for ever ("lease not found"), and the node was reaped, and
+/// reaped again after every registration.
+fn a_daemon_paused_past_its_lease_is_alive_again_when_it_resumes(store: Store) {
+    require_root();
+    let cluster = Topology::tetherd(2).store(store).start();
+    let paused = cluster.node(1);
+    let name = paused.name().to_owned();
+    let id = get_node(paused).node_id;
+    let pid = paused
+        .daemon()
+        .pid()
+        .unwrap_or_else(|| panic!("no pid of {name}'s daemon"))
+        .to_string();
+    let alive = |n: &ClusterNode| {
+        list_nodes(n)
+            .iter()
+            .find(|x| x.name == name)
+            .is_some_and(|x| x.alive)
+    };
+    assert!(wait_until(CONVERGE, || alive(cluster.node(0))));
+    let status = std::process::Command::new("kill")
+        .args(["-STOP", &pid])
+        .status();
+    assert!(status.is_ok_and(|s| s.success()), "cannot stop {pid}");
+    assert!(
+        wait_until(Duration::from_secs(3), || !alive(cluster.node(0))),
+        "{name}'s lease did not expire while it was stopped"
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    let status = std::process::Command::new("kill")
+        .args(["-CONT", &pid])
+        .status();
+    assert!(status.is_ok_and(|s| s.success()), "cannot resume {pid}");
+    assert!(
+        wait_until(Duration::from_secs(2), || alive(cluster.node(0))),
+        "{name} is not alive again within 2 s of resuming:\n{}",
+        paused.daemon().log()
+    );
+    // Past the grace: still alive, never reaped.
+    std::thread::sleep(Duration::from_secs(5));
+    assert!(alive(cluster.node(0)), "{name} died again");
+    assert_eq!(get_node(paused).node_id, id);
+    let log = paused.daemon().log();
+    assert!(
+        !log.contains("reaped while it was away"),
+        "{name} was reaped:\n{log}"
+    );
 }
 
 /// A node whose daemon died (kill -9) is reaped while its pods still run

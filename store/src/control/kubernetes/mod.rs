@@ -24,6 +24,9 @@
 //!   does not matter (the way the node lifecycle controller reads kubelet
 //!   Leases). A Lease first seen counts as renewed then: a node that
 //!   starts waits at most one TTL more before it sees a dead node dead.
+//! - A watch of one node's alive key (a whole key) asks for that Lease
+//!   alone, by a field selector on its name: the other nodes' renewals are
+//!   not sent to it.
 //! - Watches are the API's watches, one per kind, with bookmarks, resumed
 //!   from the last resourceVersion seen when the server ends one (every
 //!   few minutes); a 410 Gone or a failure ends the watch with
@@ -751,15 +754,28 @@ impl Inner {
     /// Follows the nodes' Leases from `after`: a Lease seen renewed is a
     /// node's alive key put (once, until it expires), one that expires or
     /// is deleted its deletion.
+    /// With `only` (a Lease's name), that Lease alone, and the key it
+    /// stands for (`prefix`, a whole key) exactly.
     async fn watch_leases(
         self: Arc<Self>,
         prefix: String,
+        only: Option<String>,
         after: i64,
         tx: mpsc::Sender<WatchMessage>,
     ) {
         let leases = self.leases();
         let mut rv = after.to_string();
-        let params = WatchParams::default().labels(LEASE_SELECTOR);
+        let mut params = WatchParams::default().labels(LEASE_SELECTOR);
+        if let Some(name) = &only {
+            params = params.fields(&format!("metadata.name={name}"));
+        }
+        let wanted = |key: &str| {
+            if only.is_some() {
+                key == prefix
+            } else {
+                key.starts_with(&prefix)
+            }
+        };
         // The nodes the follower holds alive: those the listing just gave.
         let mut alive: BTreeMap<String, i64> = {
             let now = Instant::now();
@@ -768,6 +784,7 @@ impl Inner {
                 .seen
                 .iter()
                 .filter(|(n, _)| liveness.alive(n, now))
+                .filter(|(n, _)| wanted(&self.keys.key(Class::Alive, n)))
                 .map(|(n, s)| (n.clone(), s.rv.parse().unwrap_or(0)))
                 .collect()
         };
@@ -819,7 +836,7 @@ impl Inner {
                             if let Some(kv) = self.lease_kv(&l, Instant::now()) {
                                 if let Some((_, node)) = self.keys.split(&kv.key) {
                                     if alive.insert(node.to_owned(), kv.mod_revision).is_none()
-                                        && kv.key.starts_with(&prefix)
+                                        && wanted(&kv.key)
                                     {
                                         events.push(Event::Put(kv));
                                     }
@@ -856,8 +873,8 @@ impl Inner {
                     }
                 }
                 events.retain(|e| match e {
-                    Event::Put(kv) => kv.key.starts_with(&prefix),
-                    Event::Delete { key, .. } => key.starts_with(&prefix),
+                    Event::Put(kv) => wanted(&kv.key),
+                    Event::Delete { key, .. } => wanted(key),
                 });
                 if !events.is_empty() && tx.send(WatchMessage::Events(events)).await.is_err() {
                     return;
@@ -961,7 +978,14 @@ impl ControlStore for KubeStore {
             let (tx, rx) = mpsc::channel(256);
             let store = Arc::clone(&self.0);
             if class == Class::Alive {
-                tokio::spawn(store.watch_leases(prefix, after, tx));
+                // A whole key: that node's Lease alone, narrowed by the API
+                // server (a field selector), so that the other nodes'
+                // renewals are not sent here.
+                let only = match self.keys.split(&prefix) {
+                    Some((_, suffix)) if !suffix.is_empty() => class.name_of(suffix).ok(),
+                    _ => None,
+                };
+                tokio::spawn(store.watch_leases(prefix, only, after, tx));
             } else {
                 tokio::spawn(store.watch_kind(class, prefix, after, tx));
             }
