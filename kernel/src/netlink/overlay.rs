@@ -756,40 +756,14 @@ fn route_text(route: &ClusterRoute) -> String {
 
 // ------------------------------------------------------------ messages
 
-/// `dst via <via> [dev <oif> onlink] proto 202` in the main table.
-fn cluster_route(route: &ClusterRoute, onlink_oif: Option<u32>, protocol: u8) -> RouteMessage {
+/// `dst via <via> [dev <oif>] proto <protocol>` in the main table, with
+/// `scope` and `kind` left for the caller.
+fn route_message(route: &ClusterRoute, oif: Option<u32>, protocol: u8) -> RouteMessage {
     let mut msg = RouteMessage::default();
     msg.header.address_family = family_of(route.dst.addr());
     msg.header.destination_prefix_length = route.dst.prefix_len();
     msg.header.table = RouteHeader::RT_TABLE_MAIN;
     msg.header.protocol = RouteProtocol::Other(protocol);
-    msg.header.scope = RouteScope::Universe;
-    msg.header.kind = RouteType::Unicast;
-    msg.attributes
-        .push(RouteAttribute::Destination(RouteAddress::from(
-            route.dst.addr(),
-        )));
-    msg.attributes
-        .push(RouteAttribute::Gateway(RouteAddress::from(route.via)));
-    if let Some(oif) = onlink_oif {
-        msg.header.flags |= RouteFlags::Onlink;
-        msg.attributes.push(RouteAttribute::Oif(oif));
-    }
-    msg
-}
-
-/// Deletes exactly `route` as it was programmed (destination, gateway and
-/// device, of `protocol`), so that another route to its destination
-/// survives.
-fn route_selector(route: &ClusterRoute, oif: Option<u32>, protocol: u8) -> RouteMessage {
-    let mut msg = RouteMessage::default();
-    msg.header.address_family = family_of(route.dst.addr());
-    msg.header.destination_prefix_length = route.dst.prefix_len();
-    msg.header.table = RouteHeader::RT_TABLE_MAIN;
-    msg.header.protocol = RouteProtocol::Other(protocol);
-    // RT_SCOPE_NOWHERE is the kernel's "any scope" for deletions.
-    msg.header.scope = RouteScope::NoWhere;
-    msg.header.kind = RouteType::Unspec;
     msg.attributes
         .push(RouteAttribute::Destination(RouteAddress::from(
             route.dst.addr(),
@@ -799,6 +773,28 @@ fn route_selector(route: &ClusterRoute, oif: Option<u32>, protocol: u8) -> Route
     if let Some(oif) = oif {
         msg.attributes.push(RouteAttribute::Oif(oif));
     }
+    msg
+}
+
+/// `dst via <via> [dev <oif> onlink] proto 202` in the main table.
+fn cluster_route(route: &ClusterRoute, onlink_oif: Option<u32>, protocol: u8) -> RouteMessage {
+    let mut msg = route_message(route, onlink_oif, protocol);
+    msg.header.scope = RouteScope::Universe;
+    msg.header.kind = RouteType::Unicast;
+    if onlink_oif.is_some() {
+        msg.header.flags |= RouteFlags::Onlink;
+    }
+    msg
+}
+
+/// Deletes exactly `route` as it was programmed (destination, gateway and
+/// device, of `protocol`), so that another route to its destination
+/// survives.
+fn route_selector(route: &ClusterRoute, oif: Option<u32>, protocol: u8) -> RouteMessage {
+    let mut msg = route_message(route, oif, protocol);
+    // RT_SCOPE_NOWHERE is the kernel's "any scope" for deletions.
+    msg.header.scope = RouteScope::NoWhere;
+    msg.header.kind = RouteType::Unspec;
     msg
 }
 

@@ -593,6 +593,23 @@ fn a_store_outage_stops_only_block_claims_and_vm_placements_until_it_ends(store:
     assert_all_back(&cluster, &pods);
 }
 
+/// Every node of `cluster` (the ones left) withdraws its routes to the
+/// blocks of node `gone` (`blocks`), and lists it no more: its record goes
+/// last, after the blocks and the ID.
+fn assert_reaped(cluster: &Cluster, gone: &str, blocks: &[String]) {
+    for (i, node) in cluster.nodes().iter().enumerate() {
+        assert!(
+            wait_until(Duration::from_secs(30), || !routes_to_any(node, blocks)),
+            "node {i} still routes to {gone}'s blocks: {:?}",
+            node.cluster_route_dsts()
+        );
+        assert!(
+            wait_until(CONVERGE, || list_nodes(node).iter().all(|n| n.name != gone)),
+            "node {i} still lists {gone}"
+        );
+    }
+}
+
 fn a_node_that_goes_away_is_reaped_and_its_routes_withdrawn(store: Store) {
     require_root();
     let mut cluster = Topology::tetherd(3).store(store).start();
@@ -605,23 +622,7 @@ fn a_node_that_goes_away_is_reaped_and_its_routes_withdrawn(store: Store) {
     // The node disappears (daemon killed, netns gone): its lease expires
     // (2 s), the grace passes (3 s), a live node reaps it.
     drop(cluster.remove_node(2));
-    for i in 0..2 {
-        assert!(
-            wait_until(Duration::from_secs(30), || !routes_to_any(
-                cluster.node(i),
-                &gone_blocks
-            )),
-            "node {i} still routes to {gone}'s blocks: {:?}",
-            cluster.node(i).cluster_route_dsts()
-        );
-        // The record goes last, after the blocks and the ID.
-        assert!(
-            wait_until(CONVERGE, || list_nodes(cluster.node(i))
-                .iter()
-                .all(|n| n.name != gone)),
-            "node {i} still lists {gone}"
-        );
-    }
+    assert_reaped(&cluster, &gone, &gone_blocks);
     let keys = cluster.store_keys();
     assert!(
         !keys.keys().any(|k| k.ends_with(&format!("/{gone}"))),
@@ -685,23 +686,13 @@ fn the_reaper_that_goes_away_is_reaped_by_the_next_node(store: Store) {
         "roles {:?}, not {want:?}",
         roles(&cluster)
     );
-    for i in 0..2 {
-        assert!(
-            wait_until(Duration::from_secs(30), || !routes_to_any(
-                cluster.node(i),
-                &gone_blocks
-            )),
-            "node {i} still routes to {gone}'s blocks: {:?}",
-            cluster.node(i).cluster_route_dsts()
-        );
-        assert!(
-            wait_until(CONVERGE, || list_nodes(cluster.node(i))
-                .iter()
-                .all(|n| n.name != gone && n.alive)),
-            "node {i} still lists {gone}, or a node not alive: {:?}",
-            list_nodes(cluster.node(i))
-        );
-    }
+    assert_reaped(&cluster, &gone, &gone_blocks);
+    assert!(
+        wait_until(CONVERGE, || (0..2)
+            .all(|i| list_nodes(cluster.node(i)).iter().all(|n| n.alive))),
+        "a node listed not alive: {:?}",
+        list_nodes(cluster.node(0))
+    );
     wait_routes_converge(&cluster);
     ping_every_pair(&pods.iter().collect::<Vec<_>>());
 }
