@@ -161,8 +161,12 @@ impl Cluster {
             *lock(&self.role) = Role::Choosing;
             task.abort();
             // A broken whole watch may have marked the part stale; nobody
-            // follows it now.
-            lock(&self.stale).remove(&Part::Alive);
+            // follows it now, and the view is as synced as the other parts.
+            let mut stale = lock(&self.stale);
+            if stale.remove(&Part::Alive) {
+                self.view.send_modify(|v| v.synced = stale.is_empty());
+            }
+            drop(stale);
         }
     }
 
