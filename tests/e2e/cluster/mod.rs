@@ -838,7 +838,12 @@ fn a_killed_daemon_queues_dels_and_returns_with_its_id_and_blocks(store: Store) 
     let log = cluster.node(0).daemon().log();
     assert!(log.contains("replayed queued DELs before serving"), "{log}");
     assert_eq!(queued(cluster.node(0)), 0);
-    assert!(!gone.netns().has_link("eth0"), "the queued DEL left eth0");
+    // The veth goes after the DEL's answer (the link reaper), as for any
+    // DEL: its pod side with it, soon after.
+    assert!(
+        wait_until(Duration::from_secs(10), || !gone.netns().has_link("eth0")),
+        "the queued DEL left eth0"
+    );
     for ip in gone.ips() {
         let route = cluster.node(0).netns().exec_ok(&[
             "ip",
