@@ -100,6 +100,46 @@ pub struct Metrics {
     pending_del_replayed: Counter,
     cutovers: Family<Trigger, Counter>,
     cutover_duration: Histograms<Trigger>,
+    control_requests: Counter,
+    routes_changed: Family<RouteKind, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteKind {
+    kind: String,
+}
+
+/// What this process has cost since it started, in the units that do not
+/// depend on the machine: the control plane's requests and watch events,
+/// the routes it changed, and its CPU time ([`Metrics::costs`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Costs {
+    /// Control-plane requests begun (every operation of [`TimedControl`]).
+    pub control_requests: u64,
+    /// Watch events received from the control plane's server
+    /// ([`tether_store::control::watch_events_received`]).
+    pub watch_events: u64,
+    /// Routes to other nodes' blocks and to VMs (and VXLAN peers) added,
+    /// replaced or removed, and host routes a VM's pass put back.
+    pub routes_changed: u64,
+    /// The process's CPU time, user and system, in microseconds
+    /// (`getrusage(RUSAGE_SELF)`: every thread, ended ones too).
+    pub cpu_user_micros: u64,
+    pub cpu_system_micros: u64,
+}
+
+/// This process's user and system CPU time in microseconds; zeros if the
+/// kernel refuses (it does not for `RUSAGE_SELF`).
+fn cpu_micros() -> (u64, u64) {
+    // SAFETY: `getrusage` writes one `rusage` into the zeroed value it is
+    // given, which lives across the call; RUSAGE_SELF is always valid.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    if rc != 0 {
+        return (0, 0);
+    }
+    let micros = |t: libc::timeval| (t.tv_sec.max(0) as u64) * 1_000_000 + t.tv_usec.max(0) as u64;
+    (micros(ru.ru_utime), micros(ru.ru_stime))
 }
 
 static METRICS: LazyLock<Metrics> = LazyLock::new(Metrics::new);
@@ -120,7 +160,15 @@ impl Metrics {
             pending_del_replayed: Counter::default(),
             cutovers: Family::default(),
             cutover_duration: Family::new_with_constructor(cutover_histogram),
+            control_requests: Counter::default(),
+            routes_changed: Family::default(),
         };
+        for kind in ["block", "vm"] {
+            drop(
+                m.routes_changed
+                    .get_or_create(&RouteKind { kind: kind.into() }),
+            );
+        }
         // Series that exist from the start, so that a dashboard shows 0
         // rather than nothing before the first event.
         for verb in VERBS {
@@ -182,7 +230,34 @@ impl Metrics {
             .observe(took.as_secs_f64());
     }
 
+    /// Route passes changed `n` routes: `kind` is "block" (routes to
+    /// other nodes' blocks, VXLAN peers) or "vm" (routes that follow VMs).
+    pub fn routes_changed(&self, kind: &'static str, n: usize) {
+        if n > 0 {
+            self.routes_changed
+                .get_or_create(&RouteKind { kind: kind.into() })
+                .inc_by(n as u64);
+        }
+    }
+
+    /// What this process has cost since it started.
+    pub fn costs(&self) -> Costs {
+        let (cpu_user_micros, cpu_system_micros) = cpu_micros();
+        let sum = |total: u64, c: &Counter| total + c.get();
+        Costs {
+            control_requests: self.control_requests.get(),
+            watch_events: tether_store::control::watch_events_received(),
+            routes_changed: ["block", "vm"]
+                .iter()
+                .filter_map(|k| self.routes_changed.get(&RouteKind { kind: (*k).into() }))
+                .fold(0, |t, c| sum(t, &c)),
+            cpu_user_micros,
+            cpu_system_micros,
+        }
+    }
+
     fn control_request(&self, backend: &'static str, operation: &'static str, took: Duration) {
+        self.control_requests.inc();
         self.control_duration
             .get_or_create(&BackendOp {
                 backend: backend.into(),
@@ -217,6 +292,11 @@ impl Metrics {
             "tether_control_plane_request_duration_seconds",
             "Time of a control-plane request, by backend and operation",
             self.control_duration.clone(),
+        );
+        r.register(
+            "tether_routes_changed",
+            "Routes this node's passes added, replaced or removed, by kind (block: to other nodes' blocks, and VXLAN peers; vm: routes that follow VMs)",
+            self.routes_changed.clone(),
         );
         r.register(
             "tether_pending_del_replayed",

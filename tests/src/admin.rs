@@ -100,6 +100,14 @@ pub fn stats(socket: &Path) -> StatsResponse {
     })
 }
 
+/// The daemon's counters and costs alone ([`stats`] without the recent
+/// lists).
+pub fn brief_stats(socket: &Path) -> StatsResponse {
+    admin(socket, |mut c| async move {
+        c.stats(pb::StatsRequest { brief: true }).await
+    })
+}
+
 /// The admin calls above, on this daemon's socket.
 impl Daemon {
     /// [`attachments`] of this daemon.

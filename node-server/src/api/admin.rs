@@ -427,8 +427,9 @@ impl admin_server::Admin for AdminService {
 
     async fn stats(
         &self,
-        _: Request<pb::StatsRequest>,
+        r: Request<pb::StatsRequest>,
     ) -> Result<Response<pb::StatsResponse>, Status> {
+        let brief = r.into_inner().brief;
         let verbs = VERBS
             .iter()
             .map(|&v| {
@@ -449,22 +450,41 @@ impl admin_server::Admin for AdminService {
             })
             .unwrap_or((0, 0.0));
         let vm = self.node.vms().stats();
+        let costs = crate::metrics::get().costs();
         Ok(Response::new(pb::StatsResponse {
+            costs: Some(pb::ProcessCosts {
+                control_requests: costs.control_requests,
+                watch_events: costs.watch_events,
+                routes_changed: costs.routes_changed,
+                cpu_user_micros: costs.cpu_user_micros,
+                cpu_system_micros: costs.cpu_system_micros,
+            }),
             vm_cutovers: vm.cutovers,
             last_cutover: vm.last_cutover.as_ref().map(cutover_stats),
-            recent_cutovers: vm.recent_cutovers.iter().map(cutover_stats).collect(),
+            recent_cutovers: if brief {
+                Vec::new()
+            } else {
+                vm.recent_cutovers.iter().map(cutover_stats).collect()
+            },
             vm_route_updates: vm.route_updates,
             last_vm_route_update: vm.last_route_update.as_ref().map(route_stats),
-            recent_vm_route_updates: vm.recent_route_updates.iter().map(route_stats).collect(),
-            recent_block_routes: self
-                .node
-                .recent_block_routes()
-                .into_iter()
-                .map(|b| pb::BlockRouteStats {
-                    block: b.dst.to_string(),
-                    done_unix_nanos: b.done_unix_nanos.as_nanos(),
-                })
-                .collect(),
+            recent_vm_route_updates: if brief {
+                Vec::new()
+            } else {
+                vm.recent_route_updates.iter().map(route_stats).collect()
+            },
+            recent_block_routes: if brief {
+                Vec::new()
+            } else {
+                self.node
+                    .recent_block_routes()
+                    .into_iter()
+                    .map(|b| pb::BlockRouteStats {
+                        block: b.dst.to_string(),
+                        done_unix_nanos: b.done_unix_nanos.as_nanos(),
+                    })
+                    .collect()
+            },
             pending_del_queue: pending_del::queue_len(&self.node.config().state_dir),
             verbs,
             uptime_seconds: self.stats.started.elapsed().as_secs(),

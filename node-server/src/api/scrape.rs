@@ -104,6 +104,17 @@ fn gauge(encoder: &mut DescriptorEncoder, name: &str, help: &str, v: i64) -> std
     ConstGauge::new(v).encode(one)
 }
 
+/// One counter without labels.
+fn counter(encoder: &mut DescriptorEncoder, name: &str, help: &str, v: u64) -> std::fmt::Result {
+    let one = encoder.encode_descriptor(
+        name,
+        help,
+        None,
+        prometheus_client::metrics::MetricType::Counter,
+    )?;
+    ConstCounter::new(v).encode(one)
+}
+
 /// One counter family of several label sets.
 fn counters<L: EncodeLabelSet>(
     encoder: &mut DescriptorEncoder,
@@ -205,6 +216,12 @@ impl Collector for NodeCollector {
             "tether_pending_del_queue_length",
             "DELs queued on disk by the plugin and not replayed yet.",
             i64::try_from(queue).unwrap_or(i64::MAX),
+        )?;
+        counter(
+            &mut encoder,
+            "tether_control_plane_watch_events",
+            "Watch events received from the control plane's server (etcd's events; the API server's ADDED, MODIFIED and DELETED, Lease renewals included).",
+            tether_store::control::watch_events_received(),
         )?;
         let (d, served) = self.node.guest_dhcp_stats();
         let kind = |k: &str| KindLabel { kind: k.into() };

@@ -140,3 +140,58 @@ async fn the_control_plane_wrapper_times_every_operation() {
     )
     .is_some_and(|n| n >= 1.0));
 }
+
+#[tokio::test]
+async fn the_costs_count_requests_watch_events_and_cpu_time() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let store = EmbeddedStore::open(dir.path()).unwrap_or_else(|e| panic!("{e}"));
+    let timed = TimedControl::wrap(Arc::new(store));
+    let before = get().costs();
+    let mut rx = timed
+        .watch("/w/", 0)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    for k in ["/w/a", "/w/b", "/w/c"] {
+        let put = Op::Put {
+            key: k.into(),
+            value: b"1".to_vec(),
+            lease: None,
+        };
+        assert!(timed
+            .txn(vec![Cmp::Absent(k.into())], vec![put])
+            .await
+            .unwrap_or_else(|e| panic!("{e}")));
+    }
+    let mut seen = 0;
+    while seen < 3 {
+        match tokio::time::timeout(Duration::from_secs(5), rx.recv()).await {
+            Ok(Some(WatchMessage::Events(events))) => seen += events.len(),
+            other => panic!("the watch gave {other:?} after {seen} changes"),
+        }
+    }
+    // Spin a little, so that the CPU time moves past the clock's grain.
+    let spin = Instant::now();
+    let mut x = 0u64;
+    while spin.elapsed() < Duration::from_millis(30) {
+        x = x.wrapping_mul(31).wrapping_add(7);
+    }
+    std::hint::black_box(x);
+    let after = get().costs();
+    // Other tests feed the same process-wide counters: at least ours.
+    assert!(after.watch_events >= before.watch_events + 3, "{after:?}");
+    // The watch and three transactions.
+    assert!(
+        after.control_requests >= before.control_requests + 4,
+        "{after:?}"
+    );
+    assert!(
+        after.cpu_user_micros + after.cpu_system_micros
+            >= before.cpu_user_micros + before.cpu_system_micros + 10_000,
+        "{before:?} -> {after:?}"
+    );
+    let text = text_of(get());
+    assert!(
+        value(&text, r#"tether_routes_changed_total{kind="vm"}"#).is_some(),
+        "{text}"
+    );
+}

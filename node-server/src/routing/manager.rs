@@ -197,11 +197,12 @@ impl Routes {
         via.sort();
         // First the routes to other nodes: on a migration's source they
         // replace the pod's host route in one change.
-        self.kernel.sync_vm_routes(&via).await?;
+        count_vm_routes(self.kernel.sync_vm_routes(&via).await?);
         let mut here_ips = HashSet::new();
         for rec in view.records.values().map(|(r, _)| r) {
             if let Some(host) = wants.get(&rec.key).and_then(|w| w.here.as_ref()) {
-                self.kernel.ensure_host_routes(host, &rec.ips).await?;
+                let put_back = self.kernel.ensure_host_routes(host, &rec.ips).await?;
+                crate::metrics::get().routes_changed("vm", put_back);
                 here_ips.extend(rec.ips.iter().copied());
             }
         }
@@ -240,12 +241,13 @@ impl Routes {
         }
         put.sort();
         gone.sort();
-        self.kernel.change_vm_routes(&put, &gone).await?;
+        count_vm_routes(self.kernel.change_vm_routes(&put, &gone).await?);
         let mut here_ips = HashSet::new();
         for k in changed {
             let host = wants.get(*k).and_then(|w| w.here.as_ref());
             if let (Some(host), Some((rec, _))) = (host, view.records.get(*k)) {
-                self.kernel.ensure_host_routes(host, &rec.ips).await?;
+                let put_back = self.kernel.ensure_host_routes(host, &rec.ips).await?;
+                crate::metrics::get().routes_changed("vm", put_back);
                 here_ips.extend(rec.ips.iter().copied());
             }
         }
@@ -369,10 +371,13 @@ pub async fn program_cluster(
         view,
     };
     let (routes, peers) = plan::cluster_routes(&side);
+    let costs = crate::metrics::get();
     if let Overlay::Vxlan { .. } = overlay {
-        kernel.sync_vxlan_peers(&peers).await?;
+        let synced = kernel.sync_vxlan_peers(&peers).await?;
+        costs.routes_changed("block", synced.added + synced.removed);
     }
     let synced = kernel.sync_cluster_routes(&routes).await?;
+    costs.routes_changed("block", synced.added + synced.removed);
     Ok(ProgrammedCluster {
         added: synced.added,
         removed: synced.removed,
@@ -424,6 +429,11 @@ pub async fn prepare_overlay(
     }
 }
 
+/// Counts a VM pass's changes to routes toward other nodes.
+fn count_vm_routes(synced: tether_kernel::Synced) {
+    crate::metrics::get().routes_changed("vm", synced.added + synced.removed);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -466,9 +476,13 @@ mod tests {
         };
 
         // The first pass is full: it reads the kernel's VM routes back.
+        let costs = || crate::metrics::get().costs().routes_changed;
+        let before = costs();
         pass(&wants, Forced::default()).await.expect("applied");
         assert_eq!(kernel.calls(Call::SyncVmRoutes), 1);
         assert_eq!(kernel.routes().len(), 100);
+        // Counted (other tests feed the same counter: at least these).
+        assert!(costs() >= before + 100);
 
         // vm3 moves to another node and vm5's record goes; meanwhile
         // someone deletes vm7's route by hand. The pass changes vm3's and
@@ -477,11 +491,13 @@ mod tests {
         kernel.drop_route(ip(7));
         wants.insert(vm(3), want(via(3, 3)));
         wants.remove(&vm(5));
+        let before = costs();
         pass(&wants, Forced::default()).await.expect("applied");
         assert_eq!(
             kernel.log(),
             [(Call::ChangeVmRoutes, "10.1.0.3/32,10.1.0.5/32".to_string())]
         );
+        assert!(costs() >= before + 2);
         let via_of = |i: usize| kernel.route_to(ip(i)).and_then(|r| r.via);
         assert_eq!(via_of(3), Some(IpAddr::from([192, 168, 0, 3])));
         assert_eq!(via_of(5), None);

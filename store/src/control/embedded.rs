@@ -162,9 +162,13 @@ impl EmbeddedStore {
                 .collect();
             // A watcher that cannot keep up is told to list again rather
             // than silently missing a change.
+            let n = mine.len();
             mine.is_empty()
                 || match tx.try_send(WatchMessage::Events(mine)) {
-                    Ok(()) => true,
+                    Ok(()) => {
+                        super::received(n);
+                        true
+                    }
                     Err(mpsc::error::TrySendError::Full(_)) => {
                         let _ = tx.try_send(WatchMessage::Broken("watcher fell behind".into()));
                         false

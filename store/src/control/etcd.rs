@@ -254,6 +254,7 @@ impl ControlStore for EtcdStore {
                             format!("history compacted at {}", resp.compact_revision()),
                         ),
                         Ok(Some(resp)) => {
+                            super::received(resp.events().len());
                             let events: Vec<Event> = resp
                                 .events()
                                 .iter()

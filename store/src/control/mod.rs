@@ -32,6 +32,7 @@ use std::fmt;
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tether_base::error::{chain, Error};
@@ -229,6 +230,24 @@ pub enum WatchMessage {
     /// The watch broke (the store went away, or the history it needed was
     /// compacted). The watcher must list again and watch from there.
     Broken(String),
+}
+
+/// Watch events this process received, on every watch of every backend.
+static WATCH_EVENTS: AtomicU64 = AtomicU64::new(0);
+
+/// The watch events this process has received since it started, as its
+/// store's server sent them: etcd's events; the API server's ADDED,
+/// MODIFIED and DELETED of tether's objects and of the nodes' Leases (a
+/// Lease renewal is one, although it changes no alive key); the embedded
+/// store's changes. A scale run's measure of what the cluster's size
+/// costs each node.
+pub fn watch_events_received() -> u64 {
+    WATCH_EVENTS.load(Ordering::Relaxed)
+}
+
+/// Counts `n` watch events received.
+pub(crate) fn received(n: usize) {
+    WATCH_EVENTS.fetch_add(n as u64, Ordering::Relaxed);
 }
 
 /// The one key a transaction concerns: every condition and every change

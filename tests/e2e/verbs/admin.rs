@@ -397,7 +397,7 @@ fn rust_client_reads_the_admin_api() {
                 network: String::new(),
             })
             .await;
-        let stats = client.stats(pb::StatsRequest {}).await;
+        let stats = client.stats(pb::StatsRequest::default()).await;
         (node, list, one, stats)
     });
     let node = node.expect("GetNode").into_inner();
@@ -434,6 +434,25 @@ fn rust_client_reads_the_admin_api() {
     let stats = stats.expect("Stats").into_inner();
     let add = stats.verbs.iter().find(|v| v.verb == "ADD").expect("ADD");
     assert_eq!((add.ok, add.errors), (1, 0), "{stats:?}");
+    // Its costs so far: a daemon that started, opened its journal and
+    // wired a pod has spent CPU time; a single node makes no control-plane
+    // requests and programs no routes to other nodes.
+    let costs = stats.costs.expect("costs");
+    assert!(
+        costs.cpu_user_micros + costs.cpu_system_micros > 0,
+        "{costs:?}"
+    );
+    assert_eq!(
+        (costs.routes_changed, costs.watch_events),
+        (0, 0),
+        "{costs:?}"
+    );
+    // Brief: the same counters, no lists.
+    let brief = admin::brief_stats(daemon.socket());
+    assert_eq!(brief.verbs, stats.verbs);
+    assert!(brief
+        .costs
+        .is_some_and(|c| c.cpu_user_micros >= costs.cpu_user_micros));
 
     // Filtering by another network finds nothing.
     let other = admin::with_client(daemon.socket(), |mut client| async move {

@@ -707,6 +707,7 @@ impl Inner {
                         continue;
                     }
                     Some(Ok(WatchEvent::Added(o) | WatchEvent::Modified(o))) => {
+                        super::received(1);
                         rv = o.metadata.resource_version.clone().unwrap_or(rv);
                         let name = o.metadata.name.as_deref().unwrap_or_default();
                         if !class.owns(name) {
@@ -720,6 +721,7 @@ impl Inner {
                         }
                     }
                     Some(Ok(WatchEvent::Deleted(o))) => {
+                        super::received(1);
                         rv = o.metadata.resource_version.clone().unwrap_or(rv);
                         let name = o.metadata.name.as_deref().unwrap_or_default();
                         if !class.owns(name) {
@@ -832,6 +834,7 @@ impl Inner {
                         None => break,
                         Some(Ok(WatchEvent::Bookmark(b))) => rv = b.metadata.resource_version,
                         Some(Ok(WatchEvent::Added(l) | WatchEvent::Modified(l))) => {
+                            super::received(1);
                             rv = l.metadata.resource_version.clone().unwrap_or(rv);
                             if let Some(kv) = self.lease_kv(&l, Instant::now()) {
                                 if let Some((_, node)) = self.keys.split(&kv.key) {
@@ -844,6 +847,7 @@ impl Inner {
                             }
                         }
                         Some(Ok(WatchEvent::Deleted(l))) => {
+                            super::received(1);
                             rv = l.metadata.resource_version.clone().unwrap_or(rv);
                             let node = l
                                 .metadata
