@@ -163,7 +163,7 @@ impl KubeApi {
         // Build (or find) the binaries before anything is set up.
         k8s_bin_dir();
         let netns = Netns::new("kapi");
-        let underlay = fabric.attach_host(&netns, API_HOST);
+        let underlay = fabric.attach_host(&netns, API_HOST.into());
         let dir = TempDir::new("kapi");
         let d = dir.path();
         let ip = underlay.v4;

@@ -215,7 +215,7 @@ impl KubeNode {
         sandbox_image: &str,
     ) -> KubeNode {
         let netns = Netns::new("kn");
-        let underlay = fabric.attach_host(&netns, host);
+        let underlay = fabric.attach_host(&netns, host.into());
         let dir = TempDir::new("kn");
         let name = netns.name().to_string();
         let mut binds = Vec::new();

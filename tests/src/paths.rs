@@ -72,7 +72,7 @@ impl Outside {
     /// clusters' too).
     pub fn on(fabric: &Fabric) -> Outside {
         let netns = Netns::new("out");
-        let underlay = fabric.attach_host(&netns, OUTSIDE_HOST);
+        let underlay = fabric.attach_host(&netns, OUTSIDE_HOST.into());
         Outside { netns, underlay }
     }
 

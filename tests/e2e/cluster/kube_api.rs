@@ -84,7 +84,7 @@ fn node_from_api(
     kubeconfig: &Path,
 ) -> Daemon {
     let node_ns = Netns::new("node");
-    fabric.attach_host(&node_ns, host);
+    fabric.attach_host(&node_ns, host.into());
     api.apply(
         &json!({
             "apiVersion": "v1", "kind": "Node",

@@ -203,12 +203,14 @@ fn node_netns_reach_each_other_and_etcd_over_the_fabric() {
     let underlays: Vec<_> = nodes
         .iter()
         .enumerate()
-        .map(|(i, ns)| fabric.attach_host(ns, 21 + i as u8))
+        // The third past the first 256 hosts: in the /16's second 256, as a
+        // scale run's 300th node is.
+        .map(|(i, ns)| fabric.attach_host(ns, [21, 22, 300][i]))
         .collect();
 
     for (ns, u) in nodes.iter().zip(&underlays) {
         let addrs = ns.addrs_of(&u.ifname);
-        assert!(addrs.contains(&format!("{}/24", u.v4)), "{addrs:?}");
+        assert!(addrs.contains(&format!("{}/16", u.v4)), "{addrs:?}");
         assert!(addrs.contains(&format!("{}/64", u.v6)), "{addrs:?}");
         // The default route the daemon's node-IP detection follows.
         let out = ns.exec_ok(&["ip", "-4", "route", "get", "192.0.2.1"]);
@@ -221,6 +223,8 @@ fn node_netns_reach_each_other_and_etcd_over_the_fabric() {
     }
     assert_eq!(underlays[1].v4.to_string(), "10.77.0.22");
     assert_eq!(underlays[1].v6.to_string(), "fd00:77:ff::22");
+    assert_eq!(underlays[2].v4.to_string(), "10.77.1.44");
+    assert_eq!(underlays[2].v6.to_string(), "fd00:77:ff::300");
 
     for (i, from) in nodes.iter().enumerate() {
         for (j, to) in underlays.iter().enumerate() {
@@ -255,7 +259,7 @@ fn node_netns_reach_each_other_and_etcd_over_the_fabric() {
     // ... and not from the machine's own netns: none of it is there.
     assert_root_netns_untouched();
     let root_route = Command::new("ip")
-        .args(["-4", "route", "show", "10.77.0.0/24"])
+        .args(["-4", "route", "show", "10.77.0.0/16"])
         .output()
         .unwrap();
     assert!(String::from_utf8_lossy(&root_route.stdout)

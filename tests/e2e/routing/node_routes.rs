@@ -95,7 +95,7 @@ fn three_nodes(overlay: Overlay) -> (Fabric, KubeApi, PathBuf, Vec<Node>) {
         let ns = Netns::new("node");
         let ips: Vec<IpAddr> = match overlay {
             Overlay::HostGw => {
-                let u = fabric.attach_host(&ns, 31 + i as u8);
+                let u = fabric.attach_host(&ns, 31 + i as u16);
                 vec![u.v4.into(), u.v6.into()]
             }
             Overlay::Vxlan => {

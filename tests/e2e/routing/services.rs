@@ -138,7 +138,7 @@ fn services_through_kube_proxy_reach_tether_pods_across_nodes_and_back_to_themse
     let mut nodes = Vec::new();
     for (i, host) in [(1u8, 51u8), (2, 52)] {
         let ns = Netns::new("node");
-        let underlay = fabric.attach_host(&ns, host);
+        let underlay = fabric.attach_host(&ns, host.into());
         // The Node as the kubelet and the node IPAM controller leave it.
         api.apply(
             &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": ns.name()},

@@ -59,7 +59,7 @@ impl EtcdCluster {
         let control = Netns::new("etcd");
         let dir = TempDir::new("etcd");
         let ips: Vec<Ipv4Addr> = (0..members)
-            .map(|i| Underlay::of_host(String::new(), ETCD_HOST_BASE + i as u8).v4)
+            .map(|i| Underlay::of_host(String::new(), ETCD_HOST_BASE + i as u16).v4)
             .collect();
         let addrs: Vec<String> = ips
             .iter()

@@ -104,12 +104,13 @@ impl Fabric {
     }
 
     /// [`Fabric::attach`] with the underlay addresses of host number `host`
-    /// (`10.77.0.<host>/24` and `fd00:77:ff::<host>/64`, the same digits in
-    /// both: host 21 is `::21`), plus default routes of both families via
-    /// the gateways: what a node needs.
-    pub fn attach_host(&self, ns: &Netns, host: u8) -> Underlay {
+    /// (`10.77.<host / 256>.<host % 256>/16` and `fd00:77:ff::<host>/64`,
+    /// the same decimal digits in the IPv6 group: host 21 is `10.77.0.21`
+    /// and `::21`), plus default routes of both families via the gateways:
+    /// what a node needs.
+    pub fn attach_host(&self, ns: &Netns, host: u16) -> Underlay {
         assert!(
-            (2..=254).contains(&host),
+            (2..=MAX_HOST).contains(&host) && !matches!(host % 256, 0 | 255),
             "underlay host number {host} out of range"
         );
         let underlay = Underlay::of_host(String::new(), host);
@@ -156,14 +157,15 @@ impl Default for Fabric {
 }
 
 impl Underlay {
-    pub(super) fn of_host(ifname: String, host: u8) -> Underlay {
-        let [a, b, c, _] = GATEWAY_V4.octets();
+    pub(super) fn of_host(ifname: String, host: u16) -> Underlay {
+        let [a, b, _, _] = GATEWAY_V4.octets();
+        let [c, d] = host.to_be_bytes();
         let mut v6 = GATEWAY_V6.segments();
         // The decimal digits read as hex: host 21 is ::21, as in the v4.
         v6[7] = u16::from_str_radix(&host.to_string(), 16).expect("decimal digits are hex");
         Underlay {
             ifname,
-            v4: Ipv4Addr::new(a, b, c, host),
+            v4: Ipv4Addr::new(a, b, c, d),
             v6: Ipv6Addr::from(v6),
         }
     }

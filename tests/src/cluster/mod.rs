@@ -41,7 +41,7 @@ use crate::{
 };
 
 /// The underlay's IPv4 subnet, inside the fabric only.
-pub const UNDERLAY_V4: &str = "10.77.0.0/24";
+pub const UNDERLAY_V4: &str = "10.77.0.0/16";
 /// The underlay's IPv6 subnet, inside the fabric only.
 pub const UNDERLAY_V6: &str = "fd00:77:ff::/64";
 /// The fabric's IPv4 gateway (on the bridge): every node's default route.
@@ -63,11 +63,14 @@ pub const ETCD_CLIENT_PORT: u16 = 2379;
 /// The port every etcd member talks to its peers on.
 pub const ETCD_PEER_PORT: u16 = 2380;
 
+/// The largest underlay host number: the digits must read as one IPv6
+/// group in hex ([`Underlay::of_host`]), and a scale run's 500 nodes fit.
+const MAX_HOST: u16 = 9999;
 /// Underlay host numbers: etcd members from 11, nodes from 21.
-const ETCD_HOST_BASE: u8 = 11;
-const NODE_HOST_BASE: u8 = 21;
+const ETCD_HOST_BASE: u16 = 11;
+const NODE_HOST_BASE: u16 = 21;
 /// Underlay prefix lengths (of [`UNDERLAY_V4`] and [`UNDERLAY_V6`]).
-const UNDERLAY_V4_LEN: u8 = 24;
+const UNDERLAY_V4_LEN: u8 = 16;
 const UNDERLAY_V6_LEN: u8 = 64;
 
 /// Raft timing: small, so that losing the leader costs well under a second
@@ -174,7 +177,7 @@ pub struct Cluster {
     fabric: Fabric,
     backend: Backend,
     opts: NodeOpts,
-    next_host: u8,
+    next_host: u16,
 }
 
 impl Cluster {
@@ -270,10 +273,13 @@ impl Cluster {
     /// fresh underlay addresses, never those of a removed node.
     pub fn add_node_with(&mut self, opts: &NodeOpts) -> usize {
         let host = self.next_host;
-        self.next_host = host
-            .checked_add(1)
-            .filter(|h| *h < 255)
-            .expect("out of underlay addresses");
+        // The next, past the /16's x.255 and x.0 of each 256.
+        let mut next = host + 1;
+        while matches!(next % 256, 0 | 255) {
+            next += 1;
+        }
+        assert!(next <= MAX_HOST, "out of underlay addresses");
+        self.next_host = next;
         let node = ClusterNode::start(&self.fabric, &self.backend, host, opts);
         self.nodes.push(node);
         self.nodes.len() - 1

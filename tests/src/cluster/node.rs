@@ -146,7 +146,7 @@ impl ClusterNode {
     /// Creates a node netns, attaches it to `fabric` as host number `host`
     /// ([`Fabric::attach_host`]) and starts tetherd in it with `opts`
     /// on `backend`; panics with the daemon's log if it does not serve.
-    pub fn start(fabric: &Fabric, backend: &Backend, host: u8, opts: &NodeOpts) -> ClusterNode {
+    pub fn start(fabric: &Fabric, backend: &Backend, host: u16, opts: &NodeOpts) -> ClusterNode {
         let netns = Netns::new("node");
         let underlay = fabric.attach_host(&netns, host);
         let daemon = Daemon::start_in(
