@@ -51,6 +51,12 @@ pub trait Benchmark {
     /// The flags all benchmarks take.
     fn common(&self) -> &CommonArgs;
 
+    /// The section this run writes: [`Benchmark::SECTION`], unless its
+    /// flags make it another kind of run that has a section of its own.
+    fn section(&self) -> &'static str {
+        Self::SECTION
+    }
+
     /// Builds or finds what the run needs (release binaries, images). An
     /// error ends the run before anything is measured.
     fn prepare(&self) -> Result<Self::Ready, String>;
@@ -120,7 +126,7 @@ pub fn run<B: Benchmark>(bench: &B, command_line: String) -> ExitCode {
     println!("{report}");
     if let Some(path) = &bench.common().write {
         let writer = format!("tether-bench {}", B::NAME);
-        match write_section(path, B::SECTION, &writer, &report) {
+        match write_section(path, bench.section(), &writer, &report) {
             Ok(()) => eprintln!("{}: wrote {}", B::NAME, path.display()),
             Err(e) => {
                 eprintln!("{}: cannot write {}: {e}", B::NAME, path.display());

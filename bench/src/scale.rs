@@ -110,6 +110,13 @@ const STATS_POLL: Duration = Duration::from_secs(1);
 /// from here (inside the cluster CIDR, so each block is claimed).
 const RECORDS_BASE: [u8; 4] = [10, 244, 128, 0];
 
+/// The largest cluster of real daemons (each in its netns, routing with
+/// the kernel), and of control-plane-only daemons.
+const MAX_NODES: usize = 200;
+const MAX_NODES_CONTROL_ONLY: usize = 500;
+/// The control-plane-only daemon, from the suites' crate.
+const CONTROL_ONLY_BIN: &str = "tetherd_control_only";
+
 /// The issue's targets at 100 nodes, 100 simultaneous migrations: every
 /// node repointed within this p99.
 const TARGET_ETCD_MS: f64 = 50.0;
@@ -118,7 +125,8 @@ const TARGET_KUBE_MS: f64 = 250.0;
 /// `tether-bench scale`'s flags.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Cluster sizes to run, comma-separated, each 2 to 200 nodes.
+    /// Cluster sizes to run, comma-separated, each 2 to 200 nodes (to 500
+    /// with --control-only).
     #[arg(long, value_name = "LIST", default_value = "10,30,100", value_parser = parse_nodes)]
     nodes: ::std::vec::Vec<usize>,
     /// Control stores to run, comma-separated: etcd, kubernetes.
@@ -143,6 +151,12 @@ pub struct Args {
     /// Seconds of the idle-load measurement.
     #[arg(long, value_name = "N", default_value_t = 10, value_parser = number_u64)]
     idle_secs: u64,
+    /// Runs the control plane alone: each node's daemon is the suites'
+    /// `tetherd_control_only` (the daemon over an in-memory kernel and
+    /// node), light enough for 300 and more nodes on this machine. Sizes
+    /// above 200 need it.
+    #[arg(long)]
+    control_only: bool,
     #[command(flatten)]
     common: CommonArgs,
 }
@@ -162,11 +176,12 @@ fn parse_list(text: &str) -> Result<Vec<usize>, String> {
     text.split(',').map(|t| number(t.trim())).collect()
 }
 
-/// `--nodes`: cluster sizes, each 2 to 200.
+/// `--nodes`: cluster sizes, each 2 to 500 (above 200 only with
+/// `--control-only`, checked once every flag is known).
 fn parse_nodes(text: &str) -> Result<Vec<usize>, String> {
     let nodes = parse_list(text)?;
-    if nodes.iter().any(|n| *n < 2 || *n > 200) {
-        return Err("each size must be 2 to 200".to_owned());
+    if nodes.iter().any(|n| *n < 2 || *n > MAX_NODES_CONTROL_ONLY) {
+        return Err(format!("each size must be 2 to {MAX_NODES_CONTROL_ONLY}"));
     }
     Ok(nodes)
 }
@@ -208,15 +223,48 @@ impl Benchmark for Args {
         &self.common
     }
 
+    /// The control plane alone has a section of its own, beside the real
+    /// daemons' one.
+    fn section(&self) -> &'static str {
+        if self.control_only {
+            "bench_scale_control_only"
+        } else {
+            Self::SECTION
+        }
+    }
+
     fn prepare(&self) -> Result<PathBuf, String> {
+        if !self.control_only && self.nodes.iter().any(|n| *n > MAX_NODES) {
+            return Err(format!(
+                "sizes above {MAX_NODES} nodes need --control-only (real daemons, each in its netns, do not fit this machine)"
+            ));
+        }
         let dir = release_dir(Self::NAME, self.common.build())?;
+        if self.control_only {
+            if self.common.build() {
+                crate::kit::cargo_build_release(
+                    Self::NAME,
+                    &["-p", "tether-e2e", "--bin", CONTROL_ONLY_BIN],
+                )?;
+            }
+            if !dir.join(CONTROL_ONLY_BIN).exists() {
+                return Err(format!(
+                    "{} does not exist (cargo build --release -p tether-e2e --bin {CONTROL_ONLY_BIN})",
+                    dir.join(CONTROL_ONLY_BIN).display()
+                ));
+            }
+        }
         eprintln!("scale: binaries from {}", dir.display());
         Ok(dir)
     }
 
     fn measure(&self, dir: &PathBuf, failures: &mut Failures) -> Vec<Outcome> {
         let args = self;
-        let tetherd = dir.join("tetherd");
+        let tetherd = dir.join(if args.control_only {
+            CONTROL_ONLY_BIN
+        } else {
+            "tetherd"
+        });
         let largest = args.nodes.iter().copied().max().unwrap_or(0);
 
         let mut configs = Vec::new();
@@ -227,6 +275,7 @@ impl Benchmark for Args {
                     nodes: n,
                     notices: true,
                     startup: n == largest && args.records > 0,
+                    control_only: args.control_only,
                 });
             }
             if let Some(n) = args.notices_off_at {
@@ -235,6 +284,7 @@ impl Benchmark for Args {
                     nodes: n,
                     notices: false,
                     startup: false,
+                    control_only: args.control_only,
                 });
             }
         }
@@ -266,15 +316,22 @@ struct Config {
     notices: bool,
     /// Also the start-up phase.
     startup: bool,
+    /// The daemons are `tetherd_control_only`.
+    control_only: bool,
 }
 
 impl Config {
     fn label(&self) -> String {
         format!(
-            "{} × {} nodes{}",
+            "{} × {} nodes{}{}",
             self.store.name(),
             self.nodes,
-            if self.notices { "" } else { ", notices off" }
+            if self.notices { "" } else { ", notices off" },
+            if self.control_only {
+                ", control plane only"
+            } else {
+                ""
+            }
         )
     }
 }
@@ -320,6 +377,16 @@ pub struct Outcome {
     /// Records reserved, and how long that took.
     reserved: usize,
     reserve_secs: Option<f64>,
+    /// Each node's costs (its Stats `costs`): per second idle; per block
+    /// claim of node 0 on every other node, and per ADD on node 0; per
+    /// migration on every node, and on the nodes no VM left or reached;
+    /// per restart of the last node on every other node.
+    idle_costs: Option<Spread>,
+    claim_costs: Option<Spread>,
+    claimer_costs: Option<Spread>,
+    migration_costs: Option<Spread>,
+    bystander_costs: Option<Spread>,
+    restart_costs: Option<Spread>,
 }
 
 impl Outcome {
@@ -348,6 +415,12 @@ impl Outcome {
             restarts_ms: Vec::new(),
             reserved: 0,
             reserve_secs: None,
+            idle_costs: None,
+            claim_costs: None,
+            claimer_costs: None,
+            migration_costs: None,
+            bystander_costs: None,
+            restart_costs: None,
         }
     }
 }
@@ -407,10 +480,21 @@ fn run_config(tetherd: &Path, args: &Args, o: &mut Outcome, f: &mut Failures) {
     }
 
     // 1. Idle.
+    let costs0 = all_costs(&cluster);
     let before = probe.sample(&cluster);
     std::thread::sleep(Duration::from_secs(args.idle_secs));
     let idle = probe.sample(&cluster).since(&before);
+    let costs1 = all_costs(&cluster);
+    o.idle_costs = Spread::of(
+        costs0
+            .iter()
+            .zip(&costs1)
+            .map(|(a, b)| Cost::between(a, b, idle.secs)),
+    );
     eprintln!("scale: idle: {}", idle.one_line(c.nodes));
+    if let Some(s) = &o.idle_costs {
+        eprintln!("scale: idle, per node and second: {}", s.one_line());
+    }
 
     o.idle = Some(idle.clone());
 
@@ -456,6 +540,100 @@ fn wait_stats(cluster: &Cluster, done: impl Fn(usize, &pb::StatsResponse) -> boo
     }
 }
 
+/// Every node's costs now (brief Stats, one node after another).
+fn all_costs(cluster: &Cluster) -> Vec<pb::ProcessCosts> {
+    cluster
+        .nodes()
+        .iter()
+        .map(|n| {
+            admin::brief_stats(n.daemon().socket())
+                .costs
+                .unwrap_or_default()
+        })
+        .collect()
+}
+
+/// One node's cost of an event (or of a second), from its Stats `costs`.
+#[derive(Clone, Copy, Debug, Default)]
+struct Cost {
+    watch_events: f64,
+    requests: f64,
+    routes: f64,
+    cpu_ms: f64,
+}
+
+impl Cost {
+    /// The change from `a` to `b`, divided by `per` (events, or seconds).
+    fn between(a: &pb::ProcessCosts, b: &pb::ProcessCosts, per: f64) -> Cost {
+        let d = |x: u64, y: u64| y.saturating_sub(x) as f64 / per.max(1e-9);
+        Cost {
+            watch_events: d(a.watch_events, b.watch_events),
+            requests: d(a.control_requests, b.control_requests),
+            routes: d(a.routes_changed, b.routes_changed),
+            cpu_ms: d(
+                a.cpu_user_micros + a.cpu_system_micros,
+                b.cpu_user_micros + b.cpu_system_micros,
+            ) / 1e3,
+        }
+    }
+}
+
+/// The nodes' costs of one event: mean and largest.
+#[derive(Clone, Copy, Debug, Default)]
+struct Spread {
+    nodes: usize,
+    mean: Cost,
+    max: Cost,
+}
+
+impl Spread {
+    fn of(costs: impl Iterator<Item = Cost>) -> Option<Spread> {
+        let all: Vec<Cost> = costs.collect();
+        if all.is_empty() {
+            return None;
+        }
+        let n = all.len() as f64;
+        let fold = |f: fn(&Cost) -> f64| -> (f64, f64) {
+            let sum: f64 = all.iter().map(f).sum();
+            let max = all.iter().map(f).fold(0.0, f64::max);
+            (sum / n, max)
+        };
+        let (w, wm) = fold(|c| c.watch_events);
+        let (q, qm) = fold(|c| c.requests);
+        let (r, rm) = fold(|c| c.routes);
+        let (u, um) = fold(|c| c.cpu_ms);
+        Some(Spread {
+            nodes: all.len(),
+            mean: Cost {
+                watch_events: w,
+                requests: q,
+                routes: r,
+                cpu_ms: u,
+            },
+            max: Cost {
+                watch_events: wm,
+                requests: qm,
+                routes: rm,
+                cpu_ms: um,
+            },
+        })
+    }
+
+    fn one_line(&self) -> String {
+        format!(
+            "watch events {:.2} (max {:.2}), requests {:.2} (max {:.2}), routes changed {:.2} (max {:.2}), CPU {:.2} ms (max {:.2})",
+            self.mean.watch_events,
+            self.max.watch_events,
+            self.mean.requests,
+            self.max.requests,
+            self.mean.routes,
+            self.max.routes,
+            self.mean.cpu_ms,
+            self.max.cpu_ms
+        )
+    }
+}
+
 fn all_stats(cluster: &Cluster) -> Vec<pb::StatsResponse> {
     cluster
         .nodes()
@@ -471,6 +649,7 @@ fn claim_phase(cluster: &Cluster, args: &Args, o: &mut Outcome, f: &mut Failures
     let node0 = cluster.node(0);
     let claims_before = node0.daemon().stats().block_claims;
     let log_before = node0.daemon().log().len();
+    let costs0 = all_costs(cluster);
     let mut pods = Vec::new();
     let mut adds = 0;
     while adds < 4 * args.claims.max(1) {
@@ -523,6 +702,20 @@ fn claim_phase(cluster: &Cluster, args: &Args, o: &mut Outcome, f: &mut Failures
             "claims: not every node routed to all {} claimed blocks within {CONVERGE:?}",
             wanted.len()
         ));
+    }
+    let costs1 = all_costs(cluster);
+    let per = |k: usize| {
+        let n = if k == 0 { adds } else { claims.len() };
+        Cost::between(&costs0[k], &costs1[k], n.max(1) as f64)
+    };
+    o.claimer_costs = Spread::of([per(0)].into_iter());
+    o.claim_costs = Spread::of((1..costs0.len()).map(per));
+    if let (Some(c), Some(a)) = (&o.claim_costs, &o.claimer_costs) {
+        eprintln!(
+            "scale: per claim, on each other node: {}; per ADD on node 0: {}",
+            c.one_line(),
+            a.one_line()
+        );
     }
     let stats = all_stats(cluster);
     for c in &claims {
@@ -706,12 +899,24 @@ fn migration_phase(
     std::thread::sleep(Duration::from_secs(2));
 
     // All RARPs at once.
+    let costs0 = all_costs(cluster);
     let load0 = probe.sample(cluster);
-    // The sockets are opened first, in each target pod's netns, so that
-    // the sends themselves are all that happens in the burst.
-    let senders: Vec<FrameSender> = vms
+    // The sockets are opened first, in each target pod's netns (or to
+    // each target's control-only daemon), so that the sends themselves are
+    // all that happens in the burst.
+    let senders: Vec<Announcer> = vms
         .iter()
-        .map(|vm| FrameSender::rarp(vm.target_pod.netns(), "eth0", mac_bytes(&vm.mac)))
+        .map(|vm| {
+            if o.config.control_only {
+                Announcer::order(cluster.node(vm.target), vm)
+            } else {
+                Announcer::Frame(FrameSender::rarp(
+                    vm.target_pod.netns(),
+                    "eth0",
+                    mac_bytes(&vm.mac),
+                ))
+            }
+        })
         .collect();
     // One thread sends them all, back to back: on two CPUs, a thread per
     // VM would be spread out by the daemons reacting to the first frames.
@@ -726,6 +931,11 @@ fn migration_phase(
     let first = sent.iter().copied().min().unwrap_or(0);
     let last = sent.iter().copied().max().unwrap_or(0);
     o.rarp_spread_us = Some((last - first) / 1000);
+    for (vm, a) in vms.iter().zip(senders) {
+        if let Err(e) = a.answered() {
+            f.fail(format!("migration: {}'s announcement: {e}", vm.key));
+        }
+    }
 
     // Wait (reading Stats once a second, from 1 s after the RARPs) for
     // every cutover and every node's route change.
@@ -741,7 +951,25 @@ fn migration_phase(
         std::thread::sleep(STATS_POLL);
     }
     let load1 = probe.sample(cluster);
+    let costs1 = all_costs(cluster);
     let load = load1.since(&load0);
+    let per_vm = |k: usize| Cost::between(&costs0[k], &costs1[k], vms.len().max(1) as f64);
+    o.migration_costs = Spread::of((0..n).map(per_vm));
+    o.bystander_costs = Spread::of(
+        (0..n)
+            .filter(|k| !vms.iter().any(|v| v.source == *k || v.target == *k))
+            .map(per_vm),
+    );
+    if let Some(c) = &o.migration_costs {
+        eprintln!("scale: per migration, on each node: {}", c.one_line());
+    }
+    if let Some(c) = &o.bystander_costs {
+        eprintln!(
+            "scale: per migration, on each of the {} nodes no VM left or reached: {}",
+            c.nodes,
+            c.one_line()
+        );
+    }
     if load.requests <= 0.0 {
         f.fail("migration: the store's metrics counted no requests: are they read?".to_owned());
     }
@@ -844,6 +1072,96 @@ fn migration_phase(
     vms
 }
 
+/// What sends one VM's RARP: a frame from its target pod's netns, or an
+/// order to its target's control-only daemon (which has no veth to see a
+/// frame on).
+enum Announcer {
+    Frame(FrameSender),
+    Order(std::os::unix::net::UnixStream, String),
+}
+
+impl Announcer {
+    fn order(node: &ClusterNode, vm: &Vm) -> Announcer {
+        let line = format!(
+            "announce {} {}\n",
+            vm.target_pod.netns().path().display(),
+            vm.mac
+        );
+        let path = fake_socket(node);
+        match std::os::unix::net::UnixStream::connect(&path) {
+            Ok(conn) => Announcer::Order(conn, line),
+            Err(e) => panic!("connecting to {}: {e}", path.display()),
+        }
+    }
+
+    /// Sends it; the moment just before.
+    fn send(&self) -> Instant {
+        match self {
+            Announcer::Frame(f) => f.send(),
+            Announcer::Order(conn, line) => {
+                let at = Instant::now();
+                if let Err(e) = std::io::Write::write_all(&mut &*conn, line.as_bytes()) {
+                    panic!("sending an announcement order: {e}");
+                }
+                at
+            }
+        }
+    }
+
+    /// The daemon's answer to an order ("ok ..."); a frame has none.
+    fn answered(self) -> Result<(), String> {
+        match self {
+            Announcer::Frame(_) => Ok(()),
+            Announcer::Order(conn, _) => {
+                let mut answer = String::new();
+                std::io::Read::read_to_string(&mut &conn, &mut answer)
+                    .map_err(|e| e.to_string())?;
+                if answer.starts_with("ok ") {
+                    Ok(())
+                } else {
+                    Err(answer.trim().to_owned())
+                }
+            }
+        }
+    }
+}
+
+/// The orders socket of a node's control-only daemon.
+fn fake_socket(node: &ClusterNode) -> PathBuf {
+    PathBuf::from(format!("{}.fake", node.daemon().socket().display()))
+}
+
+/// A control-only daemon's route table, as `ip -j route` gives the
+/// kernel's: `dst` (a host route without its prefix length) and
+/// `gateway`.
+fn fake_routes(node: &ClusterNode) -> Vec<Value> {
+    let path = fake_socket(node);
+    let mut text = String::new();
+    let read = std::os::unix::net::UnixStream::connect(&path).and_then(|mut c| {
+        std::io::Write::write_all(&mut c, b"routes\n")?;
+        std::io::Read::read_to_string(&mut c, &mut text)
+    });
+    if let Err(e) = read {
+        panic!("reading the routes of {}: {e}", path.display());
+    }
+    text.lines()
+        .filter_map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            let (dst, via) = (*w.first()?, *w.get(1)?);
+            let dst = match dst.parse::<ipnet::IpNet>() {
+                Ok(net) if net.prefix_len() == net.max_prefix_len() => net.addr().to_string(),
+                _ => dst.to_owned(),
+            };
+            let gateway = if via == "-" {
+                Value::Null
+            } else {
+                Value::String(via.to_owned())
+            };
+            Some(serde_json::json!({ "dst": dst, "gateway": gateway }))
+        })
+        .collect()
+}
+
 fn first_few(v: &[String]) -> Vec<&String> {
     v.iter().take(5).collect()
 }
@@ -893,7 +1211,11 @@ fn check_routes(cluster: &Cluster, vms: &[Vm]) -> RouteCheck {
         addresses: vms.iter().map(|v| v.ips.len()).sum(),
         ..RouteCheck::default()
     };
+    let control_only = nodes.first().is_some_and(|n| fake_socket(n).exists());
     let tables: Vec<Vec<Value>> = par_map(nodes.len(), |k| {
+        if control_only {
+            return fake_routes(&nodes[k]);
+        }
         let ns = nodes[k].netns();
         let mut routes = ns.routes(Family::V4);
         routes.extend(ns.routes(Family::V6));
@@ -1031,6 +1353,17 @@ fn startup_phase(cluster: &mut Cluster, args: &Args, o: &mut Outcome, f: &mut Fa
     );
     // Let the reservations' block routes settle everywhere.
     std::thread::sleep(Duration::from_secs(3));
+    let others = |c: &Cluster| -> Vec<pb::ProcessCosts> {
+        c.nodes()[..last]
+            .iter()
+            .map(|x| {
+                admin::brief_stats(x.daemon().socket())
+                    .costs
+                    .unwrap_or_default()
+            })
+            .collect()
+    };
+    let costs0 = others(cluster);
     for r in 0..args.restarts {
         let d = cluster.node_mut(last).daemon_mut();
         let _ = d.stop();
@@ -1051,6 +1384,16 @@ fn startup_phase(cluster: &mut Cluster, args: &Args, o: &mut Outcome, f: &mut Fa
         );
         o.restarts_ms.push(took.as_secs_f64() * 1e3);
         std::thread::sleep(Duration::from_secs(1));
+    }
+    let costs1 = others(cluster);
+    o.restart_costs = Spread::of(
+        costs0
+            .iter()
+            .zip(&costs1)
+            .map(|(a, b)| Cost::between(a, b, args.restarts.max(1) as f64)),
+    );
+    if let Some(c) = &o.restart_costs {
+        eprintln!("scale: per restart, on each other node: {}", c.one_line());
     }
 }
 
@@ -1420,6 +1763,38 @@ fn report(run: &Run, args: &Args, bin_dir: &Path, outcomes: &[Outcome]) -> Strin
             ]);
         }
         r.table(&t);
+        r.paragraph(
+            "Each node's costs, from its own counters (Stats `costs`: control-plane requests \
+             begun, watch events received from the store, routes changed, and its CPU time from \
+             `getrusage`), as `watch events / requests / routes changed / CPU`, the mean over \
+             the nodes (the largest node's CPU after it):",
+        );
+        let mut t = Table::new(&[
+            "nodes",
+            "notices",
+            "idle, per second",
+            "per block claim, each other node",
+            "per ADD, node 0",
+            "per migration, each node",
+            "per migration, nodes no VM left or reached",
+            "per restart of one node, each other node",
+        ])
+        .right_aligned(&[0]);
+        for o in &mine {
+            t.row([
+                o.config.nodes.to_string(),
+                if o.config.notices { "on" } else { "off" }.to_owned(),
+                cost_cell(o.idle_costs.as_ref()),
+                cost_cell(o.claim_costs.as_ref()),
+                cost_cell(o.claimer_costs.as_ref()),
+                cost_cell(o.migration_costs.as_ref()),
+                o.bystander_costs.as_ref().map_or("none".to_owned(), |b| {
+                    format!("{} ({} nodes)", cost_cell(Some(b)), b.nodes)
+                }),
+                cost_cell(o.restart_costs.as_ref()),
+            ]);
+        }
+        r.table(&t);
         for o in mine.iter().filter(|o| o.config.startup) {
             r.paragraph(format!(
                 "Start-up at {} nodes with {} VM records in the store ({} reserved in {}): a \
@@ -1448,8 +1823,217 @@ fn report(run: &Run, args: &Args, bin_dir: &Path, outcomes: &[Outcome]) -> Strin
         ));
     }
 
+    r.paragraph(model_text(outcomes));
     r.paragraph(judgment(outcomes));
     r.finish(run)
+}
+
+/// `watch / requests / routes / CPU mean (max)`.
+fn cost_cell(s: Option<&Spread>) -> String {
+    match s {
+        Some(s) => format!(
+            "{:.2} / {:.2} / {:.2} / {:.2} ms (max {:.2})",
+            s.mean.watch_events, s.mean.requests, s.mean.routes, s.mean.cpu_ms, s.max.cpu_ms
+        ),
+        None => "n/a".to_owned(),
+    }
+}
+
+/// One run's figures for the model.
+struct ModelPoint {
+    nodes: usize,
+    /// Store-side idle requests and watch events per second per node.
+    idle_requests: f64,
+    idle_events: f64,
+    /// Store-side requests per migration, less the idle rate.
+    requests_per_migration: f64,
+    /// Each node's watch events per migration (its own count, mean).
+    events_per_migration: f64,
+    /// The store's CPU seconds per migration in the window, less idle.
+    store_cpu_per_migration: f64,
+    /// A node's CPU per migration (ms): on the nodes no VM left or
+    /// reached when there are some, else the mean over every node.
+    node_cpu_ms: f64,
+    /// RARP → committed, p50 (ms).
+    commit_ms: f64,
+}
+
+impl ModelPoint {
+    fn of(o: &Outcome) -> Option<ModelPoint> {
+        let idle = o.idle.as_ref()?;
+        let mig = o.migration_load.as_ref()?;
+        let vms = (o.all_us.len() + o.incomplete).max(1) as f64;
+        let n = o.config.nodes as f64;
+        let secs = idle.secs.max(1e-9);
+        let excess = |m: f64, i: f64| (m - i / secs * mig.secs).max(0.0);
+        let cpu = |l: &Load| l.cpu.values().sum::<f64>();
+        let node = o.bystander_costs.as_ref().or(o.migration_costs.as_ref())?;
+        Some(ModelPoint {
+            nodes: o.config.nodes,
+            idle_requests: idle.requests / secs / n,
+            idle_events: idle.watch_events / secs / n,
+            requests_per_migration: excess(mig.requests, idle.requests) / vms,
+            events_per_migration: o.migration_costs.as_ref()?.mean.watch_events,
+            store_cpu_per_migration: excess(cpu(mig), cpu(idle)) / vms,
+            node_cpu_ms: node.mean.cpu_ms,
+            commit_ms: nearest_rank(&o.commit_us, 0.5)? as f64 / 1e3,
+        })
+    }
+}
+
+/// The model of one store: the store's CPU per migration fitted as
+/// `fixed + per_node × nodes` (least squares over the runs: the write and
+/// its processing, and the fan-out of its watch events to every node),
+/// the rest from the largest run.
+struct Model {
+    largest: ModelPoint,
+    fixed: f64,
+    per_node: f64,
+}
+
+impl Model {
+    fn fit(points: Vec<ModelPoint>) -> Option<Model> {
+        let k = points.len() as f64;
+        if points.is_empty() {
+            return None;
+        }
+        let (sx, sy) = points.iter().fold((0.0, 0.0), |(sx, sy), p| {
+            (sx + p.nodes as f64, sy + p.store_cpu_per_migration)
+        });
+        let (mx, my) = (sx / k, sy / k);
+        let sxx: f64 = points.iter().map(|p| (p.nodes as f64 - mx).powi(2)).sum();
+        let sxy: f64 = points
+            .iter()
+            .map(|p| (p.nodes as f64 - mx) * (p.store_cpu_per_migration - my))
+            .sum();
+        let (fixed, per_node) = if sxx > 0.0 {
+            let b = (sxy / sxx).max(0.0);
+            ((my - b * mx).max(0.0), b)
+        } else {
+            (0.0, my / mx.max(1.0))
+        };
+        let largest = points.into_iter().max_by_key(|p| p.nodes)?;
+        Some(Model {
+            largest,
+            fixed,
+            per_node,
+        })
+    }
+
+    /// The store's CPU seconds for `migrations` at `nodes`.
+    fn store_cpu(&self, nodes: f64, migrations: f64) -> f64 {
+        migrations * (self.fixed + self.per_node * nodes)
+    }
+}
+
+/// Cores the model gives the store (the API server, or etcd's leader).
+const MODEL_STORE_CORES: f64 = 4.0;
+/// Simultaneous migrations in the model.
+const MODEL_MIGRATIONS: f64 = 100.0;
+
+/// The model of 1,000 and 5,000 nodes from the runs of each store, and
+/// its check against the measured sizes.
+fn model_text(outcomes: &[Outcome]) -> String {
+    let mut out = vec!["### A model of larger clusters".to_owned()];
+    out.push(format!(
+        "From each store's runs with notices on: (1) idle, the store's requests and watch \
+         events grow with the nodes at the rate per node of the largest run; (2) \
+         {MODEL_MIGRATIONS:.0} simultaneous migrations cost the store the requests per \
+         migration of the largest run (no node count in it), and send each node its watch \
+         events per migration, so the store sends migrations × events per node × nodes \
+         events; the store's CPU per migration is fitted over the runs as fixed + per node × \
+         nodes (least squares); (3) every node repointed = RARP → committed (p50, largest \
+         run) + the store's CPU for the migrations spread over {MODEL_STORE_CORES:.0} cores + \
+         one node's CPU for the {MODEL_MIGRATIONS:.0} changes (per migration, on the nodes no \
+         VM left or reached), each node on its own cores. Assumed, not measured: the fit \
+         holds beyond the largest run, the store's {MODEL_STORE_CORES:.0} cores work in \
+         parallel, the network adds nothing, and nothing else loads the store."
+    ));
+    for store in [Store::Etcd, Store::Kubernetes] {
+        let runs: Vec<&Outcome> = outcomes
+            .iter()
+            .filter(|o| o.config.store == store && o.config.notices)
+            .collect();
+        let points: Vec<ModelPoint> = runs.iter().filter_map(|o| ModelPoint::of(o)).collect();
+        let measured: Vec<(usize, f64)> = points
+            .iter()
+            .map(|p| (p.nodes, p.store_cpu_per_migration))
+            .collect();
+        let Some(m) = Model::fit(points) else {
+            continue;
+        };
+        let l = &m.largest;
+        let mut t = Table::new(&[
+            "nodes",
+            "idle requests/s",
+            "idle watch events/s",
+            &format!("requests for {MODEL_MIGRATIONS:.0} migrations"),
+            &format!("watch events sent for {MODEL_MIGRATIONS:.0} migrations"),
+            "store CPU for them",
+            "every node repointed",
+        ])
+        .right_aligned(&[0, 1, 2, 3, 4, 5, 6]);
+        for nodes in [1_000.0, 5_000.0] {
+            let cpu = m.store_cpu(nodes, MODEL_MIGRATIONS);
+            let repoint_ms =
+                l.commit_ms + cpu / MODEL_STORE_CORES * 1e3 + MODEL_MIGRATIONS * l.node_cpu_ms;
+            t.row([
+                format!("{nodes:.0}"),
+                format!("{:.0}", l.idle_requests * nodes),
+                format!("{:.0}", l.idle_events * nodes),
+                format!("{:.0}", l.requests_per_migration * MODEL_MIGRATIONS),
+                format!("{:.0}", l.events_per_migration * nodes * MODEL_MIGRATIONS),
+                format!("{cpu:.1} s"),
+                format!("{:.1} s", repoint_ms / 1e3),
+            ]);
+        }
+        out.push(format!(
+            "`--store {}`, largest run {} nodes: {:.3} requests and {:.3} watch events per \
+             node and second idle; {:.1} requests per migration; {:.2} watch events per node \
+             per migration; {:.2} ms of a node's CPU per migration; RARP → committed p50 \
+             {:.1} ms; the store's CPU per migration fitted as {:.2} ms + {:.1} µs × nodes.",
+            store.name(),
+            l.nodes,
+            l.idle_requests,
+            l.idle_events,
+            l.requests_per_migration,
+            l.events_per_migration,
+            l.node_cpu_ms,
+            l.commit_ms,
+            m.fixed * 1e3,
+            m.per_node * 1e6
+        ));
+        out.push(t.markdown());
+        let mut c = Table::new(&[
+            "nodes",
+            "idle requests/s measured",
+            "model",
+            "store CPU per migration measured",
+            "fit",
+        ])
+        .right_aligned(&[0, 1, 2, 3, 4]);
+        for o in &runs {
+            let Some(i) = &o.idle else { continue };
+            let n = o.config.nodes as f64;
+            let cpu = measured
+                .iter()
+                .find(|(k, _)| *k == o.config.nodes)
+                .map_or("n/a".to_owned(), |(_, v)| format!("{:.2} ms", v * 1e3));
+            c.row([
+                o.config.nodes.to_string(),
+                format!("{:.1}", i.requests / i.secs.max(1e-9)),
+                format!("{:.1}", l.idle_requests * n),
+                cpu,
+                format!("{:.2} ms", m.store_cpu(n, 1.0) * 1e3),
+            ]);
+        }
+        out.push(format!(
+            "The model against the measured sizes (`--store {}`):",
+            store.name()
+        ));
+        out.push(c.markdown());
+    }
+    out.join("\n\n")
 }
 
 fn store_is_kube(o: &Outcome) -> bool {
@@ -1497,12 +2081,63 @@ fn judgment(outcomes: &[Outcome]) -> String {
         };
         lines.push(line);
     }
+    for store in [Store::Etcd, Store::Kubernetes] {
+        let runs: Vec<&Outcome> = outcomes
+            .iter()
+            .filter(|o| o.config.store == store && o.config.notices)
+            .collect();
+        let (Some(small), Some(large)) = (
+            runs.iter().min_by_key(|o| o.config.nodes),
+            runs.iter().max_by_key(|o| o.config.nodes),
+        ) else {
+            continue;
+        };
+        if small.config.nodes == large.config.nodes {
+            continue;
+        }
+        let idle = |o: &Outcome| o.idle_costs.map_or(f64::NAN, |c| c.mean.watch_events);
+        let mig = |o: &Outcome| o.migration_costs.map(|c| c.mean);
+        let (Some(a), Some(b)) = (mig(small), mig(large)) else {
+            continue;
+        };
+        lines.push(format!(
+            "{} from {} to {} nodes: idle watch events per node and second {:.2} → {:.2} \
+             (goal: flat, under 1); per migration, each node's watch events {:.2} → {:.2}, \
+             routes changed {:.2} → {:.2}, CPU {:.2} → {:.2} ms (goal: flat).",
+            store.name(),
+            small.config.nodes,
+            large.config.nodes,
+            idle(small),
+            idle(large),
+            a.watch_events,
+            b.watch_events,
+            a.routes,
+            b.routes,
+            a.cpu_ms,
+            b.cpu_ms
+        ));
+    }
     format!("**Judgment**: {}", lines.join(" "))
 }
 
 fn method_text(args: &Args) -> String {
+    let control_only = if args.control_only {
+        format!(
+            "- **Control plane only** (`--control-only`): each node's daemon is \
+`{CONTROL_ONLY_BIN}` (`tests/src/bin`), the daemon's own library with its flags over an \
+in-memory kernel and node (`tether_kernel::fake`, a test double): veths, routes, conntrack and \
+nftables are values in memory, so the figures are the control plane's (store, watches, \
+planning) and say nothing of the kernel's work; the node netns and the fabric stay real \
+(the store and the cutover notices go over them). A RARP is an order on the daemon's \
+`<socket>.fake` socket, naming the target pod's netns and the VM's MAC, all opened first and \
+written back to back; the route check reads each daemon's in-memory table through the same \
+socket.\n"
+        )
+    } else {
+        String::new()
+    };
     format!(
-        "Method:\n\n\
+        "Method:\n\n{control_only}\
 - Nodes: real `tetherd` processes (release), each in a network namespace of its own on one \
 fabric bridge (host-gw, dual-stack, blocks /{BLOCK_SIZE} and /{BLOCK_SIZE_V6}), started one \
 after another, against a 3-member etcd or a kube-apiserver (one etcd member of its own behind \
@@ -1535,6 +2170,12 @@ watchers, over the 3 members; API server: `apiserver_request_total` \
 and `apiserver_watch_events_total`) and `/proc/<pid>` CPU time and RSS of the store's \
 processes. Idle: {} s with only lease renewals. Per migration: the window's change less the \
 idle rate over it, divided by the VMs (watch events also by the nodes).\n\
+- Each node's costs: every daemon's Stats `costs` (brief Stats, node after node) before \
+and after the idle window (per second), the claim phase (per claim on every other node; per \
+ADD on node 0), the migration (per VM on every node, and on the nodes no VM left or reached, \
+which a cluster has when it has more nodes than VMs + 1) and the restarts (per restart on \
+every other node). The reads' own cost (one brief Stats per node at each end, and the full \
+Stats the waits read once a second) is inside the windows.\n\
 - Start-up: at the largest size, {} VM records more are reserved (`ReserveVmAddress`, one \
 IPv4 address each, six per /{BLOCK_SIZE}, each on the node that holds or claims its block, two at a time), so the \
 store holds them and the migration's VMs (the issue's \"100 nodes × 1,000 VMs\" read as 1,000 \
@@ -1603,9 +2244,21 @@ mod tests {
         assert_eq!(a.nodes, vec![2, 5]);
         assert_eq!(a.stores, vec![Store::Kubernetes]);
         assert_eq!((a.notices_off_at, a.records), (None, 0));
+        assert!(!a.control_only);
+        // Above 200 nodes only the control plane alone: refused before
+        // anything is built or started.
+        let a = Cli::try_parse_from(["scale", "--nodes", "300"])
+            .unwrap()
+            .args;
+        let refused = a.prepare().err().unwrap_or_default();
+        assert!(refused.contains("--control-only"), "{refused}");
+        let a = Cli::try_parse_from(["scale", "--nodes", "300", "--control-only"])
+            .unwrap()
+            .args;
+        assert_eq!((a.nodes.clone(), a.control_only), (vec![300], true));
         for bad in [
             ["--nodes", "1"],
-            ["--nodes", "201"],
+            ["--nodes", "501"],
             ["--stores", "zk"],
             ["--vms", "0"],
             ["--notices-off-at", "x"],

@@ -107,6 +107,9 @@ struct State {
     /// Per call: how many more calls succeed before the next failure, and
     /// whether every later call fails too.
     failures: HashMap<Call, (usize, bool)>,
+    /// A daemon's kernel ([`FakeKernel::for_daemon`]): any netns path that
+    /// exists on disk is a netns, and no call is logged.
+    daemon: bool,
 }
 
 /// The fake kernel. Clones share one state, like two sockets on one kernel.
@@ -128,6 +131,16 @@ impl FakeKernel {
 
     fn state(&self) -> MutexGuard<'_, State> {
         lock(&self.state)
+    }
+
+    /// The kernel of a daemon that touches no real kernel (scale runs of
+    /// the control plane alone): a netns is any absolute path that exists
+    /// on disk, as the plugin's caller made it, and calls are not logged,
+    /// so that it runs for hours in bounded memory.
+    pub fn for_daemon() -> Self {
+        let k = Self::default();
+        k.state().daemon = true;
+        k
     }
 
     /// Makes a pod netns exist at `path`.
@@ -238,7 +251,9 @@ impl FakeKernel {
     /// Logs the call and answers whether it must fail.
     fn enter(&self, call: Call, what: String) -> Result<()> {
         let mut s = self.state();
-        s.log.push((call, what.clone()));
+        if !s.daemon {
+            s.log.push((call, what.clone()));
+        }
         let fail = match s.failures.get_mut(&call) {
             Some((0, always)) => {
                 let always = *always;
@@ -329,6 +344,9 @@ fn join<T: std::fmt::Display>(items: &[T]) -> String {
 impl Veths for FakeKernel {
     fn open_netns(&self, path: &Path) -> Result<PodNetns> {
         self.enter(Call::OpenNetns, path.display().to_string())?;
+        if self.state().daemon && path.is_absolute() && path.exists() {
+            self.add_netns(path);
+        }
         if !path.is_absolute() || !self.state().netns.contains(path) {
             return Err(KernelError::BadEnv {
                 var: "CNI_NETNS",

@@ -66,16 +66,20 @@ pub type Wrap<T> = Box<dyn FnOnce(Arc<T>) -> Arc<T> + Send>;
 
 /// What a caller may put between the daemon and the world: a wrapper
 /// around the control store (after it is opened, before anything uses
-/// it) and around the kernel. `tetherd` puts nothing there; the end-to-end
-/// tests' daemon puts its delays there (a held-back write of the record,
-/// a held-back veth deletion), which the shipped daemon cannot be asked
-/// for.
+/// it) and around the kernel, and a node in place of this machine's.
+/// `tetherd` puts nothing there; the end-to-end tests' daemon puts its
+/// delays there (a held-back write of the record, a held-back veth
+/// deletion), and the scale runs' control-plane-only daemon an in-memory
+/// kernel and node. The shipped daemon cannot be asked for either.
 #[derive(Default)]
 pub struct Seams {
     /// Wraps the control store.
     pub control: Option<Wrap<dyn ControlStore>>,
     /// Wraps the kernel (veths, routes, the handover).
     pub kernel: Option<Wrap<dyn Kernel>>,
+    /// Stands for the node (forwarding, announcements, guest DHCP, the
+    /// nftables tables) instead of this machine's.
+    pub host: Option<Arc<dyn tether_kernel::Host>>,
 }
 
 /// CAP_NET_ADMIN's bit in the capability sets (linux/capability.h).
@@ -217,9 +221,12 @@ pub async fn run(opts: Options, seams: Seams) -> Result<(), Fatal> {
     if let Some(wrap) = seams.kernel {
         kernel = wrap(kernel);
     }
-    let host = Arc::new(tether_kernel::LinuxHost::new(Arc::new(
-        crate::dhcp::DhcpServer::new(),
-    )));
+    let host: Arc<dyn tether_kernel::Host> = match seams.host {
+        Some(host) => host,
+        None => Arc::new(tether_kernel::LinuxHost::new(Arc::new(
+            crate::dhcp::DhcpServer::new(),
+        ))),
+    };
     let nat = Arc::new(crate::nat::OutboundNat::new(
         host.clone(),
         opts.outbound_nat,

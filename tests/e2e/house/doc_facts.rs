@@ -109,6 +109,7 @@ const OTHER_FLAGS: &[(&str, &[&str])] = &[
         &["cni"],
     ),
     ("mdbook", &["dest-dir"]),
+    ("tether-bench scale", &["control-only"]),
     (
         "the suites' tetherd_with_delays (tests/src/bin)",
         &[
