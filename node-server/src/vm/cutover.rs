@@ -231,6 +231,7 @@ impl Vms {
             // the other nodes too, if they were told otherwise. A record
             // that names this pod active already confirms the notice.
             if !active_here {
+                tracing::debug!(%vm, generation = rec.generation, "the record does not take this cutover (another won, or the record moved on)");
                 retract(side, announced);
                 if only.is_some() {
                     side.resync_routes(vm);
@@ -390,11 +391,17 @@ impl Vms {
                     hit
                 };
                 let Some(target) = target else {
+                    tracing::debug!(
+                        ifindex = ann.ifindex,
+                        mac = %Mac::from(ann.mac),
+                        "an announcement on no waiting migration target's interface"
+                    );
                     vms.foreign_announcement(&ann, &mut warned);
                     continue;
                 };
                 let local = side.attachment(&target.attachment);
                 let Some(a) = local else {
+                    tracing::debug!(vm = %target.vm, "a waiting migration target's pod is gone: its announcement is ignored");
                     continue;
                 };
                 let trigger = match ann.kind {
