@@ -2229,9 +2229,14 @@ their leader. Every node's Stats is read at most every {} s for {POLLED_PER_SEC}
     } else {
         String::new()
     };
+    let nodes_are = if args.control_only {
+        format!("`{CONTROL_ONLY_BIN}`")
+    } else {
+        "real `tetherd`".to_owned()
+    };
     format!(
         "Method:\n\n{control_only}\
-- Nodes: real `tetherd` processes (release), each in a network namespace of its own on one \
+- Nodes: {nodes_are} processes (release), each in a network namespace of its own on one \
 fabric bridge (host-gw, dual-stack, blocks /{BLOCK_SIZE} and /{BLOCK_SIZE_V6}), started one \
 after another, against a 3-member etcd or a kube-apiserver (one etcd member of its own behind \
 it; audit logging on, as the harness runs it), all on this machine. The daemons run with \
