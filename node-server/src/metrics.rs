@@ -243,14 +243,14 @@ impl Metrics {
     /// What this process has cost since it started.
     pub fn costs(&self) -> Costs {
         let (cpu_user_micros, cpu_system_micros) = cpu_micros();
-        let sum = |total: u64, c: &Counter| total + c.get();
         Costs {
             control_requests: self.control_requests.get(),
             watch_events: tether_store::control::watch_events_received(),
             routes_changed: ["block", "vm"]
                 .iter()
                 .filter_map(|k| self.routes_changed.get(&RouteKind { kind: (*k).into() }))
-                .fold(0, |t, c| sum(t, &c)),
+                .map(|c| c.get())
+                .sum(),
             cpu_user_micros,
             cpu_system_micros,
         }
