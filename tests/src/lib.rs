@@ -95,6 +95,20 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Barrier, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+/// Starts the logs of the suites' daemons built on tetherd's library
+/// (`tetherd_with_delays`, `tetherd_control_only`): plain text on stderr
+/// at `level` (tetherd's `--log-level`; `info` if it does not parse).
+pub fn init_daemon_logs(level: &str) {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(level)
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
+}
+
 /// Panics with a clear message unless the process runs as root: a test
 /// that calls it is of a tier above fast (its feature is on), needs real
 /// namespaces and must fail, not skip, when it cannot.

@@ -42,14 +42,7 @@ struct Cli {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_new(&cli.daemon.log_level)
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .init();
+    tether_e2e::init_daemon_logs(&cli.daemon.log_level);
     let kernel = FakeKernel::for_daemon();
     let host = Arc::new(FakeHost::new());
     let orders = PathBuf::from(format!("{}.fake", cli.daemon.socket.display()));

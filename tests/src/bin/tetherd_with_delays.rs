@@ -52,14 +52,7 @@ struct Cli {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_new(&cli.daemon.log_level)
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .init();
+    tether_e2e::init_daemon_logs(&cli.daemon.log_level);
     let mut seams = Seams::default();
     let hold = Holds {
         deletions: Duration::from_millis(cli.hold_deletions_ms),
