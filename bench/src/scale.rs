@@ -170,6 +170,10 @@ pub struct Args {
     /// above 200 need it.
     #[arg(long)]
     control_only: bool,
+    /// Copies every node's daemon log into this directory when each
+    /// cluster ends (`<store>-<nodes>[-notices-off]-<node>.log`).
+    #[arg(long, value_name = "DIR")]
+    logs: Option<PathBuf>,
     #[command(flatten)]
     common: CommonArgs,
 }
@@ -535,8 +539,31 @@ fn run_config(tetherd: &Path, args: &Args, o: &mut Outcome, f: &mut Failures) {
     if c.startup {
         startup_phase(&mut cluster, args, o, f);
     }
+    if let Some(dir) = &args.logs {
+        keep_logs(&cluster, c, dir, f);
+    }
     drop(vm_pods);
     drop(claim_pods);
+}
+
+/// Copies every node's daemon log into `dir` (`--logs`).
+fn keep_logs(cluster: &Cluster, c: Config, dir: &Path, f: &mut Failures) {
+    if let Err(e) = std::fs::create_dir_all(dir) {
+        f.fail(format!("cannot make {}: {e}", dir.display()));
+        return;
+    }
+    let run = format!(
+        "{}-{}{}",
+        c.store.name(),
+        c.nodes,
+        if c.notices { "" } else { "-notices-off" }
+    );
+    for n in cluster.nodes() {
+        let to = dir.join(format!("{run}-{}.log", n.name()));
+        if let Err(e) = std::fs::write(&to, n.daemon().log()) {
+            f.fail(format!("cannot write {}: {e}", to.display()));
+        }
+    }
 }
 
 /// Reads every node's Stats (one after another) until `done` holds for
