@@ -13,6 +13,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use ipnet::IpNet;
@@ -699,10 +700,14 @@ pub struct FakeHandoverState {
     pub replayed: Vec<Vec<u8>>,
     /// Creations by outcome, in order.
     pub created: Vec<(Flow, FlowCreated)>,
-    /// Calls that change the conntrack table or the nftables sets, by
-    /// method: each is at least one exchange with the real kernel, whose
-    /// cost does not depend on how much it carries.
+    /// Calls that read or change the conntrack table or the nftables
+    /// sets, by method (`read_flows` for the reads of the flow table):
+    /// each is at least one exchange with the real kernel, whose cost does
+    /// not depend on how much it carries.
     pub calls: BTreeMap<&'static str, usize>,
+    /// How long a pin takes, as the real kernel's read of a large flow
+    /// table does (none by default).
+    pub pin_delay: Option<Duration>,
 }
 
 impl FakeHandover {
@@ -754,15 +759,26 @@ fn create_in(st: &mut FakeHandoverState, flow: &Flow, replace: bool) -> FlowCrea
     outcome
 }
 
+/// Of `all`, the flows of `ip` (its own, and those toward it).
+fn flows_at(all: &[Flow], ip: IpAddr) -> Vec<Flow> {
+    all.iter()
+        .filter(|f| f.orig.src.ip() == ip || f.reply.src.ip() == ip)
+        .cloned()
+        .collect()
+}
+
 #[async_trait]
 impl Handover for FakeHandover {
     async fn flows_of(&self, ip: IpAddr) -> Result<Vec<Flow>> {
-        Ok(lock(&self.state)
-            .flows
-            .iter()
-            .filter(|f| f.orig.src.ip() == ip || f.reply.src.ip() == ip)
-            .cloned()
-            .collect())
+        let mut st = lock(&self.state);
+        *st.calls.entry("read_flows").or_default() += 1;
+        Ok(flows_at(&st.flows, ip))
+    }
+
+    async fn flows_of_each(&self, ips: &[IpAddr]) -> Result<Vec<Vec<Flow>>> {
+        let mut st = lock(&self.state);
+        *st.calls.entry("read_flows").or_default() += 1;
+        Ok(ips.iter().map(|ip| flows_at(&st.flows, *ip)).collect())
     }
 
     async fn create_flow(&self, flow: &Flow, replace: bool) -> Result<FlowCreated> {
@@ -781,6 +797,14 @@ impl Handover for FakeHandover {
     }
 
     async fn pin_translations(&self, vm: &[IpAddr]) -> Result<u32> {
+        let delay = {
+            let mut st = lock(&self.state);
+            *st.calls.entry("pin_translations").or_default() += 1;
+            st.pin_delay
+        };
+        if let Some(d) = delay {
+            tokio::time::sleep(d).await;
+        }
         let mut st = lock(&self.state);
         let pinned: Vec<Flow> = st
             .flows

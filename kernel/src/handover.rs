@@ -275,6 +275,20 @@ pub trait Handover: Send + Sync {
     /// source), or that was opened toward it (the reply's source).
     async fn flows_of(&self, ip: IpAddr) -> Result<Vec<Flow>>;
 
+    /// [`Handover::flows_of`] for each of `ips`, in order, from one read of
+    /// the flow table. A read costs the kernel a walk of its whole flow
+    /// hash table, shared by every network namespace, however few flows
+    /// this one holds (6.5 ms of system time for 262,144 buckets and no
+    /// flow, on the bench machine): a node that sends many leaving VMs'
+    /// flows reads the table once for them all.
+    async fn flows_of_each(&self, ips: &[IpAddr]) -> Result<Vec<Vec<Flow>>> {
+        let mut each = Vec::with_capacity(ips.len());
+        for ip in ips {
+            each.push(self.flows_of(*ip).await?);
+        }
+        Ok(each)
+    }
+
     /// Creates `flow` as established, with its translations made anew
     /// (fixed, not masqueraded). The same flow there already gets its
     /// timeout set anew. Another entry holding either direction is left

@@ -964,6 +964,22 @@ impl Handover for LinuxHandover {
         .await
     }
 
+    async fn flows_of_each(&self, ips: &[IpAddr]) -> Result<Vec<Vec<Flow>>> {
+        let ips = ips.to_vec();
+        self.nf(format!("reading the flows of {ips:?}"), move |s| {
+            let all = dump_flows(s)?;
+            Ok(ips
+                .iter()
+                .map(|ip| {
+                    let (mut flows, toward) = flows_at(&all, *ip);
+                    flows.extend(toward);
+                    flows
+                })
+                .collect())
+        })
+        .await
+    }
+
     async fn create_flow(&self, flow: &Flow, replace: bool) -> Result<FlowCreated> {
         let f = flow.clone();
         let replace = if replace {

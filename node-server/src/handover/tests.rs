@@ -711,3 +711,135 @@ async fn a_vm_that_leaves_the_node_it_came_to_arrives_anew_when_it_comes_back() 
         "what it found on arriving is forgotten"
     );
 }
+
+/// VM `i` of [`many`]: its key, address and the source pod's attachment.
+fn many_vm(i: u8) -> (VmKey, IpAddr, Attachment) {
+    let key = VmKey::new("ns", &format!("vm{i}"), "eth0").unwrap();
+    let ip = ip(&format!("10.244.0.{}", 10 + i));
+    let mut a = attachment(&format!("src{i}"));
+    a.ips = vec![ip];
+    a.vm = Some(key.clone());
+    (key, ip, a)
+}
+
+/// `n` VMs whose source pods are on node-a and targets on node-b; after
+/// the cutover when `moved`.
+fn many(n: u8, moved: bool) -> VmView {
+    let records = (0..n)
+        .map(|i| {
+            let (key, ip, _) = many_vm(i);
+            let (src, dst) = (
+                pod("node-a", &format!("src{i}"), 1_000),
+                pod("node-b", &format!("dst{i}"), 2_000),
+            );
+            let (active, alternate) = if moved { (dst, src) } else { (src, dst) };
+            let rec = VmRecord {
+                key: key.clone(),
+                ips: vec![ip],
+                mac: "0a:58:0a:f4:00:05".parse().unwrap(),
+                origin: Origin::Allocated,
+                active: Some(active),
+                alternate: Some(alternate),
+                generation: 3,
+                created_unix_ms: UnixMillis::EPOCH,
+                last_cutover: None,
+            };
+            (key, (rec, 1))
+        })
+        .collect();
+    VmView {
+        records,
+        revision: 1,
+        synced: true,
+    }
+}
+
+/// A node that many VMs leave at once (a drain) reads its flow table once
+/// per round for all of them, not once per VM: a read walks the kernel's
+/// whole flow table. Their pins before the reroute are one read too, and
+/// so are the targets' pins asked for while one runs.
+#[tokio::test(start_paused = true)]
+async fn many_leaving_vms_share_each_read_of_the_flow_table() {
+    const N: u8 = 8;
+    let ka = Arc::new(FakeHandover::default());
+    let a = Arc::new(Handovers::new("node-a", ka.clone()));
+    let side_a = Arc::new(Side {
+        me: node("node-a", 1, "10.77.0.21"),
+        local: (0..N).map(|i| many_vm(i).2).collect(),
+        sent: Mutex::default(),
+    });
+    ka.with(|s| {
+        s.flows = (0..N)
+            .map(|i| {
+                let vm = many_vm(i).1;
+                flow(
+                    TCP,
+                    FlowEnds {
+                        src: SocketAddr::new(vm, 40000),
+                        dst: "10.77.0.200:80".parse().unwrap(),
+                    },
+                    FlowEnds {
+                        src: "10.77.0.200:80".parse().unwrap(),
+                        dst: SocketAddr::new(vm, 40000),
+                    },
+                )
+            })
+            .collect()
+    });
+    let reads = || ka.state().calls.get("read_flows").copied().unwrap_or(0);
+    let vms_sent = |sent: &[(String, Vec<u8>)]| {
+        sent.iter()
+            .map(|(_, b)| FlowsDatagram::decode(b).expect("a flows datagram").vm)
+            .collect::<HashSet<_>>()
+            .len()
+    };
+
+    a.sync(&side_a, &many(N, false)).await;
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(
+        vms_sent(&lock(&side_a.sent)),
+        N as usize,
+        "every VM's flows went at once"
+    );
+    let first = reads();
+    assert!(first <= 2, "{first} reads for the start of {N} moves");
+
+    // Four rounds of RESEND: four reads, each sending every VM's flows.
+    lock(&side_a.sent).clear();
+    tokio::time::sleep(RESEND * 4).await;
+    assert_eq!(reads() - first, 4, "one read per round, not per VM");
+    assert_eq!(lock(&side_a.sent).len(), 4 * N as usize);
+
+    // The cutover: one pin for all of them, then one read to send their
+    // flows once more.
+    lock(&side_a.sent).clear();
+    let before = reads();
+    a.before_reroute(&many(N, true)).await;
+    assert_eq!(ka.state().calls.get("pin_translations"), Some(&1));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(
+        vms_sent(&lock(&side_a.sent)),
+        N as usize,
+        "every VM's last flows"
+    );
+    assert_eq!(reads() - before, 1);
+    // No VM leaves any more: no more reads.
+    a.sync(&side_a, &many(N, true)).await;
+    tokio::time::sleep(RESEND * 4).await;
+    assert_eq!(reads() - before, 1, "nothing read with no VM leaving");
+
+    // A target asked for N pins at once, while the first runs: the first
+    // round makes its own, the next all the others.
+    let kb = Arc::new(FakeHandover::default());
+    kb.with(|s| s.pin_delay = Some(Duration::from_millis(5)));
+    let b = Arc::new(Handovers::new("node-b", kb.clone()));
+    let pins = (0..N).map(|i| {
+        let b = b.clone();
+        async move {
+            let (key, ip, _) = many_vm(i);
+            b.pin(&key, &[ip]).await
+        }
+    });
+    futures::future::join_all(pins).await;
+    assert_eq!(kb.state().calls.get("pin_translations"), Some(&2));
+}

@@ -133,6 +133,34 @@ fn flows_go_into_conntrack_with_their_translation_and_come_back_out() {
             .expect("v6 flows");
         assert_eq!(read6.len(), 1);
         assert_eq!(read6[0].orig, v6.orig);
+        // One read for several addresses gives each the same flows, in
+        // the order asked.
+        let each = h
+            .flows_of_each(&[
+                "fd00:10:244::5".parse().unwrap(),
+                "10.244.0.99".parse().unwrap(),
+                vm.parse().unwrap(),
+            ])
+            .await
+            .expect("flows of each");
+        // (Their timeouts tick between the reads: not compared.)
+        let ends_of = |flows: &[Flow]| {
+            let mut e: Vec<_> = flows
+                .iter()
+                .map(|f| (f.proto, f.orig, f.reply, f.mark))
+                .collect();
+            e.sort_by_key(|x| x.1.src.port());
+            e
+        };
+        assert_eq!(
+            (
+                each.len(),
+                ends_of(&each[0]),
+                each[1].len(),
+                ends_of(&each[2])
+            ),
+            (3, ends_of(&read6), 0, ends_of(&read))
+        );
 
         // Creating the same flow again sets its timeout anew, and brings an
         // opening TCP state forward: a connection sent while it was being
