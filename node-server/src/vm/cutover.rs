@@ -328,6 +328,7 @@ impl Vms {
             .iter()
             .map(|(_, p)| (p.attachment.clone(), p.ifindex))
             .collect();
+        let was: HashSet<(Mac, PendingTarget)> = old.iter().cloned().collect();
         let mut table: HashMap<Mac, Vec<PendingTarget>> = HashMap::new();
         // A target placed after this view was taken stays.
         for (mac, p) in old {
@@ -359,7 +360,28 @@ impl Vms {
                 }
             }
         }
-        *lock(&self.pending) = table;
+        let mut pending = lock(&self.pending);
+        // Meanwhile (other threads serve ADDs and announcements), an ADD
+        // may have placed a target (which stays), and an announcement may
+        // have taken one for its cutover (which is not put back).
+        for (mac, list) in pending.iter() {
+            for p in list {
+                let entry = table.entry(*mac).or_default();
+                if !was.contains(&(*mac, p.clone())) && !entry.contains(p) {
+                    entry.push(p.clone());
+                }
+            }
+        }
+        for (mac, p) in &was {
+            let taken = pending.get(mac).is_none_or(|list| !list.contains(p));
+            if taken {
+                if let Some(list) = table.get_mut(mac) {
+                    list.retain(|q| q != p);
+                }
+            }
+        }
+        table.retain(|_, list| !list.is_empty());
+        *pending = table;
     }
 
     /// Starts the listener for migrated VMs' announcements on `side`,

@@ -77,7 +77,7 @@ pub(crate) struct Placement {
 }
 
 /// A migration target on this node, waiting for its VM to announce itself.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct PendingTarget {
     pub vm: VmKey,
     pub attachment: AttachmentKey,
