@@ -82,7 +82,8 @@ use crate::kit::{
 const NAMESPACE: &str = "scale";
 /// The reserved records' namespace.
 const RECORDS_NAMESPACE: &str = "scale-rec";
-/// The daemons' log level: `info` (the claim line, no per-request lines).
+/// The daemons' log level by default: `info` (the claim line, no
+/// per-request lines).
 const LOG_LEVEL: &str = "info";
 /// The line tetherd logs after each block claim.
 /// Small blocks: six IPv4 and seven IPv6 pod addresses each, so that the
@@ -174,6 +175,10 @@ pub struct Args {
     /// cluster ends (`<store>-<nodes>[-notices-off]-<node>.log`).
     #[arg(long, value_name = "DIR")]
     logs: Option<PathBuf>,
+    /// The daemons' log level (`debug` says why an announcement or a
+    /// cutover did nothing; it costs the daemons CPU).
+    #[arg(long, value_name = "LEVEL", default_value = LOG_LEVEL)]
+    log_level: String,
     #[command(flatten)]
     common: CommonArgs,
 }
@@ -455,7 +460,7 @@ struct RouteCheck {
     misrouted: Vec<String>,
 }
 
-fn node_opts(tetherd: &Path, notices: bool) -> NodeOpts {
+fn node_opts(tetherd: &Path, notices: bool, log_level: &str) -> NodeOpts {
     let mut extra_args = Vec::new();
     if !notices {
         extra_args.extend(["--cutover-port".to_owned(), "0".to_owned()]);
@@ -467,7 +472,7 @@ fn node_opts(tetherd: &Path, notices: bool) -> NodeOpts {
         // machine must never reap a node in the middle of a run.
         lease_ttl_secs: 15,
         node_grace_secs: 600,
-        log_level: Some(LOG_LEVEL.to_owned()),
+        log_level: Some(log_level.to_owned()),
         bin: Some(tetherd.to_path_buf()),
         extra_args,
         ..NodeOpts::default()
@@ -481,7 +486,7 @@ fn run_config(tetherd: &Path, args: &Args, o: &mut Outcome, f: &mut Failures) {
     let mut cluster = Topology::tetherd(c.nodes)
         .store(c.store)
         .etcd_members(3)
-        .node(node_opts(tetherd, c.notices))
+        .node(node_opts(tetherd, c.notices, &args.log_level))
         .start();
     o.start_secs = Some(t0.elapsed().as_secs_f64());
     eprintln!(
@@ -2266,7 +2271,7 @@ their leader. Every node's Stats is read at most every {} s for {POLLED_PER_SEC}
 fabric bridge (host-gw, dual-stack, blocks /{BLOCK_SIZE} and /{BLOCK_SIZE_V6}), started one \
 after another, against a 3-member etcd or a kube-apiserver (one etcd member of its own behind \
 it; audit logging on, as the harness runs it), all on this machine. The daemons run with \
-their default lease (15 s) and `--log-level {LOG_LEVEL}`.\n\
+their default lease (15 s) and `--log-level {}`.\n\
 - What this cannot prove: every node, the store and the bench share {} CPUs, so a busy node \
 delays the others and the store (a real cluster gives each node its own CPUs, and the store \
 its own machines); the fabric is one in-kernel bridge with no latency, loss or bandwidth \
@@ -2306,6 +2311,7 @@ store holds them and the migration's VMs (the issue's \"100 nodes × 1,000 VMs\"
 VM records in a 100-node cluster); the last node's daemon is stopped (SIGTERM) and started \
 {} times, timed from the spawn to its socket accepting: it opens after the node has listed \
 the nodes, blocks and every VM record and synced its routes.",
+        args.log_level,
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         args.nodes.iter().max().copied().unwrap_or(0),
         args.claims,
