@@ -32,12 +32,21 @@ pub struct ClusterSide<'a> {
     pub view: &'a ClusterView,
 }
 
-/// The node holding the block that contains `ip`, if any.
+/// The node holding the block that contains `ip`, if any. Blocks do not
+/// overlap, so that block is the last one (in address order) that starts
+/// at or before `ip`: one lookup in the ordered map, not a scan of every
+/// block (a route pass asks for every VM address). An address that block
+/// does not hold is looked for in every block, as before.
 pub fn block_holder(view: &ClusterView, ip: IpAddr) -> Option<&str> {
-    view.blocks
-        .values()
-        .find(|(b, _)| b.cidr.contains(&ip))
-        .map(|(b, _)| b.node.as_str())
+    let holds = |b: &crate::cluster::BlockRecord| b.cidr.contains(&ip);
+    match view.blocks.range(..=IpNet::from(ip)).next_back() {
+        Some((_, (b, _))) if holds(b) => Some(b.node.as_str()),
+        _ => view
+            .blocks
+            .values()
+            .find(|(b, _)| holds(b))
+            .map(|(b, _)| b.node.as_str()),
+    }
 }
 
 /// How this node reaches addresses of `family` on node `name`: the next
@@ -77,11 +86,16 @@ pub fn next_hop(
 pub fn cluster_routes(c: &ClusterSide<'_>) -> (Vec<ClusterRoute>, Vec<VxlanPeer>) {
     let mut routes = Vec::new();
     let mut peers = Vec::new();
+    // Every node's blocks, in one pass over the blocks (not one per node).
+    let mut blocks: HashMap<&str, Vec<IpNet>> = HashMap::new();
+    for (b, _) in c.view.blocks.values() {
+        blocks.entry(b.node.as_str()).or_default().push(b.cidr);
+    }
     for (name, (node, _)) in &c.view.nodes {
         if *name == c.me.name {
             continue;
         }
-        for b in c.view.blocks_of(name) {
+        for &b in blocks.get(name.as_str()).into_iter().flatten() {
             if let Some((via, onlink_dev)) = next_hop(c, name, Family::of(&b)) {
                 routes.push(ClusterRoute {
                     dst: b,
@@ -443,6 +457,45 @@ mod tests {
         assert_eq!(block_holder(&view, ip("10.0.0.70")), Some("b"));
         assert_eq!(block_holder(&view, ip("fd00::3")), Some("b"));
         assert_eq!(block_holder(&view, ip("10.0.0.200")), None);
+        // The lookup agrees with a scan of every block on every address
+        // around and inside them: first, last, between, both families.
+        let scan = |ip: IpAddr| {
+            view.blocks
+                .values()
+                .find(|(b, _)| b.cidr.contains(&ip))
+                .map(|(b, _)| b.node.as_str())
+        };
+        let addrs = (0..=255u8)
+            .map(|i| IpAddr::from([10, 0, 0, i]))
+            .chain([ip("9.255.255.255"), ip("10.0.1.0"), ip("0.0.0.0")])
+            .chain((0..=70u16).map(|i| IpAddr::from([0xfd00, 0, 0, 0, 0, 0, 0, i])))
+            .chain([ip("fcff::"), ip("fd00::1:0"), ip("::")]);
+        for a in addrs {
+            assert_eq!(block_holder(&view, a), scan(a), "{a}");
+        }
+    }
+
+    /// A pass plans each node's blocks from one pass over the blocks: the
+    /// routes are every other node's blocks, each via that node, and none
+    /// of this node's.
+    #[test]
+    fn cluster_routes_cover_every_other_nodes_blocks() {
+        let view = cluster();
+        let me = view.nodes["a"].0.clone();
+        let (routes, _) = cluster_routes(&ClusterSide {
+            me: &me,
+            overlay: &Overlay::HostGw,
+            view: &view,
+        });
+        let got: Vec<(IpNet, IpAddr)> = routes.iter().map(|r| (r.dst, r.via)).collect();
+        assert_eq!(
+            got,
+            vec![
+                (net("10.0.0.64/26"), ip("192.0.2.2")),
+                (net("10.0.0.128/26"), ip("192.0.2.3")),
+                (net("fd00::/122"), ip("2001:db8::2")),
+            ]
+        );
     }
 
     #[tokio::test]
