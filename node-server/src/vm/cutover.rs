@@ -154,6 +154,7 @@ impl Vms {
                 return Err(e.into());
             }
             local_route = Some(seen.0.elapsed());
+            tracing::debug!(%vm, handover_ms = handover.map(|d| d.as_secs_f64() * 1e3), "routed to its pod here; writing the record");
             if trigger.proves_the_vm_runs_here() {
                 side.arrived(vm, a);
             }
@@ -403,6 +404,12 @@ impl Vms {
                         continue;
                     }
                 };
+                tracing::debug!(
+                    ifindex = ann.ifindex,
+                    mac = %Mac::from(ann.mac),
+                    kind = ?ann.kind,
+                    "an announcement"
+                );
                 let seen_unix = UnixNanos::now().saturating_sub(ann.seen.elapsed());
                 let target = {
                     let mut table = lock(&vms.pending);
@@ -413,9 +420,14 @@ impl Vms {
                     hit
                 };
                 let Some(target) = target else {
+                    let waiting: Vec<u32> = lock(&vms.pending)
+                        .get(&Mac::from(ann.mac))
+                        .map(|list| list.iter().map(|p| p.ifindex).collect())
+                        .unwrap_or_default();
                     tracing::debug!(
                         ifindex = ann.ifindex,
                         mac = %Mac::from(ann.mac),
+                        ?waiting,
                         "an announcement on no waiting migration target's interface"
                     );
                     vms.foreign_announcement(&ann, &mut warned);
@@ -430,6 +442,7 @@ impl Vms {
                     AnnounceKind::Rarp => Trigger::Rarp,
                     AnnounceKind::Garp => Trigger::Garp,
                 };
+                tracing::debug!(vm = %target.vm, "an announcement on a waiting migration target's interface: cutting over");
                 let (vms, side) = (vms.clone(), side.clone());
                 tokio::spawn(async move {
                     if let Err(e) = vms
