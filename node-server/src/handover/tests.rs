@@ -96,14 +96,15 @@ fn vm_key() -> VmKey {
     VmKey::new("ns", "vm1", "eth0").unwrap()
 }
 
-/// The record with the source pod active on node-a and, when `moved`, the
-/// target on node-b active after a cutover.
-fn view(moved: bool) -> VmView {
-    let (src, dst) = (pod("node-a", "src", 1_000), pod("node-b", "dst", 2_000));
+/// The record of VM `key` (address `vm`) with its source pod `src` active
+/// on node-a and, when `moved`, its target `dst` on node-b active after a
+/// cutover.
+fn record(key: VmKey, vm: IpAddr, src: &str, dst: &str, moved: bool) -> VmRecord {
+    let (src, dst) = (pod("node-a", src, 1_000), pod("node-b", dst, 2_000));
     let (active, alternate) = if moved { (dst, src) } else { (src, dst) };
-    let rec = VmRecord {
-        key: vm_key(),
-        ips: vec![ip(VM)],
+    VmRecord {
+        key,
+        ips: vec![vm],
         mac: "0a:58:0a:f4:00:05".parse().unwrap(),
         origin: Origin::Allocated,
         active: Some(active),
@@ -111,7 +112,12 @@ fn view(moved: bool) -> VmView {
         generation: 3,
         created_unix_ms: UnixMillis::EPOCH,
         last_cutover: None,
-    };
+    }
+}
+
+/// The view of [`record`] for the test's one VM.
+fn view(moved: bool) -> VmView {
+    let rec = record(vm_key(), ip(VM), "src", "dst", moved);
     VmView {
         records: [(vm_key(), (rec, 1))].into_iter().collect(),
         revision: 1,
@@ -728,22 +734,13 @@ fn many(n: u8, moved: bool) -> VmView {
     let records = (0..n)
         .map(|i| {
             let (key, ip, _) = many_vm(i);
-            let (src, dst) = (
-                pod("node-a", &format!("src{i}"), 1_000),
-                pod("node-b", &format!("dst{i}"), 2_000),
+            let rec = record(
+                key.clone(),
+                ip,
+                &format!("src{i}"),
+                &format!("dst{i}"),
+                moved,
             );
-            let (active, alternate) = if moved { (dst, src) } else { (src, dst) };
-            let rec = VmRecord {
-                key: key.clone(),
-                ips: vec![ip],
-                mac: "0a:58:0a:f4:00:05".parse().unwrap(),
-                origin: Origin::Allocated,
-                active: Some(active),
-                alternate: Some(alternate),
-                generation: 3,
-                created_unix_ms: UnixMillis::EPOCH,
-                last_cutover: None,
-            };
             (key, (rec, 1))
         })
         .collect();
