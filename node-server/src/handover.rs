@@ -431,7 +431,11 @@ impl Handovers {
 
     /// One round of the sender: the flows of every leaving VM, and once
     /// more those of the VMs that cut over since the last round. False
-    /// when no VM leaves this node any more.
+    /// when no VM leaves this node any more. A flow the VM opened to a
+    /// Service whose backend is a pod of this node is anchored here (its
+    /// translation stays where the backend's answers come back through):
+    /// recreated on the target, its translation would meet this node's
+    /// own, which the backend's answers still take.
     async fn send_round<S: HandoverSide>(&self, side: &S) -> bool {
         let (batch, leaving) = {
             let mut st = lock(&self.state);

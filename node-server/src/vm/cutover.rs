@@ -368,7 +368,8 @@ impl Vms {
         for (mac, list) in pending.iter() {
             for p in list {
                 let entry = table.entry(*mac).or_default();
-                if !was.contains(&(*mac, p.clone())) && !entry.contains(p) {
+                let listed = entry.iter().any(|q| q.attachment == p.attachment);
+                if !was.contains(&(*mac, p.clone())) && !listed {
                     entry.push(p.clone());
                 }
             }
