@@ -412,27 +412,30 @@ impl Vms {
                     "an announcement"
                 );
                 let seen_unix = UnixNanos::now().saturating_sub(ann.seen.elapsed());
+                // The target waiting on this interface for this MAC, taken
+                // from the table; else the interfaces that wait for it.
                 let target = {
                     let mut table = lock(&vms.pending);
-                    let hit = table.get_mut(&Mac::from(ann.mac)).and_then(|list| {
-                        let i = list.iter().position(|p| p.ifindex == ann.ifindex)?;
-                        Some(list.remove(i))
-                    });
-                    hit
+                    match table.get_mut(&Mac::from(ann.mac)) {
+                        Some(list) => match list.iter().position(|p| p.ifindex == ann.ifindex) {
+                            Some(i) => Ok(list.remove(i)),
+                            None => Err(list.iter().map(|p| p.ifindex).collect::<Vec<_>>()),
+                        },
+                        None => Err(Vec::new()),
+                    }
                 };
-                let Some(target) = target else {
-                    let waiting: Vec<u32> = lock(&vms.pending)
-                        .get(&Mac::from(ann.mac))
-                        .map(|list| list.iter().map(|p| p.ifindex).collect())
-                        .unwrap_or_default();
-                    tracing::debug!(
-                        ifindex = ann.ifindex,
-                        mac = %Mac::from(ann.mac),
-                        ?waiting,
-                        "an announcement on no waiting migration target's interface"
-                    );
-                    vms.foreign_announcement(&ann, &mut warned);
-                    continue;
+                let target = match target {
+                    Ok(t) => t,
+                    Err(waiting) => {
+                        tracing::debug!(
+                            ifindex = ann.ifindex,
+                            mac = %Mac::from(ann.mac),
+                            ?waiting,
+                            "an announcement on no waiting migration target's interface"
+                        );
+                        vms.foreign_announcement(&ann, &mut warned);
+                        continue;
+                    }
                 };
                 let local = side.attachment(&target.attachment);
                 let Some(a) = local else {
