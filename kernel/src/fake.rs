@@ -19,6 +19,7 @@ use async_trait::async_trait;
 use ipnet::IpNet;
 use tokio::sync::mpsc;
 
+use super::flow_watch::{touches, FlowChange, FlowChanges, FlowFeed};
 use super::handover::{Flow, FlowCreated, FlowEnds, Handover, Held, TapCounters};
 use super::policy::PolicyPlan;
 use super::replay::Replayed;
@@ -708,6 +709,11 @@ pub struct FakeHandoverState {
     /// How long a pin takes, as the real kernel's read of a large flow
     /// table does (none by default).
     pub pin_delay: Option<Duration>,
+    /// The next take of a feed reports changes lost (as a socket that
+    /// overran); cleared by it.
+    pub feed_lost: bool,
+    /// No feed opens (as a kernel whose conntrack events are off).
+    pub no_feed: bool,
 }
 
 impl FakeHandover {
@@ -759,12 +765,57 @@ fn create_in(st: &mut FakeHandoverState, flow: &Flow, replace: bool) -> FlowCrea
     outcome
 }
 
-/// Of `all`, the flows of `ip` (its own, and those toward it).
+/// Of `all`, the flows of `ip` (its own, and those toward it, as the
+/// real kernel's read selects them).
 fn flows_at(all: &[Flow], ip: IpAddr) -> Vec<Flow> {
-    all.iter()
-        .filter(|f| f.orig.src.ip() == ip || f.reply.src.ip() == ip)
-        .cloned()
-        .collect()
+    let (mut flows, toward) = super::handover::flows_at(all, ip);
+    flows.extend(toward);
+    flows
+}
+
+/// The fake's feed of the flow table's changes: at each take, what
+/// differs in the table since the last one (made or changed, gone), so a
+/// test changes the table as it likes. A test double: it cannot show the
+/// order of changes between two takes, nor that the kernel sends them;
+/// the root suite of `netlink::handover` does.
+struct FakeFeed {
+    state: Arc<Mutex<FakeHandoverState>>,
+    last: HashMap<(u8, FlowEnds), Flow>,
+    tracked: BTreeSet<IpAddr>,
+}
+
+impl FlowFeed for FakeFeed {
+    fn track(&mut self, ips: &BTreeSet<IpAddr>) {
+        self.tracked = ips.clone();
+    }
+
+    fn take(&mut self) -> FlowChanges {
+        let mut st = lock(&self.state);
+        let now: HashMap<(u8, FlowEnds), Flow> = st
+            .flows
+            .iter()
+            .map(|f| ((f.proto, f.orig), f.clone()))
+            .collect();
+        let mut changes: Vec<FlowChange> = now
+            .iter()
+            .filter(|(k, f)| self.last.get(k) != Some(f))
+            .map(|(_, f)| FlowChange::Made(f.clone()))
+            .collect();
+        changes.extend(
+            self.last
+                .iter()
+                .filter(|(k, _)| !now.contains_key(k))
+                .map(|(_, f)| FlowChange::Gone(f.clone())),
+        );
+        changes.retain(|c| match c {
+            FlowChange::Made(f) | FlowChange::Gone(f) => touches(f, &self.tracked),
+        });
+        self.last = now;
+        FlowChanges {
+            changes,
+            lost: std::mem::take(&mut st.feed_lost),
+        }
+    }
 }
 
 #[async_trait]
@@ -779,6 +830,24 @@ impl Handover for FakeHandover {
         let mut st = lock(&self.state);
         *st.calls.entry("read_flows").or_default() += 1;
         Ok(ips.iter().map(|ip| flows_at(&st.flows, *ip)).collect())
+    }
+
+    fn watch_flows(&self) -> Result<Box<dyn FlowFeed>> {
+        let mut st = lock(&self.state);
+        if st.no_feed {
+            return Err(KernelError::Internal("no feed in this fake".into()));
+        }
+        *st.calls.entry("watch_flows").or_default() += 1;
+        let last = st
+            .flows
+            .iter()
+            .map(|f| ((f.proto, f.orig), f.clone()))
+            .collect();
+        Ok(Box::new(FakeFeed {
+            state: self.state.clone(),
+            last,
+            tracked: BTreeSet::new(),
+        }))
     }
 
     async fn create_flow(&self, flow: &Flow, replace: bool) -> Result<FlowCreated> {

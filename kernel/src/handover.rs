@@ -268,6 +268,38 @@ pub fn handover_removal_script() -> String {
     format!("table {t}\ndelete table {t}\n")
 }
 
+/// Of `all`, the flows `ip` opened (its first direction's source is `ip`)
+/// and those toward it (their answers come from `ip`; a mirror of one of
+/// its own flows, see [`mirrors_one_of`], is left out).
+pub fn flows_at(all: &[Flow], ip: IpAddr) -> (Vec<Flow>, Vec<Flow>) {
+    let opened: Vec<Flow> = all
+        .iter()
+        .filter(|f| f.orig.src.ip() == ip)
+        .cloned()
+        .collect();
+    let toward = all
+        .iter()
+        .filter(|f| f.reply.src.ip() == ip && f.orig.src.ip() != ip && !mirrors_one_of(f, &opened))
+        .cloned()
+        .collect();
+    (opened, toward)
+}
+
+/// Whether `toward`, a flow toward a VM, mirrors one of the flows the VM
+/// opened (`opened`): its first direction is that flow's own, reversed.
+/// One connection is one entry, so such a second one is no connection: it
+/// is an answer of the VM's translated flow that reached a node already
+/// translated back (by the node that translated it) and that conntrack
+/// tracked afresh, changing a port to clear the VM's entry. It is never
+/// sent to a target, nor pinned: making it again would delete the VM's
+/// own flow, whose direction it holds reversed, and the VM's next packet
+/// would be translated afresh.
+pub fn mirrors_one_of(toward: &Flow, opened: &[Flow]) -> bool {
+    opened
+        .iter()
+        .any(|o| o.proto == toward.proto && o.orig == toward.orig.inverse())
+}
+
 /// The kernel side of a VM's handover between nodes (see the module doc).
 #[async_trait]
 pub trait Handover: Send + Sync {
@@ -287,6 +319,17 @@ pub trait Handover: Send + Sync {
             each.push(self.flows_of(*ip).await?);
         }
         Ok(each)
+    }
+
+    /// A feed of the flow table's changes (conntrack's events), opened in
+    /// the caller's network namespace, for a [`crate::flow_watch::FlowWatch`]
+    /// that follows a few addresses' flows without walking the table each
+    /// time. An error says why there is none (the watch is then not made,
+    /// and its user walks the table as before).
+    fn watch_flows(&self) -> Result<Box<dyn crate::flow_watch::FlowFeed>> {
+        Err(crate::error::KernelError::Internal(
+            "this kernel has no feed of the flow table's changes".into(),
+        ))
     }
 
     /// Creates `flow` as established, with its translations made anew

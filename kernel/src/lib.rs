@@ -17,6 +17,7 @@
 
 pub mod error;
 pub mod fake;
+pub mod flow_watch;
 pub mod handover;
 pub mod host;
 pub mod nat;

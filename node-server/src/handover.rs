@@ -9,7 +9,10 @@
 //! - holds the packets it sends down the VM's pod veth (the last few
 //!   thousand), and reads the guest's tap counters at the start;
 //! - sends the target the VM's flows ([`FlowsDatagram`]) every
-//!   [`RESEND`];
+//!   [`RESEND`]: the node's sender reads the flow table once when VMs
+//!   start leaving, then follows its changes (a
+//!   [`tether_kernel::flow_watch::FlowWatch`]), so a long migration costs
+//!   no more reads than a short one;
 //! - at the cutover (the target's notice, or the record), before it
 //!   reroutes the VM: pins the translations of the flows toward the VM
 //!   ([`Handovers::before_reroute`]); after: sends the packets the guest
@@ -44,6 +47,7 @@ use crate::vm::promotion::placed_before_last_cutover;
 use crate::vm::{VmAttachment, VmKey, VmRecord, VmView};
 use tether_base::sync::lock;
 use tether_ipam::Family;
+use tether_kernel::flow_watch::FlowWatch;
 use tether_kernel::handover::{Flow, FlowCreated, FlowEnds, Handover, Held, TapCounters};
 use tether_kernel::ClusterRoute;
 use tether_store::store::{Attachment, AttachmentKey};
@@ -51,6 +55,16 @@ use tether_store::store::{Attachment, AttachmentKey};
 /// How often a source sends its VM's flows to the target while the
 /// migration runs (besides at the cutover).
 pub const RESEND: Duration = Duration::from_millis(500);
+
+/// The sender's watch of the flow table while VMs leave.
+enum Watch {
+    /// Not opened since the sender last went idle.
+    Untried,
+    /// Open: the table read once, then followed by its changes.
+    Open(FlowWatch),
+    /// The kernel has no feed: the table is read every round.
+    Refused,
+}
 /// How long the target guards a VM's addresses after its cutover.
 pub const GUARD_TTL: Duration = Duration::from_secs(60);
 /// How long what the target sets up for a waiting VM lasts unless the
@@ -411,6 +425,7 @@ impl Handovers {
             let mut tick = tokio::time::interval(RESEND);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut busy = true;
+            let mut watch = Watch::Untried;
             loop {
                 if busy {
                     tokio::select! {
@@ -424,7 +439,12 @@ impl Handovers {
                 let Some(this) = this.upgrade() else {
                     return;
                 };
-                busy = this.send_round(side.as_ref()).await;
+                busy = this.send_round(side.as_ref(), &mut watch).await;
+                if !busy {
+                    // Nothing leaves: the feed closes (the kernel sends
+                    // it every flow change of the node while open).
+                    watch = Watch::Untried;
+                }
             }
         });
     }
@@ -436,8 +456,8 @@ impl Handovers {
     /// translation stays where the backend's answers come back through):
     /// recreated on the target, its translation would meet this node's
     /// own, which the backend's answers still take.
-    async fn send_round<S: HandoverSide>(&self, side: &S) -> bool {
-        let (batch, leaving) = {
+    async fn send_round<S: HandoverSide>(&self, side: &S, watch: &mut Watch) -> bool {
+        let (batch, leaving, finals) = {
             let mut st = lock(&self.state);
             let mut batch: Vec<(VmKey, Vec<IpAddr>, String)> = st
                 .leaving
@@ -445,14 +465,15 @@ impl Handovers {
                 .map(|(k, l)| (k.clone(), l.ips.clone(), l.to.clone()))
                 .collect();
             let leaving = !batch.is_empty();
+            let finals = !st.finals.is_empty();
             batch.append(&mut st.finals);
-            (batch, leaving)
+            (batch, leaving, finals)
         };
         if batch.is_empty() {
             return leaving;
         }
         let ips: Vec<IpAddr> = batch.iter().flat_map(|(_, ips, _)| ips.clone()).collect();
-        let mut each = match self.kernel.flows_of_each(&ips).await {
+        let mut each = match self.read_flows(watch, &ips, finals).await {
             Ok(each) => each.into_iter(),
             Err(e) => {
                 tracing::warn!(vms = batch.len(), error = %e, "cannot read the leaving VMs' flows");
@@ -484,6 +505,38 @@ impl Handovers {
             lock(&self.stats).flows_sent += flows.len() as u64;
         }
         leaving
+    }
+
+    /// The flows of each of `ips`: from the sender's watch, opened on its
+    /// first round (one read of the flow table, then the kernel's
+    /// changes), or read `exactly` (the last send of VMs that cut over:
+    /// the feed does not tell the end of a flow made before it opened);
+    /// without a watch (the kernel has no feed), a read of the table each
+    /// round.
+    async fn read_flows(
+        &self,
+        watch: &mut Watch,
+        ips: &[IpAddr],
+        exactly: bool,
+    ) -> tether_kernel::error::Result<Vec<Vec<Flow>>> {
+        if let Watch::Untried = watch {
+            *watch = match FlowWatch::open(self.kernel.as_ref()) {
+                Ok(w) => Watch::Open(w),
+                Err(e) => {
+                    tracing::info!(error = %e, "no feed of the flow table's changes: it is read every round while VMs leave");
+                    Watch::Refused
+                }
+            };
+        }
+        match watch {
+            Watch::Open(w) => {
+                if exactly {
+                    w.read_again();
+                }
+                w.flows_of_each(self.kernel.as_ref(), ips).await
+            }
+            _ => self.kernel.flows_of_each(ips).await,
+        }
     }
 
     /// The leaving task: waits for the cutover, then sends the packets the

@@ -48,8 +48,8 @@ use super::messages::{self, errno, reason};
 use super::netns::{open_netns, spawn_in_netns};
 use crate::error::{KernelError, Result};
 use crate::handover::{
-    anchor_mark, anchor_of_mark, anchor_table, Flow, FlowCreated, FlowEnds, Handover, Held,
-    TapCounters, ANCHOR_MASK, ANCHOR_RULE_PRIORITY, ANCHOR_TABLE_BASE, ANCHOR_TABLE_LAST,
+    anchor_mark, anchor_of_mark, anchor_table, flows_at, Flow, FlowCreated, FlowEnds, Handover,
+    Held, TapCounters, ANCHOR_MASK, ANCHOR_RULE_PRIORITY, ANCHOR_TABLE_BASE, ANCHOR_TABLE_LAST,
     FREEZE_LIMIT, HANDOVER_ROUTE_PROTOCOL, HANDOVER_TABLE, TCP, UDP,
 };
 use crate::replay::{Capture, Replayed, Replayer};
@@ -198,7 +198,7 @@ fn ends_of(parts: &[Tuple]) -> Option<(u8, FlowEnds)> {
 }
 
 /// A flow from a conntrack message's attributes.
-fn flow_of(attrs: &[ConntrackAttribute]) -> Option<Flow> {
+pub(super) fn flow_of(attrs: &[ConntrackAttribute]) -> Option<Flow> {
     let (mut orig, mut reply, mut mark, mut timeout, mut state) = (None, None, 0, 0, None);
     for a in attrs {
         match a {
@@ -527,38 +527,6 @@ fn dump_flows(s: &mut NfSocket) -> std::result::Result<Vec<Flow>, i32> {
             _ => None,
         })
         .collect())
-}
-
-/// Of `all`, the flows `ip` opened (its first direction's source is `ip`)
-/// and those toward it (their answers come from `ip`; a mirror of one of
-/// its own flows, see [`mirrors_one_of`], is left out).
-fn flows_at(all: &[Flow], ip: IpAddr) -> (Vec<Flow>, Vec<Flow>) {
-    let opened: Vec<Flow> = all
-        .iter()
-        .filter(|f| f.orig.src.ip() == ip)
-        .cloned()
-        .collect();
-    let toward = all
-        .iter()
-        .filter(|f| f.reply.src.ip() == ip && f.orig.src.ip() != ip && !mirrors_one_of(f, &opened))
-        .cloned()
-        .collect();
-    (opened, toward)
-}
-
-/// Whether `toward`, a flow toward a VM, mirrors one of the flows the VM
-/// opened (`opened`): its first direction is that flow's own, reversed.
-/// One connection is one entry, so such a second one is no connection: it
-/// is an answer of the VM's translated flow that reached a node already
-/// translated back (by the node that translated it) and that conntrack
-/// tracked afresh, changing a port to clear the VM's entry. It is never
-/// sent to a target, nor pinned: making it again would delete the VM's
-/// own flow, whose direction it holds reversed, and the VM's next packet
-/// would be translated afresh.
-fn mirrors_one_of(toward: &Flow, opened: &[Flow]) -> bool {
-    opened
-        .iter()
-        .any(|o| o.proto == toward.proto && o.orig == toward.orig.inverse())
 }
 
 /// Which entries holding a direction of a new flow it replaces.
@@ -978,6 +946,10 @@ impl Handover for LinuxHandover {
                 .collect())
         })
         .await
+    }
+
+    fn watch_flows(&self) -> Result<Box<dyn crate::flow_watch::FlowFeed>> {
+        Ok(Box::new(super::flow_feed::open()?))
     }
 
     async fn create_flow(&self, flow: &Flow, replace: bool) -> Result<FlowCreated> {

@@ -12,6 +12,7 @@
 //! through a connection opened inside the pod netns by a dedicated thread
 //! (see `netns`). This module is the only place that speaks netlink.
 
+mod flow_feed;
 mod handover;
 mod messages;
 mod netns;

@@ -752,9 +752,11 @@ fn many(n: u8, moved: bool) -> VmView {
 }
 
 /// A node that many VMs leave at once (a drain) reads its flow table once
-/// per round for all of them, not once per VM: a read walks the kernel's
-/// whole flow table. Their pins before the reroute are one read too, and
-/// so are the targets' pins asked for while one runs.
+/// for all of them when they start leaving, not once per VM, and then
+/// follows its changes instead of reading it every round: a read walks
+/// the kernel's whole flow table. Their pins before the reroute are one
+/// read, and the last send one more; so are the targets' pins asked for
+/// while one runs.
 #[tokio::test(start_paused = true)]
 async fn many_leaving_vms_share_each_read_of_the_flow_table() {
     const N: u8 = 8;
@@ -801,14 +803,38 @@ async fn many_leaving_vms_share_each_read_of_the_flow_table() {
     let first = reads();
     assert!(first <= 2, "{first} reads for the start of {N} moves");
 
-    // Four rounds of RESEND: four reads, each sending every VM's flows.
+    // Four rounds of RESEND, each sending every VM's flows: the table is
+    // not read again, its changes are followed. A flow made meanwhile
+    // goes in the next round.
     lock(&side_a.sent).clear();
-    tokio::time::sleep(RESEND * 4).await;
-    assert_eq!(reads() - first, 4, "one read per round, not per VM");
+    tokio::time::sleep(RESEND * 2).await;
+    let vm0 = many_vm(0).1;
+    let new_flow = flow(
+        UDP,
+        FlowEnds {
+            src: SocketAddr::new(vm0, 5353),
+            dst: "10.77.0.200:53".parse().unwrap(),
+        },
+        FlowEnds {
+            src: "10.77.0.200:53".parse().unwrap(),
+            dst: SocketAddr::new(vm0, 5353),
+        },
+    );
+    ka.with(|s| s.flows.push(new_flow.clone()));
+    tokio::time::sleep(RESEND * 2).await;
+    assert_eq!(reads() - first, 0, "no read per round: the feed");
     assert_eq!(lock(&side_a.sent).len(), 4 * N as usize);
+    let last_of_vm0 = lock(&side_a.sent)
+        .iter()
+        .rev()
+        .map(|(_, b)| FlowsDatagram::decode(b).expect("a flows datagram"))
+        .find(|d| d.vm == many_vm(0).0)
+        .expect("vm0's flows");
+    assert!(last_of_vm0.flows.contains(&new_flow), "{last_of_vm0:?}");
 
-    // The cutover: one pin for all of them, then one read to send their
-    // flows once more.
+    // The cutover: one pin for all of them, then one read (exact: the
+    // feed does not tell the end of flows made before it opened) to send
+    // their flows once more.
     lock(&side_a.sent).clear();
     let before = reads();
     a.before_reroute(&many(N, true)).await;
@@ -839,4 +865,26 @@ async fn many_leaving_vms_share_each_read_of_the_flow_table() {
     });
     futures::future::join_all(pins).await;
     assert_eq!(kb.state().calls.get("pin_translations"), Some(&2));
+}
+
+/// Without a feed of the flow table's changes (conntrack's events off),
+/// the sender reads the table every round, once for all its leaving VMs.
+#[tokio::test(start_paused = true)]
+async fn without_a_feed_the_sender_reads_the_table_each_round() {
+    const N: u8 = 4;
+    let ka = Arc::new(FakeHandover::default());
+    ka.with(|s| s.no_feed = true);
+    let a = Arc::new(Handovers::new("node-a", ka.clone()));
+    let side_a = Arc::new(Side {
+        me: node("node-a", 1, "10.77.0.21"),
+        local: (0..N).map(|i| many_vm(i).2).collect(),
+        sent: Mutex::default(),
+    });
+    let reads = || ka.state().calls.get("read_flows").copied().unwrap_or(0);
+    a.sync(&side_a, &many(N, false)).await;
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let first = reads();
+    tokio::time::sleep(RESEND * 4).await;
+    assert_eq!(reads() - first, 4, "one read per round, not per VM");
+    assert_eq!(ka.state().calls.get("watch_flows"), None);
 }

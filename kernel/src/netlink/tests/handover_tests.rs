@@ -362,6 +362,108 @@ fn flows_go_into_conntrack_with_their_translation_and_come_back_out() {
     ignore = "needs root: `make test` runs it"
 )]
 #[test]
+fn a_watch_follows_flows_made_changed_and_ended_with_one_read() {
+    require_root!();
+    in_node_netns(|| async {
+        let h = handover();
+        let vm: std::net::IpAddr = "10.244.0.5".parse().unwrap();
+        // Made before the feed opens: conntrack gives it no event record.
+        let old = flow(
+            TCP,
+            ends("10.244.0.5:41000", "10.77.0.200:8000"),
+            ends("10.77.0.200:8000", "10.244.0.5:41000"),
+            anchor_mark(8),
+        );
+        h.create_flow(&old, false).await.expect("create");
+        let mut w = crate::flow_watch::FlowWatch::open(&h).expect("the feed opens");
+        // What the watch holds, and a read of the table, without the
+        // timeouts (they count down between the two).
+        let plain = |mut v: Vec<Flow>| {
+            v.iter_mut().for_each(|f| f.timeout_secs = 0);
+            v.sort_by_key(|f| (f.proto, f.orig.src, f.orig.dst));
+            v
+        };
+        let got = w.flows_of_each(&h, &[vm]).await.expect("first read");
+        assert_eq!(plain(got[0].clone()), plain(vec![old.clone()]));
+        assert_eq!(w.reads(), 1);
+
+        // Made: one of the VM's, one toward it, one opening (SYN sent),
+        // one of another address; then the opening one established (an
+        // update event with TCP's state), and the first one ended.
+        let first = flow(
+            TCP,
+            ends("10.244.0.5:41002", "10.77.0.200:8002"),
+            ends("10.77.0.200:8002", "10.244.0.5:41002"),
+            anchor_mark(9),
+        );
+        let toward = flow(
+            UDP,
+            ends("10.77.0.200:5353", "10.244.0.5:6000"),
+            ends("10.244.0.5:6000", "10.77.0.200:5353"),
+            0,
+        );
+        let mut opening = flow(
+            TCP,
+            ends("10.244.0.5:41001", "10.77.0.200:8001"),
+            ends("10.77.0.200:8001", "10.244.0.5:41001"),
+            0,
+        );
+        opening.tcp_state = Some(TCP_SYN_SENT);
+        let other = flow(
+            UDP,
+            ends("10.244.0.77:53", "10.77.0.200:53"),
+            ends("10.77.0.200:53", "10.244.0.77:53"),
+            0,
+        );
+        for f in [&first, &toward, &opening, &other] {
+            h.create_flow(f, false).await.expect("create");
+        }
+        opening.tcp_state = Some(TCP_ESTABLISHED);
+        assert_eq!(
+            h.create_flow(&opening, false).await.expect("establish"),
+            FlowCreated::Refreshed
+        );
+        assert_eq!(h.delete_anchored(9).await.expect("end the first"), 1);
+
+        // The events reach the feed's thread on their own time: the watch
+        // is asked until it agrees with a read, for at most 5 s.
+        let want = plain(h.flows_of(vm).await.expect("read"));
+        assert_eq!(want.len(), 3, "{want:#?}");
+        let mut seen = Vec::new();
+        for _ in 0..250 {
+            seen = plain(w.flows_of_each(&h, &[vm]).await.expect("watch")[0].clone());
+            if seen == want {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert_eq!(seen, want, "the watch against a read");
+        assert!(
+            seen.iter()
+                .any(|f| f.orig == opening.orig && f.tcp_state == Some(TCP_ESTABLISHED)),
+            "{seen:#?}"
+        );
+        assert_eq!(w.reads(), 1, "followed, not read again");
+
+        // The end of the flow made before the feed is read, when asked.
+        assert_eq!(h.delete_anchored(8).await.expect("end the old one"), 1);
+        w.read_again();
+        let now = w.flows_of_each(&h, &[vm]).await.expect("read again");
+        assert_eq!(plain(now[0].clone()), plain(h.flows_of(vm).await.unwrap()));
+        assert_eq!((now[0].len(), w.reads()), (2, 2));
+
+        // A new address is read once, with the others.
+        let other_ip = "10.244.0.77".parse().unwrap();
+        let both = w.flows_of_each(&h, &[vm, other_ip]).await.expect("both");
+        assert_eq!((both[1].len(), w.reads()), (1, 3));
+    });
+}
+
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
+#[test]
 fn a_flow_the_kernel_masqueraded_reads_as_source_translated() {
     require_root!();
     in_node_netns(|| async {
