@@ -155,7 +155,7 @@ pub trait HandoverSide: Send + Sync + 'static {
     fn local_attachment(&self, key: &AttachmentKey) -> Option<Attachment>;
     /// This node's record, the overlay and the cluster view; None on a
     /// node without peers (a VM can only move within it).
-    fn cluster(&self) -> Option<(NodeRecord, Overlay, ClusterView)>;
+    fn cluster(&self) -> Option<(NodeRecord, Overlay, Arc<ClusterView>)>;
     /// Sends one datagram to node `node`'s notice port.
     fn send_to_node(&self, node: &str, bytes: &[u8]);
     /// Whether `ip` is the address of a pod on this node.
@@ -309,7 +309,11 @@ impl Handovers {
             {
                 wanted.insert(
                     key.clone(),
-                    (rec.clone(), alt.node.clone(), alt.container_id.clone()),
+                    (
+                        VmRecord::clone(rec),
+                        alt.node.clone(),
+                        alt.container_id.clone(),
+                    ),
                 );
             }
         }
@@ -982,7 +986,7 @@ impl Handovers {
     /// this node's (if [`Handovers::settle_flows`] has not yet).
     pub async fn arrived(
         &self,
-        cluster: Option<(NodeRecord, Overlay, ClusterView)>,
+        cluster: Option<(NodeRecord, Overlay, Arc<ClusterView>)>,
         vm: &VmKey,
         ips: &[IpAddr],
     ) {
@@ -1010,7 +1014,7 @@ impl Handovers {
     /// held back any more.
     pub async fn settle_flows(
         &self,
-        cluster: Option<(NodeRecord, Overlay, ClusterView)>,
+        cluster: Option<(NodeRecord, Overlay, Arc<ClusterView>)>,
         vm: &VmKey,
     ) {
         let deferred = {

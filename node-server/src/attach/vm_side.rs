@@ -117,7 +117,7 @@ impl HandoverSide for Node {
     ) -> Option<(
         crate::cluster::NodeRecord,
         crate::cluster::Overlay,
-        crate::cluster::ClusterView,
+        std::sync::Arc<crate::cluster::ClusterView>,
     )> {
         let p = self.peers.as_ref()?;
         Some((p.me(), p.overlay(), p.view()))

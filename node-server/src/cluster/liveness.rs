@@ -93,7 +93,7 @@ impl Cluster {
     /// the view holds them all only on the reaper).
     pub async fn alive_now(&self) -> Result<BTreeSet<String>> {
         if self.role() == Role::Reaper {
-            return Ok(self.view().alive);
+            return Ok(self.view().alive.clone());
         }
         let prefix = self.keys.alives();
         let (kvs, _) = self.store.list(&prefix).await?;
@@ -164,7 +164,8 @@ impl Cluster {
             // follows it now, and the view is as synced as the other parts.
             let mut stale = lock(&self.stale);
             if stale.remove(&Part::Alive) {
-                self.view.send_modify(|v| v.synced = stale.is_empty());
+                self.view
+                    .send_modify(|v| Arc::make_mut(v).synced = stale.is_empty());
             }
             drop(stale);
         }
@@ -198,6 +199,7 @@ impl Cluster {
             _ => alive,
         };
         self.view.send_if_modified(|v| {
+            let v = Arc::make_mut(v);
             let changed = v.alive != seen;
             v.alive = seen;
             v.revision = v.revision.max(revision);
@@ -241,6 +243,11 @@ struct OneAlive {
 impl OneAlive {
     fn set(&self, alive: bool) {
         self.cluster.view.send_if_modified(|v| {
+            // Most events are renewals that change nothing: no copy then.
+            if v.alive.contains(&self.node) == alive {
+                return false;
+            }
+            let v = Arc::make_mut(v);
             if alive {
                 v.alive.insert(self.node.clone())
             } else {

@@ -218,7 +218,9 @@ pub struct Cluster {
     config: ClusterConfig,
     keys: Keys,
     me: Mutex<NodeRecord>,
-    view: watch::Sender<ClusterView>,
+    /// Shared: a reader's copy is the `Arc` (a route pass holds one), and
+    /// a change copies the view only while a reader holds the current one.
+    view: watch::Sender<Arc<ClusterView>>,
     /// One block claim at a time per node: concurrent ADDs that ran out of
     /// room share the claim instead of each taking a block.
     claiming: tokio::sync::Mutex<()>,
@@ -250,7 +252,7 @@ impl Cluster {
         let me = control::until_answered("the registration", || register(&*store, &keys, &config))
             .await?;
         tracing::info!(node = %me.name, id = me.id, ips = ?me.node_ips, "registered in the control plane");
-        let (view, _) = watch::channel(ClusterView::default());
+        let (view, _) = watch::channel(Arc::new(ClusterView::default()));
         let cluster = Arc::new(Cluster {
             store,
             config,
@@ -313,12 +315,12 @@ impl Cluster {
     }
 
     /// The latest view.
-    pub fn view(&self) -> ClusterView {
+    pub fn view(&self) -> Arc<ClusterView> {
         self.view.borrow().clone()
     }
 
     /// Notified on every view change.
-    pub fn subscribe(&self) -> watch::Receiver<ClusterView> {
+    pub fn subscribe(&self) -> watch::Receiver<Arc<ClusterView>> {
         self.view.subscribe()
     }
 
@@ -389,6 +391,7 @@ impl Cluster {
         let mut stale = lock(&self.stale);
         stale.remove(&part);
         self.view.send_modify(|v| {
+            let v = Arc::make_mut(v);
             match part {
                 Part::Nodes => v.nodes = fresh.nodes,
                 Part::Alive => v.alive = fresh.alive,
@@ -434,6 +437,7 @@ impl Follower for PartFollower {
     fn apply(&self, events: &[Event]) {
         let keys = &self.cluster.keys;
         self.cluster.view.send_if_modified(|v| {
+            let v = Arc::make_mut(v);
             let mut changed = false;
             for e in events {
                 changed |= apply(v, keys, e);
@@ -444,7 +448,9 @@ impl Follower for PartFollower {
 
     fn mark_stale(&self) {
         lock(&self.cluster.stale).insert(self.part);
-        self.cluster.view.send_modify(|v| v.synced = false);
+        self.cluster
+            .view
+            .send_modify(|v| Arc::make_mut(v).synced = false);
     }
 
     fn list_again(&self) -> BoxFut<'_, i64, Error> {

@@ -5,6 +5,7 @@
 
 use super::view::ClusterView;
 use super::{Cluster, NodeRecord, Overlay};
+use std::sync::Arc;
 use tokio::sync::watch;
 /// The other nodes as one source of them sees them: this node's record,
 /// how they are reached, and a view of every node and its address ranges
@@ -16,9 +17,9 @@ pub trait Peers: Send + Sync {
     /// Host-gw or VXLAN.
     fn overlay(&self) -> Overlay;
     /// The latest view.
-    fn view(&self) -> ClusterView;
+    fn view(&self) -> Arc<ClusterView>;
     /// Notified on every view change.
-    fn subscribe(&self) -> watch::Receiver<ClusterView>;
+    fn subscribe(&self) -> watch::Receiver<Arc<ClusterView>>;
 }
 
 impl Peers for Cluster {
@@ -28,10 +29,10 @@ impl Peers for Cluster {
     fn overlay(&self) -> Overlay {
         self.config.overlay
     }
-    fn view(&self) -> ClusterView {
+    fn view(&self) -> Arc<ClusterView> {
         Cluster::view(self)
     }
-    fn subscribe(&self) -> watch::Receiver<ClusterView> {
+    fn subscribe(&self) -> watch::Receiver<Arc<ClusterView>> {
         Cluster::subscribe(self)
     }
 }

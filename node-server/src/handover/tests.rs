@@ -119,7 +119,7 @@ fn record(key: VmKey, vm: IpAddr, src: &str, dst: &str, moved: bool) -> VmRecord
 fn view(moved: bool) -> VmView {
     let rec = record(vm_key(), ip(VM), "src", "dst", moved);
     VmView {
-        records: [(vm_key(), (rec, 1))].into_iter().collect(),
+        records: [(vm_key(), (Arc::new(rec), 1))].into_iter().collect(),
         revision: 1,
         synced: true,
     }
@@ -137,8 +137,8 @@ impl HandoverSide for Side {
     fn local_attachment(&self, key: &AttachmentKey) -> Option<Attachment> {
         self.local.iter().find(|a| &a.key == key).cloned()
     }
-    fn cluster(&self) -> Option<(NodeRecord, Overlay, ClusterView)> {
-        Some((self.me.clone(), Overlay::HostGw, cluster()))
+    fn cluster(&self) -> Option<(NodeRecord, Overlay, Arc<ClusterView>)> {
+        Some((self.me.clone(), Overlay::HostGw, Arc::new(cluster())))
     }
     fn send_to_node(&self, node: &str, bytes: &[u8]) {
         lock(&self.sent).push((node.to_owned(), bytes.to_vec()));
@@ -701,6 +701,7 @@ async fn a_vm_that_leaves_the_node_it_came_to_arrives_anew_when_it_comes_back() 
     // It moves on, to a new pod on node-a placed after its cutover here.
     let mut back = view(true);
     if let Some((rec, _)) = back.records.get_mut(&vm_key()) {
+        let rec = Arc::make_mut(rec);
         rec.alternate = Some(pod("node-a", "again", 3_000));
         rec.last_cutover = Some(crate::vm::CutoverInfo {
             trigger: crate::vm::Trigger::Rarp,
@@ -741,7 +742,7 @@ fn many(n: u8, moved: bool) -> VmView {
                 &format!("dst{i}"),
                 moved,
             );
-            (key, (rec, 1))
+            (key, (Arc::new(rec), 1))
         })
         .collect();
     VmView {

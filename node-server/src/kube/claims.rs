@@ -425,7 +425,7 @@ async fn write_pass(client: &kube::Client, vms: &Vms, claims: &Claims) -> bool {
                         namespace: k.namespace.clone(),
                         name: name.to_owned(),
                     },
-                    r.clone(),
+                    VmRecord::clone(r),
                     *rev,
                 )
             })

@@ -151,7 +151,7 @@ pub fn view_of(
 pub struct NodePeers {
     me: NodeRecord,
     overlay: Overlay,
-    view: watch::Sender<ClusterView>,
+    view: watch::Sender<Arc<ClusterView>>,
 }
 
 impl Peers for NodePeers {
@@ -161,10 +161,10 @@ impl Peers for NodePeers {
     fn overlay(&self) -> Overlay {
         self.overlay
     }
-    fn view(&self) -> ClusterView {
+    fn view(&self) -> Arc<ClusterView> {
         self.view.borrow().clone()
     }
-    fn subscribe(&self) -> watch::Receiver<ClusterView> {
+    fn subscribe(&self) -> watch::Receiver<Arc<ClusterView>> {
         self.view.subscribe()
     }
 }
@@ -173,7 +173,7 @@ impl NodePeers {
     /// Starts the watch on every Node; it runs as long as the daemon. The
     /// view is empty and stale until the first listing arrives.
     pub fn start(client: kube::Client, me: NodeRecord, overlay: Overlay) -> Arc<NodePeers> {
-        let (view, _) = watch::channel(ClusterView::default());
+        let (view, _) = watch::channel(Arc::new(ClusterView::default()));
         let peers = Arc::new(NodePeers { me, overlay, view });
         tokio::spawn(peers.clone().follow(client));
         peers
@@ -233,8 +233,9 @@ impl NodePeers {
                         tracing::warn!(error = %e, "the watch on Node objects failed; routes to other nodes stay as they are until it is back (retrying with backoff)");
                     }
                     failing = true;
-                    self.view
-                        .send_if_modified(|v| std::mem::replace(&mut v.synced, false));
+                    self.view.send_if_modified(|v| {
+                        v.synced && !std::mem::replace(&mut Arc::make_mut(v).synced, false)
+                    });
                     continue;
                 }
             }
@@ -247,7 +248,7 @@ impl NodePeers {
                         tracing::error!(node = %name, "not routing to a node whose pod CIDR gives the same VXLAN ID as another node's");
                     }
                     tracing::debug!(nodes = view.nodes.len(), "Node objects changed");
-                    *v = view;
+                    *v = Arc::new(view);
                 }
                 changed
             });

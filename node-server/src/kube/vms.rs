@@ -239,17 +239,26 @@ fn not_served(e: &watcher::Error) -> bool {
     )
 }
 
+/// The records of the view, each with its mod revision, as owned values.
+fn owned_records(vms: &Vms) -> Vec<(VmRecord, i64)> {
+    vms.records()
+        .view()
+        .records
+        .values()
+        .map(|(r, rev)| (VmRecord::clone(r), *rev))
+        .collect()
+}
 /// One pass: frees the record of every VM the cache does not hold, once
 /// the API server confirms its VirtualMachine is gone.
 async fn free_pass(client: &kube::Client, vms: &Vms, cache: &VirtualMachines) {
-    let records: Vec<(VmRecord, i64)> = vms.records().view().records.values().cloned().collect();
+    let records = owned_records(vms);
     let has = |k: &VmKey| cache.has(&k.namespace, &k.vm);
     if candidates(&records, &has).is_empty() {
         return;
     }
     tokio::time::sleep(spread(vms.node_name())).await;
     // Again, after the wait: another node may have freed them meanwhile.
-    let records: Vec<(VmRecord, i64)> = vms.records().view().records.values().cloned().collect();
+    let records = owned_records(vms);
     let mut asked: BTreeSet<(String, String)> = BTreeSet::new();
     let mut gone: BTreeSet<(String, String)> = BTreeSet::new();
     for (rec, rev) in candidates(&records, &has) {

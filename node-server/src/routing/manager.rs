@@ -139,7 +139,10 @@ impl Routes {
         wants: HashMap<VmKey, Want>,
         forced: Forced,
     ) -> Result<Vec<RouteUpdateTiming>> {
-        let previous = lock(&self.vm_applied).clone();
+        // Taken, not copied: a pass that fails leaves none (the next one
+        // is full, as after `forget_vm_routes`), one that succeeds puts
+        // its wants back.
+        let previous = lock(&self.vm_applied).take();
         match previous.as_ref().filter(|_| !forced.full) {
             Some(prev) => {
                 let changed: HashSet<&VmKey> = wants
@@ -149,6 +152,8 @@ impl Routes {
                     .filter(|k| prev.get(*k) != wants.get(*k) || forced.vms.contains(*k))
                     .collect();
                 if changed.is_empty() {
+                    // The same wants as the last pass's: kept as they are.
+                    *lock(&self.vm_applied) = Some(wants);
                     return Ok(Vec::new());
                 }
                 self.apply_changed(view, local, prev, &wants, &changed)

@@ -353,7 +353,7 @@ mod tests {
         VmView {
             records: records
                 .into_iter()
-                .map(|r| (r.key.clone(), (r, 1)))
+                .map(|r| (r.key.clone(), (std::sync::Arc::new(r), 1)))
                 .collect(),
             revision: 1,
             synced: true,

@@ -194,7 +194,7 @@ pub(crate) fn forecast(view: &VmView, table: &mut NoticeTable, now: Instant) -> 
             // promoted from: wait for it.
             return true;
         }
-        let mut promoted = rec.clone();
+        let mut promoted = VmRecord::clone(rec);
         let key = n.to.key();
         match promote(
             &mut promoted,
@@ -206,7 +206,7 @@ pub(crate) fn forecast(view: &VmView, table: &mut NoticeTable, now: Instant) -> 
                 promoted.generation += 1;
                 out.get_or_insert_with(|| view.clone())
                     .records
-                    .insert(vm.clone(), (promoted, *rev));
+                    .insert(vm.clone(), (std::sync::Arc::new(promoted), *rev));
                 true
             }
             Ok(false) | Err(_) => {

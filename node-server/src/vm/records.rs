@@ -212,8 +212,10 @@ impl VmRecord {
 /// The VM records as the watch last saw them.
 #[derive(Debug, Clone, Default)]
 pub struct VmView {
-    /// Records and their mod revisions.
-    pub records: BTreeMap<VmKey, (VmRecord, i64)>,
+    /// Records and their mod revisions. Each record is shared: a copy of
+    /// the view (a route pass takes one, an ADD another) copies the map,
+    /// not every record's strings.
+    pub records: BTreeMap<VmKey, (Arc<VmRecord>, i64)>,
     /// The store revision the view is current at.
     pub revision: i64,
     /// False until the first listing, and while the watch is broken.
@@ -225,13 +227,16 @@ impl VmView {
     pub fn holder_of_ip(&self, ip: IpAddr) -> Option<&VmRecord> {
         self.records
             .values()
-            .map(|(r, _)| r)
+            .map(|(r, _)| r.as_ref())
             .find(|r| r.ips.contains(&ip))
     }
 
     /// The VM holding `mac`, if any.
     pub fn holder_of_mac(&self, mac: Mac) -> Option<&VmRecord> {
-        self.records.values().map(|(r, _)| r).find(|r| r.mac == mac)
+        self.records
+            .values()
+            .map(|(r, _)| r.as_ref())
+            .find(|r| r.mac == mac)
     }
 }
 
@@ -421,7 +426,7 @@ impl VmRegistry {
         };
         match serde_json::from_slice::<VmRecord>(&kv.value) {
             Ok(rec) if rec.key == key => {
-                view.records.insert(key, (rec, kv.mod_revision));
+                view.records.insert(key, (Arc::new(rec), kv.mod_revision));
             }
             Ok(_) | Err(_) => tracing::warn!(key = %kv.key, "ignoring a malformed VM record"),
         }
@@ -442,7 +447,11 @@ impl VmRegistry {
 
     /// The record in the view, with its mod revision.
     pub fn cached(&self, key: &VmKey) -> Option<(VmRecord, i64)> {
-        self.view.borrow().records.get(key).cloned()
+        self.view
+            .borrow()
+            .records
+            .get(key)
+            .map(|(r, rev)| (VmRecord::clone(r), *rev))
     }
 
     /// Creates a record and its address and MAC index keys: the index keys

@@ -625,7 +625,9 @@ fn notices_apply_only_to_their_generation_and_attachment_and_lapse() {
         last_cutover: None,
     };
     let view = |generation: u64| VmView {
-        records: [(vm_key(), (rec(generation), 10))].into_iter().collect(),
+        records: [(vm_key(), (std::sync::Arc::new(rec(generation)), 10))]
+            .into_iter()
+            .collect(),
         revision: 10,
         synced: true,
     };

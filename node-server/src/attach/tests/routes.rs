@@ -11,7 +11,7 @@ use tether_base::time::UnixMillis;
 struct SetPeers {
     me: NodeRecord,
     overlay: Overlay,
-    tx: watch::Sender<ClusterView>,
+    tx: watch::Sender<Arc<ClusterView>>,
 }
 
 impl SetPeers {
@@ -32,13 +32,14 @@ impl SetPeers {
                 vtep_mac: None,
             },
             overlay,
-            tx: watch::channel(view).0,
+            tx: watch::channel(Arc::new(view)).0,
         })
     }
 
     /// `name` (ID `id`, underlay `node_ip`) joins, holding `block`.
     fn join(&self, name: &str, id: u32, node_ip: &str, block: &str) {
         self.tx.send_modify(|v| {
+            let v = Arc::make_mut(v);
             let revision = v.revision + 1;
             let record = NodeRecord {
                 name: name.into(),
@@ -66,10 +67,10 @@ impl Peers for SetPeers {
     fn overlay(&self) -> Overlay {
         self.overlay
     }
-    fn view(&self) -> ClusterView {
+    fn view(&self) -> Arc<ClusterView> {
         self.tx.borrow().clone()
     }
-    fn subscribe(&self) -> watch::Receiver<ClusterView> {
+    fn subscribe(&self) -> watch::Receiver<Arc<ClusterView>> {
         self.tx.subscribe()
     }
 }
