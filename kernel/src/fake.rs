@@ -51,6 +51,7 @@ pub enum Call {
     SyncClusterRoutes,
     SyncVmRoutes,
     ChangeVmRoutes,
+    ChangeClusterRoutes,
     EnsureVxlan,
     SyncVxlanPeers,
     DeleteVxlan,
@@ -126,6 +127,30 @@ fn host_net(ip: IpAddr) -> IpNet {
 }
 
 impl FakeKernel {
+    /// Adds or replaces the routes `put` of `protocol` and deletes those
+    /// of `gone` that are there as given.
+    fn change_routes(&self, protocol: u8, put: &[ClusterRoute], gone: &[ClusterRoute]) -> Synced {
+        let mut s = self.state();
+        let route = |r: &ClusterRoute| FakeRoute {
+            protocol,
+            dev: r.onlink_dev.clone(),
+            via: Some(r.via),
+        };
+        let mut done = Synced::default();
+        for r in gone {
+            if s.routes.get(&r.dst.trunc()) == Some(&route(r)) {
+                s.routes.remove(&r.dst.trunc());
+                done.removed += 1;
+            }
+        }
+        for r in put {
+            if s.routes.insert(r.dst.trunc(), route(r)) != Some(route(r)) {
+                done.added += 1;
+            }
+        }
+        done
+    }
+
     /// An empty kernel with no namespaces.
     pub fn new() -> Self {
         Self::default()
@@ -248,6 +273,11 @@ impl FakeKernel {
     /// Removes a route directly (an operator's `ip route del`).
     pub fn drop_route(&self, ip: IpAddr) {
         self.state().routes.remove(&host_net(ip));
+    }
+
+    /// Removes the route to `dst` directly, whatever its length.
+    pub fn drop_route_to(&self, dst: IpNet) {
+        self.state().routes.remove(&dst);
     }
 
     /// Logs the call and answers whether it must fail.
@@ -596,25 +626,17 @@ impl NodeRoutes for FakeKernel {
     ) -> Result<Synced> {
         let dsts: Vec<IpNet> = put.iter().chain(gone).map(|r| r.dst).collect();
         self.enter(Call::ChangeVmRoutes, join(&dsts))?;
-        let mut s = self.state();
-        let route = |r: &ClusterRoute| FakeRoute {
-            protocol: VM_ROUTE_PROTOCOL,
-            dev: r.onlink_dev.clone(),
-            via: Some(r.via),
-        };
-        let mut done = Synced::default();
-        for r in gone {
-            if s.routes.get(&r.dst.trunc()) == Some(&route(r)) {
-                s.routes.remove(&r.dst.trunc());
-                done.removed += 1;
-            }
-        }
-        for r in put {
-            if s.routes.insert(r.dst.trunc(), route(r)) != Some(route(r)) {
-                done.added += 1;
-            }
-        }
-        Ok(done)
+        Ok(self.change_routes(VM_ROUTE_PROTOCOL, put, gone))
+    }
+
+    async fn change_cluster_routes(
+        &self,
+        put: &[ClusterRoute],
+        gone: &[ClusterRoute],
+    ) -> Result<Synced> {
+        let dsts: Vec<IpNet> = put.iter().chain(gone).map(|r| r.dst).collect();
+        self.enter(Call::ChangeClusterRoutes, join(&dsts))?;
+        Ok(self.change_routes(CLUSTER_ROUTE_PROTOCOL, put, gone))
     }
 
     async fn ensure_vxlan(&self, cfg: &VxlanConfig) -> Result<()> {

@@ -307,6 +307,15 @@ pub trait NodeRoutes: Send + Sync {
     /// Makes the proto-202 routes exactly `desired`.
     async fn sync_cluster_routes(&self, desired: &[ClusterRoute]) -> Result<Synced>;
 
+    /// Adds or replaces the proto-202 routes `put` and deletes `gone`, as
+    /// [`NodeRoutes::change_vm_routes`] does for VM routes: the pass after
+    /// a block claimed or freed, without reading the table.
+    async fn change_cluster_routes(
+        &self,
+        put: &[ClusterRoute],
+        gone: &[ClusterRoute],
+    ) -> Result<Synced>;
+
     /// Makes the proto-203 routes exactly `desired`. A VM route replaces a
     /// host route to the same address in one change.
     async fn sync_vm_routes(&self, desired: &[ClusterRoute]) -> Result<Synced>;

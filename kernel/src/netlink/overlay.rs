@@ -74,6 +74,76 @@ impl Netlink {
         Ok(routes)
     }
 
+    /// Adds or replaces the routes `put` of `protocol` and deletes those
+    /// of `gone` (see [`NodeRoutes::change_vm_routes`]); `kind` names them
+    /// in errors.
+    async fn change_routes(
+        &self,
+        protocol: u8,
+        kind: &str,
+        put: &[ClusterRoute],
+        gone: &[ClusterRoute],
+    ) -> Result<Synced> {
+        let put = normalized_routes(put)?;
+        let gone = normalized_routes(gone)?;
+        if put.is_empty() && gone.is_empty() {
+            return Ok(Synced::default());
+        }
+        let devices: BTreeSet<&str> = put
+            .iter()
+            .chain(&gone)
+            .filter_map(|r| r.onlink_dev.as_deref())
+            .collect();
+        let mut indexes = HashMap::with_capacity(devices.len());
+        for dev in devices {
+            match self.link_index(dev).await? {
+                Some(index) => {
+                    indexes.insert(dev, index);
+                }
+                // A route to delete through a device that is gone went
+                // with it; one to add cannot be.
+                None if put.iter().all(|r| r.onlink_dev.as_deref() != Some(dev)) => {}
+                None => {
+                    return Err(KernelError::refused(
+                        format!("adding {kind} routes via {dev}"),
+                        "no such device",
+                    ))
+                }
+            }
+        }
+        let oif = |r: &ClusterRoute| {
+            r.onlink_dev
+                .as_deref()
+                .and_then(|d| indexes.get(d).copied())
+        };
+        let mut steps = Vec::with_capacity(put.len() + gone.len());
+        for r in gone
+            .iter()
+            .filter(|r| r.onlink_dev.is_none() || oif(r).is_some())
+        {
+            steps.push(
+                Step::new(
+                    RouteNetlinkMessage::DelRoute(route_selector(r, oif(r), protocol)),
+                    ACKED,
+                    format!("deleting {kind} route {}", route_text(r)),
+                )
+                .tolerating(libc::ESRCH),
+            );
+        }
+        for r in &put {
+            steps.push(Step::new(
+                RouteNetlinkMessage::NewRoute(cluster_route(r, oif(r), protocol)),
+                REPLACE,
+                format!("adding {kind} route {}", route_text(r)),
+            ));
+        }
+        messages::batch(&self.handle, steps).await?;
+        Ok(Synced {
+            added: put.len(),
+            removed: gone.len(),
+        })
+    }
+
     async fn sync_routes(&self, protocol: u8, desired: &[ClusterRoute]) -> Result<Synced> {
         let desired = normalized_routes(desired)?;
         let found = self.found_routes(protocol).await?;
@@ -400,64 +470,16 @@ impl NodeRoutes for Netlink {
         put: &[ClusterRoute],
         gone: &[ClusterRoute],
     ) -> Result<Synced> {
-        let put = normalized_routes(put)?;
-        let gone = normalized_routes(gone)?;
-        if put.is_empty() && gone.is_empty() {
-            return Ok(Synced::default());
-        }
-        let devices: BTreeSet<&str> = put
-            .iter()
-            .chain(&gone)
-            .filter_map(|r| r.onlink_dev.as_deref())
-            .collect();
-        let mut indexes = HashMap::with_capacity(devices.len());
-        for dev in devices {
-            match self.link_index(dev).await? {
-                Some(index) => {
-                    indexes.insert(dev, index);
-                }
-                // A route to delete through a device that is gone went
-                // with it; one to add cannot be.
-                None if put.iter().all(|r| r.onlink_dev.as_deref() != Some(dev)) => {}
-                None => {
-                    return Err(KernelError::refused(
-                        format!("adding VM routes via {dev}"),
-                        "no such device",
-                    ))
-                }
-            }
-        }
-        let oif = |r: &ClusterRoute| {
-            r.onlink_dev
-                .as_deref()
-                .and_then(|d| indexes.get(d).copied())
-        };
-        let mut steps = Vec::with_capacity(put.len() + gone.len());
-        for r in gone
-            .iter()
-            .filter(|r| r.onlink_dev.is_none() || oif(r).is_some())
-        {
-            steps.push(
-                Step::new(
-                    RouteNetlinkMessage::DelRoute(route_selector(r, oif(r), VM_ROUTE_PROTOCOL)),
-                    ACKED,
-                    format!("deleting VM route {}", route_text(r)),
-                )
-                .tolerating(libc::ESRCH),
-            );
-        }
-        for r in &put {
-            steps.push(Step::new(
-                RouteNetlinkMessage::NewRoute(cluster_route(r, oif(r), VM_ROUTE_PROTOCOL)),
-                REPLACE,
-                format!("adding VM route {}", route_text(r)),
-            ));
-        }
-        messages::batch(&self.handle, steps).await?;
-        Ok(Synced {
-            added: put.len(),
-            removed: gone.len(),
-        })
+        self.change_routes(VM_ROUTE_PROTOCOL, "VM", put, gone).await
+    }
+
+    async fn change_cluster_routes(
+        &self,
+        put: &[ClusterRoute],
+        gone: &[ClusterRoute],
+    ) -> Result<Synced> {
+        self.change_routes(CLUSTER_ROUTE_PROTOCOL, "block", put, gone)
+            .await
     }
 
     /// Creates tether.vxlan, or fixes it: a VNI, port, local address, MAC or

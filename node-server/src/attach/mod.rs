@@ -372,14 +372,14 @@ impl Node {
             // A route the kernel refuses now (the underlay not up yet, say)
             // must not stop the node from serving its own pods: the route
             // manager keeps trying.
-            let first =
-                routing::manager::program_cluster(c.as_ref(), node.kernel.as_ref(), &c.view())
-                    .await;
+            let first = node
+                .routes
+                .program_cluster(c.as_ref(), &c.view(), true)
+                .await;
             match &first {
                 Ok(p) => {
                     reconciled.cluster_routes_added = p.added;
                     reconciled.cluster_routes_removed = p.removed;
-                    node.routes.note_cluster_routes(&p.dsts);
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot program the cluster routes yet; retrying")

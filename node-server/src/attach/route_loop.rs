@@ -5,7 +5,7 @@
 //! programmed.
 
 use super::Node;
-use crate::routing::manager::{note, program_cluster};
+use crate::routing::manager::note;
 use crate::routing::plan::{self, ClusterSide, VmPlan};
 use crate::vm::VmView;
 use std::collections::HashMap;
@@ -136,6 +136,8 @@ impl Node {
             let mut cluster_rx = node.peers.as_ref().map(|c| c.subscribe());
             let mut cluster_failing = cluster_failing;
             let mut cluster_dirty = true;
+            // The next cluster pass reads the kernel back (a repair).
+            let mut cluster_full = false;
             let mut vm_failing = false;
             let mut first = true;
             loop {
@@ -157,7 +159,9 @@ impl Node {
                         r = rx.changed() => if r.is_err() { return },
                         changed = cluster_changed => cluster_dirty |= changed,
                         () = node.routes.resync_asked() => {
-                            cluster_dirty |= node.routes.take_cluster_forced();
+                            let forced = node.routes.take_cluster_forced();
+                            cluster_dirty |= forced;
+                            cluster_full |= forced;
                         },
                         () = retry => cluster_dirty |= cluster_failing,
                     }
@@ -170,10 +174,12 @@ impl Node {
                     // A stale view must not withdraw routes; the relisting
                     // that makes it current again is a change too.
                     if view.synced {
-                        let outcome = program_cluster(c.as_ref(), node.kernel.as_ref(), &view)
+                        let full = std::mem::take(&mut cluster_full);
+                        let outcome = node
+                            .routes
+                            .program_cluster(c.as_ref(), &view, full)
                             .await
                             .map(|p| {
-                                node.routes.note_cluster_routes(&p.dsts);
                                 let (added, removed) = (p.added, p.removed);
                                 if added + removed > 0 {
                                     tracing::info!(

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use tether_base::error::{Error, Result};
 use tether_base::sync::lock;
 use tether_base::time::UnixNanos;
-use tether_kernel::{ClusterRoute, Kernel, NodeRoutes, VxlanConfig};
+use tether_kernel::{ClusterRoute, Kernel, NodeRoutes, Synced, VxlanConfig, VxlanPeer};
 use tether_store::store::{Attachment, AttachmentKey};
 use tokio::sync::Notify;
 
@@ -41,6 +41,10 @@ pub struct Routes {
     cluster_failed: AtomicBool,
     /// The routes to other nodes' blocks in place, and when each came.
     block_routes: Mutex<BlockRoutes>,
+    /// The routes to other nodes' blocks and the VXLAN peers as last
+    /// programmed; `None` before the first pass and after a failed one.
+    /// A pass that has them changes only what differs.
+    cluster_applied: Mutex<Option<ClusterApplied>>,
 }
 
 impl Routes {
@@ -55,7 +59,27 @@ impl Routes {
             resync: Notify::new(),
             cluster_failed: AtomicBool::new(false),
             block_routes: Mutex::default(),
+            cluster_applied: Mutex::new(None),
         }
+    }
+
+    /// Programs the routes to other nodes' blocks for `view` (see
+    /// [`program_cluster`]): a full pass if `full` or if the last one
+    /// failed or none ran, else only the changes since the last pass. A
+    /// pass that succeeds notes its routes ([`Routes::note_cluster_routes`]).
+    pub async fn program_cluster(
+        &self,
+        c: &dyn Peers,
+        view: &ClusterView,
+        full: bool,
+    ) -> Result<ProgrammedCluster> {
+        // Taken: a pass that fails leaves none, and the next is full.
+        let previous = lock(&self.cluster_applied).take().filter(|_| !full);
+        let (programmed, applied) =
+            program_cluster(c, self.kernel.as_ref(), view, previous.as_ref()).await?;
+        *lock(&self.cluster_applied) = Some(applied);
+        self.note_cluster_routes(&programmed.dsts);
+        Ok(programmed)
     }
 
     /// Makes the next VM pass a full one, which reads the kernel's VM
@@ -360,14 +384,31 @@ pub struct ProgrammedCluster {
     pub dsts: Vec<IpNet>,
 }
 
+/// The routes to other nodes' blocks and the VXLAN peers as a pass left
+/// them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClusterApplied {
+    /// Sorted.
+    pub routes: Vec<ClusterRoute>,
+    /// Sorted.
+    pub peers: Vec<VxlanPeer>,
+}
+
 /// Programs the routes to other nodes' blocks (and the VXLAN peers) that
-/// the plan wants for `view`, as `c` sees the cluster. Returns how many
-/// routes it added and removed, and the destinations now in place.
+/// the plan wants for `view`, as `c` sees the cluster. Without `previous`
+/// (a full pass: the first, one after a failure, a repair) it reads the
+/// kernel's routes and peers back and makes them exactly what is wanted;
+/// with it, it changes only the routes that differ from `previous`, and
+/// the peers only if they differ, without reading the kernel: a block
+/// claimed elsewhere costs one route added. Returns how many routes it
+/// added and removed and the destinations now in place, and what it
+/// left.
 pub async fn program_cluster(
     c: &dyn Peers,
     kernel: &dyn NodeRoutes,
     view: &ClusterView,
-) -> Result<ProgrammedCluster> {
+    previous: Option<&ClusterApplied>,
+) -> Result<(ProgrammedCluster, ClusterApplied)> {
     let me = c.me();
     let overlay = c.overlay();
     let side = ClusterSide {
@@ -378,16 +419,52 @@ pub async fn program_cluster(
     let (routes, peers) = plan::cluster_routes(&side);
     let costs = crate::metrics::get();
     if let Overlay::Vxlan { .. } = overlay {
-        let synced = kernel.sync_vxlan_peers(&peers).await?;
-        costs.routes_changed("block", synced.added + synced.removed);
+        if previous.is_none_or(|p| p.peers != peers) {
+            let synced = kernel.sync_vxlan_peers(&peers).await?;
+            costs.routes_changed("block", synced.added + synced.removed);
+        }
     }
-    let synced = kernel.sync_cluster_routes(&routes).await?;
+    let synced = match previous {
+        None => kernel.sync_cluster_routes(&routes).await?,
+        Some(p) => {
+            let (put, gone) = route_changes(&p.routes, &routes);
+            if put.is_empty() && gone.is_empty() {
+                Synced::default()
+            } else {
+                kernel.change_cluster_routes(&put, &gone).await?
+            }
+        }
+    };
     costs.routes_changed("block", synced.added + synced.removed);
-    Ok(ProgrammedCluster {
+    let programmed = ProgrammedCluster {
         added: synced.added,
         removed: synced.removed,
         dsts: routes.iter().map(|r| r.dst).collect(),
-    })
+    };
+    Ok((programmed, ClusterApplied { routes, peers }))
+}
+
+/// What turns the routes `was` into `now`: those to add or replace (new,
+/// or with another next hop), and those to delete (their destination no
+/// longer wanted; one with another next hop is replaced, never deleted
+/// first).
+fn route_changes(
+    was: &[ClusterRoute],
+    now: &[ClusterRoute],
+) -> (Vec<ClusterRoute>, Vec<ClusterRoute>) {
+    let was_set: HashSet<&ClusterRoute> = was.iter().collect();
+    let now_dsts: HashSet<IpNet> = now.iter().map(|r| r.dst).collect();
+    let put = now
+        .iter()
+        .filter(|r| !was_set.contains(r))
+        .cloned()
+        .collect();
+    let gone = was
+        .iter()
+        .filter(|r| !now_dsts.contains(&r.dst))
+        .cloned()
+        .collect();
+    (put, gone)
 }
 
 /// Creates (or checks) the VXLAN device in vxlan mode, and removes a

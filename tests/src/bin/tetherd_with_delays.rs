@@ -158,6 +158,13 @@ impl NodeRoutes for Held {
     ) -> Result<Synced> {
         self.inner.change_vm_routes(put, gone).await
     }
+    async fn change_cluster_routes(
+        &self,
+        put: &[ClusterRoute],
+        gone: &[ClusterRoute],
+    ) -> Result<Synced> {
+        self.inner.change_cluster_routes(put, gone).await
+    }
     async fn ensure_vxlan(&self, cfg: &VxlanConfig) -> Result<()> {
         self.inner.ensure_vxlan(cfg).await
     }

@@ -1215,3 +1215,46 @@ fn vm_routes_change_one_by_one_without_touching_the_others() {
         }
     });
 }
+
+#[cfg_attr(
+    not(feature = "root-tests"),
+    ignore = "needs root: `make test` runs it"
+)]
+#[test]
+fn block_routes_change_one_by_one_with_their_own_protocol() {
+    require_root!();
+    isolated(|| {
+        let a = &Node::new();
+        let b = &Node::new();
+        underlay(a, b);
+        let block = |i: u8, node: &str| route(&format!("10.244.{i}.0/26"), node, None);
+        let rows = |proto: &str| route_rows(a.path(), &["-4", "route", "show", "proto", proto]);
+        let all: Vec<ClusterRoute> = (1..=4).map(|i| block(i, "192.0.2.2")).collect();
+        a.run(|dp| async move {
+            dp.sync_cluster_routes(&all).await.expect("sync");
+            // Block 5 claimed, block 2 freed, block 3 now held by another
+            // node; block 9, never routed, freed too (no error).
+            let put = vec![block(5, "192.0.2.2"), block(3, "192.0.2.3")];
+            let gone = vec![block(2, "192.0.2.2"), block(9, "192.0.2.2")];
+            assert_eq!(
+                dp.change_cluster_routes(&put, &gone).await.expect("change"),
+                synced(2, 2)
+            );
+        });
+        let now = rows("202");
+        assert_eq!(
+            now,
+            [
+                row("10.244.1.0/26", "192.0.2.2", "ul0", false),
+                row("10.244.3.0/26", "192.0.2.3", "ul0", false),
+                row("10.244.4.0/26", "192.0.2.2", "ul0", false),
+                row("10.244.5.0/26", "192.0.2.2", "ul0", false),
+            ]
+        );
+        assert!(
+            rows("203").is_empty(),
+            "no VM route made: {:?}",
+            rows("203")
+        );
+    });
+}

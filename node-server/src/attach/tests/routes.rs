@@ -58,6 +58,15 @@ impl SetPeers {
             v.revision = revision;
         });
     }
+
+    /// `block` is freed.
+    fn free(&self, block: &str) {
+        self.tx.send_modify(|v| {
+            let v = Arc::make_mut(v);
+            v.blocks.remove(&net(block));
+            v.revision += 1;
+        });
+    }
 }
 
 impl Peers for SetPeers {
@@ -102,6 +111,61 @@ async fn a_block_seen_before_the_route_manager_starts_is_routed() {
     peers.join("node-c", 3, "192.0.2.3", "10.3.0.0/28");
     t.eventually("node-c's block routed", |t| routed(t, "10.3.0.0/28"))
         .await;
+}
+
+/// A block claimed elsewhere costs this node one route added, without a
+/// read of its routes; a block freed, one route deleted. The periodic
+/// repair reads the routes back and puts back one deleted by hand.
+#[tokio::test]
+async fn block_passes_change_only_what_changed_and_a_repair_reads_back() {
+    use tether_kernel::fake::Call;
+    let peers = SetPeers::new();
+    let t = TestNode::with(Options {
+        vm_tasks: false,
+        peers: Some(peers.clone()),
+        ..Options::default()
+    })
+    .await;
+    peers.join("node-b", 2, "192.0.2.2", "10.2.0.0/28");
+    t.node.start_vm_tasks();
+    t.eventually("node-b's block routed", |t| routed(t, "10.2.0.0/28"))
+        .await;
+    let cluster_calls = |t: &TestNode| -> Vec<(Call, String)> {
+        t.kernel
+            .log()
+            .into_iter()
+            .filter(|(c, _)| matches!(c, Call::SyncClusterRoutes | Call::ChangeClusterRoutes))
+            .collect()
+    };
+
+    t.kernel.clear_log();
+    peers.join("node-c", 3, "192.0.2.3", "10.3.0.0/28");
+    t.eventually("node-c's block routed", |t| routed(t, "10.3.0.0/28"))
+        .await;
+    assert_eq!(
+        cluster_calls(&t),
+        [(Call::ChangeClusterRoutes, "10.3.0.0/28".to_string())]
+    );
+
+    t.kernel.clear_log();
+    peers.free("10.2.0.0/28");
+    t.eventually("node-b's block unrouted", |t| !routed(t, "10.2.0.0/28"))
+        .await;
+    assert_eq!(
+        cluster_calls(&t),
+        [(Call::ChangeClusterRoutes, "10.2.0.0/28".to_string())]
+    );
+
+    // Deleted by hand: no pass notices until the repair reads back.
+    t.kernel.drop_route_to(net("10.3.0.0/28"));
+    t.kernel.clear_log();
+    t.node.routes.force_repair();
+    t.eventually("node-c's block routed again", |t| routed(t, "10.3.0.0/28"))
+        .await;
+    assert_eq!(
+        cluster_calls(&t),
+        [(Call::SyncClusterRoutes, "1 routes".to_string())]
+    );
 }
 
 /// The MTU of the pod ends of this node's veths.
