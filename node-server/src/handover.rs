@@ -65,6 +65,7 @@ enum Watch {
     /// The kernel has no feed: the table is read every round.
     Refused,
 }
+
 /// How long the target guards a VM's addresses after its cutover.
 pub const GUARD_TTL: Duration = Duration::from_secs(60);
 /// How long what the target sets up for a waiting VM lasts unless the
