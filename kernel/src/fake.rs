@@ -20,7 +20,7 @@ use ipnet::IpNet;
 use tokio::sync::mpsc;
 
 use super::flow_watch::{touches, FlowChange, FlowChanges, FlowFeed};
-use super::handover::{Flow, FlowCreated, FlowEnds, Handover, Held, TapCounters};
+use super::handover::{all_flows_at, Flow, FlowCreated, FlowEnds, Handover, Held, TapCounters};
 use super::policy::PolicyPlan;
 use super::replay::Replayed;
 use super::{
@@ -787,14 +787,6 @@ fn create_in(st: &mut FakeHandoverState, flow: &Flow, replace: bool) -> FlowCrea
     outcome
 }
 
-/// Of `all`, the flows of `ip` (its own, and those toward it, as the
-/// real kernel's read selects them).
-fn flows_at(all: &[Flow], ip: IpAddr) -> Vec<Flow> {
-    let (mut flows, toward) = super::handover::flows_at(all, ip);
-    flows.extend(toward);
-    flows
-}
-
 /// The fake's feed of the flow table's changes: at each take, what
 /// differs in the table since the last one (made or changed, gone), so a
 /// test changes the table as it likes. A test double: it cannot show the
@@ -845,13 +837,13 @@ impl Handover for FakeHandover {
     async fn flows_of(&self, ip: IpAddr) -> Result<Vec<Flow>> {
         let mut st = lock(&self.state);
         *st.calls.entry("read_flows").or_default() += 1;
-        Ok(flows_at(&st.flows, ip))
+        Ok(all_flows_at(&st.flows, ip))
     }
 
     async fn flows_of_each(&self, ips: &[IpAddr]) -> Result<Vec<Vec<Flow>>> {
         let mut st = lock(&self.state);
         *st.calls.entry("read_flows").or_default() += 1;
-        Ok(ips.iter().map(|ip| flows_at(&st.flows, *ip)).collect())
+        Ok(ips.iter().map(|ip| all_flows_at(&st.flows, *ip)).collect())
     }
 
     fn watch_flows(&self) -> Result<Box<dyn FlowFeed>> {

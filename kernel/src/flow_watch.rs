@@ -31,7 +31,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::net::IpAddr;
 
 use crate::error::Result;
-use crate::handover::{flows_at, Flow, FlowEnds, Handover};
+use crate::handover::{all_flows_at, Flow, FlowEnds, Handover};
 
 /// One change of the flow table.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -152,14 +152,7 @@ impl FlowWatch {
             self.read = asked;
         }
         let all: Vec<Flow> = self.flows.values().cloned().collect();
-        Ok(ips
-            .iter()
-            .map(|ip| {
-                let (mut flows, toward) = flows_at(&all, *ip);
-                flows.extend(toward);
-                flows
-            })
-            .collect())
+        Ok(ips.iter().map(|ip| all_flows_at(&all, *ip)).collect())
     }
 
     /// Makes the next [`FlowWatch::flows_of_each`] read the table, for

@@ -285,6 +285,14 @@ pub fn flows_at(all: &[Flow], ip: IpAddr) -> (Vec<Flow>, Vec<Flow>) {
     (opened, toward)
 }
 
+/// Of `all`, every flow of `ip`: those it opened, then those toward it
+/// (see [`flows_at`]).
+pub fn all_flows_at(all: &[Flow], ip: IpAddr) -> Vec<Flow> {
+    let (mut flows, toward) = flows_at(all, ip);
+    flows.extend(toward);
+    flows
+}
+
 /// Whether `toward`, a flow toward a VM, mirrors one of the flows the VM
 /// opened (`opened`): its first direction is that flow's own, reversed.
 /// One connection is one entry, so such a second one is no connection: it

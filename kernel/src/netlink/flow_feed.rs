@@ -18,10 +18,10 @@ use std::time::Duration;
 
 use netlink_packet_netfilter::conntrack::ConntrackMessage;
 use netlink_packet_netfilter::{NetfilterMessage, NetfilterMessageInner};
-use rtnetlink::packet_core::{NetlinkMessage, NetlinkPayload};
+use rtnetlink::packet_core::NetlinkPayload;
 use rtnetlink::sys::{protocols, Socket};
 
-use super::handover::flow_of;
+use super::handover::{flow_of, messages_in};
 use crate::error::{KernelError, Result};
 use crate::flow_watch::{touches, FlowChange, FlowChanges, FlowFeed};
 use tether_base::sync::lock;
@@ -144,17 +144,7 @@ fn read_events(socket: Socket, kept: &Mutex<Kept>, stop: &AtomicBool) {
             },
         };
         let mut changes = Vec::new();
-        let mut at = 0;
-        while at + 16 <= n {
-            let len = u32::from_ne_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]) as usize;
-            if len < 16 || at + len > n {
-                break;
-            }
-            let bytes = &buf[at..at + len];
-            at += (len + 3) & !3;
-            let Ok(msg) = NetlinkMessage::<NetfilterMessage>::deserialize(bytes) else {
-                continue;
-            };
+        for msg in messages_in(&buf[..n]) {
             let NetlinkPayload::InnerMessage(NetfilterMessage {
                 inner: NetfilterMessageInner::Conntrack(ct),
                 ..

@@ -48,9 +48,9 @@ use super::messages::{self, errno, reason};
 use super::netns::{open_netns, spawn_in_netns};
 use crate::error::{KernelError, Result};
 use crate::handover::{
-    anchor_mark, anchor_of_mark, anchor_table, flows_at, Flow, FlowCreated, FlowEnds, Handover,
-    Held, TapCounters, ANCHOR_MASK, ANCHOR_RULE_PRIORITY, ANCHOR_TABLE_BASE, ANCHOR_TABLE_LAST,
-    FREEZE_LIMIT, HANDOVER_ROUTE_PROTOCOL, HANDOVER_TABLE, TCP, UDP,
+    all_flows_at, anchor_mark, anchor_of_mark, anchor_table, flows_at, Flow, FlowCreated, FlowEnds,
+    Handover, Held, TapCounters, ANCHOR_MASK, ANCHOR_RULE_PRIORITY, ANCHOR_TABLE_BASE,
+    ANCHOR_TABLE_LAST, FREEZE_LIMIT, HANDOVER_ROUTE_PROTOCOL, HANDOVER_TABLE, TCP, UDP,
 };
 use crate::replay::{Capture, Replayed, Replayer};
 use crate::ClusterRoute;
@@ -232,6 +232,28 @@ pub(super) fn flow_of(attrs: &[ConntrackAttribute]) -> Option<Flow> {
     })
 }
 
+/// The netlink messages of one datagram `buf`, in order; one that does
+/// not parse is skipped, and a length that runs past the end ends them.
+pub(super) fn messages_in(
+    buf: &[u8],
+) -> impl Iterator<Item = NetlinkMessage<NetfilterMessage>> + '_ {
+    let mut at = 0;
+    std::iter::from_fn(move || {
+        while at + 16 <= buf.len() {
+            let len = u32::from_ne_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]) as usize;
+            if len < 16 || at + len > buf.len() {
+                return None;
+            }
+            let bytes = &buf[at..at + len];
+            at += (len + 3) & !3;
+            if let Ok(msg) = NetlinkMessage::<NetfilterMessage>::deserialize(bytes) {
+                return Some(msg);
+            }
+        }
+        None
+    })
+}
+
 /// One blocking netfilter netlink socket (see the module doc).
 struct NfSocket {
     socket: Socket,
@@ -304,18 +326,7 @@ impl NfSocket {
                     return Err(e.raw_os_error().unwrap_or(libc::EIO));
                 }
             };
-            let mut at = 0;
-            while at + 16 <= n {
-                let len = u32::from_ne_bytes([rbuf[at], rbuf[at + 1], rbuf[at + 2], rbuf[at + 3]])
-                    as usize;
-                if len < 16 || at + len > n {
-                    break;
-                }
-                let bytes = &rbuf[at..at + len];
-                at += (len + 3) & !3;
-                let Ok(msg) = NetlinkMessage::<NetfilterMessage>::deserialize(bytes) else {
-                    continue;
-                };
+            for msg in messages_in(&rbuf[..n]) {
                 let seq = msg.header.sequence_number;
                 match msg.payload {
                     NetlinkPayload::Done(_) => {
@@ -925,9 +936,7 @@ fn anchor_route(table: u32, via: IpAddr, oif: Option<u32>) -> RouteMessage {
 impl Handover for LinuxHandover {
     async fn flows_of(&self, ip: IpAddr) -> Result<Vec<Flow>> {
         self.nf(format!("reading the flows of {ip}"), move |s| {
-            let (mut flows, toward) = flows_at(&dump_flows(s)?, ip);
-            flows.extend(toward);
-            Ok(flows)
+            Ok(all_flows_at(&dump_flows(s)?, ip))
         })
         .await
     }
@@ -936,14 +945,7 @@ impl Handover for LinuxHandover {
         let ips = ips.to_vec();
         self.nf(format!("reading the flows of {ips:?}"), move |s| {
             let all = dump_flows(s)?;
-            Ok(ips
-                .iter()
-                .map(|ip| {
-                    let (mut flows, toward) = flows_at(&all, *ip);
-                    flows.extend(toward);
-                    flows
-                })
-                .collect())
+            Ok(ips.iter().map(|ip| all_flows_at(&all, *ip)).collect())
         })
         .await
     }
