@@ -19,8 +19,10 @@ use async_trait::async_trait;
 use ipnet::IpNet;
 use tokio::sync::mpsc;
 
-use super::flow_watch::{touches, FlowChange, FlowChanges, FlowFeed};
-use super::handover::{all_flows_at, Flow, FlowCreated, FlowEnds, Handover, Held, TapCounters};
+use super::handover::{
+    all_flows_at, touches, Flow, FlowChange, FlowChanges, FlowCreated, FlowEnds, FlowFeed,
+    Handover, Held, TapCounters,
+};
 use super::policy::PolicyPlan;
 use super::replay::Replayed;
 use super::{
@@ -821,9 +823,7 @@ impl FlowFeed for FakeFeed {
                 .filter(|(k, _)| !now.contains_key(k))
                 .map(|(_, f)| FlowChange::Gone(f.clone())),
         );
-        changes.retain(|c| match c {
-            FlowChange::Made(f) | FlowChange::Gone(f) => touches(f, &self.tracked),
-        });
+        changes.retain(|c| touches(c.flow(), &self.tracked));
         self.last = now;
         FlowChanges {
             changes,

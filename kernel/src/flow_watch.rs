@@ -31,51 +31,9 @@ use std::collections::{BTreeSet, HashMap};
 use std::net::IpAddr;
 
 use crate::error::Result;
-use crate::handover::{all_flows_at, Flow, FlowEnds, Handover};
-
-/// One change of the flow table.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum FlowChange {
-    /// A flow was made, or changed (its state, its mark).
-    Made(Flow),
-    /// A flow ended.
-    Gone(Flow),
-}
-
-impl FlowChange {
-    fn flow(&self) -> &Flow {
-        match self {
-            FlowChange::Made(f) | FlowChange::Gone(f) => f,
-        }
-    }
-}
-
-/// What a feed kept since it was last asked.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct FlowChanges {
-    /// The changes, oldest first.
-    pub changes: Vec<FlowChange>,
-    /// Whether the feed lost changes meanwhile: the table must be read
-    /// again.
-    pub lost: bool,
-}
-
-/// A feed of the flow table's changes, from the moment it was opened
-/// (see [`Handover::watch_flows`]). It stops when dropped.
-pub trait FlowFeed: Send {
-    /// Keeps, from now on, only the changes of flows that touch one of
-    /// `ips` (see [`touches`]).
-    fn track(&mut self, ips: &BTreeSet<IpAddr>);
-
-    /// The changes kept since the last call.
-    fn take(&mut self) -> FlowChanges;
-}
-
-/// Whether `f` is a flow of one of `ips`: one of them opened it, or it was
-/// opened toward one of them (its answers come from it).
-pub fn touches(f: &Flow, ips: &BTreeSet<IpAddr>) -> bool {
-    ips.contains(&f.orig.src.ip()) || ips.contains(&f.reply.src.ip())
-}
+use crate::handover::{
+    all_flows_at, touches, Flow, FlowChange, FlowChanges, FlowEnds, FlowFeed, Handover,
+};
 
 /// The flows of the addresses asked about, kept current by a feed (see
 /// the module doc).

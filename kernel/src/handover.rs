@@ -37,6 +37,7 @@
 //! rules and routing tables in a range of their own
 //! ([`ANCHOR_TABLE_BASE`]).
 
+use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::time::Duration;
@@ -308,6 +309,51 @@ pub fn mirrors_one_of(toward: &Flow, opened: &[Flow]) -> bool {
         .any(|o| o.proto == toward.proto && o.orig == toward.orig.inverse())
 }
 
+/// One change of the flow table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FlowChange {
+    /// A flow was made, or changed (its state, its mark).
+    Made(Flow),
+    /// A flow ended.
+    Gone(Flow),
+}
+
+impl FlowChange {
+    /// The flow made, changed or ended.
+    pub fn flow(&self) -> &Flow {
+        match self {
+            FlowChange::Made(f) | FlowChange::Gone(f) => f,
+        }
+    }
+}
+
+/// What a feed kept since it was last asked.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FlowChanges {
+    /// The changes, oldest first.
+    pub changes: Vec<FlowChange>,
+    /// Whether the feed lost changes meanwhile: the table must be read
+    /// again.
+    pub lost: bool,
+}
+
+/// A feed of the flow table's changes, from the moment it was opened
+/// (see [`Handover::watch_flows`] and [`crate::flow_watch`]). It stops when dropped.
+pub trait FlowFeed: Send {
+    /// Keeps, from now on, only the changes of flows that touch one of
+    /// `ips` (see [`touches`]).
+    fn track(&mut self, ips: &BTreeSet<IpAddr>);
+
+    /// The changes kept since the last call.
+    fn take(&mut self) -> FlowChanges;
+}
+
+/// Whether `f` is a flow of one of `ips`: one of them opened it, or it was
+/// opened toward one of them (its answers come from it).
+pub fn touches(f: &Flow, ips: &BTreeSet<IpAddr>) -> bool {
+    ips.contains(&f.orig.src.ip()) || ips.contains(&f.reply.src.ip())
+}
+
 /// The kernel side of a VM's handover between nodes (see the module doc).
 #[async_trait]
 pub trait Handover: Send + Sync {
@@ -334,7 +380,7 @@ pub trait Handover: Send + Sync {
     /// that follows a few addresses' flows without walking the table each
     /// time. An error says why there is none (the watch is then not made,
     /// and its user walks the table as before).
-    fn watch_flows(&self) -> Result<Box<dyn crate::flow_watch::FlowFeed>> {
+    fn watch_flows(&self) -> Result<Box<dyn FlowFeed>> {
         Err(crate::error::KernelError::Internal(
             "this kernel has no feed of the flow table's changes".into(),
         ))

@@ -21,9 +21,9 @@ use netlink_packet_netfilter::{NetfilterMessage, NetfilterMessageInner};
 use rtnetlink::packet_core::NetlinkPayload;
 use rtnetlink::sys::{protocols, Socket};
 
-use super::handover::{flow_of, messages_in};
+use super::nf_read::{flow_of, messages_in};
 use crate::error::{KernelError, Result};
-use crate::flow_watch::{touches, FlowChange, FlowChanges, FlowFeed};
+use crate::handover::{touches, FlowChange, FlowChanges, FlowFeed};
 use tether_base::sync::lock;
 
 /// `NFNLGRP_CONNTRACK_NEW`, `_UPDATE` and `_DESTROY`.
@@ -167,9 +167,8 @@ fn read_events(socket: Socket, kept: &Mutex<Kept>, stop: &AtomicBool) {
         }
         let mut k = lock(kept);
         let tracked = std::mem::take(&mut k.tracked);
-        k.changes.extend(changes.into_iter().filter(|c| match c {
-            FlowChange::Made(f) | FlowChange::Gone(f) => touches(f, &tracked),
-        }));
+        k.changes
+            .extend(changes.into_iter().filter(|c| touches(c.flow(), &tracked)));
         k.tracked = tracked;
         if k.changes.len() > KEEP_LIMIT {
             k.changes.clear();

@@ -16,6 +16,7 @@ mod flow_feed;
 mod handover;
 mod messages;
 mod netns;
+mod nf_read;
 mod overlay;
 mod pod;
 mod tap;
