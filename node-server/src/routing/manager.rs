@@ -63,10 +63,11 @@ impl Routes {
         }
     }
 
-    /// Programs the routes to other nodes' blocks for `view` (see
-    /// [`program_cluster`]): a full pass if `full` or if the last one
-    /// failed or none ran, else only the changes since the last pass. A
-    /// pass that succeeds notes its routes ([`Routes::note_cluster_routes`]).
+    /// Programs the routes to other nodes' blocks (and the VXLAN peers)
+    /// that the plan wants for `view`: a full pass if `full` or if the
+    /// last one failed or none ran, else only the changes since the last
+    /// pass. A pass that succeeds notes its routes
+    /// ([`Routes::note_cluster_routes`]).
     pub async fn program_cluster(
         &self,
         c: &dyn Peers,
@@ -387,7 +388,7 @@ pub struct ProgrammedCluster {
 /// The routes to other nodes' blocks and the VXLAN peers as a pass left
 /// them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ClusterApplied {
+struct ClusterApplied {
     /// Sorted.
     pub routes: Vec<ClusterRoute>,
     /// Sorted.
@@ -403,7 +404,7 @@ pub struct ClusterApplied {
 /// claimed elsewhere costs one route added. Returns how many routes it
 /// added and removed and the destinations now in place, and what it
 /// left.
-pub async fn program_cluster(
+async fn program_cluster(
     c: &dyn Peers,
     kernel: &dyn NodeRoutes,
     view: &ClusterView,

@@ -88,13 +88,9 @@ fn routed(t: &TestNode, block: &str) -> bool {
     t.kernel.routes().contains_key(&net(block))
 }
 
-/// A peer's block that arrives after the start-up pass programmed the
-/// routes, but before the route manager subscribed to the view, is routed
-/// all the same: the route manager's first pass does not wait for a
-/// change. (Seen on two kubelet nodes starting together: one node never
-/// routed the other's first block, claimed in that window.)
-#[tokio::test]
-async fn a_block_seen_before_the_route_manager_starts_is_routed() {
+/// A node with the test's peers, node-b (holding 10.2.0.0/28) joined
+/// before its route manager starts, and that block routed.
+async fn started_with_node_b() -> (Arc<SetPeers>, TestNode) {
     let peers = SetPeers::new();
     let t = TestNode::with(Options {
         vm_tasks: false,
@@ -107,6 +103,17 @@ async fn a_block_seen_before_the_route_manager_starts_is_routed() {
     t.node.start_vm_tasks();
     t.eventually("node-b's block routed", |t| routed(t, "10.2.0.0/28"))
         .await;
+    (peers, t)
+}
+
+/// A peer's block that arrives after the start-up pass programmed the
+/// routes, but before the route manager subscribed to the view, is routed
+/// all the same: the route manager's first pass does not wait for a
+/// change. (Seen on two kubelet nodes starting together: one node never
+/// routed the other's first block, claimed in that window.)
+#[tokio::test]
+async fn a_block_seen_before_the_route_manager_starts_is_routed() {
+    let (peers, t) = started_with_node_b().await;
     // And the manager follows the changes after that.
     peers.join("node-c", 3, "192.0.2.3", "10.3.0.0/28");
     t.eventually("node-c's block routed", |t| routed(t, "10.3.0.0/28"))
@@ -119,17 +126,7 @@ async fn a_block_seen_before_the_route_manager_starts_is_routed() {
 #[tokio::test]
 async fn block_passes_change_only_what_changed_and_a_repair_reads_back() {
     use tether_kernel::fake::Call;
-    let peers = SetPeers::new();
-    let t = TestNode::with(Options {
-        vm_tasks: false,
-        peers: Some(peers.clone()),
-        ..Options::default()
-    })
-    .await;
-    peers.join("node-b", 2, "192.0.2.2", "10.2.0.0/28");
-    t.node.start_vm_tasks();
-    t.eventually("node-b's block routed", |t| routed(t, "10.2.0.0/28"))
-        .await;
+    let (peers, t) = started_with_node_b().await;
     let cluster_calls = |t: &TestNode| -> Vec<(Call, String)> {
         t.kernel
             .log()
