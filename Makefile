@@ -240,12 +240,16 @@ test:
 ## kubelet nodes wired by tether (installed with its chart in its default
 ## mode, the Kubernetes store), with kube-proxy and CoreDNS
 ## (tests/src/kube_cluster.rs); while they run, one node's tetherd is killed and
-## the other's kubelet restarted (--faults); writes CONFORMANCE.md.
-## `make test` runs a slice of them (tests/e2e/conformance/conformance_slice.rs).
+## the other's kubelet restarted (--faults). STACK picks the cluster's IP
+## families: v4 (the default), dual (IPv4 first, then IPv6; the run adds
+## every non-SCTP `[Feature:IPv6DualStack]` test) or v6 (IPv6 alone).
+## Writes the stack's section of CONFORMANCE.md and keeps the others.
+## `make test` runs slices of them (tests/e2e/conformance/conformance_slice.rs).
 ## Root only.
+STACK ?= v4
 conformance: setup k8s helm e2e-bins build
 	@test "$$(id -u)" = 0 || { echo "make conformance must run as root (it creates namespaces)"; exit 1; }
-	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) run -p tether-e2e --bin conformance -- --faults --write CONFORMANCE.md
+	TETHER_BIN_DIR=$(CURDIR)/$(DEBUG_DIR) $(CARGO) run -p tether-e2e --bin conformance -- --stack $(STACK) --faults --write CONFORMANCE.md
 
 ## netpol: Kubernetes' own NetworkPolicy tests, every `[sig-network] Netpol`
 ## test of e2e.test v1.37.2 (the `[Feature:NetworkPolicy]` tests and the two

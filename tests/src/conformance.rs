@@ -17,13 +17,19 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::kube_cluster::KubeCluster;
+use crate::stack::Stack;
 
 /// The focus of the whole sig-network Conformance set.
 pub const FOCUS_ALL: &str = r"\[sig-network\].*\[Conformance\]";
 
+/// The focus of the Conformance set and of every dual-stack test
+/// (`[Feature:IPv6DualStack]`), for a dual-stack cluster.
+pub const FOCUS_DUAL_STACK: &str = r"\[sig-network\] (.*\[Conformance\]|\[Feature:IPv6DualStack\])";
+
 /// The skip of the tests that need SCTP in the kernel (this machine's has
-/// none): only these three NetworkPolicy tests carry the label. Two
-/// others have SCTP in their names but probe TCP, and run.
+/// none): of the suites run here, three NetworkPolicy tests and one
+/// dual-stack test carry the label. Two NetworkPolicy tests have SCTP in
+/// their names but probe TCP, and run.
 pub const SKIP_SCTP: &str = r"\[Feature:SCTPConnectivity\]";
 
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -403,6 +409,9 @@ pub fn outcomes(report: &Value) -> Vec<Outcome> {
 pub struct Context {
     /// The report's heading.
     pub title: String,
+    /// Its level: 1 for a report of its own, 2 for a section of one
+    /// ([`per_stack_report`]).
+    pub depth: usize,
     /// The command that writes the report.
     pub command: String,
     /// The machine (`/work/.library/env`'s words, or `uname`).
@@ -435,7 +444,12 @@ pub fn markdown(run: &Run, ctx: &Context) -> String {
         .collect();
     let passed = ran.iter().filter(|o| o.passed()).count();
     let mut md = String::new();
-    let _ = writeln!(md, "# {}\n", ctx.title);
+    let (h1, h2, h3) = (
+        "#".repeat(ctx.depth),
+        "#".repeat(ctx.depth + 1),
+        "#".repeat(ctx.depth + 2),
+    );
+    let _ = writeln!(md, "{h1} {}\n", ctx.title);
     let _ = writeln!(
         md,
         "Written by `{}` (`tests/src/bin/conformance.rs`); do not edit by hand.\n",
@@ -450,21 +464,21 @@ pub fn markdown(run: &Run, ctx: &Context) -> String {
         ctx.machine,
         ctx.date
     );
-    let _ = writeln!(md, "## Versions\n");
+    let _ = writeln!(md, "{h2} Versions\n");
     for (what, v) in &ctx.versions {
         let _ = writeln!(md, "- {what}: {v}");
     }
-    let _ = writeln!(md, "\n## The cluster\n");
+    let _ = writeln!(md, "\n{h2} The cluster\n");
     for line in &ctx.setup {
         let _ = writeln!(md, "- {line}");
     }
     if !ctx.faults.is_empty() {
-        let _ = writeln!(md, "\n## Faults injected during the run\n");
+        let _ = writeln!(md, "\n{h2} Faults injected during the run\n");
         for line in &ctx.faults {
             let _ = writeln!(md, "- {line}");
         }
     }
-    let _ = writeln!(md, "\n## Results\n");
+    let _ = writeln!(md, "\n{h2} Results\n");
     let _ = writeln!(md, "| # | Test | Result | Time (s) |");
     let _ = writeln!(md, "|---|---|---|---|");
     for (i, o) in ran.iter().enumerate() {
@@ -478,7 +492,7 @@ pub fn markdown(run: &Run, ctx: &Context) -> String {
         );
     }
     if !ctx.not_run.is_empty() {
-        let _ = writeln!(md, "\n## Not run on this machine\n");
+        let _ = writeln!(md, "\n{h2} Not run on this machine\n");
         let _ = writeln!(md, "| Test | Why |");
         let _ = writeln!(md, "|---|---|");
         for (name, why) in &ctx.not_run {
@@ -487,9 +501,9 @@ pub fn markdown(run: &Run, ctx: &Context) -> String {
     }
     let failed: Vec<&&Outcome> = ran.iter().filter(|o| !o.passed()).collect();
     if !failed.is_empty() {
-        let _ = writeln!(md, "\n## Failures\n");
+        let _ = writeln!(md, "\n{h2} Failures\n");
         for o in failed {
-            let _ = writeln!(md, "### {}\n", o.name);
+            let _ = writeln!(md, "{h3} {}\n", o.name);
             if let Some((_, why)) = ctx.known.iter().find(|(n, _)| o.name.contains(n.as_str())) {
                 let _ = writeln!(md, "Why it cannot pass here: {why}\n");
             }
@@ -501,6 +515,77 @@ pub fn markdown(run: &Run, ctx: &Context) -> String {
         }
     }
     md
+}
+
+/// The marker lines around a stack's section of a per-stack report.
+fn stack_markers(stack: Stack) -> (String, String) {
+    (
+        format!("<!-- stack {} -->", stack.name()),
+        format!("<!-- end of stack {} -->", stack.name()),
+    )
+}
+
+/// A report with one section per stack (`CONFORMANCE.md`): `section`
+/// (a [`markdown`] of depth 2) as `stack`'s, the other stacks' sections
+/// kept from `old` (the file as it was; a section missing there says it
+/// has not been run), under the report's title and how it is written.
+pub fn per_stack_report(
+    title: &str,
+    command: &str,
+    old: &str,
+    stack: Stack,
+    section: &str,
+) -> String {
+    let mut md = String::new();
+    let _ = writeln!(md, "# {title}\n");
+    let _ = writeln!(
+        md,
+        "Written by `{command} STACK=v4|dual|v6` (`tests/src/bin/conformance.rs`), one section \
+         per cluster stack, each by its own run; do not edit by hand.\n"
+    );
+    for s in Stack::ALL {
+        let _ = writeln!(
+            md,
+            "- [{}](#{}): `{command} STACK={}`",
+            s.title(),
+            anchor(s.title()),
+            s.name()
+        );
+    }
+    for s in Stack::ALL {
+        let (start, end) = stack_markers(s);
+        let _ = writeln!(md, "\n{start}\n");
+        if s == stack {
+            md.push_str(section.trim_end());
+        } else {
+            let kept = old
+                .split_once(&start)
+                .and_then(|(_, rest)| rest.split_once(&end))
+                .map(|(inner, _)| inner.trim().to_string());
+            match kept {
+                Some(inner) => md.push_str(&inner),
+                None => {
+                    let _ = write!(md, "## {}\n\nNot run yet.", s.title());
+                }
+            }
+        }
+        let _ = writeln!(md, "\n\n{end}");
+    }
+    md
+}
+
+/// A heading's anchor as GitHub makes it: lower case, spaces to dashes,
+/// anything but letters, digits, dashes and underscores left out.
+fn anchor(heading: &str) -> String {
+    heading
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
 }
 
 /// A slice of upstream's tests, as `make test` runs it: which tests, and
@@ -518,6 +603,8 @@ pub struct Slice<'a> {
     /// When, after `e2e.test`'s start, the last node's tetherd is killed
     /// and the first node's kubelet restarted ([`Faults::at`]).
     pub faults: (Duration, Duration),
+    /// The cluster's IP families.
+    pub stack: Stack,
 }
 
 /// Runs `slice` on two kubelet nodes wired by tether (installed by its
@@ -531,6 +618,7 @@ pub fn judge_slice(slice: Slice) {
     let mut cluster = crate::topology::Topology::kubelet(2)
         .images(images.iter().map(|(_, a)| a.clone()))
         .sandbox_image(PAUSE)
+        .stack(slice.stack)
         .start();
     let tether = cluster.build_tether_image("1");
     cluster.install_tether(&tether);
@@ -607,4 +695,34 @@ pub fn judge_slice(slice: Slice) {
         ran.len(),
         run.elapsed.as_secs_f64()
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stacks_run_replaces_its_own_section_and_keeps_the_others() {
+        let first = per_stack_report("T", "make c", "", Stack::Dual, "## dual-stack\n\nrun 1\n");
+        assert!(first.contains("run 1"));
+        assert!(first.contains("## IPv4\n\nNot run yet."));
+        assert!(first.contains("- [IPv6 only](#ipv6-only): `make c STACK=v6`"));
+        let second = per_stack_report("T", "make c", &first, Stack::V6, "## IPv6 only\n\nrun 2\n");
+        assert!(second.contains("run 1") && second.contains("run 2"));
+        let third = per_stack_report("T", "make c", &second, Stack::Dual, "## dual\n\nrun 3\n");
+        assert!(third.contains("run 3") && third.contains("run 2") && !third.contains("run 1"));
+        // The sections stay in the stacks' order.
+        let at = |s: &str| third.find(s).unwrap();
+        assert!(
+            at("stack v4 -->") < at("stack dual -->") && at("stack dual -->") < at("stack v6 -->")
+        );
+    }
+
+    #[test]
+    fn anchors_are_githubs() {
+        assert_eq!(
+            anchor("dual-stack (IPv4 first, IPv6)"),
+            "dual-stack-ipv4-first-ipv6"
+        );
+    }
 }

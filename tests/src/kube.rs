@@ -14,7 +14,7 @@
 //! machine's own netns. Dropping it kills both processes (by their
 //! handles) and removes the netns and the directory.
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::cluster::Fabric;
+use crate::stack::{url_host, Stack};
 use crate::{wait_until, workspace_dir, Netns, TempDir};
 
 /// The API server's host number on the fabric (10.77.0.5).
@@ -99,7 +100,11 @@ pub struct ServiceSpec<'a> {
 pub struct KubeApi {
     etcd: Option<Child>,
     apiserver: Option<Child>,
-    address: Ipv4Addr,
+    /// Its addresses on the fabric, one per family of the cluster, the
+    /// one it serves on first.
+    addresses: Vec<IpAddr>,
+    /// The cluster's families: the Service ranges.
+    stack: Stack,
     /// Whether the server serves aggregated APIs (see
     /// [`KubeApi::start_aggregating`]).
     aggregating: bool,
@@ -144,7 +149,7 @@ impl KubeApi {
     /// Starts etcd and kube-apiserver on `fabric`, and waits until the
     /// server is ready and its default namespaces exist.
     pub fn start(fabric: &Fabric) -> KubeApi {
-        KubeApi::start_with(fabric, false)
+        KubeApi::start_with(fabric, false, Stack::V4)
     }
 
     /// [`KubeApi::start`] for a server that also fronts aggregated APIs
@@ -156,17 +161,22 @@ impl KubeApi {
     /// (`--enable-aggregator-routing=true`): the server runs no
     /// kube-proxy, so ClusterIPs lead nowhere from it.
     pub fn start_aggregating(fabric: &Fabric) -> KubeApi {
-        KubeApi::start_with(fabric, true)
+        KubeApi::start_with(fabric, true, Stack::V4)
     }
 
-    fn start_with(fabric: &Fabric, aggregating: bool) -> KubeApi {
+    /// [`KubeApi::start`] (or, if `aggregating`,
+    /// [`KubeApi::start_aggregating`]) for a cluster of `stack`'s
+    /// families: the server's address is its first family's, and it has a
+    /// Service range per family.
+    pub fn start_with(fabric: &Fabric, aggregating: bool, stack: Stack) -> KubeApi {
         // Build (or find) the binaries before anything is set up.
         k8s_bin_dir();
         let netns = Netns::new("kapi");
         let underlay = fabric.attach_host(&netns, API_HOST.into());
         let dir = TempDir::new("kapi");
         let d = dir.path();
-        let ip = underlay.v4;
+        let addresses = stack.addresses(&underlay);
+        let ip = addresses[0];
         // The CA, the serving certificate, the admin's client certificate
         // and the service-account key pair.
         openssl(
@@ -193,7 +203,16 @@ impl KubeApi {
         sign(
             "apiserver",
             "/CN=kube-apiserver",
-            &format!("subjectAltName=IP:{ip},IP:10.96.0.1,DNS:kubernetes.default.svc\nextendedKeyUsage=serverAuth\n"),
+            &format!(
+                "subjectAltName={},DNS:kubernetes.default.svc\nextendedKeyUsage=serverAuth\n",
+                addresses
+                    .iter()
+                    .map(ToString::to_string)
+                    .chain(stack.api_service_ips().iter().map(|s| s.to_string()))
+                    .map(|ip| format!("IP:{ip}"))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
         );
         sign(
             "admin",
@@ -220,7 +239,7 @@ impl KubeApi {
             ],
         );
         openssl(d, &["pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub"]);
-        let server = format!("https://{ip}:{API_PORT}");
+        let server = format!("https://{}:{API_PORT}", url_host(ip));
         std::fs::write(
             d.join("admin.kubeconfig"),
             kubeconfig(
@@ -237,7 +256,8 @@ impl KubeApi {
         let mut api = KubeApi {
             etcd: None,
             apiserver: None,
-            address: ip,
+            addresses,
+            stack,
             aggregating,
             extra_args: Vec::new(),
             netns,
@@ -285,7 +305,7 @@ impl KubeApi {
     /// (Re)starts kube-apiserver and waits until it is ready.
     pub fn start_apiserver(&mut self) {
         assert!(self.apiserver.is_none(), "kube-apiserver already runs");
-        let ip = self.address.to_string();
+        let ip = self.address().to_string();
         // Every request's metadata (who, from which agent, what) in
         // audit.log, as a cluster's audit trail would have it.
         std::fs::write(self.path("audit-policy.yaml"), AUDIT_POLICY)
@@ -294,6 +314,10 @@ impl KubeApi {
             format!("--bind-address={ip}"),
             format!("--advertise-address={ip}"),
             format!("--secure-port={API_PORT}"),
+        );
+        let ranges = format!(
+            "--service-cluster-ip-range={}",
+            Stack::joined(&self.stack.service_cidrs())
         );
         let mut args = vec![
             "--etcd-servers=http://127.0.0.1:2379",
@@ -307,7 +331,7 @@ impl KubeApi {
             "--service-account-signing-key-file=sa.key",
             "--service-account-issuer=https://kubernetes.default.svc",
             "--authorization-mode=Node,RBAC",
-            "--service-cluster-ip-range=10.96.0.0/16",
+            &ranges,
             "--allow-privileged=true",
             // Nodes are reached (exec, logs) at their InternalIP: their
             // host names resolve nowhere here.
@@ -394,7 +418,7 @@ impl KubeApi {
 
     /// The server's URL, as the nodes reach it.
     pub fn server(&self) -> String {
-        format!("https://{}:{API_PORT}", self.address)
+        format!("https://{}:{API_PORT}", url_host(self.address()))
     }
 
     /// Stops kube-apiserver and starts it again with `extra` flags beyond
@@ -431,8 +455,14 @@ impl KubeApi {
     }
 
     /// The server's address on the fabric (its netns's).
-    pub fn address(&self) -> Ipv4Addr {
-        self.address
+    pub fn address(&self) -> IpAddr {
+        self.addresses[0]
+    }
+
+    /// Its addresses on the fabric, one per family of the cluster,
+    /// [`KubeApi::address`] first.
+    pub fn addresses(&self) -> &[IpAddr] {
+        &self.addresses
     }
 
     /// The netns the server runs in.

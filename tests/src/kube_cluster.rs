@@ -9,7 +9,14 @@
 //!   controller) and kube-scheduler beside it. The server reaches pod IPs
 //!   (its pod proxy, the conformance tests' proxy checks) by one route,
 //!   the cluster CIDR via the first node, which forwards by tether's
-//!   routes: a control-plane host that is not itself a tether node.
+//!   routes: a control-plane host that is not itself a tether node. The
+//!   replies of pods on other nodes come back directly; over IPv6 the
+//!   first node forwards the server's packets to them untracked (see
+//!   `KubeCluster::route_v6_control_plane_untracked`).
+//! - **The stack** ([`Stack`], `Topology::stack`): IPv4 (the default),
+//!   dual-stack or IPv6 only: the API server's Service ranges, the nodes'
+//!   addresses (`--node-ip`), the cluster CIDRs of the controller
+//!   manager, kube-proxy and tether's chart, and `kube-dns`' ClusterIPs.
 //! - **Each node** ([`KubeNode`]) is its own network namespace on the
 //!   fabric, its own mount namespace, and its own PID namespace, whose
 //!   init is `node_init` (`tests/src/bin/node_init.rs`): `/proc/1` inside a
@@ -58,22 +65,26 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::chart::{self, Helm};
-use crate::cluster::{Fabric, Underlay, GATEWAY_V4};
+use crate::cluster::{Fabric, Underlay, GATEWAY_V4, GATEWAY_V6};
 use crate::kube::{k8s_bin_dir, KubeApi, ServiceSpec};
 use crate::kubelet::{
     containerd_config, kubelet_config, terminate, tether_image, ContainerdPaths, PodWatch,
     SavedSysctls, TETHER_SELECTOR,
 };
 use crate::paths::{Ends, Outside, Place, Services};
+use crate::stack::Stack;
 use crate::topology::Kubelet;
 use crate::{bin_dir, wait_until, Netns, TempDir};
 
-/// The pod network (tether's cluster CIDR).
-pub const POD_CIDR: &str = "10.244.0.0/16";
-/// The Services' range (the API server's `--service-cluster-ip-range`).
-pub const SERVICE_CIDR: &str = "10.96.0.0/16";
-/// The `kube-dns` Service's ClusterIP, the kubelets' `clusterDNS`.
-pub const CLUSTER_DNS: &str = "10.96.0.10";
+/// The IPv4 pod network (tether's cluster CIDR); every family's:
+/// [`Stack::pod_cidrs`].
+pub const POD_CIDR: &str = crate::stack::POD_CIDR_V4;
+/// The IPv4 Services' range (the API server's
+/// `--service-cluster-ip-range`); every family's: [`Stack::service_cidrs`].
+pub const SERVICE_CIDR: &str = crate::stack::SERVICE_CIDR_V4;
+/// The `kube-dns` Service's IPv4 ClusterIP, the kubelets' `clusterDNS` on
+/// an IPv4 or dual-stack cluster; every family's: [`Stack::cluster_dns`].
+pub const CLUSTER_DNS: &str = crate::stack::CLUSTER_DNS_V4;
 /// The cluster's DNS domain.
 pub const CLUSTER_DOMAIN: &str = "cluster.local";
 /// The first node's host number on the fabric; node `i` is this plus `i`.
@@ -186,6 +197,8 @@ impl Drop for MountPoints {
 pub struct KubeNode {
     name: String,
     underlay: Underlay,
+    /// The cluster's families.
+    stack: Stack,
     /// `unshare`, whose one child is `node_init`.
     init: Option<Child>,
     /// `node_init`'s PID as this machine sees it.
@@ -213,6 +226,7 @@ impl KubeNode {
         mount_points: &MountPoints,
         extra_paths: &[(String, String)],
         sandbox_image: &str,
+        stack: Stack,
     ) -> KubeNode {
         let netns = Netns::new("kn");
         let underlay = fabric.attach_host(&netns, host.into());
@@ -266,6 +280,7 @@ impl KubeNode {
         let node = KubeNode {
             name,
             underlay,
+            stack,
             init: Some(init),
             init_pid,
             containerd: None,
@@ -281,11 +296,13 @@ impl KubeNode {
             .expect("installing the loopback plugin");
         // The node's resolver: the fabric's gateway, where no DNS server
         // answers (see the module doc).
-        std::fs::write(
-            node.path("resolv.conf"),
-            format!("nameserver {GATEWAY_V4}\n"),
-        )
-        .expect("writing the node's resolv.conf");
+        let gateway = if stack.has_v4() {
+            IpAddr::V4(GATEWAY_V4)
+        } else {
+            IpAddr::V6(GATEWAY_V6)
+        };
+        std::fs::write(node.path("resolv.conf"), format!("nameserver {gateway}\n"))
+            .expect("writing the node's resolv.conf");
         node
     }
 
@@ -495,7 +512,9 @@ impl KubeNode {
     pub fn start_kubelet(&mut self, api: &KubeApi) {
         assert!(self.kubelet.is_none(), "the kubelet already runs");
         let mut config = kubelet_config(Path::new("/run/containerd/containerd.sock"));
-        config["clusterDNS"] = json!([CLUSTER_DNS]);
+        // The primary family's: a kubelet gives pods one (as kubeadm's
+        // dual-stack clusters do).
+        config["clusterDNS"] = json!([self.stack.cluster_dns()[0]]);
         config["clusterDomain"] = json!(CLUSTER_DOMAIN);
         config["resolvConf"] = json!(self.path("resolv.conf").display().to_string());
         std::fs::write(self.path("kubelet.json"), config.to_string())
@@ -508,7 +527,10 @@ impl KubeNode {
             format!("--config={}", self.path("kubelet.json").display()),
             format!("--kubeconfig={}", kubeconfig.display()),
             format!("--hostname-override={}", self.name),
-            format!("--node-ip={}", self.underlay.v4),
+            format!(
+                "--node-ip={}",
+                Stack::joined(&self.stack.addresses(&self.underlay))
+            ),
             "--v=2".into(),
         ];
         self.kubelet = Some(self.spawn("kubelet", &k8s_bin_dir().join("kubelet"), &args));
@@ -530,7 +552,7 @@ impl KubeNode {
             format!("--kubeconfig={}", kubeconfig.display()),
             format!("--hostname-override={}", self.name),
             "--proxy-mode=iptables".into(),
-            format!("--cluster-cidr={POD_CIDR}"),
+            format!("--cluster-cidr={}", Stack::joined(&self.stack.pod_cidrs())),
             "--conntrack-max-per-core=0".into(),
             "--metrics-bind-address=127.0.0.1:10249".into(),
             "--healthz-bind-address=127.0.0.1:10256".into(),
@@ -624,6 +646,8 @@ pub struct KubeCluster {
     /// Chart values over [`KubeCluster::tether_values`]' own, for every
     /// install and upgrade ([`KubeCluster::set_chart_values`]).
     chart_values: Value,
+    /// The cluster's families.
+    stack: Stack,
 }
 
 impl KubeCluster {
@@ -634,11 +658,8 @@ impl KubeCluster {
     pub(crate) fn start(nodes: usize, opts: Kubelet) -> KubeCluster {
         let bins = k8s_bin_dir();
         let fabric = Fabric::new();
-        let api = if opts.aggregating {
-            KubeApi::start_aggregating(&fabric)
-        } else {
-            KubeApi::start(&fabric)
-        };
+        let stack = opts.stack;
+        let api = KubeApi::start_with(&fabric, opts.aggregating, stack);
         let helm = Helm::against(&api);
         let mut cluster = KubeCluster {
             sysctls: SavedSysctls::save(),
@@ -651,6 +672,7 @@ impl KubeCluster {
             mount_points: MountPoints::hold(),
             dir: TempDir::new("kc"),
             chart_values: Value::Null,
+            stack,
         };
         let admin = cluster.api.admin_kubeconfig().display().to_string();
         let d = cluster.api.dir().to_path_buf();
@@ -659,7 +681,10 @@ impl KubeCluster {
             // Every default controller (Deployments, EndpointSlices,
             // namespaces, garbage collection, service accounts, ...).
             "--controllers=*".to_string(),
-            format!("--service-cluster-ip-range={SERVICE_CIDR}"),
+            format!(
+                "--service-cluster-ip-range={}",
+                Stack::joined(&stack.service_cidrs())
+            ),
             format!(
                 "--service-account-private-key-file={}",
                 d.join("sa.key").display()
@@ -675,9 +700,17 @@ impl KubeCluster {
         if opts.node_cidrs {
             kcm.extend([
                 "--allocate-node-cidrs=true".to_string(),
-                format!("--cluster-cidr={POD_CIDR}"),
-                "--node-cidr-mask-size=24".to_string(),
+                format!("--cluster-cidr={}", Stack::joined(&stack.pod_cidrs())),
             ]);
+            // A family's mask-size flag is refused on a cluster without
+            // that family (the controller manager exits).
+            let (v4, v6) = crate::stack::NODE_CIDR_SIZES;
+            if stack.has_v4() {
+                kcm.push(format!("--node-cidr-mask-size-ipv4={v4}"));
+            }
+            if stack.has_v6() {
+                kcm.push(format!("--node-cidr-mask-size-ipv6={v6}"));
+            }
         }
         let kcm: Vec<&str> = kcm.iter().map(String::as_str).collect();
         cluster.controller_manager = Some(cluster.api.spawn(
@@ -706,6 +739,7 @@ impl KubeCluster {
                 &cluster.mount_points,
                 &opts.node_paths,
                 &opts.sandbox_image,
+                stack,
             );
             node.start_containerd();
             for image in &images {
@@ -729,13 +763,76 @@ impl KubeCluster {
                 node.log_tail("kubelet")
             );
         }
+        // A controller manager that refused its flags has exited by now;
+        // without it no DaemonSet pod is ever made.
+        if let Some(Ok(Some(status))) = cluster.controller_manager.as_mut().map(Child::try_wait) {
+            panic!(
+                "kube-controller-manager exited ({status})\n{}",
+                crate::log_tail(&cluster.api.dir().join("kube-controller-manager.log"), 20)
+            );
+        }
         // The API server reaches pod IPs through the first node.
-        let via = cluster.nodes[0].underlay().v4.to_string();
+        let vias = stack.addresses(cluster.nodes[0].underlay());
+        for (cidr, via) in stack.pod_cidrs().iter().zip(vias) {
+            cluster
+                .api
+                .netns()
+                .exec_ok(&["ip", "route", "add", cidr, "via", &via.to_string()]);
+        }
+        if stack.has_v6() {
+            cluster.route_v6_control_plane_untracked();
+        }
         cluster
-            .api
-            .netns()
-            .exec_ok(&["ip", "route", "add", POD_CIDR, "via", &via]);
-        cluster
+    }
+
+    /// The API server's IPv6 packets to pods on the other nodes cross the
+    /// first node, their replies do not (the other node has the server
+    /// on its link): the first node's conntrack sees one direction, so
+    /// the server's ACKs after the handshake are INVALID there, and
+    /// kube-proxy's `KUBE-FORWARD` drops INVALID packets. Over IPv4 the
+    /// first node's ICMP redirect sends the server straight to the other
+    /// node after one packet; IPv6 redirects name a link-local target,
+    /// and tether routes the other nodes' pods via their global
+    /// addresses, so none is sent. The first node therefore forwards the
+    /// server's packets that leave it again onto the fabric untracked
+    /// (an nft table of the test's own in the node's netns), as a
+    /// router between the two would; its own pods' traffic with the
+    /// server stays tracked.
+    fn route_v6_control_plane_untracked(&self) {
+        let node = &self.nodes[0];
+        let Some(api) = self.api.addresses().iter().find(|a| a.is_ipv6()) else {
+            return;
+        };
+        let rules = format!(
+            "table ip6 tether_test_control_plane {{\n\
+             \tchain prerouting {{\n\
+             \t\ttype filter hook prerouting priority raw; policy accept;\n\
+             \t\tip6 saddr {api} fib daddr oif \"{}\" notrack\n\
+             \t}}\n\
+             }}\n",
+            node.underlay().ifname
+        );
+        let mut nft = node
+            .command("nft")
+            .args(["-f", "-"])
+            .stdin(Stdio::piped())
+            .spawn()
+            .expect("running nft in the first node");
+        nft.stdin
+            .take()
+            .expect("nft's stdin")
+            .write_all(rules.as_bytes())
+            .expect("writing nft's rules");
+        let status = nft.wait().expect("waiting for nft");
+        assert!(
+            status.success(),
+            "nft -f in the first node failed:\n{rules}"
+        );
+    }
+
+    /// The cluster's families ([`Topology::stack`](crate::topology::Topology::stack)).
+    pub fn stack(&self) -> Stack {
+        self.stack
     }
 
     /// The nodes.
@@ -766,19 +863,23 @@ impl KubeCluster {
     }
 
     /// The chart's values: its default mode (the Kubernetes store), the
-    /// cluster CIDR [`POD_CIDR`], the chart's default hostPaths (the nodes' own),
-    /// `image` with `pullPolicy: Never`, and the Service range left out of
-    /// outbound NAT; then, over them, those of
-    /// [`KubeCluster::set_chart_values`].
+    /// cluster CIDRs of the stack ([`Stack::pod_cidrs`]), the chart's
+    /// default hostPaths (the nodes' own), `image` with `pullPolicy:
+    /// Never`, and the Service ranges left out of outbound NAT (on an
+    /// IPv6-only cluster, the metrics address in brackets, as the chart
+    /// asks); then, over them, those of [`KubeCluster::set_chart_values`].
     pub fn tether_values(&self, image: &str) -> Value {
         let (repository, tag) = image
             .rsplit_once(':')
             .unwrap_or_else(|| panic!("{image} has no tag"));
         let mut values = json!({
             "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
-            "cluster": {"cidrs": [POD_CIDR]},
-            "outboundNat": {"enabled": true, "noNatTo": [SERVICE_CIDR]},
+            "cluster": {"cidrs": self.stack.pod_cidrs()},
+            "outboundNat": {"enabled": true, "noNatTo": self.stack.service_cidrs()},
         });
+        if !self.stack.has_v4() {
+            values["metrics"] = json!({"address": "[$(HOST_IP)]"});
+        }
         merge_values(&mut values, &self.chart_values);
         values
     }
@@ -920,7 +1021,16 @@ impl KubeCluster {
             std::fs::read_to_string(crate::workspace_dir().join("tests/k8s/coredns.yaml"))
                 .expect("reading tests/k8s/coredns.yaml")
                 .replace("@IMAGE@", image)
-                .replace("@CLUSTER_DNS@", CLUSTER_DNS)
+                .replace("@CLUSTER_DNS@", self.stack.cluster_dns()[0])
+                .replace("@CLUSTER_DNS_ALL@", &self.stack.cluster_dns().join(", "))
+                .replace(
+                    "@DNS_FAMILY_POLICY@",
+                    if self.stack == Stack::Dual {
+                        "RequireDualStack"
+                    } else {
+                        "SingleStack"
+                    },
+                )
                 .replace("@CLUSTER_DOMAIN@", CLUSTER_DOMAIN);
         self.api.apply(&manifest);
         let out = self.api.kubectl(&[
@@ -987,8 +1097,12 @@ pub struct KubePod {
     pub name: String,
     /// The node it runs on.
     pub node: String,
-    /// Its IPv4 address (the pod's `status.podIP`).
+    /// Its address (the pod's `status.podIP`: of the cluster's first
+    /// family).
     pub ip: IpAddr,
+    /// Every address it has, one per family of the cluster, `ip` first
+    /// (`status.podIPs`).
+    pub ips: Vec<IpAddr>,
     netns: Netns,
 }
 
@@ -999,13 +1113,19 @@ impl KubePod {
         &self.netns
     }
 
-    /// The pod as a place streams run from (IPv4: the clusters of this
-    /// module have an IPv4 pod network).
+    /// Its IPv6 address on a dual-stack cluster (the second of
+    /// `status.podIPs`).
+    pub fn ip6(&self) -> Option<IpAddr> {
+        self.ips.get(1).copied()
+    }
+
+    /// The pod as a place streams run from (IPv4, and IPv6 on a
+    /// dual-stack cluster).
     pub fn place(&self) -> Place<'_> {
         Place {
             netns: &self.netns,
             v4: self.ip,
-            v6: None,
+            v6: self.ip6(),
         }
     }
 
@@ -1058,7 +1178,8 @@ impl KubeCluster {
     }
 
     /// What the nodes' and the running pods' networks look like, for a
-    /// failure's report: each node's IPv4 routes and neighbours, tether's
+    /// failure's report: each node's routes and neighbours (of the
+    /// cluster's families), tether's
     /// nft tables and its UDP flows in conntrack; each running pod's (not
     /// kube-system's, not host-network) addresses, routes, neighbours and
     /// UDP sockets. Best effort: what cannot be read says why.
@@ -1074,13 +1195,20 @@ impl KubeCluster {
             }
             s
         };
+        let families: Vec<&str> = [(self.stack.has_v4(), "-4"), (self.stack.has_v6(), "-6")]
+            .into_iter()
+            .filter_map(|(has, flag)| has.then_some(flag))
+            .collect();
         let mut out = String::new();
         for node in self.nodes() {
             out += &format!("=== node {}\n", node.name());
+            for f in &families {
+                for what in ["route", "neigh"] {
+                    out += &run(node.netns(), &["ip", f, what]);
+                }
+            }
             for argv in [
-                &["ip", "-4", "route"][..],
-                &["ip", "-4", "neigh"],
-                &["nft", "list", "table", "inet", "tether"],
+                &["nft", "list", "table", "inet", "tether"][..],
                 &["conntrack", "-L", "-p", "udp"],
             ] {
                 out += &run(node.netns(), argv);
@@ -1105,7 +1233,7 @@ impl KubeCluster {
             out += &format!(
                 "=== pod {ns}/{name} on {} ({})\n",
                 node.name(),
-                pod["status"]["podIP"]
+                pod["status"]["podIPs"]
             );
             let netns = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 node.container_netns(&id)
@@ -1116,14 +1244,12 @@ impl KubeCluster {
                     continue;
                 }
             };
-            for argv in [
-                &["ip", "-4", "addr"][..],
-                &["ip", "-4", "route"],
-                &["ip", "-4", "neigh"],
-                &["ss", "-uan"],
-            ] {
-                out += &run(&netns, argv);
+            for f in &families {
+                for what in ["addr", "route", "neigh"] {
+                    out += &run(&netns, &["ip", f, what]);
+                }
             }
+            out += &run(&netns, &["ss", "-uan"]);
         }
         out
     }
@@ -1137,6 +1263,14 @@ impl KubeCluster {
             .as_str()
             .and_then(|ip| ip.parse().ok())
             .unwrap_or_else(|| panic!("pod {name} has no IP: {}", pod["status"]));
+        let ips = pod["status"]["podIPs"]
+            .as_array()
+            .map(|ips| {
+                ips.iter()
+                    .filter_map(|i| i["ip"].as_str()?.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_else(|| vec![ip]);
         let id = pod["status"]["containerStatuses"][0]["containerID"]
             .as_str()
             .and_then(|id| id.split_once("://"))
@@ -1146,6 +1280,7 @@ impl KubeCluster {
             name: name.to_string(),
             node: node.to_string(),
             ip,
+            ips,
             netns: self.node_named(node).container_netns(&id),
         }
     }
@@ -1483,16 +1618,18 @@ impl KubePaths {
         }
     }
 
-    /// The ends of every path for the VM at `vm` running on node
-    /// `source` (an index of the two): the pods on the source and the
-    /// other node, NodePorts entering at both, the VM's own connections
-    /// to the outside host, to the other node's pod and to the ClusterIP.
-    pub fn ends<'a>(&'a self, c: &KubeCluster, vm: IpAddr, source: usize) -> Ends<'a> {
+    /// The ends of every path for the VM at `vms` (its addresses, IPv4
+    /// first; two on a dual-stack cluster, whose paths then run in both
+    /// families where both ends have them) running on node `source` (an
+    /// index of the two): the pods on the source and the other node,
+    /// NodePorts entering at both, the VM's own connections to the
+    /// outside host, to the other node's pod and to the ClusterIP.
+    pub fn ends<'a>(&'a self, c: &KubeCluster, vms: &[IpAddr], source: usize) -> Ends<'a> {
         assert_eq!(c.nodes().len(), 2, "the paths here are for two nodes");
         let target = 1 - source;
         let node = |i: usize| Some(IpAddr::V4(c.nodes()[i].underlay().v4));
         Ends {
-            vm: (vm, None),
+            vm: (vms[0], vms.get(1).copied()),
             pods: [
                 Some(self.pods[source].place()),
                 Some(self.pods[target].place()),

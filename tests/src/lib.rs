@@ -22,6 +22,8 @@
 //! - [`mod@cluster`]: the fabric, etcd, the tetherd nodes and their pods
 //!   added through the real plugin, and ping between them;
 //! - [`mod@kube`]: a real kube-apiserver (on its own etcd) with kubectl;
+//! - [`mod@stack`]: a kubelet cluster's IP families (IPv4, dual-stack,
+//!   IPv6) and the ranges each gets;
 //! - [`mod@kube_cluster`], [`mod@kubelet`], [`mod@oci`]: kubelet nodes,
 //!   each in its own namespaces, with containerd and kube-proxy, beside a
 //!   control plane; what every such node runs; the registry-free images
@@ -70,6 +72,7 @@ pub mod paths;
 pub mod qemu;
 pub mod reference;
 pub mod runtime;
+pub mod stack;
 pub mod streams;
 pub mod topology;
 pub mod view;

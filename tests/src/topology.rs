@@ -41,6 +41,7 @@ use std::path::PathBuf;
 
 use crate::cluster::{Cluster, NodeOpts, Store};
 use crate::kube_cluster::KubeCluster;
+use crate::stack::Stack;
 
 /// A topology to start: how many nodes, of which kind `K` ([`Tetherd`] or
 /// [`Kubelet`]), with which options.
@@ -70,6 +71,7 @@ pub struct Kubelet {
     pub(crate) node_paths: Vec<(String, String)>,
     pub(crate) node_cidrs: bool,
     pub(crate) kubevirt: bool,
+    pub(crate) stack: Stack,
 }
 
 impl Topology<Tetherd> {
@@ -143,6 +145,7 @@ impl Topology<Kubelet> {
                 node_paths: Vec::new(),
                 node_cidrs: false,
                 kubevirt: false,
+                stack: Stack::V4,
             },
         }
     }
@@ -160,10 +163,19 @@ impl Topology<Kubelet> {
         self
     }
 
-    /// kube-controller-manager gives every node a pod CIDR of
-    /// [`crate::kube_cluster::POD_CIDR`] (`--allocate-node-cidrs`, as `kubeadm
-    /// init --pod-network-cidr` turns on): what the chart's `nodeCidrs`
-    /// mode routes by.
+    /// The cluster's IP families (IPv4 unless set): the API server's
+    /// Service ranges, the nodes' addresses, the pod CIDRs of the
+    /// controller manager, kube-proxy and tether's chart, and cluster DNS
+    /// ([`crate::stack`]).
+    pub fn stack(mut self, stack: Stack) -> Self {
+        self.kind.stack = stack;
+        self
+    }
+
+    /// kube-controller-manager gives every node a pod CIDR per family of
+    /// [`Stack::pod_cidrs`] (`--allocate-node-cidrs`, as `kubeadm init
+    /// --pod-network-cidr` turns on): what the chart's `nodeCidrs` mode
+    /// routes by.
     pub fn node_cidrs(mut self) -> Self {
         self.kind.node_cidrs = true;
         self

@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use tether_e2e::conformance::{judge_slice, Slice, SKIP_SCTP};
 use tether_e2e::require_root;
+use tether_e2e::stack::Stack;
 
 const FOCUS: &str = r"\[sig-network\] Netpol .*(should support a 'default-deny-ingress' policy|should enforce policy to allow traffic only from a different namespace, based on NamespaceSelector|should enforce policy to allow traffic from pods within server namespace based on PodSelector|should deny egress from pods based on PodSelector|should enforce except clause while egress access to server in CIDR block|should allow ingress access on one named port|should stop enforcing policies after they are deleted)";
 
@@ -42,5 +43,6 @@ fn the_network_policy_slice_passes_on_two_kubelet_nodes() {
         // The tests run for about 2 minutes: tetherd dies while the first
         // test's pods are made; the kubelet restarts later in the run.
         faults: (Duration::from_secs(20), Duration::from_secs(60)),
+        stack: Stack::V4,
     });
 }

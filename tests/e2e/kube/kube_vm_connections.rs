@@ -18,6 +18,15 @@
 //! (its CNI DEL) after it; every stream must survive with the far end
 //! seeing one address throughout.
 //!
+//! That first test runs on a dual-stack cluster (tests/src/stack.rs): the
+//! VM's pods have an IPv4 and an IPv6 address, the guest leases the first
+//! by DHCPv4 (udhcpc) and the second by DHCPv6 (dhcpcd, following tether's
+//! router advertisements), and every path above whose ends have both
+//! families runs in both (the Services stay IPv4). The target pod has
+//! both addresses of the source; after the move the guest renews both
+//! leases from B's tether and gets the same addresses; each family's loss
+//! window (its UDP streams' stalls) is printed.
+//!
 //! The second test does the same move under a NetworkPolicy that denies
 //! the VM every ingress and leaves its egress open: the connections the
 //! VM opened keep working on B (B has never seen them; the flows the
@@ -35,10 +44,11 @@ use tether_e2e::kubelet::busybox_pod;
 use tether_e2e::kubevirt::scenario::tether_record;
 use tether_e2e::paths::{dead_or_moved, handover_state, table, PathSet, VM_TCP, VM_UDP};
 use tether_e2e::qemu::{
-    clear_events, once_more_if_a_guest_kernel_panicked, pause, Client, Guest, GuestOptions,
-    Migration, Pause, BOOT_TIMEOUT,
+    clear_events, once_more_if_a_guest_kernel_panicked, parse_lease, pause, Client, Guest,
+    GuestOptions, Migration, Pause, BOOT_TIMEOUT,
 };
-use tether_e2e::streams::{Proto, Stream};
+use tether_e2e::stack::Stack;
+use tether_e2e::streams::{Proto, Stream, StreamReport};
 use tether_e2e::topology::Topology;
 use tether_e2e::vm::VmPodSpec;
 use tether_e2e::{require_root, wait_until};
@@ -60,11 +70,17 @@ fn vm_pod(c: &KubeCluster, spec: &VmPodSpec, node: &str) -> Value {
 }
 
 /// QEMU on the `tap0` tether made in `pod`, with its `eth0`'s MAC (as
-/// KubeVirt gives the domain), leasing IPv4 with udhcpc; a migration's
+/// KubeVirt gives the domain), leasing IPv4 with udhcpc and, if the pod
+/// has an IPv6 address (a dual-stack cluster), IPv6 with dhcpcd (which
+/// follows tether's router advertisements to DHCPv6); a migration's
 /// target listens for the guest's state instead.
 fn guest_in(pod: &KubePod, incoming: bool) -> Guest {
     let mut opts = GuestOptions::new("tap0", &pod.eth0_mac());
-    opts.dhcp6 = Client::None;
+    opts.dhcp6 = if pod.ip6().is_some() {
+        Client::Dhcpcd
+    } else {
+        Client::None
+    };
     if incoming {
         opts.incoming = Some("migration.sock".into());
     }
@@ -80,11 +96,11 @@ fn active_node(c: &KubeCluster, vm: IpAddr) -> String {
         .to_string()
 }
 
-/// A two-kubelet-node cluster with tether installed by its chart, and VM
-/// `vm1` on its first node: its launcher pod, and a guest on the pod's
-/// tap that leased the pod's address.
-fn cluster_with_a_vm() -> (KubeCluster, VmPodSpec, KubePod, Guest) {
-    let c = Topology::kubelet(2).start();
+/// A two-kubelet-node cluster of `stack` with tether installed by its
+/// chart, and VM `vm1` on its first node: its launcher pod, and a guest on
+/// the pod's tap that leased the pod's addresses (both, dual-stack).
+fn cluster_with_a_vm(stack: Stack) -> (KubeCluster, VmPodSpec, KubePod, Guest) {
+    let c = Topology::kubelet(2).stack(stack).start();
     let image = c.build_tether_image("1");
     c.install_tether(&image);
     let spec = VmPodSpec::new("default", "vm1", "virt-launcher-vm1-aaaaa");
@@ -98,16 +114,25 @@ fn cluster_with_a_vm() -> (KubeCluster, VmPodSpec, KubePod, Guest) {
         lease.contains(&format!("ip={vm} ")),
         "the guest did not lease its pod's address {vm}: {lease}"
     );
+    if let Some(vm6) = source.ip6() {
+        let lease = parse_lease(&guest.wait_line("TETHER-LEASE6", BOOT_TIMEOUT));
+        assert_eq!(
+            lease.get("ip"),
+            Some(&vm6.to_string()),
+            "the guest did not lease its pod's IPv6 address {vm6}: {lease:?}"
+        );
+    }
     (c, spec, source, guest)
 }
 
-/// The migration's target pod of `spec`'s VM (at `vm`) on `node`, with
-/// the VM's address, and its QEMU waiting for the guest.
-fn target_on(c: &KubeCluster, spec: &VmPodSpec, node: &str, vm: IpAddr) -> (KubePod, Guest) {
+/// The migration's target pod of `spec`'s VM (at `vms`, one address per
+/// family of the cluster) on `node`, with the VM's addresses, and its
+/// QEMU waiting for the guest.
+fn target_on(c: &KubeCluster, spec: &VmPodSpec, node: &str, vms: &[IpAddr]) -> (KubePod, Guest) {
     let target_spec = spec.target("virt-launcher-vm1-bbbbb");
     c.api.apply(&vm_pod(c, &target_spec, node).to_string());
     let target = c.adopt_pod(&target_spec.pod_name);
-    assert_eq!(target.ip, vm, "the target pod has the VM's address");
+    assert_eq!(target.ips, vms, "the target pod has the VM's addresses");
     let incoming = guest_in(&target, true);
     (target, incoming)
 }
@@ -130,25 +155,30 @@ struct Moved {
     routes_after: String,
 }
 
-/// Every node's routes (all tables) and policy rules that name `vm`, one
-/// node after another: what the VM's paths depend on in each kernel.
-fn routes_of(c: &KubeCluster, vm: IpAddr) -> String {
-    let vm = vm.to_string();
+/// Every node's routes (all tables) and policy rules that name one of
+/// `vms` (the VM's addresses), one node after another: what the VM's
+/// paths depend on in each kernel.
+fn routes_of(c: &KubeCluster, vms: &[IpAddr]) -> String {
     let mut out = String::new();
     for n in c.nodes() {
         out.push_str(&format!("--- {}\n", n.name()));
-        for cmd in [
-            &["ip", "route", "show", "table", "all"][..],
-            &["ip", "rule", "show"],
-        ] {
-            let o = n.netns().exec(cmd);
-            for line in String::from_utf8_lossy(&o.stdout).lines() {
-                if line
-                    .split_whitespace()
-                    .any(|w| w == vm || w == format!("{vm}/32"))
-                {
-                    out.push_str(line);
-                    out.push('\n');
+        for vm in vms {
+            let (family, host) = if vm.is_ipv4() {
+                ("-4", format!("{vm}/32"))
+            } else {
+                ("-6", format!("{vm}/128"))
+            };
+            let vm = vm.to_string();
+            for cmd in [
+                &["ip", family, "route", "show", "table", "all"][..],
+                &["ip", family, "rule", "show"],
+            ] {
+                let o = n.netns().exec(cmd);
+                for line in String::from_utf8_lossy(&o.stdout).lines() {
+                    if line.split_whitespace().any(|w| w == vm || w == host) {
+                        out.push_str(line);
+                        out.push('\n');
+                    }
                 }
             }
         }
@@ -168,6 +198,7 @@ fn migrate_and_clean_up(
     source: KubePod,
     to: &str,
 ) -> Moved {
+    let vms = source.ips.clone();
     let vm = source.ip;
     clear_events(&guest);
     clear_events(incoming);
@@ -177,7 +208,7 @@ fn migrate_and_clean_up(
     let moved = wait_until(Duration::from_secs(30), || active_node(c, vm) == to);
     std::thread::sleep(AFTER);
     let gap = pause(&guest, incoming);
-    let routes_before = routes_of(c, vm);
+    let routes_before = routes_of(c, &vms);
     let cleanup = Instant::now();
     drop(guest);
     c.api.kubectl_ok(&[
@@ -197,7 +228,7 @@ fn migrate_and_clean_up(
         t0,
         cleanup,
         routes_before,
-        routes_after: routes_of(c, vm),
+        routes_after: routes_of(c, &vms),
     }
 }
 
@@ -206,30 +237,32 @@ fn migrate_and_clean_up(
     ignore = "kubelet tier: root and kubelet nodes built from Kubernetes' source; `make test` runs it"
 )]
 #[test]
-fn every_path_survives_a_vms_live_migration_between_two_kubelet_nodes() {
+fn every_path_of_a_dual_stack_vm_survives_its_live_migration_between_two_kubelet_nodes() {
     require_root();
     once_more_if_a_guest_kernel_panicked(
-        "every_path_survives_a_vms_live_migration_between_two_kubelet_nodes",
-        every_path_survives_a_vms_live_migration_between_two_kubelet_nodes_attempt,
+        "every_path_of_a_dual_stack_vm_survives_its_live_migration_between_two_kubelet_nodes",
+        every_path_of_a_dual_stack_vm_survives_its_live_migration_between_two_kubelet_nodes_attempt,
     );
 }
 
-fn every_path_survives_a_vms_live_migration_between_two_kubelet_nodes_attempt() {
+fn every_path_of_a_dual_stack_vm_survives_its_live_migration_between_two_kubelet_nodes_attempt() {
     let started = Instant::now();
-    let (c, spec, source, guest) = cluster_with_a_vm();
+    let (c, spec, source, guest) = cluster_with_a_vm(Stack::Dual);
     let b = c.nodes()[1].name();
     let vm = source.ip;
+    let vms = source.ips.clone();
+    assert_eq!(vms.len(), 2, "the VM's pod has an address per family");
     let paths = KubePaths::start(&c, vm);
 
     // The migration's target on B, its QEMU waiting.
-    let (target, incoming) = target_on(&c, &spec, b, vm);
+    let (target, incoming) = target_on(&c, &spec, b, &vms);
     assert_eq!(
         target.eth0_mac(),
         source.eth0_mac(),
         "the target pod has the VM's MAC"
     );
 
-    let set = PathSet::start(&guest, &paths.ends(&c, vm, 0), STREAM_INTERVAL);
+    let set = PathSet::start(&guest, &paths.ends(&c, &vms, 0), STREAM_INTERVAL);
     let Moved {
         m,
         moved,
@@ -240,13 +273,27 @@ fn every_path_survives_a_vms_live_migration_between_two_kubelet_nodes_attempt() 
         routes_after,
     } = migrate_and_clean_up(&c, guest, &incoming, &spec, source, b);
 
+    // The guest, now on B, renews both leases there: B's tether answers
+    // with the same addresses.
+    let mark = incoming.mark();
+    incoming.run_ok("kill -USR1 $(cat /run/udhcpc.pid); dhcpcd -6 -n eth0");
+    for (line, ip) in [("TETHER-LEASE4", vms[0]), ("TETHER-LEASE6", vms[1])] {
+        let (_, lease) = incoming.wait_line_after(line, mark, BOOT_TIMEOUT);
+        assert_eq!(
+            parse_lease(&lease).get("ip"),
+            Some(&ip.to_string()),
+            "the guest's renewal on {b}: {lease}"
+        );
+    }
+
     let reports = set.stop();
     let text = table(&reports, t0, gap);
     eprintln!(
-        "live migration between two kubelet nodes (Kubernetes store): QEMU total {:?} ms, downtime {:?} ms; the source pod deleted {:.1} s after the migration began\n{text}",
+        "live migration of a dual-stack VM between two kubelet nodes (Kubernetes store): QEMU total {:?} ms, downtime {:?} ms; the source pod deleted {:.1} s after the migration began\n{text}\n{}",
         m.total_ms,
         m.downtime_ms,
-        cleanup.duration_since(t0).as_secs_f64()
+        cleanup.duration_since(t0).as_secs_f64(),
+        loss_windows(&reports, t0)
     );
     let bad = dead_or_moved(&reports);
     if !bad.is_empty() {
@@ -319,6 +366,36 @@ fn every_path_survives_a_vms_live_migration_between_two_kubelet_nodes_attempt() 
     );
 }
 
+/// Each family's loss window: the UDP streams' stalls (one message every
+/// 20 ms, so a stall is the time without an echo) from the migration's
+/// start, of the paths to and from the VM's address of that family
+/// (pods to the VM, the VM to the outside host and to a pod): the median
+/// and the longest.
+fn loss_windows(reports: &[StreamReport], t0: Instant) -> String {
+    let mut out = String::new();
+    for family in ["v4", "v6"] {
+        let mut ms: Vec<f64> = reports
+            .iter()
+            .filter(|r| r.proto == Proto::Udp && r.name.ends_with(&format!(" {family}")))
+            .map(|r| {
+                r.stall_within(t0, r.stopped)
+                    .map_or(0.0, |(d, _)| d.as_secs_f64() * 1e3)
+            })
+            .collect();
+        ms.sort_by(f64::total_cmp);
+        if ms.is_empty() {
+            continue;
+        }
+        out.push_str(&format!(
+            "loss window IP{family} (UDP, {} paths): median {:.1} ms, longest {:.1} ms\n",
+            ms.len(),
+            ms[ms.len() / 2],
+            ms[ms.len() - 1]
+        ));
+    }
+    out
+}
+
 /// How often each denied flow is tried.
 const DENIED_INTERVAL: Duration = Duration::from_millis(100);
 /// How long a policy takes to reach both nodes (through their watches).
@@ -343,12 +420,12 @@ fn a_vms_own_connections_survive_its_migration_under_a_default_deny_ingress_poli
 
 fn policy_attempt() {
     let started = Instant::now();
-    let (c, spec, source, guest) = cluster_with_a_vm();
+    let (c, spec, source, guest) = cluster_with_a_vm(Stack::V4);
     let (a, b) = (c.nodes()[0].name(), c.nodes()[1].name());
     let vm = source.ip;
     let paths = KubePaths::start(&c, vm);
     // The VM's own connections, opened before any policy.
-    let mut set = PathSet::start_opened_by_vm(&guest, &paths.ends(&c, vm, 0), STREAM_INTERVAL);
+    let mut set = PathSet::start_opened_by_vm(&guest, &paths.ends(&c, &[vm], 0), STREAM_INTERVAL);
     // And to the pod on A, which B never forwarded a packet of: after the
     // move its far end's messages reach B as strangers, unless B was
     // handed the flows (the paths' peer pod is on B, which saw them).
@@ -452,7 +529,7 @@ fn policy_attempt() {
 
     // The target pod, made while the policy is in force: its ADD returns
     // once B's table holds it.
-    let (_target, incoming) = target_on(&c, &spec, b, vm);
+    let (_target, incoming) = target_on(&c, &spec, b, &[vm]);
     let Moved {
         m, moved, gap, t0, ..
     } = migrate_and_clean_up(&c, guest, &incoming, &spec, source, b);

@@ -379,7 +379,7 @@ fn kubevirt_vm_keeps_its_own_connections_through_a_migration_while_a_policy_deni
 
     let guest = AgentShell::new(c, "vm1");
     let paths = KubePaths::start(c, vm);
-    let set = PathSet::start_opened_by_vm(&guest, &paths.ends(c, vm, source), STREAM_INTERVAL);
+    let set = PathSet::start_opened_by_vm(&guest, &paths.ends(c, &[vm], source), STREAM_INTERVAL);
     assert!(
         set.wait_echoes(20, Duration::from_secs(60)),
         "the VM's own streams got no echoes"

@@ -3,7 +3,7 @@
 //! kubelet nodes wired by tether (tests/src/kube_cluster.rs), and the
 //! results as `CONFORMANCE.md` or `NETPOL.md`.
 //!
-//! Usage: `conformance [--suite conformance|netpol] [--nodes 2] [--focus REGEX] [--faults] [--write FILE]`
+//! Usage: `conformance [--suite conformance|netpol] [--stack v4|dual|v6] [--nodes 2] [--focus REGEX] [--faults] [--write FILE]`
 //!
 //! It starts the cluster with the tests' images imported into every node,
 //! installs tether with its chart, deploys CoreDNS, runs `e2e.test` with
@@ -15,6 +15,14 @@
 //!   and the two API tests) but the three `[Feature:SCTPConnectivity]`
 //!   ones, which need SCTP in the kernel; the report lists them with that
 //!   reason. Two tests with SCTP in their names run: they probe TCP only.
+//!
+//! `--stack` picks the cluster's IP families (`tether_e2e::stack`): `v4`
+//! (the default), `dual` (IPv4 first, then IPv6: two Service ranges, two
+//! cluster CIDRs, every node with an address of each) or `v6` (IPv6
+//! alone). On `dual` the conformance suite also runs every
+//! `[Feature:IPv6DualStack]` test but the SCTP one, which needs SCTP in
+//! the kernel. The conformance report (`CONFORMANCE.md`) has one section
+//! per stack: `--write` replaces the run's own and keeps the others.
 //!
 //! `--focus` replaces the suite's focus (its skip stays).
 //!
@@ -30,15 +38,15 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use tether_e2e::conformance::{self, Context, Faults, FOCUS_ALL, SKIP_SCTP};
+use tether_e2e::conformance::{self, Context, Faults, FOCUS_ALL, FOCUS_DUAL_STACK, SKIP_SCTP};
 use tether_e2e::conformance_images::{conformance_images, e2e_dir, COREDNS, PAUSE};
-use tether_e2e::kube_cluster::{CLUSTER_DNS, POD_CIDR, SERVICE_CIDR};
 use tether_e2e::machine::{stdout_of, Machine};
+use tether_e2e::stack::Stack;
 use tether_e2e::topology::Topology;
 use tether_e2e::{require_root, workspace_dir, TempDir};
 
-const USAGE: &str = "usage: conformance [--suite conformance|netpol] [--nodes N] [--focus REGEX] \
-                     [--faults] [--write FILE]";
+const USAGE: &str = "usage: conformance [--suite conformance|netpol] [--stack v4|dual|v6] \
+                     [--nodes N] [--focus REGEX] [--faults] [--write FILE]";
 /// When `--faults` kills the last node's tetherd, after `e2e.test`'s start.
 const KILL_TETHERD_AT: Duration = Duration::from_secs(90);
 /// When `--faults` restarts the first node's kubelet.
@@ -61,7 +69,14 @@ struct Suite {
     /// What the skipped tests' names contain, all of it, and why they
     /// cannot run here (the report lists them).
     not_run: Option<(&'static [&'static str], &'static str)>,
+    /// Whether the report has one section per stack (`--write` replaces
+    /// the run's own).
+    per_stack: bool,
 }
+
+/// Why the SCTP tests cannot run here.
+const NO_SCTP: &str = "needs SCTP, which this machine's kernel lacks (`CONFIG_IP_SCTP` is not \
+                       set): its probes cannot open an SCTP socket. A kernel with SCTP would run it.";
 
 const CONFORMANCE: Suite = Suite {
     title: "Kubernetes network conformance (sig-network, Conformance)",
@@ -69,6 +84,19 @@ const CONFORMANCE: Suite = Suite {
     focus: FOCUS_ALL,
     skip: None,
     not_run: None,
+    per_stack: true,
+};
+
+/// The conformance suite on a dual-stack cluster: also every
+/// `[Feature:IPv6DualStack]` test but the SCTP one.
+const CONFORMANCE_DUAL: Suite = Suite {
+    focus: FOCUS_DUAL_STACK,
+    skip: Some(SKIP_SCTP),
+    not_run: Some((
+        &["[Feature:IPv6DualStack]", "[Feature:SCTPConnectivity]"],
+        NO_SCTP,
+    )),
+    ..CONFORMANCE
 };
 
 const NETPOL: Suite = Suite {
@@ -78,13 +106,14 @@ const NETPOL: Suite = Suite {
     skip: Some(SKIP_SCTP),
     not_run: Some((
         &["[sig-network] Netpol ", "[Feature:SCTPConnectivity]"],
-        "needs SCTP, which this machine's kernel lacks (`CONFIG_IP_SCTP` is not set): its \
-         probes cannot open an SCTP socket. A kernel with SCTP would run it.",
+        NO_SCTP,
     )),
+    per_stack: false,
 };
 
 struct Args {
     suite: &'static Suite,
+    stack: Stack,
     nodes: usize,
     focus: Option<String>,
     faults: bool,
@@ -94,6 +123,7 @@ struct Args {
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         suite: &CONFORMANCE,
+        stack: Stack::V4,
         nodes: 2,
         focus: None,
         faults: false,
@@ -115,6 +145,10 @@ fn parse_args() -> Result<Args, String> {
                     other => return Err(format!("--suite: no suite {other}\n{USAGE}")),
                 }
             }
+            "--stack" => {
+                args.stack =
+                    Stack::parse(&value()?).map_err(|e| format!("--stack: {e}\n{USAGE}"))?
+            }
             "--focus" => args.focus = Some(value()?),
             "--faults" => args.faults = true,
             "--write" => args.write = Some(PathBuf::from(value()?)),
@@ -123,6 +157,9 @@ fn parse_args() -> Result<Args, String> {
     }
     if args.nodes < 2 {
         return Err(format!("the tests need at least 2 nodes\n{USAGE}"));
+    }
+    if std::ptr::eq(args.suite, &CONFORMANCE) && args.stack == Stack::Dual {
+        args.suite = &CONFORMANCE_DUAL;
     }
     Ok(args)
 }
@@ -145,10 +182,16 @@ fn main() -> ExitCode {
     let e2e = e2e_dir().join("e2e.test");
     let images = conformance_images();
     let archives: Vec<_> = images.iter().map(|(_, a)| a.clone()).collect();
-    eprintln!("conformance: starting {} nodes", args.nodes);
+    let stack = args.stack;
+    eprintln!(
+        "conformance: starting {} nodes, {}",
+        args.nodes,
+        stack.title()
+    );
     let mut cluster = Topology::kubelet(args.nodes)
         .images(archives)
         .sandbox_image(PAUSE)
+        .stack(stack)
         .start();
     let tether = cluster.build_tether_image("1");
     cluster.install_tether(&tether);
@@ -192,9 +235,19 @@ fn main() -> ExitCode {
                 .collect()
         })
         .unwrap_or_default();
+    let command = if suite.per_stack {
+        format!("{} STACK={}", suite.command, stack.name())
+    } else {
+        suite.command.to_string()
+    };
     let ctx = Context {
-        title: suite.title.to_string(),
-        command: suite.command.to_string(),
+        title: if suite.per_stack {
+            stack.title().to_string()
+        } else {
+            suite.title.to_string()
+        },
+        depth: if suite.per_stack { 2 } else { 1 },
+        command,
         machine: machine.one_line(),
         date: date.trim().to_string(),
         versions: versions(),
@@ -209,11 +262,25 @@ fn main() -> ExitCode {
              in a netns of its own, routing the pod network through the first node"
                 .to_string(),
             format!(
-                "tether installed by its Helm chart in its default mode (the Kubernetes \
-                 store: its CRDs on the same API server, no etcd of its own), cluster CIDR \
-                 {POD_CIDR}, Services {SERVICE_CIDR}, hostPort through the chained portmap"
+                "{}: every node with {} on the fabric (the kubelet's `--node-ip`)",
+                stack.title(),
+                if stack == Stack::Dual {
+                    "an IPv4 and an IPv6 address"
+                } else {
+                    "one address"
+                }
             ),
-            format!("CoreDNS as kubeadm deploys it, kube-dns at {CLUSTER_DNS}"),
+            format!(
+                "tether installed by its Helm chart in its default mode (the Kubernetes \
+                 store: its CRDs on the same API server, no etcd of its own), cluster \
+                 CIDRs {}, Services {}, hostPort through the chained portmap",
+                stack.pod_cidrs().join(" and "),
+                stack.service_cidrs().join(" and ")
+            ),
+            format!(
+                "CoreDNS as kubeadm deploys it, kube-dns at {}",
+                stack.cluster_dns().join(" and ")
+            ),
             format!(
                 "images built here and imported into every node: {}",
                 images
@@ -240,6 +307,14 @@ fn main() -> ExitCode {
         "\nThe whole run (the cluster's start, tether's install, CoreDNS, then e2e.test) took {:.0} s.\n",
         started.elapsed().as_secs_f64()
     ));
+    if suite.per_stack && args.write.is_some() {
+        let old = args
+            .write
+            .as_ref()
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .unwrap_or_default();
+        md = conformance::per_stack_report(suite.title, suite.command, &old, stack, &md);
+    }
     match &args.write {
         Some(path) => {
             if let Err(e) = std::fs::write(path, &md) {

@@ -801,7 +801,7 @@ pub fn migrate_with_paths(
         .iter()
         .position(|node| node.name() == from)
         .unwrap_or_else(|| panic!("{vmi} runs on {from:?}, no node of the cluster"));
-    let set = PathSet::start(guest, &paths.ends(c, vm, source), interval);
+    let set = PathSet::start(guest, &paths.ends(c, &[vm], source), interval);
     let started = Instant::now();
     let measured = migrate_observed(c, vmi, ip, to, n);
     std::thread::sleep(after);
