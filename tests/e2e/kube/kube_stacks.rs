@@ -3,8 +3,9 @@
 //! `--node-ip` with an address per family, kube-proxy and the controller
 //! manager with a cluster CIDR per family), installed by its chart in each
 //! of its cluster modes that the conformance runs do not use: node CIDRs
-//! (the controller manager's two `spec.podCIDRs` per Node) and an etcd of
-//! tether's own, over VXLAN and over host routes (host-gw). The
+//! (the controller manager's `spec.podCIDRs`, one per family, per Node)
+//! over VXLAN, and an etcd of tether's own (reached over the cluster's
+//! first family) over host routes (host-gw). The
 //! Kubernetes store on host routes is what `make conformance` and the
 //! conformance slice run, on every stack.
 //!
@@ -73,8 +74,14 @@ fn wired(stack: Stack, mode: Mode, overlay: Overlay) {
     let mut values = json!({"overlay": overlay.value()});
     match &etcd {
         Some(etcd) => {
+            // Reached at its address of the cluster's first family.
+            let endpoint = if stack.has_v4() {
+                etcd.endpoint(0)
+            } else {
+                etcd.endpoint_v6(0)
+            };
             values["mode"] = json!("etcd");
-            values["etcd"] = json!({"endpoints": [etcd.endpoint(0)], "tlsSecret": ""});
+            values["etcd"] = json!({"endpoints": [endpoint], "tlsSecret": ""});
         }
         None => values["mode"] = json!("nodeCidrs"),
     }
@@ -218,4 +225,13 @@ fn dual_stack_pods_on_tethers_own_etcd_over_host_routes_reach_every_family() {
 #[test]
 fn ipv6_only_pods_on_node_cidrs_over_vxlan_reach_every_family() {
     wired(Stack::V6, Mode::NodeCidrs, Overlay::Vxlan);
+}
+
+#[cfg_attr(
+    not(feature = "kubelet-tests"),
+    ignore = "kubelet tier: root and kubelet nodes built from Kubernetes' source; `make test` runs it"
+)]
+#[test]
+fn ipv6_only_pods_on_tethers_own_etcd_over_host_routes_reach_every_family() {
+    wired(Stack::V6, Mode::Etcd, Overlay::HostGw);
 }

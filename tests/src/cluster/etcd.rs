@@ -7,7 +7,9 @@ use base64::prelude::{Engine as _, BASE64_STANDARD};
 /// A real etcd cluster (Debian's `/usr/bin/etcd`, 3.4): its members run in
 /// one control netns on the fabric, member `i` on its own address
 /// `10.77.0.<11+i>` (client port [`ETCD_CLIENT_PORT`], peer port
-/// [`ETCD_PEER_PORT`]), with data dirs and logs in a temp dir.
+/// [`ETCD_PEER_PORT`]), with data dirs and logs in a temp dir. Each member
+/// also serves clients on its IPv6 address of the fabric
+/// ([`EtcdCluster::endpoint_v6`]), for IPv6-only clients.
 ///
 /// A killed or stopped member keeps its address, so clients get a refused
 /// connection from it at once, and its data dir, so
@@ -28,6 +30,7 @@ pub struct EtcdCluster {
 struct EtcdMember {
     name: String,
     ip: Ipv4Addr,
+    ip6: Ipv6Addr,
     args: Vec<String>,
     log_path: PathBuf,
     child: Option<Child>,
@@ -36,6 +39,10 @@ struct EtcdMember {
 impl EtcdMember {
     fn client_url(&self) -> String {
         format!("http://{}:{ETCD_CLIENT_PORT}", self.ip)
+    }
+
+    fn client_url_v6(&self) -> String {
+        format!("http://[{}]:{ETCD_CLIENT_PORT}", self.ip6)
     }
 
     fn peer_url(&self) -> String {
@@ -58,12 +65,17 @@ impl EtcdCluster {
         );
         let control = Netns::new("etcd");
         let dir = TempDir::new("etcd");
-        let ips: Vec<Ipv4Addr> = (0..members)
-            .map(|i| Underlay::of_host(String::new(), ETCD_HOST_BASE + i as u16).v4)
+        let ips: Vec<Underlay> = (0..members)
+            .map(|i| Underlay::of_host(String::new(), ETCD_HOST_BASE + i as u16))
             .collect();
         let addrs: Vec<String> = ips
             .iter()
-            .map(|ip| format!("{ip}/{UNDERLAY_V4_LEN}"))
+            .flat_map(|u| {
+                [
+                    format!("{}/{UNDERLAY_V4_LEN}", u.v4),
+                    format!("{}/{UNDERLAY_V6_LEN}", u.v6),
+                ]
+            })
             .collect();
         let addrs: Vec<&str> = addrs.iter().map(String::as_str).collect();
         fabric.attach(&control, &addrs);
@@ -77,9 +89,10 @@ impl EtcdCluster {
         etcd.members = ips
             .iter()
             .enumerate()
-            .map(|(i, &ip)| EtcdMember {
+            .map(|(i, u)| EtcdMember {
                 name: format!("m{i}"),
-                ip,
+                ip: u.v4,
+                ip6: u.v6,
                 args: Vec::new(),
                 log_path: etcd.dir.path().join(format!("m{i}.log")),
                 child: None,
@@ -94,6 +107,7 @@ impl EtcdCluster {
         for member in &mut etcd.members {
             let data_dir = etcd.dir.path().join(format!("{}.etcd", member.name));
             let (client, peer) = (member.client_url(), member.peer_url());
+            let listen = format!("{client},{}", member.client_url_v6());
             // With a data dir that already holds the member, etcd ignores
             // the --initial-* flags: restarts use the same command line.
             member.args = [
@@ -102,7 +116,7 @@ impl EtcdCluster {
                 "--data-dir",
                 &data_dir.display().to_string(),
                 "--listen-client-urls",
-                &client,
+                &listen,
                 "--advertise-client-urls",
                 &client,
                 "--listen-peer-urls",
@@ -163,6 +177,11 @@ impl EtcdCluster {
     /// Member `i`'s client URL.
     pub fn endpoint(&self, i: usize) -> String {
         self.members[i].client_url()
+    }
+
+    /// Member `i`'s client URL on its IPv6 address.
+    pub fn endpoint_v6(&self, i: usize) -> String {
+        self.members[i].client_url_v6()
     }
 
     /// Member `i`'s underlay address.
