@@ -273,8 +273,10 @@ fn every_path_of_a_dual_stack_vm_survives_its_live_migration_between_two_kubelet
         routes_after,
     } = migrate_and_clean_up(&c, guest, &incoming, &spec, source, b);
 
+    let reports = set.stop();
     // The guest, now on B, renews both leases there: B's tether answers
-    // with the same addresses.
+    // with the same addresses. After the streams stop: dhcpcd's rebind
+    // may take the address down for a moment, which is the client's doing.
     let mark = incoming.mark();
     incoming.run_ok("kill -USR1 $(cat /run/udhcpc.pid); dhcpcd -6 -n eth0");
     for (line, ip) in [("TETHER-LEASE4", vms[0]), ("TETHER-LEASE6", vms[1])] {
@@ -285,8 +287,6 @@ fn every_path_of_a_dual_stack_vm_survives_its_live_migration_between_two_kubelet
             "the guest's renewal on {b}: {lease}"
         );
     }
-
-    let reports = set.stop();
     let text = table(&reports, t0, gap);
     eprintln!(
         "live migration of a dual-stack VM between two kubelet nodes (Kubernetes store): QEMU total {:?} ms, downtime {:?} ms; the source pod deleted {:.1} s after the migration began\n{text}\n{}",
