@@ -1179,10 +1179,10 @@ impl KubeCluster {
 
     /// What the nodes' and the running pods' networks look like, for a
     /// failure's report: each node's routes and neighbours (of the
-    /// cluster's families), tether's
-    /// nft tables and its UDP flows in conntrack; each running pod's (not
-    /// kube-system's, not host-network) addresses, routes, neighbours and
-    /// UDP sockets. Best effort: what cannot be read says why.
+    /// cluster's families), tether's nft tables and its UDP flows in
+    /// conntrack; each running pod's (not kube-system's, not
+    /// host-network) addresses, routes, neighbours and UDP sockets. Best
+    /// effort: what cannot be read says why.
     pub fn network_state(&self) -> String {
         let run = |ns: &Netns, argv: &[&str]| {
             let out = ns.exec(argv);

@@ -20,7 +20,8 @@
 //! | VM → ClusterIP of two pods | the VM | kube-proxy on the VM's node |
 //!
 //! Each path runs over TCP and UDP, over IPv4 and IPv6 where the path has
-//! both (the Services are IPv4: the clusters' service range is).
+//! both (the Services are IPv4: single-stack, of a dual-stack cluster's
+//! first family).
 
 use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
