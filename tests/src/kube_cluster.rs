@@ -79,12 +79,6 @@ use crate::{bin_dir, wait_until, Netns, TempDir};
 /// The IPv4 pod network (tether's cluster CIDR); every family's:
 /// [`Stack::pod_cidrs`].
 pub const POD_CIDR: &str = crate::stack::POD_CIDR_V4;
-/// The IPv4 Services' range (the API server's
-/// `--service-cluster-ip-range`); every family's: [`Stack::service_cidrs`].
-pub const SERVICE_CIDR: &str = crate::stack::SERVICE_CIDR_V4;
-/// The `kube-dns` Service's IPv4 ClusterIP, the kubelets' `clusterDNS` on
-/// an IPv4 or dual-stack cluster; every family's: [`Stack::cluster_dns`].
-pub const CLUSTER_DNS: &str = crate::stack::CLUSTER_DNS_V4;
 /// The cluster's DNS domain.
 pub const CLUSTER_DOMAIN: &str = "cluster.local";
 /// The first node's host number on the fabric; node `i` is this plus `i`.
