@@ -14,10 +14,21 @@
 //!   a Service of the second family (IPv6) over HTTP and UDP.
 //!
 //! While they run, the second node's tetherd is killed with SIGKILL (its
-//! container restarted by the kubelet, as after a crash) and the first
-//! node's kubelet is restarted (`conformance::Faults`). Every test must
-//! still pass, and both faults must have happened and been recovered
-//! from; the report names each failure with its message.
+//! container restarted by the kubelet, as after a crash;
+//! `conformance::Faults`). Every test must still pass, and tetherd must
+//! have come back; the report names each failure with its message.
+//!
+//! The kubelet's restart is left out, as in `make conformance
+//! STACK=dual` (`conformance::KUBELET_LEFT_OUT`): `should be able to reach
+//! pod on ipv4 and ipv6 ip` runs `curl` in each client pod with `kubectl
+//! exec` every second for 10 s per server address (80 s on two nodes),
+//! and any exec in the seconds the restarted kubelet does not answer
+//! fails it (upstream's `Consistently`, no retry). CI lost it so in a
+//! slice that restarted the kubelet at 50 s; two `make conformance
+//! STACK=dual` runs lost a test the same way. The kubelet's restart is
+//! judged by the NetworkPolicy slice (upstream's tests, IPv4) and by
+//! `kube::kubelet` and `kube::kube_nodes`, which check that the pods keep
+//! their network and tether its state across it.
 
 use std::time::Duration;
 
@@ -44,10 +55,10 @@ fn the_data_path_conformance_slice_passes_on_two_dual_stack_kubelet_nodes() {
         focus: FOCUS,
         skip: None,
         tests: 14,
-        // The slice's tests run for about 2 minutes: tetherd dies early,
-        // while the granular checks' pods are being made; the kubelet
-        // restarts in the middle of the run.
-        faults: (Duration::from_secs(20), Duration::from_secs(50)),
+        // The slice's tests run for about 4 minutes: tetherd dies early,
+        // while the granular checks' pods are being made.
+        kill_tetherd_at: Duration::from_secs(20),
+        restart_kubelet_at: None,
         stack: Stack::Dual,
     });
 }

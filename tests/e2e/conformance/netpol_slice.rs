@@ -42,7 +42,8 @@ fn the_network_policy_slice_passes_on_two_kubelet_nodes() {
         tests: 8,
         // The tests run for about 2 minutes: tetherd dies while the first
         // test's pods are made; the kubelet restarts later in the run.
-        faults: (Duration::from_secs(20), Duration::from_secs(60)),
+        kill_tetherd_at: Duration::from_secs(20),
+        restart_kubelet_at: Some(Duration::from_secs(60)),
         stack: Stack::V4,
     });
 }

@@ -33,8 +33,8 @@
 //! is stopped and started again at 180 s. No test's result may change; a
 //! fault that could not be injected, or a node that did not recover from
 //! it, fails the run. The dual-stack run keeps the kill and leaves the
-//! kubelet's restart out (`KUBELET_LEFT_OUT` says why); its report says
-//! so.
+//! kubelet's restart out (`conformance::KUBELET_LEFT_OUT` says why); its
+//! report says so.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -53,14 +53,11 @@ const USAGE: &str = "usage: conformance [--suite conformance|netpol] [--stack v4
 const KILL_TETHERD_AT: Duration = Duration::from_secs(90);
 /// When `--faults` restarts the first node's kubelet.
 const RESTART_KUBELET_AT: Duration = Duration::from_secs(180);
-/// Why the dual-stack run leaves the kubelet's restart out.
-const KUBELET_LEFT_OUT: &str = "the kubelet's restart is left out of the dual-stack run: the \
-    dual-stack tests make their reachability checks with `kubectl exec` in a pod, which the API \
-    server passes to that pod's kubelet, and a check in the seconds the kubelet is down fails \
-    with `connection refused` on its port 10250 (upstream does not retry it). A run with it \
-    (18:59 UTC) lost `should be able to reach pod on ipv4 and ipv6 ip` so, and one at 19:27, \
-    stopped after 34 tests, had lost `should update endpoints: udp` the same way; nothing else \
-    failed. The tetherd kill stays.";
+/// What the dual-stack runs with the kubelet's restart lost (after
+/// [`conformance::KUBELET_LEFT_OUT`]).
+const KUBELET_LOST: &str = "A run with it (18:59 UTC) lost `should be able to reach pod on \
+    ipv4 and ipv6 ip` so, and one at 19:27, stopped after 34 tests, had lost `should update \
+    endpoints: udp` the same way; nothing else failed. The tetherd kill stays.";
 
 /// Tests that cannot pass on this machine, each with its reason and what
 /// would make it pass. Empty: every test is expected to pass.
@@ -224,7 +221,7 @@ fn main() -> ExitCode {
     let mut left_out = Vec::new();
     if args.faults && stack == Stack::Dual && std::ptr::eq(suite, &CONFORMANCE_DUAL) {
         faults.restart_kubelet_at = None;
-        left_out.push(KUBELET_LEFT_OUT.to_string());
+        left_out.push(format!("{} {KUBELET_LOST}", conformance::KUBELET_LEFT_OUT));
     }
     let run = conformance::run(
         &mut cluster,
