@@ -16,6 +16,14 @@
 //! the other node's address of the family); a node and the control plane
 //! reach the pods; and a pod reaches a host outside the cluster, which
 //! has no route to any pod, in every family: outbound NAT for both.
+//!
+//! Each stack's cluster takes both modes in turn, as an operator changes
+//! a cluster's mode (docs/user/upgrade.md): node CIDRs over VXLAN first;
+//! then the pods are deleted, tether uninstalled with `helm uninstall`
+//! and installed again with its etcd over host routes, which must remove
+//! the VXLAN device and route the other node's pods via its address (the
+//! controller manager still gives the Nodes pod CIDRs then; in mode etcd
+//! tether does not read them).
 
 use std::net::IpAddr;
 use std::time::Duration;
@@ -27,7 +35,7 @@ use tether_e2e::kube_cluster::{KubeCluster, KubeNode, KubePod};
 use tether_e2e::paths::Outside;
 use tether_e2e::stack::Stack;
 use tether_e2e::topology::Topology;
-use tether_e2e::{assert_ping_within, require_root};
+use tether_e2e::{assert_ping_within, require_root, wait_until};
 
 /// Routes reach the other node through its daemon's watch.
 const CONVERGE: Duration = Duration::from_secs(30);
@@ -59,42 +67,65 @@ enum Mode {
     Etcd,
 }
 
-/// Starts a `stack` cluster of two kubelet nodes with tether in `mode`
-/// over `overlay`, then checks what the module doc says.
-fn wired(stack: Stack, mode: Mode, overlay: Overlay) {
+/// Starts a `stack` cluster of two kubelet nodes whose controller
+/// manager gives each Node a pod CIDR per family; installs tether in mode
+/// node CIDRs over VXLAN and checks what the module doc says; then takes
+/// it down the way an operator changes modes (the pods deleted, `helm
+/// uninstall`) and installs it again in mode etcd over host routes, which
+/// must remove the VXLAN device, and checks the same.
+fn in_turn(stack: Stack) {
     require_root();
-    let what = format!("{} cluster, mode {mode:?}, {overlay:?}", stack.title());
-    let mut topology = Topology::kubelet(2).stack(stack);
-    if mode == Mode::NodeCidrs {
-        topology = topology.node_cidrs();
-    }
-    let mut c = topology.start();
-    // tether's own etcd (one member, plain HTTP) beside the control plane.
-    let etcd = (mode == Mode::Etcd).then(|| EtcdCluster::start(c.fabric(), 1));
-    let mut values = json!({"overlay": overlay.value()});
-    match &etcd {
-        Some(etcd) => {
-            // Reached at its address of the cluster's first family.
-            let endpoint = if stack.has_v4() {
-                etcd.endpoint(0)
-            } else {
-                etcd.endpoint_v6(0)
-            };
-            values["mode"] = json!("etcd");
-            values["etcd"] = json!({"endpoints": [endpoint], "tlsSecret": ""});
-        }
-        None => values["mode"] = json!("nodeCidrs"),
-    }
-    c.set_chart_values(values);
+    let mut c = Topology::kubelet(2).stack(stack).node_cidrs().start();
     let outside = Outside::on(c.fabric());
     let image = c.build_tether_image("1");
-    c.install_tether(&image);
 
+    c.set_chart_values(json!({"mode": "nodeCidrs", "overlay": Overlay::Vxlan.value()}));
+    c.install_tether(&image);
+    wired(&c, &outside, "a", Mode::NodeCidrs, Overlay::Vxlan);
+    for i in 0..2 {
+        c.delete_pod(&format!("a{i}"));
+    }
+    c.uninstall_tether();
+    let gone = wait_until(CONVERGE, || c.tether_pods().is_empty());
+    assert!(gone, "tether's pods did not go: {:?}", c.tether_pods());
+
+    // tether's own etcd (one member, plain HTTP) beside the control plane,
+    // reached at its address of the cluster's first family.
+    let etcd = EtcdCluster::start(c.fabric(), 1);
+    let endpoint = if stack.has_v4() {
+        etcd.endpoint(0)
+    } else {
+        etcd.endpoint_v6(0)
+    };
+    c.set_chart_values(json!({
+        "mode": "etcd",
+        "overlay": Overlay::HostGw.value(),
+        "etcd": {"endpoints": [endpoint], "tlsSecret": ""},
+    }));
+    c.install_tether(&image);
+    for node in c.nodes() {
+        let links = node.netns().exec_ok(&["ip", "-o", "link", "show"]);
+        assert!(
+            !links.contains(VXLAN_DEV),
+            "{}: {VXLAN_DEV} is left in host-gw mode:\n{links}",
+            node.name()
+        );
+    }
+    wired(&c, &outside, "b", Mode::Etcd, Overlay::HostGw);
+    drop(c);
+    drop(etcd);
+}
+
+/// Runs pods `{prefix}0` and `{prefix}1`, one on each node of `c`, where
+/// tether is installed in `mode` over `overlay`, and checks what the
+/// module doc says.
+fn wired(c: &KubeCluster, outside: &Outside, prefix: &str, mode: Mode, overlay: Overlay) {
+    let what = format!("{} cluster, mode {mode:?}, {overlay:?}", c.stack().title());
     let pods: Vec<KubePod> = (0..2)
-        .map(|i| c.run_pod(&format!("p{i}"), c.nodes()[i].name()))
+        .map(|i| c.run_pod(&format!("{prefix}{i}"), c.nodes()[i].name()))
         .collect();
     for pod in &pods {
-        let ranges = ranges_of(&c, mode, &pod.node);
+        let ranges = ranges_of(c, mode, &pod.node);
         assert_eq!(
             pod.ips.len(),
             ranges.len(),
@@ -132,7 +163,7 @@ fn wired(stack: Stack, mode: Mode, overlay: Overlay) {
             assert_ping_within(c.api.netns(), ip, CONVERGE);
         }
         // Outbound NAT: the outside host has no route to any pod.
-        let out = outside_address(&outside, pods[0].ips[family]);
+        let out = outside_address(outside, pods[0].ips[family]);
         for pod in &pods {
             assert_ping_within(pod.netns(), out, CONVERGE);
         }
@@ -141,9 +172,6 @@ fn wired(stack: Stack, mode: Mode, overlay: Overlay) {
         "{what}: pods {:?} and {:?} reach each other, the nodes, the control plane and the outside in every family",
         pods[0].ips, pods[1].ips
     );
-    drop(pods);
-    drop(c);
-    drop(etcd);
 }
 
 /// Where pods on `node` take their addresses, one range per family of
@@ -205,8 +233,8 @@ fn outside_address(outside: &Outside, ip: IpAddr) -> IpAddr {
     ignore = "kubelet tier: root and kubelet nodes built from Kubernetes' source; `make test` runs it"
 )]
 #[test]
-fn dual_stack_pods_on_node_cidrs_over_vxlan_reach_every_family() {
-    wired(Stack::Dual, Mode::NodeCidrs, Overlay::Vxlan);
+fn dual_stack_pods_reach_every_family_on_node_cidrs_over_vxlan_then_on_tethers_own_etcd() {
+    in_turn(Stack::Dual);
 }
 
 #[cfg_attr(
@@ -214,24 +242,6 @@ fn dual_stack_pods_on_node_cidrs_over_vxlan_reach_every_family() {
     ignore = "kubelet tier: root and kubelet nodes built from Kubernetes' source; `make test` runs it"
 )]
 #[test]
-fn dual_stack_pods_on_tethers_own_etcd_over_host_routes_reach_every_family() {
-    wired(Stack::Dual, Mode::Etcd, Overlay::HostGw);
-}
-
-#[cfg_attr(
-    not(feature = "kubelet-tests"),
-    ignore = "kubelet tier: root and kubelet nodes built from Kubernetes' source; `make test` runs it"
-)]
-#[test]
-fn ipv6_only_pods_on_node_cidrs_over_vxlan_reach_every_family() {
-    wired(Stack::V6, Mode::NodeCidrs, Overlay::Vxlan);
-}
-
-#[cfg_attr(
-    not(feature = "kubelet-tests"),
-    ignore = "kubelet tier: root and kubelet nodes built from Kubernetes' source; `make test` runs it"
-)]
-#[test]
-fn ipv6_only_pods_on_tethers_own_etcd_over_host_routes_reach_every_family() {
-    wired(Stack::V6, Mode::Etcd, Overlay::HostGw);
+fn ipv6_only_pods_reach_every_family_on_node_cidrs_over_vxlan_then_on_tethers_own_etcd() {
+    in_turn(Stack::V6);
 }
