@@ -18,15 +18,15 @@
 //! has no route to any pod, in every family: outbound NAT for both.
 //!
 //! Each stack's cluster takes both modes in turn, as an operator changes
-//! a cluster's mode (docs/user/upgrade.md): node CIDRs over VXLAN first;
-//! then the pods are deleted, tether uninstalled with `helm uninstall`
-//! and installed again with its etcd over host routes, which must remove
-//! the VXLAN device and route the other node's pods via its address (the
-//! controller manager still gives the Nodes pod CIDRs then; in mode etcd
-//! tether does not read them).
+//! a cluster's mode (docs/user/choosing-a-mode.md): node CIDRs over VXLAN
+//! first; then the pods are deleted, tether uninstalled with `helm
+//! uninstall` and installed again with its etcd over host routes, which
+//! must remove the VXLAN device and route the other node's pods via its
+//! address (the controller manager still gives the Nodes pod CIDRs then;
+//! in mode etcd tether does not read them).
 
 use std::net::IpAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
 use serde_json::json;
@@ -103,14 +103,24 @@ fn in_turn(stack: Stack) {
         "etcd": {"endpoints": [endpoint], "tlsSecret": ""},
     }));
     c.install_tether(&image);
+    // The nodes are Ready once the conflist is in place, which may be
+    // before tetherd has set up its overlay.
+    let links = |node: &KubeNode| node.netns().exec_ok(&["ip", "-o", "link", "show"]);
+    let ready = Instant::now();
     for node in c.nodes() {
-        let links = node.netns().exec_ok(&["ip", "-o", "link", "show"]);
+        let gone = wait_until(CONVERGE, || !links(node).contains(VXLAN_DEV));
         assert!(
-            !links.contains(VXLAN_DEV),
-            "{}: {VXLAN_DEV} is left in host-gw mode:\n{links}",
-            node.name()
+            gone,
+            "{}: {VXLAN_DEV} is left in host-gw mode:\n{}",
+            node.name(),
+            links(node)
         );
     }
+    eprintln!(
+        "{}: no {VXLAN_DEV} on either node {:.1} s after both were Ready",
+        stack.title(),
+        ready.elapsed().as_secs_f64()
+    );
     wired(&c, &outside, "b", Mode::Etcd, Overlay::HostGw);
     drop(c);
     drop(etcd);
