@@ -1,13 +1,13 @@
 //! tether on dual-stack and IPv6-only kubelet clusters (tests/src/stack.rs:
 //! the API server with a Service range per family, the kubelets'
 //! `--node-ip` with an address per family, kube-proxy and the controller
-//! manager with a cluster CIDR per family), installed by its chart in each
-//! of its cluster modes that the conformance runs do not use: node CIDRs
-//! (the controller manager's `spec.podCIDRs`, one per family, per Node)
-//! over VXLAN, and an etcd of tether's own (reached over the cluster's
-//! first family) over host routes (host-gw). The
-//! Kubernetes store on host routes is what `make conformance` and the
-//! conformance slice run, on every stack.
+//! manager with a cluster CIDR per family), installed by its chart in
+//! each of its cluster modes and overlays that the conformance runs do
+//! not use: node CIDRs (the controller manager's `spec.podCIDRs`, one per
+//! family, per Node) over VXLAN, an etcd of tether's own (reached over the
+//! cluster's first family) over host routes (host-gw), and the Kubernetes
+//! store over VXLAN. The Kubernetes store on host routes is what `make
+//! conformance` and the conformance slice run, on every stack.
 //!
 //! In each: a pod on each node gets one address per family of the
 //! cluster, inside the node's pod CIDR of that family (node CIDRs) or the
@@ -17,13 +17,13 @@
 //! reach the pods; and a pod reaches a host outside the cluster, which
 //! has no route to any pod, in every family: outbound NAT for both.
 //!
-//! Each stack's cluster takes both modes in turn, as an operator changes
-//! a cluster's mode (docs/user/choosing-a-mode.md): node CIDRs over VXLAN
-//! first; then the pods are deleted, tether uninstalled with `helm
-//! uninstall` and installed again with its etcd over host routes, which
-//! must remove the VXLAN device and route the other node's pods via its
-//! address (the controller manager still gives the Nodes pod CIDRs then;
-//! in mode etcd tether does not read them).
+//! Each stack's cluster takes the three in turn, as an operator changes
+//! a cluster's mode (docs/user/choosing-a-mode.md): between two, the pods
+//! are deleted and tether uninstalled with `helm uninstall`, then
+//! installed with the next values. Going to host routes must remove the
+//! VXLAN device, and going back to VXLAN must make it again (the
+//! controller manager gives the Nodes pod CIDRs throughout; outside mode
+//! node CIDRs tether does not read them).
 
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
@@ -65,6 +65,9 @@ enum Mode {
     NodeCidrs,
     /// `etcd`: blocks of the cluster CIDRs, claimed in an etcd of its own.
     Etcd,
+    /// `kubernetes`: blocks of the cluster CIDRs, claimed in the
+    /// Kubernetes API (the chart's default).
+    Kubernetes,
 }
 
 /// Starts a `stack` cluster of two kubelet nodes whose controller
@@ -72,7 +75,8 @@ enum Mode {
 /// node CIDRs over VXLAN and checks what the module doc says; then takes
 /// it down the way an operator changes modes (the pods deleted, `helm
 /// uninstall`) and installs it again in mode etcd over host routes, which
-/// must remove the VXLAN device, and checks the same.
+/// must remove the VXLAN device, and checks the same; then once more in
+/// the chart's default mode, the Kubernetes store, over VXLAN.
 fn in_turn(stack: Stack) {
     require_root();
     let mut c = Topology::kubelet(2).stack(stack).node_cidrs().start();
@@ -82,12 +86,7 @@ fn in_turn(stack: Stack) {
     c.set_chart_values(json!({"mode": "nodeCidrs", "overlay": Overlay::Vxlan.value()}));
     c.install_tether(&image);
     wired(&c, &outside, "a", Mode::NodeCidrs, Overlay::Vxlan);
-    for i in 0..2 {
-        c.delete_pod(&format!("a{i}"));
-    }
-    c.uninstall_tether();
-    let gone = wait_until(CONVERGE, || c.tether_pods().is_empty());
-    assert!(gone, "tether's pods did not go: {:?}", c.tether_pods());
+    take_down(&c, "a");
 
     // tether's own etcd (one member, plain HTTP) beside the control plane,
     // reached at its address of the cluster's first family.
@@ -122,8 +121,26 @@ fn in_turn(stack: Stack) {
         ready.elapsed().as_secs_f64()
     );
     wired(&c, &outside, "b", Mode::Etcd, Overlay::HostGw);
+    take_down(&c, "b");
+
+    // The chart's default mode over VXLAN: the device made again.
+    c.set_chart_values(json!({"overlay": Overlay::Vxlan.value()}));
+    c.install_tether(&image);
+    wired(&c, &outside, "c", Mode::Kubernetes, Overlay::Vxlan);
     drop(c);
     drop(etcd);
+}
+
+/// Deletes pods `{prefix}0` and `{prefix}1` and uninstalls tether
+/// (`helm uninstall`), as docs/user/choosing-a-mode.md says to before
+/// another mode; waits until tether's pods are gone.
+fn take_down(c: &KubeCluster, prefix: &str) {
+    for i in 0..2 {
+        c.delete_pod(&format!("{prefix}{i}"));
+    }
+    c.uninstall_tether();
+    let gone = wait_until(CONVERGE, || c.tether_pods().is_empty());
+    assert!(gone, "tether's pods did not go: {:?}", c.tether_pods());
 }
 
 /// Runs pods `{prefix}0` and `{prefix}1`, one on each node of `c`, where
@@ -204,7 +221,7 @@ fn ranges_of(c: &KubeCluster, mode: Mode, node: &str) -> Vec<IpNet> {
             );
             cidrs
         }
-        Mode::Etcd => c
+        Mode::Etcd | Mode::Kubernetes => c
             .stack()
             .pod_cidrs()
             .iter()
@@ -243,7 +260,7 @@ fn outside_address(outside: &Outside, ip: IpAddr) -> IpAddr {
     ignore = "kubelet tier: root and kubelet nodes built from Kubernetes' source; `make test` runs it"
 )]
 #[test]
-fn dual_stack_pods_reach_every_family_on_node_cidrs_over_vxlan_then_on_tethers_own_etcd() {
+fn dual_stack_pods_reach_every_family_in_three_modes_installed_in_turn() {
     in_turn(Stack::Dual);
 }
 
@@ -252,6 +269,6 @@ fn dual_stack_pods_reach_every_family_on_node_cidrs_over_vxlan_then_on_tethers_o
     ignore = "kubelet tier: root and kubelet nodes built from Kubernetes' source; `make test` runs it"
 )]
 #[test]
-fn ipv6_only_pods_reach_every_family_on_node_cidrs_over_vxlan_then_on_tethers_own_etcd() {
+fn ipv6_only_pods_reach_every_family_in_three_modes_installed_in_turn() {
     in_turn(Stack::V6);
 }
