@@ -102,8 +102,9 @@ fn in_turn(stack: Stack) {
         "etcd": {"endpoints": [endpoint], "tlsSecret": ""},
     }));
     c.install_tether(&image);
-    // The nodes are Ready once the conflist is in place, which may be
-    // before tetherd has set up its overlay.
+    // The install returns once the nodes are Ready, which they are with
+    // the conflist in place (or still, if the kubelet has not yet seen
+    // the uninstall): possibly before tetherd has set up its overlay.
     let links = |node: &KubeNode| node.netns().exec_ok(&["ip", "-o", "link", "show"]);
     let ready = Instant::now();
     for node in c.nodes() {
@@ -116,7 +117,7 @@ fn in_turn(stack: Stack) {
         );
     }
     eprintln!(
-        "{}: no {VXLAN_DEV} on either node {:.1} s after both were Ready",
+        "{}: no {VXLAN_DEV} on either node {:.1} s after the install",
         stack.title(),
         ready.elapsed().as_secs_f64()
     );
