@@ -10,8 +10,9 @@
 //! conformance` and the conformance slice run, on every stack.
 //!
 //! In each: a pod on each node gets one address per family of the
-//! cluster, inside the node's pod CIDR of that family (node CIDRs) or the
-//! cluster CIDR; the pods reach each other across the nodes in every
+//! cluster, inside the cluster CIDR of that family and the node's pod CIDR
+//! (node CIDRs) or a block the node holds in the mode's store (the etcd's
+//! keys, the API's AddressBlocks); the pods reach each other across the nodes in every
 //! family, the way the overlay says (the VXLAN device, or a route via
 //! the other node's address of the family); a node and the control plane
 //! reach the pods; and a pod reaches a host outside the cluster, which
@@ -29,7 +30,7 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
-use serde_json::json;
+use serde_json::{json, Value};
 use tether_e2e::cluster::EtcdCluster;
 use tether_e2e::kube_cluster::{KubeCluster, KubeNode, KubePod};
 use tether_e2e::paths::Outside;
@@ -70,24 +71,26 @@ enum Mode {
     Kubernetes,
 }
 
+impl Mode {
+    fn value(self) -> &'static str {
+        match self {
+            Mode::NodeCidrs => "nodeCidrs",
+            Mode::Etcd => "etcd",
+            Mode::Kubernetes => "kubernetes",
+        }
+    }
+}
+
 /// Starts a `stack` cluster of two kubelet nodes whose controller
-/// manager gives each Node a pod CIDR per family; installs tether in mode
-/// node CIDRs over VXLAN and checks what the module doc says; then takes
-/// it down the way an operator changes modes (the pods deleted, `helm
-/// uninstall`) and installs it again in mode etcd over host routes, which
-/// must remove the VXLAN device, and checks the same; then once more in
-/// the chart's default mode, the Kubernetes store, over VXLAN.
+/// manager gives each Node a pod CIDR per family, and an etcd beside it;
+/// installs tether in each mode in turn, checks what the module doc says
+/// in each, and takes it down between two the way an operator changes
+/// modes (the pods deleted, `helm uninstall`).
 fn in_turn(stack: Stack) {
     require_root();
     let mut c = Topology::kubelet(2).stack(stack).node_cidrs().start();
     let outside = Outside::on(c.fabric());
     let image = c.build_tether_image("1");
-
-    c.set_chart_values(json!({"mode": "nodeCidrs", "overlay": Overlay::Vxlan.value()}));
-    c.install_tether(&image);
-    wired(&c, &outside, "a", Mode::NodeCidrs, Overlay::Vxlan);
-    take_down(&c, "a");
-
     // tether's own etcd (one member, plain HTTP) beside the control plane,
     // reached at its address of the cluster's first family.
     let etcd = EtcdCluster::start(c.fabric(), 1);
@@ -96,38 +99,27 @@ fn in_turn(stack: Stack) {
     } else {
         etcd.endpoint_v6(0)
     };
-    c.set_chart_values(json!({
-        "mode": "etcd",
-        "overlay": Overlay::HostGw.value(),
-        "etcd": {"endpoints": [endpoint], "tlsSecret": ""},
-    }));
-    c.install_tether(&image);
-    // The install returns once the nodes are Ready, which they are with
-    // the conflist in place (or still, if the kubelet has not yet seen
-    // the uninstall): possibly before tetherd has set up its overlay.
-    let links = |node: &KubeNode| node.netns().exec_ok(&["ip", "-o", "link", "show"]);
-    let ready = Instant::now();
-    for node in c.nodes() {
-        let gone = wait_until(CONVERGE, || !links(node).contains(VXLAN_DEV));
-        assert!(
-            gone,
-            "{}: {VXLAN_DEV} is left in host-gw mode:\n{}",
-            node.name(),
-            links(node)
-        );
+    let turns = [
+        ("a", Mode::NodeCidrs, Overlay::Vxlan),
+        ("b", Mode::Etcd, Overlay::HostGw),
+        ("c", Mode::Kubernetes, Overlay::Vxlan),
+    ];
+    for (i, &(prefix, mode, overlay)) in turns.iter().enumerate() {
+        if i > 0 {
+            take_down(&c, turns[i - 1].0);
+        }
+        let mut values = json!({"mode": mode.value(), "overlay": overlay.value()});
+        if mode == Mode::Etcd {
+            values["etcd"] = json!({"endpoints": [endpoint], "tlsSecret": ""});
+        }
+        c.set_chart_values(values);
+        c.install_tether(&image);
+        let store = Store {
+            mode,
+            etcd: (&etcd, &endpoint),
+        };
+        wired(&c, &outside, prefix, store, overlay);
     }
-    eprintln!(
-        "{}: no {VXLAN_DEV} on either node {:.1} s after the install",
-        stack.title(),
-        ready.elapsed().as_secs_f64()
-    );
-    wired(&c, &outside, "b", Mode::Etcd, Overlay::HostGw);
-    take_down(&c, "b");
-
-    // The chart's default mode over VXLAN: the device made again.
-    c.set_chart_values(json!({"overlay": Overlay::Vxlan.value()}));
-    c.install_tether(&image);
-    wired(&c, &outside, "c", Mode::Kubernetes, Overlay::Vxlan);
     drop(c);
     drop(etcd);
 }
@@ -144,27 +136,67 @@ fn take_down(c: &KubeCluster, prefix: &str) {
     assert!(gone, "tether's pods did not go: {:?}", c.tether_pods());
 }
 
-/// Runs pods `{prefix}0` and `{prefix}1`, one on each node of `c`, where
-/// tether is installed in `mode` over `overlay`, and checks what the
-/// module doc says.
-fn wired(c: &KubeCluster, outside: &Outside, prefix: &str, mode: Mode, overlay: Overlay) {
-    let what = format!("{} cluster, mode {mode:?}, {overlay:?}", c.stack().title());
+/// Where tether, installed in `mode`, takes its addresses from.
+#[derive(Clone, Copy)]
+struct Store<'a> {
+    mode: Mode,
+    /// The etcd of mode etcd, and its endpoint.
+    etcd: (&'a EtcdCluster, &'a str),
+}
+
+/// Checks the VXLAN device is there with the VXLAN overlay and gone
+/// (removed by tetherd) with host routes; runs pods `{prefix}0` and
+/// `{prefix}1`, one on each node of `c`, where tether is installed in
+/// `store.mode` over `overlay`, and checks what the module doc says.
+fn wired(c: &KubeCluster, outside: &Outside, prefix: &str, store: Store<'_>, overlay: Overlay) {
+    let what = format!(
+        "{} cluster, mode {:?}, {overlay:?}",
+        c.stack().title(),
+        store.mode
+    );
+    // The install returns once the nodes are Ready, which they are with
+    // the conflist in place (or still, if the kubelet has not yet seen
+    // the uninstall): possibly before tetherd has set up its overlay.
+    let links = |node: &KubeNode| node.netns().exec_ok(&["ip", "-o", "link", "show"]);
+    let want = overlay == Overlay::Vxlan;
+    let installed = Instant::now();
+    for node in c.nodes() {
+        let ok = wait_until(CONVERGE, || links(node).contains(VXLAN_DEV) == want);
+        assert!(
+            ok,
+            "{what}: {}: {VXLAN_DEV} is {}:\n{}",
+            node.name(),
+            if want { "missing" } else { "left" },
+            links(node)
+        );
+    }
+    eprintln!(
+        "{what}: {VXLAN_DEV} {} on both nodes {:.1} s after the install",
+        if want { "there" } else { "gone" },
+        installed.elapsed().as_secs_f64()
+    );
     let pods: Vec<KubePod> = (0..2)
         .map(|i| c.run_pod(&format!("{prefix}{i}"), c.nodes()[i].name()))
         .collect();
+    let cluster_cidrs: Vec<IpNet> = c
+        .stack()
+        .pod_cidrs()
+        .iter()
+        .map(|s| s.parse().expect("a CIDR"))
+        .collect();
     for pod in &pods {
-        let ranges = ranges_of(c, mode, &pod.node);
         assert_eq!(
             pod.ips.len(),
-            ranges.len(),
-            "{what}: pod {} has {:?}, one address per family of {ranges:?}",
+            cluster_cidrs.len(),
+            "{what}: pod {} has {:?}, one address per family of {cluster_cidrs:?}",
             pod.name,
             pod.ips
         );
-        for (ip, range) in pod.ips.iter().zip(&ranges) {
+        let ranges = ranges_of(c, store, &pod.node);
+        for (ip, cidr) in pod.ips.iter().zip(&cluster_cidrs) {
             assert!(
-                range.contains(ip),
-                "{what}: pod {}'s {ip} is not in {range}",
+                cidr.contains(ip) && ranges.iter().any(|r| r.contains(ip)),
+                "{what}: pod {}'s {ip} is not in {cidr} and one of {ranges:?}",
                 pod.name
             );
         }
@@ -202,34 +234,58 @@ fn wired(c: &KubeCluster, outside: &Outside, prefix: &str, mode: Mode, overlay: 
     );
 }
 
-/// Where pods on `node` take their addresses, one range per family of
-/// the cluster, in its order: the Node's `spec.podCIDRs` in mode node
-/// CIDRs, the cluster CIDRs otherwise.
-fn ranges_of(c: &KubeCluster, mode: Mode, node: &str) -> Vec<IpNet> {
-    let cidrs: Vec<String> = match mode {
+/// Where pods on `node` take their addresses: in mode node CIDRs the
+/// Node's `spec.podCIDRs` (one per family of the cluster); in modes etcd
+/// and kubernetes the blocks that `node` holds in that mode's store (the
+/// etcd's `/tether/v1/blocks/` keys, or the API's AddressBlocks), so that
+/// tether answering from another store fails the check.
+fn ranges_of(c: &KubeCluster, store: Store<'_>, node: &str) -> Vec<IpNet> {
+    let records: Vec<Value> = match store.mode {
         Mode::NodeCidrs => {
             let n = c.api.get(&["node", node]).expect("the node");
-            let cidrs: Vec<String> = n["spec"]["podCIDRs"]
+            let cidrs: Vec<IpNet> = n["spec"]["podCIDRs"]
                 .as_array()
                 .into_iter()
                 .flatten()
-                .filter_map(|c| c.as_str().map(str::to_string))
+                .filter_map(|c| c.as_str()?.parse().ok())
                 .collect();
             assert_eq!(
                 cidrs.len(),
                 c.stack().pod_cidrs().len(),
                 "node {node}'s podCIDRs {cidrs:?}: one per family of the cluster"
             );
-            cidrs
+            return cidrs;
         }
-        Mode::Etcd | Mode::Kubernetes => c
-            .stack()
-            .pod_cidrs()
-            .iter()
-            .map(|s| s.to_string())
-            .collect(),
+        Mode::Etcd => {
+            let (etcd, endpoint) = store.etcd;
+            let out = etcd.control().exec_ok(&[
+                "etcdctl",
+                &format!("--endpoints={endpoint}"),
+                "get",
+                "--prefix",
+                "/tether/v1/blocks/",
+                "--print-value-only",
+            ]);
+            out.lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(|l| serde_json::from_str(l).expect("a block record"))
+                .collect()
+        }
+        Mode::Kubernetes => {
+            let list = c.api.get(&["addressblocks"]).expect("the AddressBlocks");
+            list["items"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|b| b["spec"].clone())
+                .collect()
+        }
     };
-    cidrs.iter().map(|s| s.parse().expect("a CIDR")).collect()
+    records
+        .iter()
+        .filter(|r| r["node"] == node)
+        .filter_map(|r| r["cidr"].as_str()?.parse().ok())
+        .collect()
 }
 
 /// `node`'s route to `ip` (`ip route get`).
